@@ -1,0 +1,156 @@
+"""Named DeepSpeed configs (the one place presets live) and their resolution for a given world.
+
+Resolution does what Hugging Face's DeepSpeed integration does with ``"auto"`` values, and adapts what a
+CPU/gloo world cannot run (fp16), saying so in ``notes``. Validation is left to DeepSpeed's own config classes
+inside the ranks (see ``engine``): no schema is written here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero0": {**_BASE, "zero_optimization": {"stage": 0}},
+    "zero1": {**_BASE, "zero_optimization": {"stage": 1}},
+    # Seed chapter 003, section 2.1: the ZeRO-2 config recommended for most fine-tuning.
+    "zero2": {
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "steps_per_print": 100,
+        "gradient_clipping": 1.0,
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+        "zero_optimization": {
+            "stage": 2,
+            "allgather_partitions": True,
+            "allgather_bucket_size": 2e8,
+            "reduce_scatter": True,
+            "reduce_bucket_size": 2e8,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    },
+    "zero3": {**_BASE, "zero_optimization": {"stage": 3}},
+    # Seed chapter 003, section 2.2: ZeRO-3 with optimizer and parameters offloaded to CPU.
+    "zero3_offload": {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_prefetch_bucket_size": 1e7,
+            "stage3_param_persistence_threshold": 1e5,
+            "reduce_bucket_size": 1e7,
+            "sub_group_size": 1e9,
+        },
+        "fp16": {"enabled": True},
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+    },
+}
+
+
+@dataclass(frozen=True)
+class TrainingArgs:
+    """The values ``"auto"`` stands for, as Hugging Face's TrainingArguments would supply them."""
+
+    micro_batch_size: int = 2
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    hidden_size: int = 16  # of the plugin's tiny models; sizes the ZeRO buckets
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    name: str  # preset name, or "config<N>" for a dict given in the marker
+    config: dict[str, Any]
+    notes: tuple[str, ...] = field(default=())
+
+
+class ConfigError(Exception):
+    pass
+
+
+def config_id(spec: object, index: int) -> str:
+    return spec if isinstance(spec, str) else f"config{index}"
+
+
+def _fill(section: dict[str, Any], key: str, value: object) -> None:
+    if section.get(key) == "auto":
+        section[key] = value
+
+
+def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
+    """Replace ``"auto"`` in place, the way transformers' HfTrainerDeepSpeedConfig does."""
+    micro = config.get("train_micro_batch_size_per_gpu")
+    micro = args.micro_batch_size if micro in (None, "auto") else micro
+    accum = config.get("gradient_accumulation_steps")
+    accum = args.gradient_accumulation_steps if accum in (None, "auto") else accum
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = accum
+    if config.get("train_batch_size", "auto") == "auto":
+        config["train_batch_size"] = micro * accum * world_size
+    _fill(config, "gradient_clipping", args.max_grad_norm)
+    optimizer = config.get("optimizer", {}).get("params", {})
+    for key, value in {
+        "lr": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "betas": list(args.adam_betas),
+        "eps": args.adam_epsilon,
+    }.items():
+        _fill(optimizer, key, value)
+    zero = config.get("zero_optimization", {})
+    _fill(zero, "reduce_bucket_size", args.hidden_size * args.hidden_size)
+    _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * args.hidden_size * args.hidden_size))
+    _fill(zero, "stage3_param_persistence_threshold", 10 * args.hidden_size)
+    for precision in ("fp16", "bf16"):
+        _fill(config.get(precision, {}), "enabled", False)
+
+
+def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
+    """Make a config runnable on the world's devices; return what was changed, in words."""
+    notes = []
+    if backend == "gloo":
+        if config.get("fp16", {}).get("enabled"):
+            config["fp16"] = {"enabled": False}
+            notes.append("fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world")
+        for kind in ("offload_optimizer", "offload_param"):
+            section = config.get("zero_optimization", {}).get(kind, {})
+            if section.get("pin_memory"):
+                section["pin_memory"] = False
+                notes.append(f"{kind}.pin_memory -> false: pinned memory needs CUDA")
+        optimizer = config.get("optimizer", {})
+        if optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in optimizer.get("params", {}):
+            optimizer.setdefault("params", {})["torch_adam"] = True
+            if optimizer["type"].lower() == "adam":
+                optimizer["params"].setdefault("adam_w_mode", False)
+            notes.append(f"optimizer {optimizer['type']} -> torch implementation: DeepSpeed's CPU Adam is a JIT build")
+    return notes
+
+
+def resolve(spec: object, index: int, world_size: int, backend: str, args: TrainingArgs = TrainingArgs()) -> ResolvedConfig:
+    """A preset name or a dict -> the config a world of this size and backend will hand to DeepSpeed."""
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ConfigError(f"unknown preset {spec!r}; presets: {', '.join(PRESETS)}")
+        raw: Mapping[str, Any] = PRESETS[spec]
+    elif isinstance(spec, Mapping):
+        raw = spec
+    else:
+        raise ConfigError(f"{spec!r} is neither a preset name nor a dict")
+    config = copy.deepcopy(dict(raw))
+    resolve_auto(config, world_size, args)
+    notes = adapt_to_backend(config, backend)
+    return ResolvedConfig(config_id(spec, index), config, tuple(notes))

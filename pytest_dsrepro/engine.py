@@ -1,0 +1,58 @@
+"""The ``ds_engine`` factory: ``deepspeed.initialize`` from the test's config, inside a rank.
+
+The factory is created in the pytest process (cheap, picklable) and called in the ranks, where torch and DeepSpeed
+are already imported by the fork server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import rank
+
+
+class ConfigRejected(Exception):
+    """DeepSpeed's own config classes refused the test's config; the message names the config and DeepSpeed's reason."""
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    config: dict[str, Any]
+    config_name: str
+
+    def validate(self) -> None:
+        """Check the config with DeepSpeed's ``DeepSpeedConfig`` (needs the process group, so: in a rank)."""
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        # DeepSpeedConfig reads the world size from deepspeed.comm (1 when it is not set up): wrap our process group.
+        deepspeed.init_distributed(dist_backend=rank.current().backend)
+        try:
+            DeepSpeedConfig(self.config)
+        except Exception as exc:
+            raise ConfigRejected(f"DeepSpeed rejected ds_config [{self.config_name}]: {type(exc).__name__}: {exc}") from exc
+
+    def __call__(self, model: Any = None, optimizer: Any = "auto", **initialize_kwargs: Any) -> Any:
+        """Build and return a ``DeepSpeedEngine``.
+
+        ``model`` defaults to the plugin's tiny MLP. ``optimizer``: ``"auto"`` uses the config's ``optimizer`` section
+        if it has one and a ``torch.optim.Adam`` otherwise; ``"adam"`` forces that Adam; ``None`` passes no optimizer
+        (DeepSpeed then builds none unless the config asks for one); anything else is passed through.
+        """
+        import deepspeed
+        import torch
+
+        from .models import tiny_mlp
+
+        rank.current().extra["config"] = self.config
+        self.validate()
+        model = tiny_mlp() if model is None else model
+        if optimizer == "auto":
+            optimizer = None if "optimizer" in self.config else "adam"
+        if optimizer == "adam":
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if optimizer is None and "optimizer" in self.config:
+            initialize_kwargs.setdefault("model_parameters", model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config, **initialize_kwargs)
+        return engine

@@ -1,0 +1,155 @@
+"""``ds_version`` gates: which DeepSpeed releases a bug affects, and the verdict a run earns.
+
+Pure functions of a test's markers, the installed release and what the ranks did, so every decision is testable
+without a world.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+
+import pytest
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from .markers import MarkerError
+from .outcome import RankResult, Status, group_ranks
+
+Fix = Callable[[pytest.MonkeyPatch], None]
+
+STOCK, FIXED = "stock", "fixed"
+
+
+class Verdict(str, enum.Enum):
+    REPRODUCED = "REPRODUCED"  # stock, affected release, failed as declared
+    FIXED = "FIXED"  # stock, unaffected release, passed
+    PASSES_WITH_FIX = "PASSES-WITH-FIX"  # the fix variant passed
+    UNEXPECTED = "UNEXPECTED"  # anything else
+    SKIPPED = "SKIPPED"
+
+
+@dataclass(frozen=True)
+class VersionGate:
+    affected: SpecifierSet
+    raises: type[BaseException]
+    match: str | None = None
+    fix: Fix | None = None
+
+    def describe(self) -> str:
+        expected = self.raises.__qualname__ + (f" matching {self.match!r}" if self.match else "")
+        return f"{expected} on deepspeed{self.affected}"
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: Verdict
+    message: str
+
+
+def _load_fix(value: object, where: str) -> Fix:
+    if isinstance(value, str):
+        module, _, name = value.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise MarkerError(f"{where}: fix={value!r} cannot be imported ({type(exc).__name__}: {exc})") from None
+        value = obj
+    if not callable(value):
+        raise MarkerError(f"{where}: fix={value!r} is not callable")
+    return value  # type: ignore[return-value]
+
+
+def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) -> VersionGate:
+    allowed = {"affected", "raises", "match", "fix"}
+    if len(args) > 1 or set(kwargs) - allowed:
+        raise MarkerError(f"{where}: takes affected, raises=, match=, fix=; got {args!r} {sorted(set(kwargs) - allowed)}")
+    affected = args[0] if args else kwargs.get("affected")
+    raises, match, fix = kwargs.get("raises"), kwargs.get("match"), kwargs.get("fix")
+    if not isinstance(affected, str):
+        raise MarkerError(f"{where}: affected={affected!r} must be a PEP 440 specifier string such as '<0.16.4'")
+    try:
+        spec = SpecifierSet(affected)
+    except InvalidSpecifier as exc:
+        raise MarkerError(f"{where}: affected={affected!r} is not a valid PEP 440 specifier ({exc})") from None
+    if not (isinstance(raises, type) and issubclass(raises, BaseException)):
+        raise MarkerError(f"{where}: raises={raises!r} must be an exception type, e.g. raises=AttributeError")
+    if match is not None:
+        if not isinstance(match, str):
+            raise MarkerError(f"{where}: match={match!r} must be a regular expression string")
+        try:
+            re.compile(match)
+        except re.error as exc:
+            raise MarkerError(f"{where}: match={match!r} is not a valid regular expression ({exc})") from None
+    return VersionGate(spec, raises, match, None if fix is None else _load_fix(fix, where))
+
+
+def gates_of(item: pytest.Item | pytest.Metafunc) -> tuple[VersionGate, ...]:
+    """Every ``ds_version`` marker of a test, validated; they must agree on the fix."""
+    node = item.definition if isinstance(item, pytest.Metafunc) else item
+    where = f"@pytest.mark.ds_version on {node.nodeid}"
+    gates = tuple(parse_gate(m.args, dict(m.kwargs), where) for m in node.iter_markers("ds_version"))
+    fixes = {g.fix for g in gates if g.fix is not None}
+    if len(fixes) > 1:
+        raise MarkerError(f"{where}: markers name different fixes; one test has one fix ({', '.join(map(repr, fixes))})")
+    return gates
+
+
+def common_fix(gates: Iterable[VersionGate]) -> Fix | None:
+    return next((g.fix for g in gates if g.fix is not None), None)
+
+
+def installed_deepspeed() -> Version | None:
+    try:
+        return Version(metadata.version("deepspeed"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def active_gate(gates: Sequence[VersionGate], version: Version, where: str) -> VersionGate | None:
+    hits = [g for g in gates if g.affected.contains(version, prereleases=True)]
+    if len(hits) > 1:
+        ranges = ", ".join(repr(str(g.affected)) for g in hits)
+        raise MarkerError(f"{where}: ds_version ranges overlap at deepspeed {version}: {ranges}")
+    return hits[0] if hits else None
+
+
+def _matches(result: RankResult, gate: VersionGate) -> bool:
+    error = result.error
+    if result.status is not Status.FAILED or error is None or not error.is_instance_of(gate.raises):
+        return False
+    return gate.match is None or re.search(gate.match, error.text) is not None
+
+
+def _endings(failures: Sequence[RankResult]) -> str:
+    return "; ".join(f"{g.label}: {g.headline}" for g in group_ranks(failures))
+
+
+def judge(
+    gates: Sequence[VersionGate], variant: str | None, version: Version, failures: Sequence[RankResult], where: str
+) -> Judgement:
+    """The verdict of one run. ``failures`` are the ranks that went wrong (empty: the test passed)."""
+    ds = f"deepspeed {version}"
+    if variant == FIXED:
+        if not failures:
+            return Judgement(Verdict.PASSES_WITH_FIX, f"passes with the fix on {ds}")
+        return Judgement(Verdict.UNEXPECTED, f"the fix does not hold on {ds}: {_endings(failures)}")
+    gate = active_gate(gates, version, where)
+    if gate is None:
+        if not failures:
+            return Judgement(Verdict.FIXED, f"not affected: passes on {ds}")
+        ranges = " or ".join(str(g.affected) for g in gates)
+        return Judgement(
+            Verdict.UNEXPECTED, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
+        )
+    if not failures:
+        return Judgement(Verdict.UNEXPECTED, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed")
+    if all(_matches(r, gate) for r in failures):
+        return Judgement(Verdict.REPRODUCED, f"REPRODUCED on {ds}: {_endings(failures)}")
+    return Judgement(
+        Verdict.UNEXPECTED, f"failed differently on {ds}: expected {gate.describe()}, got {_endings(failures)}"
+    )

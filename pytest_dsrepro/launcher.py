@@ -1,0 +1,64 @@
+"""Multi-node: when an existing launcher started pytest, every pytest process already is a rank.
+
+torchrun (and ``srun ... torchrun``, DeepSpeed's launcher, MPI wrappers that export the same variables) sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Then the plugin spawns nothing: it joins that world once
+(``env://``) and runs each world test's body in place. Nothing here is home-made launching.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .markers import WorldSpec
+from .outcome import RankResult, WorldOutcome
+from .rank import Fix, RankContext, run_body
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Launched:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launched(environ: dict[str, str] | None = None) -> Launched | None:
+    env = os.environ if environ is None else environ
+    if not all(env.get(name) for name in LAUNCHER_VARIABLES):
+        return None
+    return Launched(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_here(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], spec: WorldSpec, backend: str) -> WorldOutcome:
+    """Run one body in the launcher's world, joining it on first use."""
+    import pytest
+    import torch.distributed as dist
+
+    world = launched()
+    assert world is not None
+    if spec.size != world.world_size:
+        pytest.skip(f"needs a {spec.size}-rank world; the launcher started {world.world_size} ranks")
+    if not dist.is_initialized():
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(world.local_rank)
+        import datetime
+
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=spec.timeout))
+    ctx = RankContext(world.rank, world.world_size, world.local_rank, backend)
+    started = time.monotonic()
+    result = run_body(fn, kwargs, fixes, ctx)
+    mine = RankResult(world.rank, result["status"], error=result.get("error"), detail=result.get("detail", ""))
+    return WorldOutcome(world.world_size, backend, (mine,), time.monotonic() - started, result.get("extra"))

@@ -1,0 +1,173 @@
+"""What a world's ranks did, and how a user reads it.
+
+Plain data, picklable and free of torch, so that ranks can send it and the pytest process, the version gates and
+the reports can all read it without importing anything heavy.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from _pytest.outcomes import Failed
+
+#: Lines of a rank's own stdout/stderr shown under its failure.
+OUTPUT_TAIL_LINES = 25
+
+
+class Status(enum.Enum):
+    PASSED = "passed"
+    FAILED = "failed"  # the body raised
+    SKIPPED = "skipped"  # the body called pytest.skip()
+    CRASHED = "crashed"  # the process died, or exited without saying its body completed
+    HUNG = "hung"  # still running when the world's timeout expired
+    STOPPED = "stopped"  # healthy, but stopped because another rank failed
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An exception raised in a rank, reduced to what can cross a process boundary.
+
+    ``type_names`` is the exception's MRO as ``module.qualname`` strings, so ``raises=`` can be matched without
+    importing (or unpickling) the exception's class in the pytest process.
+    """
+
+    type_names: tuple[str, ...]
+    text: str  # str(exc): what ``match=`` searches, as pytest.raises does
+    traceback: str
+
+    @property
+    def type_name(self) -> str:
+        return self.type_names[0].removeprefix("builtins.")
+
+    @property
+    def summary(self) -> str:
+        short = self.type_name.rsplit(".", 1)[-1]
+        return f"{short}: {self.text}" if self.text else short
+
+    def is_instance_of(self, exc_type: type[BaseException]) -> bool:
+        return f"{exc_type.__module__}.{exc_type.__qualname__}" in self.type_names
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, traceback: str) -> ErrorInfo:
+        names = tuple(f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__)
+        return cls(type_names=names, text=str(exc), traceback=traceback)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    status: Status
+    error: ErrorInfo | None = None
+    detail: str = ""  # skip reason, exit code/signal, or why it was stopped
+    output: str = ""  # tail of the rank's captured stdout+stderr (fd level)
+    stack: str = ""  # Python stacks dumped by faulthandler when it hung or was stopped
+
+    @property
+    def headline(self) -> str:
+        if self.status is Status.FAILED and self.error is not None:
+            return self.error.summary
+        if self.status is Status.SKIPPED:
+            return f"skipped: {self.detail}"
+        return f"{self.status.value}: {self.detail}" if self.detail else self.status.value
+
+
+@dataclass(frozen=True)
+class WorldOutcome:
+    size: int
+    backend: str
+    ranks: tuple[RankResult, ...]
+    duration: float
+    extra: dict[str, object] | None = None  # facts the ranks report back (e.g. the resolved DeepSpeed config)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.status is Status.PASSED for r in self.ranks)
+
+    @property
+    def skip_reason(self) -> str | None:
+        """A skip in any rank skips the test, unless another rank went wrong."""
+        skipped = [r for r in self.ranks if r.status is Status.SKIPPED]
+        if skipped and all(r.status in (Status.PASSED, Status.SKIPPED) for r in self.ranks):
+            return skipped[0].detail
+        return None
+
+    @property
+    def failures(self) -> tuple[RankResult, ...]:
+        return tuple(r for r in self.ranks if r.status not in (Status.PASSED, Status.SKIPPED, Status.STOPPED))
+
+    @property
+    def errors(self) -> tuple[ErrorInfo, ...]:
+        return tuple(r.error for r in self.failures if r.error is not None)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; a single rank reads ``"rank 3"``."""
+    ordered = sorted(ranks)
+    spans = []
+    for _, group in itertools.groupby(enumerate(ordered), key=lambda p: p[1] - p[0]):
+        members = [r for _, r in group]
+        spans.append(str(members[0]) if len(members) == 1 else f"{members[0]}-{members[-1]}")
+    return ("rank " if len(ordered) == 1 else "ranks ") + ",".join(spans)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Ranks that ended the same way (same headline and traceback), shown once."""
+
+    ranks: tuple[RankResult, ...]
+
+    @property
+    def label(self) -> str:
+        return rank_ranges(r.rank for r in self.ranks)
+
+    @property
+    def headline(self) -> str:
+        return self.ranks[0].headline
+
+
+def group_ranks(results: Sequence[RankResult]) -> list[RankGroup]:
+    groups: dict[tuple[str, str], list[RankResult]] = {}
+    for r in results:
+        key = (r.headline, r.error.traceback if r.error else "")
+        groups.setdefault(key, []).append(r)
+    return [RankGroup(tuple(g)) for g in groups.values()]
+
+
+def _tail(text: str, lines: int = OUTPUT_TAIL_LINES) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept)
+
+
+def describe_failure(outcome: WorldOutcome) -> str:
+    """The text a user reads when a world fails: one line per distinct ending, then each story in full."""
+    bad = [r for r in outcome.ranks if r.status is not Status.PASSED]
+    groups = group_ranks(bad)
+    lines = ["; ".join(f"{g.label}: {g.headline}" for g in groups)]
+    lines.append(f"({outcome.size}-rank {outcome.backend} world, {outcome.duration:.1f}s)")
+    for g in groups:
+        first = g.ranks[0]
+        if first.error is not None:
+            lines += ["", f"---- {g.label}: traceback ----", first.error.traceback.rstrip()]
+        for r in g.ranks:
+            if r.stack:
+                lines += ["", f"---- rank {r.rank}: Python stacks when {r.status.value} ----", _tail(r.stack, 60)]
+            if r.output.strip() and r.status is not Status.STOPPED:
+                lines += ["", f"---- rank {r.rank}: output (last {OUTPUT_TAIL_LINES} lines) ----", _tail(r.output)]
+    return "\n".join(lines)
+
+
+class WorldFailed(Failed):
+    """A test failure raised in the pytest process for a failed world; keeps the structured outcome.
+
+    It is a ``pytest.fail`` exception with ``pytrace=False``, so pytest shows exactly the rank stories and not the
+    plugin's own frames.
+    """
+
+    __module__ = "builtins"  # as pytest's own Failed: the short summary reads "WorldFailed: ranks 0-1: ..."
+
+    def __init__(self, outcome: WorldOutcome) -> None:
+        super().__init__(describe_failure(outcome), pytrace=False)
+        self.outcome = outcome

@@ -1,0 +1,230 @@
+"""Everything that happens inside one rank: rendezvous, the default process group, the test body.
+
+This module runs in forked rank processes (and, under an external launcher, in the pytest process of each rank).
+It imports torch only inside functions; the plugin imports it at load time for the job types.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .outcome import ErrorInfo, Status
+
+LOOPBACK = "127.0.0.1"
+
+Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
+
+
+@dataclass(frozen=True)
+class RankValue:
+    """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TestRef:
+    """Where to find the test function, by module file and qualified name (never by pickling the function)."""
+
+    module_name: str
+    module_file: str
+    qualname: str  # "test_x" or "TestClass.test_x"
+    sys_path: tuple[str, ...]
+    cwd: str
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank of one world runs. ``payload`` is pickled apart so that it is unpickled only after the test's
+    module is imported (parametrize values and fixes may be defined in it)."""
+
+    test: TestRef
+    payload: bytes  # pickle of (kwargs, fixes)
+    backend: str
+    timeout: float
+
+
+@dataclass
+class RankContext:
+    """The running rank, as the body and the plugin's rank-side fixtures see it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    extra: dict[str, Any] = field(default_factory=dict)  # facts sent back to the pytest process
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
+
+
+_current: RankContext | None = None
+
+
+def current() -> RankContext:
+    """The context of the rank this code runs in; fails outside a world."""
+    if _current is None:
+        raise RuntimeError("not inside a pytest-dsrepro world: mark the test with @pytest.mark.ds_world")
+    return _current
+
+
+def _import_test_module(ref: TestRef) -> Any:
+    sys.path[:] = list(ref.sys_path)
+    os.chdir(ref.cwd)
+    if ref.module_name in sys.modules:
+        return sys.modules[ref.module_name]
+    try:
+        module = importlib.import_module(ref.module_name)
+        if Path(module.__file__ or "").resolve() == Path(ref.module_file).resolve():
+            return module
+    except ImportError:
+        pass
+    # Modules imported by pytest's importlib mode are not importable by name: load the same file under that name.
+    spec = importlib.util.spec_from_file_location(ref.module_name, ref.module_file)
+    assert spec is not None and spec.loader is not None, ref.module_file
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[ref.module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def resolve_test(ref: TestRef) -> Callable[..., Any]:
+    obj: Any = _import_test_module(ref)
+    parts = ref.qualname.split(".")
+    for i, part in enumerate(parts):
+        obj = getattr(obj, part)
+        if isinstance(obj, type) and i < len(parts) - 1:
+            obj = obj()  # pytest instantiates test classes per test; so do we
+    return obj  # type: ignore[no-any-return]
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any:
+    """A TCPStore on a port the OS picks (port 0): no scanning, no bind-and-close race. Rank 0 publishes the port
+    through the world's private directory; the others wait for it."""
+    import torch.distributed as dist
+
+    port_file = workdir / "store_port"
+    if rank == 0:
+        store = dist.TCPStore(LOOPBACK, 0, world_size, True, timeout=_timeout(timeout), wait_for_workers=False)
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        tmp.rename(port_file)
+        return store
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish its store port within {timeout:.0f}s")
+        time.sleep(0.002)
+    port = int(port_file.read_text())
+    return dist.TCPStore(LOOPBACK, port, world_size, False, timeout=_timeout(timeout))
+
+
+def set_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """The variables torchrun and DeepSpeed's own launcher set, so DeepSpeed code reading them behaves as launched.
+
+    ``LOCAL_SIZE`` is what DeepSpeed's launcher exports; its CPU shared-memory allreduce keys on it.
+    """
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
+    )
+
+
+def init_default_group(backend: str, store: Any, rank: int, world_size: int, timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs
+    )
+
+
+def _substitute(kwargs: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+    values = {"rank": ctx.rank, "world_size": ctx.world_size}
+    return {k: values[v.name] if isinstance(v, RankValue) else v for k, v in kwargs.items()}
+
+
+def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext) -> dict[str, Any]:
+    """Apply the fixes (through a MonkeyPatch, undone afterwards) and run the body; return the verdict as data."""
+    import pytest
+
+    global _current
+    _current = ctx
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            for fix in fixes:
+                fix(monkeypatch)
+            fn(**_substitute(kwargs, ctx))
+    except pytest.skip.Exception as exc:
+        return {"status": Status.SKIPPED, "detail": str(exc.msg), "extra": ctx.extra}
+    except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, text), "extra": ctx.extra}
+    finally:
+        _current = None
+    return {"status": Status.PASSED, "extra": ctx.extra}
+
+
+def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> dict[str, Any]:
+    """The whole life of a spawned rank, except process plumbing (see ``server``)."""
+    try:
+        store = rendezvous(rank, world_size, workdir, job.timeout)
+        set_rank_environment(rank, world_size, store.port)
+        init_default_group(job.backend, store, rank, world_size, job.timeout)
+    except BaseException as exc:  # noqa: BLE001
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, "world setup failed:\n" + tb)}
+    ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
+    try:
+        fn = resolve_test(job.test)
+        kwargs, fixes = pickle.loads(job.payload)
+    except BaseException as exc:  # noqa: BLE001
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, "loading the test failed:\n" + tb)}
+    result = run_body(fn, kwargs, fixes, ctx)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and result["status"] is Status.PASSED:
+        # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
+        dist.destroy_process_group()
+    return result
+
+
+def write_result(workdir: Path, rank: int, result: dict[str, Any]) -> None:
+    """Atomically, so that the pytest process never reads half a result."""
+    path = workdir / f"result-{rank}.pkl"
+    tmp = path.with_suffix(".tmp")
+    try:
+        data = pickle.dumps(result)
+    except Exception as exc:  # an unpicklable extra must not turn a verdict into a crash
+        result = {**result, "extra": {"unpicklable_extra": repr(exc)}}
+        data = pickle.dumps(result)
+    tmp.write_bytes(data)
+    tmp.rename(path)

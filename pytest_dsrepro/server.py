@@ -1,0 +1,173 @@
+"""The fork server: one preloaded interpreter per pytest process that forks fresh ranks for every world.
+
+Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
+world still gets brand-new rank processes, so nothing a test does leaks into the next.
+
+Protocol over one socket (``multiprocessing.connection`` framing, pickled tuples):
+    server -> pytest  ("hello", facts) once ready; ("spawned", world, pids); ("exited", world, rank, returncode)
+    pytest -> server  ("spawn", world, job_bytes, size, workdir); ("reap", world)
+End of file on the socket (pytest exited, even by SIGKILL) makes the server kill every process it started and exit.
+Ranks die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
+start are its children and get killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from . import extensions
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+STACK_SIGNAL = signal.SIGUSR1  # ranks dump every thread's Python stack on it
+
+
+def _prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def die_with_parent(parent: int) -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def preload() -> dict[str, Any]:
+    """Import torch and DeepSpeed once, choose the accelerator, build DeepSpeed's comm op; report what is in play."""
+    import torch
+
+    facts: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__, "deepspeed": None}
+    facts["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(facts["cuda_devices"])]
+    if not facts["cuda_devices"]:
+        # Without it DeepSpeed probes for CUDA/XPU/... accelerators; on a CPU machine the CPU one is the truth.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as exc:
+        facts["deepspeed_error"] = f"{type(exc).__name__}: {exc}"
+        return facts
+    facts["deepspeed"] = deepspeed.__version__
+    started = time.monotonic()
+    facts["comm_op"] = extensions.warm_up()
+    facts["comm_op_seconds"] = round(time.monotonic() - started, 2)
+    return facts
+
+
+def _start_rank(job: bytes, rank: int, size: int, workdir: Path, server_pid: int, conn: Connection) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    # --- in the rank ---
+    code = 70
+    try:
+        conn.close()
+        die_with_parent(server_pid)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        out = os.open(workdir / f"output-{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        stack_file = open(workdir / f"stack-{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
+        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+        from . import rank as rank_mod
+
+        result = rank_mod.run_rank(pickle.loads(job), rank, size, workdir)
+        rank_mod.write_result(workdir, rank, result)
+        code = 0
+    except BaseException:  # noqa: BLE001 - a rank never unwinds into the server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _child_exit_wakeups() -> int:
+    """A file descriptor that becomes readable whenever a child exits, so the loop answers at once."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return r
+
+
+def serve(conn: Connection) -> None:
+    me = os.getpid()
+    worlds: dict[int, tuple[str, int]] = {}  # pid -> (world, rank)
+    wakeups = _child_exit_wakeups()
+    while True:
+        ready = wait([conn, wakeups], timeout=1.0)
+        if wakeups in ready:
+            os.read(wakeups, 4096)
+        try:
+            message = conn.recv() if conn in ready else None
+        except (EOFError, OSError):
+            return
+        if message is not None:
+            kind, world, *rest = message
+            if kind == "spawn":
+                job, size, workdir = rest
+                pids = [_start_rank(job, r, size, Path(workdir), me, conn) for r in range(size)]
+                worlds.update({pid: (world, r) for r, pid in enumerate(pids)})
+                conn.send(("spawned", world, pids))
+            elif kind == "reap":
+                kill_descendants()
+        while True:  # reap whatever ended: ranks are reported, orphans they left behind are just reaped
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in worlds:
+                world_id, r = worlds.pop(pid)
+                conn.send(("exited", world_id, r, os.waitstatus_to_exitcode(status)))
+
+
+def kill_descendants() -> None:
+    import psutil
+
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def main() -> None:
+    fd, parent = int(sys.argv[1]), int(sys.argv[2])
+    die_with_parent(parent)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's to handle; it then tears the world down
+    conn = Connection(fd)
+    try:
+        try:
+            facts = preload()
+        except BaseException as exc:  # noqa: BLE001
+            facts = {"pid": os.getpid(), "fatal": f"{type(exc).__name__}: {exc}"}
+        conn.send(("hello", 0, facts))
+        if "fatal" not in facts:
+            serve(conn)
+    finally:
+        kill_descendants()
+
+
+if __name__ == "__main__":
+    main()
