@@ -50,7 +50,10 @@ def setup(item: pytest.Item) -> None:
         pytest.fail(str(exc), pytrace=False)
     if spec is None:
         return
-    if launcher.launched() is not None:
+    world = launcher.launched()
+    if world is not None:
+        if spec.size != world.world_size:
+            pytest.skip(f"needs a {spec.size}-rank world; the launcher started {world.world_size} ranks")
         cuda_devices = launcher.cuda_devices()
     else:
         cuda_devices = item.config.stash[RUNNER_KEY].facts().cuda_devices

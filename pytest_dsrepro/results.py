@@ -108,7 +108,7 @@ def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str |
 def record(item: pytest.Item, report: pytest.TestReport, outcome: WorldOutcome | None, variant: str | None) -> dict[str, Any]:
     judgement = item.stash.get(JUDGEMENT_KEY, None)
     verdict = judgement.verdict.value if judgement else None
-    if report.skipped and not hasattr(report, "wasxfail"):
+    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("ds_version"):
         verdict = Verdict.SKIPPED.value
     config = item.stash.get(CONFIG_KEY, None)
     return {

@@ -210,7 +210,7 @@ class WorldRun:
 
     def _stack(self, rank: int) -> str:
         path = self.workdir / f"stack-{rank}.txt"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return _user_frames(path.read_text(errors="replace")) if path.exists() else ""
 
     def _output(self, rank: int) -> str:
         path = self.workdir / f"output-{rank}.txt"
@@ -300,6 +300,12 @@ class WorldRun:
         if port_file.exists():
             shm.remove_world_buffers(LOOPBACK, int(port_file.read_text()))
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _user_frames(dump: str) -> str:
+    """faulthandler's dump without the harness frames under the test body (innermost frames come first)."""
+    harness = (os.sep + "pytest_dsrepro" + os.sep + "rank.py", os.sep + "pytest_dsrepro" + os.sep + "server.py", "<frozen runpy>")
+    return "\n".join(line for line in dump.splitlines() if not any(h in line for h in harness))
 
 
 def _signal(pid: int, sig: int) -> None:

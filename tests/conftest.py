@@ -1,0 +1,72 @@
+"""Shared helpers for the plugin's own tests.
+
+End-to-end tests run pytest in a subprocess (``pytester.runpytest_subprocess``), as pytest-timeout does: worlds fork
+processes and handle signals, which an in-process run must not share with the test-suite itself.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+from pytest_dsrepro.extensions import CACHE_ENV, default_cache_dir
+
+TAG = "DSREPRO_TEST_TAG"
+#: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).
+REAL_CACHE = str(default_cache_dir())
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Every live process started under this test (pytest runs, fork servers, ranks), found by an env tag."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(TAG) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for_no_processes(tag: str, timeout: float = 15.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.fixture
+def process_tag(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Tags every process this test starts; fails the test if any of them outlives it."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG, tag)
+    monkeypatch.setenv(CACHE_ENV, os.environ.get(CACHE_ENV, REAL_CACHE))
+    monkeypatch.setenv("COLUMNS", "200")  # keep pytest's short summary lines whole
+    yield tag
+    left = wait_for_no_processes(tag)
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+RunPytest = Callable[..., pytest.RunResult]
+
+
+@pytest.fixture
+def run(pytester: pytest.Pytester, process_tag: str) -> RunPytest:
+    """``run(*args)``: pytest in a subprocess with the plugin, no cache, and a hard time limit."""
+
+    def _run(*args: str, timeout: float = 300) -> pytest.RunResult:
+        return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=timeout)
+
+    return _run
+
+
+def deepspeed_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("deepspeed")
+

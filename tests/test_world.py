@@ -1,0 +1,511 @@
+"""End to end: real gloo worlds started by the plugin, seen as a user sees them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import RunPytest, tagged_processes, wait_for_no_processes
+
+
+def test_body_runs_in_every_rank_with_fixtures_and_params(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def payload():
+            return {"answer": 42}
+
+        @pytest.mark.ds_world
+        @pytest.mark.parametrize("scale", [1, 10])
+        def test_sum(ds_rank, ds_world_size, scale, payload, tmp_path):
+            import torch, torch.distributed as dist
+            assert dist.get_rank() == ds_rank and dist.get_world_size() == ds_world_size == 2
+            assert dist.get_backend() == "gloo"
+            t = torch.tensor([float(ds_rank + 1) * scale])
+            dist.all_reduce(t)
+            assert t.item() == 3 * scale
+            assert payload == {"answer": 42}
+            (tmp_path / f"rank{ds_rank}").write_text("here")
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_sum?1? PASSED*", "*test_sum?10? PASSED*"])
+
+
+def test_world_size_from_option_and_marker(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_default(ds_world_size):
+            assert ds_world_size == 3
+
+        @pytest.mark.ds_world(size=1)
+        def test_pinned(ds_world_size):
+            assert ds_world_size == 1
+        """
+    )
+    run("--ds-world-size", "3").assert_outcomes(passed=2)
+
+
+def test_marker_on_module_and_class(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.ds_world
+
+        def test_function(ds_rank):
+            import torch.distributed as dist
+            assert dist.is_initialized()
+
+        class TestGroup:
+            def test_method(self, ds_rank):
+                import torch.distributed as dist
+                assert dist.get_rank() == ds_rank
+        """
+    )
+    run().assert_outcomes(passed=2)
+
+
+def test_failures_are_deduplicated_by_rank_with_output(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_same(ds_rank):
+            print(f"python print from rank {ds_rank}")
+            os.write(2, f"fd-level write from rank {ds_rank}\\n".encode())
+            raise AttributeError("'Engine' object has no attribute 'epilogue'")
+
+        @pytest.mark.ds_world
+        def test_different(ds_rank):
+            if ds_rank == 0:
+                raise KeyError("zero")
+            raise ValueError("one")
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_same _*",
+            "ranks 0-1: AttributeError: 'Engine' object has no attribute 'epilogue'",
+            "(2-rank gloo world, *s)",
+            "---- ranks 0-1: traceback ----",
+            "*raise AttributeError*",
+            "---- rank 0: output (last 25 lines) ----",
+            "python print from rank 0",
+            "fd-level write from rank 0",
+            "---- rank 1: output (last 25 lines) ----",
+            "python print from rank 1",
+            "fd-level write from rank 1",
+            "*_ test_different _*",
+            "rank 0: KeyError: 'zero'; rank 1: ValueError: one",
+        ]
+    )
+    result.stdout.fnmatch_lines(["FAILED *test_same - WorldFailed: ranks 0-1: AttributeError: *"])
+    assert "pytest_dsrepro" not in result.stdout.str().split("short test summary")[0].split("test_same")[1]
+
+
+def test_skip_in_ranks_skips_with_reason(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_skipper(ds_rank):
+            pytest.skip("needs a bigger machine")
+        """
+    )
+    result = run("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * needs a bigger machine"])
+
+
+def test_nccl_without_gpus_is_skipped_with_what_was_found(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world(backend="nccl")
+        def test_gpu(ds_rank):
+            raise AssertionError("must not run")
+        """
+    )
+    if os.path.exists("/proc/driver/nvidia/gpus") and os.listdir("/proc/driver/nvidia/gpus"):
+        pytest.skip("this machine has GPUs: the NCCL path runs instead of skipping")
+    result = run("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED * NCCL needs 2 CUDA devices for a 2-rank world; found 0"])
+
+
+def test_hang_shows_every_rank_stack_and_session_continues(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.ds_world(timeout=3)
+        def test_hangs(ds_rank):
+            import torch.distributed as dist
+            if ds_rank == 0:
+                dist.barrier()  # rank 1 never joins
+            else:
+                time.sleep(3600)
+
+        @pytest.mark.ds_world
+        def test_next(ds_rank):
+            pass
+        """
+    )
+    started = time.monotonic()
+    result = run()
+    assert time.monotonic() - started < 90
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "ranks 0-1: hung: still running when the 3s world timeout expired",
+            "---- rank 0: Python stacks when hung ----",
+            "*in barrier",
+            "*test_hang*.py*line 8 in test_hangs",
+            "---- rank 1: Python stacks when hung ----",
+            "*test_hang*.py*line 10 in test_hangs",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("os._exit(3)", "rank 1: crashed: exit code 3"),
+        ("ctypes.string_at(0)", "rank 1: crashed: killed by signal SIGSEGV"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", "rank 1: crashed: killed by signal SIGKILL"),
+        ("os._exit(0)", "rank 1: crashed: exit code 0 without reporting that its body completed"),
+    ],
+    ids=["exit3", "segfault", "sigkill", "exit0"],
+)
+def test_a_dead_rank_is_never_a_pass(pytester: pytest.Pytester, run: RunPytest, body: str, expected: str) -> None:
+    pytester.makepyfile(
+        f"""
+        import ctypes, os, signal
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_dies(ds_rank):
+            if ds_rank == 1:
+                {body}
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([expected])
+
+
+def test_healthy_ranks_are_stopped_promptly(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.ds_world(timeout=120)
+        def test_one_fails(ds_rank):
+            if ds_rank == 0:
+                raise RuntimeError("rank 0 failed first")
+            time.sleep(3600)
+        """
+    )
+    started = time.monotonic()
+    result = run()
+    assert time.monotonic() - started < 60, "healthy ranks must be stopped in seconds, not at the timeout"
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["rank 0: RuntimeError: rank 0 failed first; rank 1: stopped: still running 2s after rank 0 failed"])
+
+
+def test_no_state_leaks_between_tests(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import json
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_first(ds_rank):
+            json.dumps = lambda *a, **k: "patched"
+            import torch
+            torch.manual_seed(1234)
+
+        @pytest.mark.ds_world
+        def test_second(ds_rank):
+            assert json.dumps([1]) == "[1]", "a patch made by an earlier test leaked into this one"
+            import torch.distributed as dist
+            assert dist.is_initialized()
+        """
+    )
+    run("-p", "no:randomly").assert_outcomes(passed=2)
+
+
+def test_unpicklable_fixture_is_named(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import threading
+        import pytest
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ds_world
+        def test_uses_lock(lock):
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_uses_lock: fixture or parameter 'lock' cannot be sent to the ranks (TypeError: *"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("size=0", "size=0 must be a whole number >= 1"),
+        ("size='two'", "size='two' must be a whole number >= 1"),
+        ("backend='mpi'", "backend='mpi' must be one of auto, gloo, nccl"),
+        ("timeout=-1", "timeout=-1 must be a number of seconds > 0"),
+        ("4", "unexpected argument(s) 4; takes size=, backend=, timeout="),
+    ],
+)
+def test_bad_world_marker_names_marker_test_and_value(
+    pytester: pytest.Pytester, run: RunPytest, marker: str, message: str
+) -> None:
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.ds_world({marker})
+        def test_bad():
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*@pytest.mark.ds_world on test_bad*.py::test_bad: {message}"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_world_fixtures_outside_worlds_fail_clearly(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        def test_plain(ds_rank):
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*test_plain: fixture 'ds_rank' exists only in world tests (@pytest.mark.ds_world)"])
+
+
+def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """DeepSpeed's CPU shm allreduce creates a buffer per rank and never deletes it; worlds must."""
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+
+        @pytest.mark.ds_world
+        @pytest.mark.parametrize("i", range(3))
+        def test_deepspeed_comm(ds_rank, i):
+            import deepspeed, torch
+            deepspeed.init_distributed(dist_backend="gloo")
+            port = os.environ["MASTER_PORT"]
+            mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{port}_" in n]
+            assert len(mine) == 2, mine  # the op really ran: one buffer per rank, for this world's port
+            t = torch.ones(4)
+            deepspeed.comm.inference_all_reduce(t)
+            assert t.tolist() == [2.0] * 4
+        """
+    )
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
+    run().assert_outcomes(passed=3)
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
+    assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
+
+
+def test_xdist_runs_worlds_in_parallel(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        @pytest.mark.parametrize("i", range(8))
+        def test_many(ds_rank, i):
+            import torch, torch.distributed as dist
+            t = torch.tensor([1.0])
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    result = run("-n", "4")
+    result.assert_outcomes(passed=8)
+
+
+def test_two_sessions_at_once(pytester: pytest.Pytester, process_tag: str) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        @pytest.mark.parametrize("i", range(5))
+        def test_many(ds_rank, i):
+            import torch, torch.distributed as dist
+            t = torch.tensor([1.0])
+            dist.all_reduce(t)
+            assert t.item() == 2
+        """
+    )
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
+    procs = [subprocess.Popen(cmd, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+        assert "5 passed" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_killing_pytest_leaves_no_rank_alive(pytester: pytest.Pytester, process_tag: str, sig: signal.Signals) -> None:
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.ds_world(timeout=600)
+        def test_sleeps(ds_rank, tmp_path_factory):
+            print("RANK-STARTED", flush=True)
+            time.sleep(3600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len(tagged_processes(process_tag)) < 4:  # pytest, server, 2 ranks
+        time.sleep(0.2)
+    assert len(tagged_processes(process_tag)) >= 4, "the world did not start"
+    time.sleep(1)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=60)[0].decode()
+    left = wait_for_no_processes(process_tag, timeout=10)
+    assert not left, f"alive after {sig.name} of pytest: {[p.cmdline() for p in left]}\n{out}"
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in out
+
+
+def test_plugin_load_imports_neither_torch_nor_deepspeed(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_collected_only():
+            pass
+
+        def test_modules():
+            assert "torch" not in sys.modules
+            assert "deepspeed" not in sys.modules
+        """
+    )
+    result = run("-k", "test_modules")
+    result.assert_outcomes(passed=1, deselected=1)
+    collect = run("--co", "-q")
+    collect.stdout.fnmatch_lines(["*test_collected_only*"])
+
+
+def test_markers_and_options_are_documented(pytester: pytest.Pytester, run: RunPytest) -> None:
+    markers = run("--markers")
+    markers.stdout.fnmatch_lines(
+        ["@pytest.mark.ds_world(size=None, backend=None, timeout=None):*", "@pytest.mark.ds_config(*presets_or_dicts):*",
+         "@pytest.mark.ds_version(affected, raises*", "@pytest.mark.ds_repro(*"]
+    )
+    helptext = run("--help")
+    helptext.stdout.fnmatch_lines(["*--ds-world-size=N*", "*--ds-backend=NAME*", "*--ds-timeout=SECONDS*",
+                                   "*ds_world_size (string):*"])
+
+
+def test_report_header_names_what_is_in_play(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    result = run()
+    result.stdout.fnmatch_lines(["dsrepro: deepspeed *, torch *, world size 2, backend auto, timeout 300s"])
+
+
+def test_launcher_mode_runs_in_place_under_torchrun(pytester: pytest.Pytester, process_tag: str) -> None:
+    """Under torchrun every pytest process is a rank: the plugin spawns nothing and uses the launcher's world."""
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_in_launched_world(ds_rank, ds_world_size):
+            import torch, torch.distributed as dist
+            assert ds_rank == int(os.environ["RANK"]) and ds_world_size == 2
+            t = torch.tensor([1.0])
+            dist.all_reduce(t)
+            assert t.item() == 2
+            import psutil
+            assert not any("pytest_dsrepro.server" in " ".join(p.cmdline()) for p in psutil.Process().children())
+
+        @pytest.mark.ds_world(size=4)
+        def test_needs_four():
+            pass
+        """
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("1 passed, 1 skipped") == 2, proc.stdout
+    assert "needs a 4-rank world; the launcher started 2 ranks" in proc.stdout
+
+
+def test_bad_options_fail_at_startup(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    for args, message in [
+        (["--ds-world-size", "0"], "--ds-world-size: invalid value '0': must be a whole number >= 1"),
+        (["--ds-world-size", "abc"], "--ds-world-size: invalid value 'abc': must be a whole number >= 1"),
+        (["--ds-timeout", "-5"], "--ds-timeout: invalid value '-5': must be a number of seconds > 0"),
+        (["--ds-backend", "mpi"], "--ds-backend: invalid value 'mpi': must be one of auto, gloo, nccl"),
+    ]:
+        result = run(*args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([f"ERROR: pytest-dsrepro: {message}"])
+
+
+def test_env_and_ini_sources_are_named(pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile("def test_x(): pass")
+    pytester.makeini("[pytest]\nds_timeout = soon\n")
+    result = run()
+    result.stderr.fnmatch_lines(["ERROR: pytest-dsrepro: ini option ds_timeout: invalid value 'soon': *"])
+    monkeypatch.setenv("DSREPRO_WORLD_SIZE", "-2")
+    result = run()
+    result.stderr.fnmatch_lines(["ERROR: pytest-dsrepro: environment variable DSREPRO_WORLD_SIZE: invalid value '-2': *"])
+
