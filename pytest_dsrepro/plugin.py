@@ -65,7 +65,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 @pytest.hookimpl(wrapper=True, specname="pytest_pyfunc_call")
-def judge_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+def pytest_pyfunc_call_judged(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
     try:
         result = yield
     except BaseException as exc:  # noqa: BLE001 - the gate decides what a failure means

@@ -1,0 +1,201 @@
+"""ds_version gates: the pure verdict function, marker validation, and every outcome end to end in real worlds."""
+
+from __future__ import annotations
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from conftest import RunPytest, deepspeed_version
+from pytest_dsrepro.gates import FIXED, STOCK, Verdict, VersionGate, gates_of, judge
+from pytest_dsrepro.markers import MarkerError
+from pytest_dsrepro.outcome import ErrorInfo, RankResult, Status
+
+V = deepspeed_version()
+
+
+def _error(exc: BaseException) -> RankResult:
+    return RankResult(0, Status.FAILED, error=ErrorInfo.from_exception(exc, "tb"))
+
+
+GATE = VersionGate(SpecifierSet("<0.16.4"), AttributeError, match="epilogue")
+
+
+@pytest.mark.parametrize(
+    ("version", "variant", "failures", "verdict", "message"),
+    [
+        ("0.16.3", STOCK, [_error(AttributeError("no epilogue"))], Verdict.REPRODUCED,
+         "REPRODUCED on deepspeed 0.16.3: rank 0: AttributeError: no epilogue"),
+        ("0.16.3", STOCK, [], Verdict.UNEXPECTED,
+         "did not reproduce on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, but it passed"),
+        ("0.16.3", STOCK, [_error(AttributeError("other"))], Verdict.UNEXPECTED,
+         "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 0: AttributeError: other"),
+        ("0.16.3", STOCK, [RankResult(1, Status.CRASHED, detail="killed by signal SIGSEGV")], Verdict.UNEXPECTED,
+         "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 1: crashed: killed by signal SIGSEGV"),
+        ("0.16.4", STOCK, [], Verdict.FIXED, "not affected: passes on deepspeed 0.16.4"),
+        ("0.16.4", STOCK, [_error(AttributeError("no epilogue"))], Verdict.UNEXPECTED,
+         "regression: deepspeed 0.16.4 is outside the affected range (<0.16.4) but rank 0: AttributeError: no epilogue"),
+        ("0.16.3", FIXED, [], Verdict.PASSES_WITH_FIX, "passes with the fix on deepspeed 0.16.3"),
+        ("0.16.3", FIXED, [_error(KeyError("x"))], Verdict.UNEXPECTED, "the fix does not hold on deepspeed 0.16.3: rank 0: KeyError: 'x'"),
+    ],
+    ids=["reproduced", "did-not-reproduce", "wrong-message", "crash", "fixed", "regression", "with-fix", "fix-fails"],
+)
+def test_judge(version: str, variant: str, failures: list[RankResult], verdict: Verdict, message: str) -> None:
+    judgement = judge([GATE], variant, Version(version), failures, "here")
+    assert judgement.verdict is verdict
+    assert judgement.message == message
+
+
+def test_subclasses_match_raises() -> None:
+    gate = VersionGate(SpecifierSet(">=0"), LookupError)
+    assert judge([gate], None, Version("1.0"), [_error(KeyError("k"))], "here").verdict is Verdict.REPRODUCED
+
+
+def test_overlapping_ranges_are_an_error() -> None:
+    gates = [VersionGate(SpecifierSet("<0.18"), AttributeError), VersionGate(SpecifierSet(">=0.17"), AttributeError)]
+    with pytest.raises(MarkerError, match=r"ranges overlap at deepspeed 0.17.5: '<0.18', '>=0.17'"):
+        judge(gates, STOCK, Version("0.17.5"), [], "here")
+
+
+def test_gates_of_reads_every_marker(pytester: pytest.Pytester) -> None:
+    item, _ = pytester.getitems(
+        """
+        import pytest
+
+        def fix(monkeypatch):
+            pass
+
+        @pytest.mark.ds_version("<0.18.3", raises=AttributeError, match="backward", fix=fix)
+        @pytest.mark.ds_version(affected=">=0.18.3", raises=AttributeError, fix=fix)
+        def test_x():
+            pass
+        """
+    )
+    gates = gates_of(item)
+    assert {str(g.affected) for g in gates} == {"<0.18.3", ">=0.18.3"}
+    assert all(g.fix is not None and g.fix.__name__ == "fix" for g in gates)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("affected='<<0.1', raises=AttributeError", "affected='<<0.1' is not a valid PEP 440 specifier"),
+        ("affected='<0.1', raises='AttributeError'", "raises='AttributeError' must be an exception type"),
+        ("affected='<0.1', raises=int", "raises=<class 'int'> must be an exception type"),
+        ("affected='<0.1', raises=KeyError, match='('", "match='(' is not a valid regular expression"),
+        ("affected='<0.1', raises=KeyError, fix='no_such_module:patch'", "fix='no_such_module:patch' cannot be imported (ModuleNotFoundError"),
+        ("affected='<0.1', raises=KeyError, fix=42", "fix=42 is not callable"),
+        ("affected='<0.1', raises=KeyError, typo=1", "takes affected, raises=, match=, fix="),
+    ],
+)
+def test_bad_ds_version_is_a_collection_error_naming_test_and_argument(
+    pytester: pytest.Pytester, run: RunPytest, args: str, message: str
+) -> None:
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.ds_version({args})
+        def test_gated():
+            pass
+        """
+    )
+    result = run()
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines([f"*@pytest.mark.ds_version on *::test_gated: {message}*"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_different_fixes_are_refused(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def fix_a(monkeypatch): pass
+        def fix_b(monkeypatch): pass
+
+        @pytest.mark.ds_version("<0.1", raises=KeyError, fix=fix_a)
+        @pytest.mark.ds_version(">=0.1", raises=KeyError, fix=fix_b)
+        def test_gated():
+            pass
+        """
+    )
+    result = run()
+    result.stdout.fnmatch_lines(["*markers name different fixes; one test has one fix*"])
+
+
+GATED = f"""
+import pytest
+
+def patch_engine(monkeypatch):
+    import json
+    monkeypatch.setattr(json, "epilogue", lambda: "done", raising=False)
+
+def does_nothing(monkeypatch):
+    pass
+
+def call_epilogue():
+    import json
+    return json.epilogue()  # AttributeError unless patched
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError, match="epilogue", fix=patch_engine)
+def test_reproduces(ds_rank):
+    assert call_epilogue() == "done"
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError)
+def test_does_not_reproduce(ds_rank):
+    pass
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError, match="epilogue")
+def test_fails_differently(ds_rank):
+    raise KeyError("not the bug")
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="<0.0.1", raises=AttributeError)
+def test_regression(ds_rank):
+    raise AttributeError("broken where it should work")
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="<0.0.1", raises=AttributeError, fix=patch_engine)
+def test_fixed_release(ds_rank):
+    pass
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError, fix=does_nothing)
+def test_fix_does_not_hold(ds_rank):
+    raise AttributeError("still broken")
+"""
+
+
+def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(GATED)
+    result = run("-rxXs", "-v")
+    result.assert_outcomes(passed=3, failed=4, xfailed=2)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*::test_reproduces?stock? XFAIL (REPRODUCED on deepspeed {V}: ranks 0-1: AttributeError: *epilogue*)*".format(V=V),
+            "*::test_reproduces?fixed? PASSED*",
+            "*::test_fixed_release?stock? PASSED*",
+            "*::test_fixed_release?fixed? PASSED*",
+        ]
+    )
+    result.stdout.fnmatch_lines_random(
+        [
+            f"did not reproduce on deepspeed {V}: expected AttributeError on deepspeed=={V}, but it passed",
+            f"failed differently on deepspeed {V}: expected AttributeError matching 'epilogue' on deepspeed=={V}, "
+            "got ranks 0-1: KeyError: 'not the bug'",
+            f"regression: deepspeed {V} is outside the affected range (<0.0.1) but ranks 0-1: AttributeError: broken where it should work",
+            f"the fix does not hold on deepspeed {V}: ranks 0-1: AttributeError: still broken",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            f"*= dsrepro verdicts (deepspeed {V}) =*",
+            "REPRODUCED       *::test_reproduces[[]stock[]]",
+            "PASSES-WITH-FIX  *::test_reproduces[[]fixed[]]",
+            "UNEXPECTED       *::test_does_not_reproduce  -- did not reproduce on deepspeed *",
+        ]
+    )
