@@ -137,6 +137,10 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
             if optimizer["type"].lower() == "adam":
                 optimizer["params"].setdefault("adam_w_mode", False)
             notes.append(f"optimizer {optimizer['type']} -> torch implementation: DeepSpeed's CPU Adam is a JIT build")
+        offloaded = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+        if offloaded and "optimizer" not in config and "zero_force_ds_cpu_optimizer" not in config:
+            config["zero_force_ds_cpu_optimizer"] = False
+            notes.append("zero_force_ds_cpu_optimizer -> false: offload with a torch optimizer; DeepSpeedCPUAdam is a JIT build")
     return notes
 
 

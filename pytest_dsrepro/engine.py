@@ -43,11 +43,12 @@ class EngineFactory:
         import deepspeed
         import torch
 
-        from .models import tiny_mlp
-
         rank.current().extra["config"] = self.config
         self.validate()
-        model = tiny_mlp() if model is None else model
+        if model is None:
+            from .models import tiny_mlp
+
+            model = tiny_mlp()
         if optimizer == "auto":
             optimizer = None if "optimizer" in self.config else "adam"
         if optimizer == "adam":
