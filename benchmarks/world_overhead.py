@@ -84,11 +84,16 @@ def main() -> None:
         ours = harness(args.tests, Path(tmp))
         theirs = baseline(args.baseline_runs, Path(tmp))
     ours_median, theirs_median = statistics.median(ours), statistics.median(theirs)
-    print(f"pytest-dsrepro world  : median {ours_median:.3f} s/test  (n={len(ours)}, min {min(ours):.3f}, max {max(ours):.3f})")
-    print(f"fresh interpreters    : median {theirs_median:.3f} s/test  (n={len(theirs)}, min {min(theirs):.3f}, max {max(theirs):.3f})")
+    for label, xs in (("pytest-dsrepro world", ours), ("fresh interpreters", theirs)):
+        print(
+            f"{label:<22}: median {statistics.median(xs):.3f} s/test "
+            f"(n={len(xs)}, min {min(xs):.3f}, max {max(xs):.3f})"
+        )
     print(f"speed-up              : {theirs_median / ours_median:.1f}x")
-    print(f"targets               : median <= 0.15 s/test: {'met' if ours_median <= 0.15 else 'MISSED'}; "
-          f">= 20x: {'met' if theirs_median / ours_median >= 20 else 'MISSED'}")
+    print(
+        f"targets               : median <= 0.15 s/test: {'met' if ours_median <= 0.15 else 'MISSED'}; "
+        f">= 20x: {'met' if theirs_median / ours_median >= 20 else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

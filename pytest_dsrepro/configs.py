@@ -12,7 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-_BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9}
+_BASE: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 10**9,
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zero0": {**_BASE, "zero_optimization": {"stage": 0}},
@@ -140,11 +144,15 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
         offloaded = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
         if offloaded and "optimizer" not in config and "zero_force_ds_cpu_optimizer" not in config:
             config["zero_force_ds_cpu_optimizer"] = False
-            notes.append("zero_force_ds_cpu_optimizer -> false: offload with a torch optimizer; DeepSpeedCPUAdam is a JIT build")
+            notes.append(
+                "zero_force_ds_cpu_optimizer -> false: offload with a torch optimizer; DeepSpeedCPUAdam is a JIT build"
+            )
     return notes
 
 
-def resolve(spec: object, index: int, world_size: int, backend: str, args: TrainingArgs = TrainingArgs()) -> ResolvedConfig:
+def resolve(
+    spec: object, index: int, world_size: int, backend: str, args: TrainingArgs = TrainingArgs()
+) -> ResolvedConfig:
     """A preset name or a dict -> the config a world of this size and backend will hand to DeepSpeed."""
     if isinstance(spec, str):
         if spec not in PRESETS:

@@ -31,7 +31,9 @@ class EngineFactory:
         try:
             DeepSpeedConfig(self.config)
         except Exception as exc:
-            raise ConfigRejected(f"DeepSpeed rejected ds_config [{self.config_name}]: {type(exc).__name__}: {exc}") from exc
+            raise ConfigRejected(
+                f"DeepSpeed rejected ds_config [{self.config_name}]: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def __call__(self, model: Any = None, optimizer: Any = "auto", **initialize_kwargs: Any) -> Any:
         """Build and return a ``DeepSpeedEngine``.

@@ -19,8 +19,8 @@ from . import launcher
 from .gates import FIXED, Verdict, common_fix, gates_of, installed_deepspeed, judge
 from .markers import MarkerError, WorldSpec, settle_backend, world_spec
 from .outcome import ErrorInfo, RankResult, Status, WorldFailed, WorldOutcome, describe_failure
-from .results import JUDGEMENT_KEY
 from .rank import RankJob, TestRef
+from .results import JUDGEMENT_KEY
 from .settings import SETTINGS_KEY
 from .world import WorldRunner
 
@@ -68,7 +68,7 @@ def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) ->
     for name, value in kwargs.items():
         try:
             pickle.dumps(value)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises, the fixture is named
             raise pytest.fail.Exception(
                 f"{item.nodeid}: fixture or parameter {name!r} cannot be sent to the ranks "
                 f"({type(exc).__name__}: {exc}); world tests receive only picklable values",
@@ -118,7 +118,6 @@ def _qualname(item: pytest.Function) -> str:
     cls = getattr(item, "cls", None)
     name = item.originalname
     return f"{cls.__qualname__}.{name}" if cls is not None else name
-
 
 
 def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:

@@ -61,13 +61,15 @@ def _load_fix(value: object, where: str) -> Fix:
         value = obj
     if not callable(value):
         raise MarkerError(f"{where}: fix={value!r} is not callable")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) -> VersionGate:
     allowed = {"affected", "raises", "match", "fix"}
     if len(args) > 1 or set(kwargs) - allowed:
-        raise MarkerError(f"{where}: takes affected, raises=, match=, fix=; got {args!r} {sorted(set(kwargs) - allowed)}")
+        raise MarkerError(
+            f"{where}: takes affected, raises=, match=, fix=; got {args!r} {sorted(set(kwargs) - allowed)}"
+        )
     affected = args[0] if args else kwargs.get("affected")
     raises, match, fix = kwargs.get("raises"), kwargs.get("match"), kwargs.get("fix")
     if not isinstance(affected, str):
@@ -95,7 +97,9 @@ def gates_of(item: pytest.Item | pytest.Metafunc) -> tuple[VersionGate, ...]:
     gates = tuple(parse_gate(m.args, dict(m.kwargs), where) for m in node.iter_markers("ds_version"))
     fixes = {g.fix for g in gates if g.fix is not None}
     if len(fixes) > 1:
-        raise MarkerError(f"{where}: markers name different fixes; one test has one fix ({', '.join(map(repr, fixes))})")
+        raise MarkerError(
+            f"{where}: markers name different fixes; one test has one fix ({', '.join(map(repr, fixes))})"
+        )
     return gates
 
 

@@ -40,7 +40,9 @@ def cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_here(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], spec: WorldSpec, backend: str) -> WorldOutcome:
+def run_here(
+    fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], spec: WorldSpec, backend: str
+) -> WorldOutcome:
     """Run one body in the launcher's world, joining it on first use."""
     import torch.distributed as dist
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from .configs import PRESETS
 from .settings import BACKENDS, Settings
 
 MARKERS = {
@@ -13,11 +14,11 @@ MARKERS = {
     "torch.distributed world started by pytest-dsrepro (size defaults to --ds-world-size, backend to "
     "--ds-backend, timeout to --ds-timeout). Fixtures ds_rank and ds_world_size tell a rank who it is.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
-    "(zero0, zero1, zero2, zero3, zero3_offload) and/or config dicts; each becomes its own test id.",
-    "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the PEP 440 "
-    "specifier set `affected`: there the test must fail with `raises` (message matching `match`), elsewhere it must "
-    "pass. `fix` (a callable taking a pytest.MonkeyPatch, or 'module:name') adds a [fixed] variant that applies it "
-    "in every rank and must pass on every release. Several markers may cover disjoint ranges.",
+    f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
+    "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the "
+    "PEP 440 specifier set `affected`: there the test must fail with `raises` (message matching `match`), "
+    "elsewhere it must pass. `fix` (a callable taking a pytest.MonkeyPatch, or 'module:name') adds a [fixed] "
+    "variant that applies it in every rank and must pass on every release. Several markers may cover disjoint ranges.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
 }

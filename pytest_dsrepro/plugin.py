@@ -76,7 +76,9 @@ def pytest_pyfunc_call_judged(pyfuncitem: pytest.Function) -> Generator[None, ob
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     if report.when == "call" or not report.passed:
         outcome = item.stash.get(execution.OUTCOME_KEY, None)
@@ -126,8 +128,9 @@ class _RunCollector:
 
 def _world_only(request: pytest.FixtureRequest, name: str) -> None:
     if PREPARED_KEY not in request.node.stash:
-        pytest.fail(f"{request.node.nodeid}: fixture {name!r} exists only in world tests (@pytest.mark.ds_world)",
-                    pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid}: fixture {name!r} exists only in world tests (@pytest.mark.ds_world)", pytrace=False
+        )
 
 
 @pytest.fixture
@@ -155,8 +158,9 @@ def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The DeepSpeed config of this test id (from @pytest.mark.ds_config), resolved for its world."""
     param = getattr(request, "param", None)
     if param is None:
-        pytest.fail(f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test",
-                    pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test", pytrace=False
+        )
     index, spec = param
     s = request.config.stash[SETTINGS_KEY]
     prepared = request.node.stash.get(PREPARED_KEY, None)

@@ -121,7 +121,9 @@ def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any
 
     port_file = workdir / "store_port"
     if rank == 0:
-        store = dist.TCPStore(LOOPBACK, 0, world_size, True, timeout=_timeout(timeout), wait_for_workers=False)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, 0, world_size, True, timeout=_timeout(timeout), wait_for_workers=False
+        )
         tmp = port_file.with_suffix(".tmp")
         tmp.write_text(str(store.port))
         tmp.rename(port_file)
@@ -132,7 +134,9 @@ def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any
             raise TimeoutError(f"rank 0 did not publish its store port within {timeout:.0f}s")
         time.sleep(0.002)
     port = int(port_file.read_text())
-    return dist.TCPStore(LOOPBACK, port, world_size, False, timeout=_timeout(timeout))
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        LOOPBACK, port, world_size, False, timeout=_timeout(timeout)
+    )
 
 
 def set_rank_environment(rank: int, world_size: int, port: int) -> None:
@@ -160,9 +164,7 @@ def init_default_group(backend: str, store: Any, rank: int, world_size: int, tim
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs)
 
 
 def _substitute(kwargs: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
@@ -223,7 +225,7 @@ def write_result(workdir: Path, rank: int, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     try:
         data = pickle.dumps(result)
-    except Exception as exc:  # an unpicklable extra must not turn a verdict into a crash
+    except Exception as exc:  # noqa: BLE001 - an unpicklable extra must not turn a verdict into a crash
         result = {**result, "extra": {"unpicklable_extra": repr(exc)}}
         data = pickle.dumps(result)
     tmp.write_bytes(data)

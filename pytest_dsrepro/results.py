@@ -66,9 +66,18 @@ def repro_metadata(item: pytest.Item) -> dict[str, Any] | None:
         return None
     module = getattr(item, "module", None)
     default_id = Path(module.__file__).stem.removeprefix("test_") if module and module.__file__ else item.name
-    meta = {"id": default_id, "title": "", "upstream": None, "fix_ref": None, "fixed_in": None, "root_cause": ""}
+    meta: dict[str, Any] = {
+        "id": default_id,
+        "title": "",
+        "upstream": None,
+        "fix_ref": None,
+        "fixed_in": None,
+        "root_cause": "",
+    }
     meta.update(mark.kwargs)
-    meta["affected"] = [str(m.kwargs.get("affected", m.args[0] if m.args else "")) for m in item.iter_markers("ds_version")]
+    meta["affected"] = [
+        str(m.kwargs.get("affected", m.args[0] if m.args else "")) for m in item.iter_markers("ds_version")
+    ]
     return meta
 
 
@@ -96,7 +105,11 @@ def _outcome_word(report: pytest.TestReport) -> str:
 
 
 def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str | None:
-    if judgement is not None and judgement.verdict is not Verdict.FIXED and judgement.verdict is not Verdict.PASSES_WITH_FIX:
+    if (
+        judgement is not None
+        and judgement.verdict is not Verdict.FIXED
+        and judgement.verdict is not Verdict.PASSES_WITH_FIX
+    ):
         return judgement.message.splitlines()[0]
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -105,7 +118,9 @@ def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str |
     return None
 
 
-def record(item: pytest.Item, report: pytest.TestReport, outcome: WorldOutcome | None, variant: str | None) -> dict[str, Any]:
+def record(
+    item: pytest.Item, report: pytest.TestReport, outcome: WorldOutcome | None, variant: str | None
+) -> dict[str, Any]:
     judgement = item.stash.get(JUDGEMENT_KEY, None)
     verdict = judgement.verdict.value if judgement else None
     if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("ds_version"):
@@ -135,7 +150,7 @@ class Run:
 
     def add(self, report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
-            if name == PROPERTY:
+            if name == PROPERTY and isinstance(value, dict):
                 self.records.append(value)
 
     def as_json(self) -> dict[str, Any]:
@@ -160,7 +175,7 @@ class Run:
         labels = [r["verdict"] or r["outcome"].upper() for r in gated]
         width = max(map(len, labels), default=0)
         lines = []
-        for label, r in zip(labels, gated):
+        for label, r in zip(labels, gated, strict=True):
             why = f"  -- {r['error']}" if label in (Verdict.UNEXPECTED.value, Verdict.SKIPPED.value) else ""
             lines.append(f"{label:<{width}}  {r['nodeid']}{why}")
         return lines

@@ -75,14 +75,30 @@ OPTIONS = (
         "auto",
         "NAME",
     ),
-    Option("timeout", "seconds a world may run before every rank's stack is dumped and it fails (default 300)",
-           positive_seconds, "300", "SECONDS"),
-    Option("startup_timeout", "seconds the fork server may take to import torch/DeepSpeed and build DeepSpeed's CPU "
-           "comm op on first use (default 1800)", positive_seconds, "1800", "SECONDS"),
+    Option(
+        "timeout",
+        "seconds a world may run before every rank's stack is dumped and it fails (default 300)",
+        positive_seconds,
+        "300",
+        "SECONDS",
+    ),
+    Option(
+        "startup_timeout",
+        "seconds the fork server may take to import torch/DeepSpeed and build DeepSpeed's CPU "
+        "comm op on first use (default 1800)",
+        positive_seconds,
+        "1800",
+        "SECONDS",
+    ),
     Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
     Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
-    Option("cache_dir", "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
-           Path, None, "DIR"),
+    Option(
+        "cache_dir",
+        "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
+        Path,
+        None,
+        "DIR",
+    ),
 )
 
 

@@ -241,7 +241,9 @@ class WorldRun:
                 failed = [r.rank for r in self.ranks if r.returncode is not None and self._failed(r)]
                 from .outcome import rank_ranges
 
-                self._force_end(live, Status.STOPPED, f"still running {FAILURE_GRACE:.0f}s after {rank_ranges(failed)} failed")
+                self._force_end(
+                    live, Status.STOPPED, f"still running {FAILURE_GRACE:.0f}s after {rank_ranges(failed)} failed"
+                )
             elif now > deadline:
                 self._force_end(live, Status.HUNG, f"still running when the {self.timeout:g}s world timeout expired")
             else:
@@ -304,7 +306,11 @@ class WorldRun:
 
 def _user_frames(dump: str) -> str:
     """faulthandler's dump without the harness frames under the test body (innermost frames come first)."""
-    harness = (os.sep + "pytest_dsrepro" + os.sep + "rank.py", os.sep + "pytest_dsrepro" + os.sep + "server.py", "<frozen runpy>")
+    harness = (
+        os.sep + "pytest_dsrepro" + os.sep + "rank.py",
+        os.sep + "pytest_dsrepro" + os.sep + "server.py",
+        "<frozen runpy>",
+    )
     return "\n".join(line for line in dump.splitlines() if not any(h in line for h in harness))
 
 

@@ -69,4 +69,3 @@ def deepspeed_version() -> str:
     from importlib import metadata
 
     return metadata.version("deepspeed")
-

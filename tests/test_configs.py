@@ -69,8 +69,9 @@ def test_every_preset_trains_a_step_in_a_real_world(pytester: pytest.Pytester, r
     )
     result = run("-v")
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines_random(["*test_step?zero2? PASSED*", "*test_step?zero3_offload? PASSED*",
-                                        "*test_step?config5? PASSED*"])
+    result.stdout.fnmatch_lines_random(
+        ["*test_step?zero2? PASSED*", "*test_step?zero3_offload? PASSED*", "*test_step?config5? PASSED*"]
+    )
 
 
 def test_bad_configs_name_the_preset_or_key(pytester: pytest.Pytester, run: RunPytest) -> None:

@@ -24,19 +24,50 @@ GATE = VersionGate(SpecifierSet("<0.16.4"), AttributeError, match="epilogue")
 @pytest.mark.parametrize(
     ("version", "variant", "failures", "verdict", "message"),
     [
-        ("0.16.3", STOCK, [_error(AttributeError("no epilogue"))], Verdict.REPRODUCED,
-         "REPRODUCED on deepspeed 0.16.3: rank 0: AttributeError: no epilogue"),
-        ("0.16.3", STOCK, [], Verdict.UNEXPECTED,
-         "did not reproduce on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, but it passed"),
-        ("0.16.3", STOCK, [_error(AttributeError("other"))], Verdict.UNEXPECTED,
-         "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 0: AttributeError: other"),
-        ("0.16.3", STOCK, [RankResult(1, Status.CRASHED, detail="killed by signal SIGSEGV")], Verdict.UNEXPECTED,
-         "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 1: crashed: killed by signal SIGSEGV"),
+        (
+            "0.16.3",
+            STOCK,
+            [_error(AttributeError("no epilogue"))],
+            Verdict.REPRODUCED,
+            "REPRODUCED on deepspeed 0.16.3: rank 0: AttributeError: no epilogue",
+        ),
+        (
+            "0.16.3",
+            STOCK,
+            [],
+            Verdict.UNEXPECTED,
+            "did not reproduce on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, but it passed",
+        ),
+        (
+            "0.16.3",
+            STOCK,
+            [_error(AttributeError("other"))],
+            Verdict.UNEXPECTED,
+            "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 0: AttributeError: other",
+        ),
+        (
+            "0.16.3",
+            STOCK,
+            [RankResult(1, Status.CRASHED, detail="killed by signal SIGSEGV")],
+            Verdict.UNEXPECTED,
+            "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 1: crashed: killed by signal SIGSEGV",
+        ),
         ("0.16.4", STOCK, [], Verdict.FIXED, "not affected: passes on deepspeed 0.16.4"),
-        ("0.16.4", STOCK, [_error(AttributeError("no epilogue"))], Verdict.UNEXPECTED,
-         "regression: deepspeed 0.16.4 is outside the affected range (<0.16.4) but rank 0: AttributeError: no epilogue"),
+        (
+            "0.16.4",
+            STOCK,
+            [_error(AttributeError("no epilogue"))],
+            Verdict.UNEXPECTED,
+            "regression: deepspeed 0.16.4 is outside the affected range (<0.16.4) but rank 0: AttributeError: no epilogue",
+        ),
         ("0.16.3", FIXED, [], Verdict.PASSES_WITH_FIX, "passes with the fix on deepspeed 0.16.3"),
-        ("0.16.3", FIXED, [_error(KeyError("x"))], Verdict.UNEXPECTED, "the fix does not hold on deepspeed 0.16.3: rank 0: KeyError: 'x'"),
+        (
+            "0.16.3",
+            FIXED,
+            [_error(KeyError("x"))],
+            Verdict.UNEXPECTED,
+            "the fix does not hold on deepspeed 0.16.3: rank 0: KeyError: 'x'",
+        ),
     ],
     ids=["reproduced", "did-not-reproduce", "wrong-message", "crash", "fixed", "regression", "with-fix", "fix-fails"],
 )
@@ -83,7 +114,10 @@ def test_gates_of_reads_every_marker(pytester: pytest.Pytester) -> None:
         ("affected='<0.1', raises='AttributeError'", "raises='AttributeError' must be an exception type"),
         ("affected='<0.1', raises=int", "raises=<class 'int'> must be an exception type"),
         ("affected='<0.1', raises=KeyError, match='('", "match='(' is not a valid regular expression"),
-        ("affected='<0.1', raises=KeyError, fix='no_such_module:patch'", "fix='no_such_module:patch' cannot be imported (ModuleNotFoundError"),
+        (
+            "affected='<0.1', raises=KeyError, fix='no_such_module:patch'",
+            "fix='no_such_module:patch' cannot be imported (ModuleNotFoundError",
+        ),
         ("affected='<0.1', raises=KeyError, fix=42", "fix=42 is not callable"),
         ("affected='<0.1', raises=KeyError, typo=1", "takes affected, raises=, match=, fix="),
     ],
@@ -176,7 +210,7 @@ def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPy
     result.assert_outcomes(passed=3, failed=4, xfailed=2)
     result.stdout.fnmatch_lines_random(
         [
-            "*::test_reproduces?stock? XFAIL (REPRODUCED on deepspeed {V}: ranks 0-1: AttributeError: *epilogue*)*".format(V=V),
+            f"*::test_reproduces?stock? XFAIL (REPRODUCED on deepspeed {V}: ranks 0-1: AttributeError: *epilogue*)*",
             "*::test_reproduces?fixed? PASSED*",
             "*::test_fixed_release?stock? PASSED*",
             "*::test_fixed_release?fixed? PASSED*",

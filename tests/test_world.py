@@ -229,7 +229,9 @@ def test_healthy_ranks_are_stopped_promptly(pytester: pytest.Pytester, run: RunP
     result = run()
     assert time.monotonic() - started < 60, "healthy ranks must be stopped in seconds, not at the timeout"
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["rank 0: RuntimeError: rank 0 failed first; rank 1: stopped: still running 2s after rank 0 failed"])
+    result.stdout.fnmatch_lines(
+        ["rank 0: RuntimeError: rank 0 failed first; rank 1: stopped: still running 2s after rank 0 failed"]
+    )
 
 
 def test_no_state_leaks_between_tests(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -375,9 +377,11 @@ def test_two_sessions_at_once(pytester: pytest.Pytester, process_tag: str) -> No
         """
     )
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
-    procs = [subprocess.Popen(cmd, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    for p, out in zip(procs, outputs):
+    for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out
         assert "5 passed" in out
 
@@ -438,12 +442,17 @@ def test_plugin_load_imports_neither_torch_nor_deepspeed(pytester: pytest.Pytest
 def test_markers_and_options_are_documented(pytester: pytest.Pytester, run: RunPytest) -> None:
     markers = run("--markers")
     markers.stdout.fnmatch_lines(
-        ["@pytest.mark.ds_world(size=None, backend=None, timeout=None):*", "@pytest.mark.ds_config(*presets_or_dicts):*",
-         "@pytest.mark.ds_version(affected, raises*", "@pytest.mark.ds_repro(*"]
+        [
+            "@pytest.mark.ds_world(size=None, backend=None, timeout=None):*",
+            "@pytest.mark.ds_config(*presets_or_dicts):*",
+            "@pytest.mark.ds_version(affected, raises*",
+            "@pytest.mark.ds_repro(*",
+        ]
     )
     helptext = run("--help")
-    helptext.stdout.fnmatch_lines(["*--ds-world-size=N*", "*--ds-backend=NAME*", "*--ds-timeout=SECONDS*",
-                                   "*ds_world_size (string):*"])
+    helptext.stdout.fnmatch_lines(
+        ["*--ds-world-size=N*", "*--ds-backend=NAME*", "*--ds-timeout=SECONDS*", "*ds_world_size (string):*"]
+    )
 
 
 def test_report_header_names_what_is_in_play(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -500,12 +509,15 @@ def test_bad_options_fail_at_startup(pytester: pytest.Pytester, run: RunPytest) 
         result.stderr.fnmatch_lines([f"ERROR: pytest-dsrepro: {message}"])
 
 
-def test_env_and_ini_sources_are_named(pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_and_ini_sources_are_named(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile("def test_x(): pass")
     pytester.makeini("[pytest]\nds_timeout = soon\n")
     result = run()
     result.stderr.fnmatch_lines(["ERROR: pytest-dsrepro: ini option ds_timeout: invalid value 'soon': *"])
     monkeypatch.setenv("DSREPRO_WORLD_SIZE", "-2")
     result = run()
-    result.stderr.fnmatch_lines(["ERROR: pytest-dsrepro: environment variable DSREPRO_WORLD_SIZE: invalid value '-2': *"])
-
+    result.stderr.fnmatch_lines(
+        ["ERROR: pytest-dsrepro: environment variable DSREPRO_WORLD_SIZE: invalid value '-2': *"]
+    )
