@@ -8,7 +8,7 @@ import pytest
 
 from conftest import RunPytest, deepspeed_version
 
-REPRO = f"""
+REPRO = """
 import pytest
 
 pytestmark = [
