@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import workdir as layout
 from .outcome import ErrorInfo, Status
-
-LOOPBACK = "127.0.0.1"
+from .workdir import LOOPBACK
 
 Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
 
@@ -119,7 +119,7 @@ def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any
     through the world's private directory; the others wait for it."""
     import torch.distributed as dist
 
-    port_file = workdir / "store_port"
+    port_file = layout.port_file(workdir)
     if rank == 0:
         store = dist.TCPStore(  # type: ignore[attr-defined]
             LOOPBACK, 0, world_size, True, timeout=_timeout(timeout), wait_for_workers=False
@@ -221,7 +221,7 @@ def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> dict[st
 
 def write_result(workdir: Path, rank: int, result: dict[str, Any]) -> None:
     """Atomically, so that the pytest process never reads half a result."""
-    path = workdir / f"result-{rank}.pkl"
+    path = layout.result_file(workdir, rank)
     tmp = path.with_suffix(".tmp")
     try:
         data = pickle.dumps(result)

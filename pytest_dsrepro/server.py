@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import extensions
+from . import workdir as layout
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -36,8 +37,8 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def die_with_parent(parent: int) -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    _prctl(PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -76,11 +77,11 @@ def _start_rank(job: bytes, rank: int, size: int, workdir: Path, server_pid: int
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        out = os.open(workdir / f"output-{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        out = os.open(layout.output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
-        stack_file = open(workdir / f"stack-{rank}.txt", "w")  # noqa: SIM115 - must stay open for faulthandler
+        stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
         faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
         from . import rank as rank_mod
 
@@ -106,9 +107,10 @@ def _child_exit_wakeups() -> int:
     return r
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
+    """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
     me = os.getpid()
-    worlds: dict[int, tuple[str, int]] = {}  # pid -> (world, rank)
+    worlds: dict[int, tuple[int, int]] = {}  # pid -> (world, rank)
     wakeups = _child_exit_wakeups()
     while True:
         ready = wait([conn, wakeups], timeout=1.0)
@@ -122,11 +124,13 @@ def serve(conn: Connection) -> None:
             kind, world, *rest = message
             if kind == "spawn":
                 job, size, workdir = rest
+                open_worlds[world] = Path(workdir)
                 pids = [_start_rank(job, r, size, Path(workdir), me, conn) for r in range(size)]
                 worlds.update({pid: (world, r) for r, pid in enumerate(pids)})
                 conn.send(("spawned", world, pids))
-            elif kind == "reap":
+            elif kind == "reap":  # pytest reads the directory, then discards it
                 kill_descendants()
+                open_worlds.pop(world, None)
         while True:  # reap whatever ended: ranks are reported, orphans they left behind are just reaped
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -151,12 +155,18 @@ def kill_descendants() -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
-    die_with_parent(parent)
+    fd, parent, log = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    die_with_parent(parent, signal.SIGTERM)  # not SIGKILL: the server must still clean up after its worlds
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's to handle; it then tears the world down
     conn = Connection(fd)
+    open_worlds: dict[int, Path] = {}
     try:
         try:
             facts = preload()
@@ -164,9 +174,14 @@ def main() -> None:
             facts = {"pid": os.getpid(), "fatal": f"{type(exc).__name__}: {exc}"}
         conn.send(("hello", 0, facts))
         if "fatal" not in facts:
-            serve(conn)
+            serve(conn, open_worlds)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # EOF and the parent-death signal can both come: finish
         kill_descendants()
+        for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
+            layout.discard(directory)
+        if os.getppid() != parent:  # nobody is left to read the log
+            log.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,14 +20,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from . import shm
+from . import workdir as layout
 from .extensions import CACHE_ENV
-from .outcome import RankResult, Status, WorldOutcome
-from .rank import LOOPBACK, RankJob
+from .outcome import RankResult, Status, WorldOutcome, rank_ranges
+from .rank import RankJob
 from .server import STACK_SIGNAL
 
 #: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped.
-FAILURE_GRACE = 2.0
+FAILURE_GRACE = 5.0
 #: How long ranks get to write their Python stacks before they are killed.
 STACK_DUMP_WAIT = 1.0
 
@@ -78,7 +77,7 @@ class ForkServer:
         self._log = Path(log)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest_dsrepro.server", str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-m", "pytest_dsrepro.server", str(theirs.fileno()), str(os.getpid()), log],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -162,6 +161,7 @@ class _Rank:
     rank: int
     pid: int
     returncode: int | None = None
+    result: dict[str, Any] | None = None  # what the rank wrote before exiting
     forced: Status | None = None  # HUNG or STOPPED when we ended it
     forced_detail: str = ""
 
@@ -178,15 +178,10 @@ class WorldRun:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
 
-    def result_of(self, r: _Rank) -> dict[str, Any] | None:
-        path = self.workdir / f"result-{r.rank}.pkl"
-        if not path.exists():
-            return None
-        return pickle.loads(path.read_bytes())  # type: ignore[no-any-return]
-
     def _failed(self, r: _Rank) -> bool:
-        result = self.result_of(r)
-        return r.returncode != 0 or result is None or result["status"] is Status.FAILED
+        return r.returncode is not None and (
+            r.returncode != 0 or r.result is None or r.result["status"] is Status.FAILED
+        )
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks if r.returncode is None]
@@ -195,7 +190,10 @@ class WorldRun:
         if message is None:
             return
         if message[0] == "exited" and message[1] == self.world_id:
-            self.ranks[message[2]].returncode = message[3]
+            r = self.ranks[message[2]]
+            r.returncode = message[3]
+            path = layout.result_file(self.workdir, r.rank)
+            r.result = pickle.loads(path.read_bytes()) if path.exists() else None
 
     def _force_end(self, ranks: list[_Rank], status: Status, detail: str) -> None:
         """Dump the Python stacks of ``ranks``, then kill them."""
@@ -209,12 +207,7 @@ class WorldRun:
             _signal(r.pid, signal.SIGKILL)
 
     def _stack(self, rank: int) -> str:
-        path = self.workdir / f"stack-{rank}.txt"
-        return _user_frames(path.read_text(errors="replace")) if path.exists() else ""
-
-    def _output(self, rank: int) -> str:
-        path = self.workdir / f"output-{rank}.txt"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return _user_frames(layout.read_text(layout.stack_file(self.workdir, rank)))
 
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
@@ -235,12 +228,10 @@ class WorldRun:
         first_failure: float | None = None
         while live := self._live():
             now = time.monotonic()
-            if first_failure is None and any(self._failed(r) for r in self.ranks if r.returncode is not None):
+            if first_failure is None and any(self._failed(r) for r in self.ranks):
                 first_failure = now
             if first_failure is not None and now > first_failure + FAILURE_GRACE:
-                failed = [r.rank for r in self.ranks if r.returncode is not None and self._failed(r)]
-                from .outcome import rank_ranges
-
+                failed = [r.rank for r in self.ranks if self._failed(r)]
                 self._force_end(
                     live, Status.STOPPED, f"still running {FAILURE_GRACE:.0f}s after {rank_ranges(failed)} failed"
                 )
@@ -264,8 +255,8 @@ class WorldRun:
         results = []
         extra: dict[str, Any] = {}
         for r in self.ranks:
-            result = self.result_of(r)
-            output, stack = self._output(r.rank), self._stack(r.rank)
+            result = r.result
+            output, stack = layout.read_text(layout.output_file(self.workdir, r.rank)), self._stack(r.rank)
             if r.forced is not None:
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
             elif result is None:
@@ -298,10 +289,7 @@ class WorldRun:
             except WorldError:
                 pass
             self._collect_exits(live)
-        port_file = self.workdir / "store_port"
-        if port_file.exists():
-            shm.remove_world_buffers(LOOPBACK, int(port_file.read_text()))
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        layout.discard(self.workdir)
 
 
 def _user_frames(dump: str) -> str:
