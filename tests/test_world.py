@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import RunPytest, tagged_processes, wait_for_no_processes
+from conftest import RunPytest, wait_for_no_processes
 
 
 def test_body_runs_in_every_rank_with_fixtures_and_params(pytester: pytest.Pytester, run: RunPytest) -> None:
