@@ -11,11 +11,13 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .markers import WorldSpec
 from .outcome import RankResult, WorldOutcome
 from .rank import Fix, RankContext, run_body
+
+if TYPE_CHECKING:
+    from .markers import WorldSpec
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from . import launcher
 from .extensions import default_cache_dir
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -67,7 +68,13 @@ class Option:
 
 
 OPTIONS = (
-    Option("world_size", "ranks per world where @ds_world does not pin a size (default 2)", positive_int, "2", "N"),
+    Option(
+        "world_size",
+        "ranks per world where @ds_world does not pin a size (default 2; under torchrun, its WORLD_SIZE)",
+        positive_int,
+        "2",
+        "N",
+    ),
     Option(
         "backend",
         "process-group backend: auto (nccl when CUDA devices >= world size, else gloo), gloo or nccl (default auto)",
@@ -127,12 +134,14 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
     """Command line > environment > ini > default; a bad value is a ``UsageError`` naming where it came from."""
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, Any] = {}
+    launched = launcher.launched(environ)
     for opt in OPTIONS:
+        default = str(launched.world_size) if launched and opt.name == "world_size" else opt.default
         sources = [
             (config.getoption("ds_" + opt.name), opt.flag),
             (environ.get(opt.env) or None, f"environment variable {opt.env}"),
             (config.getini(opt.ini) or None, f"ini option {opt.ini}"),
-            (opt.default, "default"),
+            (default, "default"),
         ]
         raw, where = next(((v, w) for v, w in sources if v is not None), (None, "default"))
         try:

@@ -51,3 +51,10 @@ def test_bad_values_name_their_source(pytester: pytest.Pytester, environ: dict[s
     config = pytester.parseconfig()
     with pytest.raises(pytest.UsageError, match="^pytest-dsrepro: " + message.replace("(", r"\(")):
         resolve(config, environ=environ)
+
+
+def test_under_a_launcher_the_default_world_is_the_launchers(pytester: pytest.Pytester) -> None:
+    config = pytester.parseconfig()
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert resolve(config, environ=torchrun).world_size == 4
+    assert resolve(config, environ={**torchrun, "DSREPRO_WORLD_SIZE": "2"}).world_size == 2
