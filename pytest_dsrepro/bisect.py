@@ -1,0 +1,371 @@
+"""``dsrepro bisect``: the first DeepSpeed release where a test's outcome flips, by binary search over PyPI releases.
+
+Three layers, the first two pure and tested directly:
+
+- ``releases_between`` and ``search``: which releases to probe, in which order, and what the probes prove. A
+  release that cannot be installed or imported is *skipped*: never counted as good or bad, and reported.
+- ``bug_present``: what one probe's ``--ds-results`` records say (the bug shows / does not show / no answer).
+- ``probe_release``: install one release (cached per release, ``filelock``-guarded, see ``install``), run
+  ``python -m pytest NODEID --ds-results DIR`` with that release, and read the records back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+PACKAGE = "deepspeed"
+
+
+class BisectError(Exception):
+    """The bisect cannot start or cannot conclude; the message says why."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one release did. ``bug``: True (the bug shows), False (it does not), None (could not be tested)."""
+
+    version: Version
+    bug: bool | None
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def word(self) -> str:
+        return {True: "bug", False: "no bug", None: "skipped"}[self.bug]
+
+
+Oracle = Callable[[Version], Probe]
+Progress = Callable[[Version, int, int], None]  # (release about to be probed, step number, estimated steps)
+
+
+@dataclass(frozen=True)
+class Result:
+    """The flip lies between ``last_before`` and ``first_after`` (consecutive, unless ``untested`` lie between)."""
+
+    last_before: Probe  # the newest release tested with the older endpoint's outcome
+    first_after: Probe  # the oldest release tested with the newer endpoint's outcome
+    untested: tuple[Version, ...]  # releases between the two that could not be tested: the flip may be at any
+    probes: tuple[Probe, ...] = field(default=())  # every probe, in the order run
+
+    @property
+    def fixed(self) -> bool:
+        """True when the bug shows in the older releases and stops at ``first_after`` (a fix, not a regression)."""
+        return bool(self.last_before.bug)
+
+    @property
+    def exact(self) -> bool:
+        return not self.untested
+
+    @property
+    def skipped(self) -> tuple[Probe, ...]:
+        return tuple(p for p in self.probes if p.bug is None)
+
+    @property
+    def specifier(self) -> str:
+        """What to paste into ``ds_version(affected=...)``."""
+        return specifier(self.first_after.version, fixed=self.fixed)
+
+
+def specifier(flip: Version, fixed: bool) -> str:
+    """``<0.16.4`` when ``flip`` is the first release without the bug, ``>=0.18.3`` when it is the first with it."""
+    return f"<{flip}" if fixed else f">={flip}"
+
+
+def releases_between(available: Iterable[Version | str], low: Version | str, high: Version | str) -> list[Version]:
+    """Final releases from ``low`` to ``high`` (either order), both included and both required to exist."""
+    versions = sorted({v if isinstance(v, Version) else Version(v) for v in available})
+    a, b = sorted((Version(str(low)), Version(str(high))))
+    if a == b:
+        raise BisectError(f"--good and --bad are the same release ({a}); give two different releases")
+    for end in (a, b):
+        if end not in versions:
+            near = ", ".join(str(v) for v in sorted(versions, key=lambda v: abs(_ordinal(v) - _ordinal(end)))[:3])
+            raise BisectError(f"deepspeed {end} is not a release on the index (nearest: {near})")
+    return [v for v in versions if a <= v <= b and (not v.is_prerelease or v in (a, b))]
+
+
+def _ordinal(v: Version) -> float:
+    return float(sum(part / 1000**i for i, part in enumerate(v.release)))
+
+
+def estimated_steps(candidates: int) -> int:
+    """Probes a search over ``candidates`` releases needs when none is skipped: both ends, then halving."""
+    return 2 + math.ceil(math.log2(max(candidates - 1, 1)))
+
+
+def _nearest(indices: Sequence[int], lo: int, hi: int) -> int:
+    middle = (lo + hi) / 2
+    return min(indices, key=lambda i: (abs(i - middle), i))
+
+
+def search(releases: Sequence[Version], oracle: Oracle, progress: Progress | None = None) -> Result:
+    """Binary search for the first release whose outcome differs from the oldest one's.
+
+    Both ends are probed first and must differ. A skipped release is removed from the candidates and the one
+    nearest the middle is tried instead (as ``git bisect skip`` does); skipped releases left between the two
+    closest tested releases make the result inexact, and ``Result.untested`` names them.
+    """
+    if len(releases) < 2:
+        raise BisectError("need at least two releases to bisect")
+    ordered = list(releases)
+    probes: list[Probe] = []
+    estimate = estimated_steps(len(ordered))
+
+    def run(index: int) -> Probe:
+        if progress is not None:
+            progress(ordered[index], len(probes) + 1, max(estimate, len(probes) + 1))
+        probe = oracle(ordered[index])
+        probes.append(probe)
+        return probe
+
+    low, high = run(0), run(len(ordered) - 1)
+    for end in (low, high):
+        if end.bug is None:
+            raise BisectError(f"deepspeed {end.version} could not be tested ({end.detail}); choose another end")
+    if low.bug == high.bug:
+        state = "shows" if low.bug else "does not show"
+        raise BisectError(
+            f"the bug {state} on both deepspeed {low.version} and {high.version}: no flip to find between them"
+        )
+    lo, hi = 0, len(ordered) - 1
+    outcome = {lo: low, hi: high}
+    pending = set(range(1, len(ordered) - 1))
+    while between := [i for i in range(lo + 1, hi) if i in pending]:
+        index = _nearest(between, lo, hi)
+        pending.discard(index)
+        probe = run(index)
+        if probe.bug is None:
+            estimate += 1
+            continue
+        outcome[index] = probe
+        if probe.bug == low.bug:
+            lo = index
+        else:
+            hi = index
+    return Result(outcome[lo], outcome[hi], tuple(ordered[lo + 1 : hi]), tuple(probes))
+
+
+# --- reading one probe's results ----------------------------------------------------------------------------------
+
+
+def _record_bug(record: Mapping[str, Any]) -> bool | None:
+    verdict, outcome = record.get("verdict"), record.get("outcome")
+    if verdict == "REPRODUCED":
+        return True
+    if verdict == "FIXED":
+        return False
+    if verdict == "SKIPPED" or outcome in ("skipped", "error"):
+        return None  # a gate or the test skipped, or setup failed: the release says nothing about the bug
+    if verdict == "UNEXPECTED":
+        # "did not reproduce" is the body passing where the gate expected the bug; everything else (a regression,
+        # failing differently, a crash or hang) is the body failing.
+        return bool(record.get("ranks")) or not str(record.get("error") or "").startswith("did not reproduce")
+    return outcome in ("failed", "xfailed")
+
+
+def bug_present(records: Iterable[Mapping[str, Any]]) -> bool | None:
+    """Does the bug show in this run? True if any stock test shows it; None if no stock test gave an answer.
+
+    ``[fixed]`` variants are left out: they say whether the fix holds, not whether the release has the bug.
+    """
+    answers = [_record_bug(r) for r in records if r.get("variant") in (None, "stock")]
+    known = [a for a in answers if a is not None]
+    return any(known) if known else None
+
+
+def describe(records: Iterable[Mapping[str, Any]]) -> str:
+    """One line for the progress output: verdict (or outcome) and first error of each stock test."""
+    parts = []
+    for r in records:
+        if r.get("variant") not in (None, "stock"):
+            continue
+        label = r.get("verdict") or str(r.get("outcome", "?")).upper()
+        error = r.get("error")
+        parts.append(f"{label}" + (f": {error}" if error else ""))
+    return "; ".join(parts)
+
+
+# --- real releases -----------------------------------------------------------------------------------------------
+
+
+def parse_index_versions(text: str) -> list[Version]:
+    """The versions in ``pip index versions deepspeed`` output."""
+    match = re.search(r"^Available versions:\s*(.+)$", text, re.MULTILINE)
+    if not match:
+        raise BisectError(f"cannot read the release list from pip's output:\n{text.strip()}")
+    versions = []
+    for word in match.group(1).split(","):
+        try:
+            versions.append(Version(word.strip()))
+        except InvalidVersion:
+            continue
+    return sorted(versions)
+
+
+def available_releases(python: str = sys.executable) -> list[Version]:
+    """DeepSpeed's releases on the configured package index (pip's own index settings apply)."""
+    proc = subprocess.run(
+        [python, "-m", "pip", "index", "versions", PACKAGE, "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        raise BisectError(f"pip index versions {PACKAGE} failed:\n{proc.stderr.strip() or proc.stdout.strip()}")
+    return parse_index_versions(proc.stdout)
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
+
+
+@dataclass(frozen=True)
+class Prober:
+    """Runs one test on one release: the real oracle of ``search``."""
+
+    nodeid: str
+    prepare: Callable[[Version], Mapping[str, str]]  # installs a release; returns the environment that imports it
+    python: str = sys.executable
+    pytest_args: tuple[str, ...] = ()
+    log_dir: Path | None = None  # each probe's full pytest output, one file per release
+    timeout: float = 3600.0
+
+    def __call__(self, version: Version) -> Probe:
+        start = time.monotonic()
+
+        def done(bug: bool | None, detail: str) -> Probe:
+            return Probe(version, bug, detail, time.monotonic() - start)
+
+        try:
+            env = dict(self.prepare(version))
+        except Exception as exc:  # noqa: BLE001 - any install failure skips the release, with its reason
+            return done(None, f"cannot install or import: {' '.join(str(exc).split())[:400]}")
+        with tempfile.TemporaryDirectory(prefix=f"dsrepro-bisect-{version}-") as tmp:
+            args = [self.python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", tmp]
+            proc = subprocess.run(
+                [*args, *self.pytest_args], capture_output=True, text=True, env=env, timeout=self.timeout
+            )
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                (self.log_dir / f"deepspeed-{version}.log").write_text(proc.stdout + proc.stderr)
+            runs = [json.loads(path.read_text()) for path in sorted(Path(tmp).glob("*.json"))]
+        records = [t for run in runs for t in run["tests"]]
+        ran = {str(run.get("environment", {}).get("deepspeed")) for run in runs}
+        if runs and ran != {str(version)}:
+            return done(None, f"ran deepspeed {', '.join(sorted(ran))} instead of {version}")
+        if not records:
+            return done(None, f"no test ran (pytest exit code {proc.returncode}): {_tail(proc.stdout + proc.stderr)}")
+        return done(bug_present(records), describe(records))
+
+
+def probe_environment(site: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment in which ``site`` (a ``pip install --target`` directory) shadows the installed DeepSpeed."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+# --- the per-release cache ----------------------------------------------------------------------------------------
+
+
+def release_dir(cache_dir: Path, version: Version) -> Path:
+    """Where one release is installed: per DeepSpeed release, Python and torch (a build depends on all three)."""
+    from importlib import metadata
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir / "releases" / f"deepspeed-{version}-{py}-torch-{torch}"
+
+
+def _torch_pin(cache_dir: Path) -> Path:
+    """A constraints file pinning the torch installed here: bisect must never move torch."""
+    from importlib import metadata
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        raise BisectError("torch is not installed in this environment; install the torch to test with first") from None
+    path = cache_dir / "releases" / f"constraints-torch-{torch}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"torch=={torch}\n")
+    return path
+
+
+def release_environment(
+    cache_dir: Path | None = None,
+    constraints: Path | None = None,
+    python: str = sys.executable,
+    log_dir: Path | None = None,
+) -> Callable[[Version], Mapping[str, str]]:
+    """The ``prepare`` step of a ``Prober``: install (or reuse) one release with ``install.install_deepspeed`` into
+    its own cache directory and return the environment that imports it (``PYTHONPATH``).
+
+    The wheel cache is the one tox's recipe uses; each release's directory is guarded by a ``filelock``, so two
+    bisects (or a bisect and tox) never install into it at once. ``constraints`` defaults to
+    ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here.
+    """
+    from filelock import FileLock
+
+    from . import install
+    from .extensions import CACHE_ENV, default_cache_dir
+
+    root = cache_dir or Path(os.environ.get(CACHE_ENV) or default_cache_dir())
+    pins = constraints or install.find_constraints() or _torch_pin(root)
+
+    def prepare(version: Version) -> Mapping[str, str]:
+        target = release_dir(root, version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"install-deepspeed-{version}.log" if log_dir else None
+        with FileLock(str(target) + ".lock", timeout=install.PIP_TIMEOUT):
+            result = install.install_deepspeed(
+                str(version), python=python, constraints=pins, target=target, cache_dir=root, log=log
+            )
+        if not result.ok:
+            raise BisectError(result.reason or "unavailable")
+        return probe_environment(target)
+
+    return prepare
+
+
+def summary(result: Result, good: str, bad: str, seconds: float) -> str:
+    """The final words of a bisect: the flip, the specifier to paste, and what was skipped."""
+    before, after = result.last_before, result.first_after
+    change = "stops showing (fixed)" if result.fixed else "starts showing (regression)"
+    lines = []
+    if result.exact:
+        lines.append(f"first release where the outcome flips: deepspeed {after.version}")
+    else:
+        maybe = ", ".join(str(v) for v in (*result.untested, after.version))
+        lines.append(f"the outcome flips at one of deepspeed {maybe} (the releases between could not be tested)")
+    lines.append(f"  {before.version}: {before.word}  ({before.detail})")
+    lines.append(f"  {after.version}: {after.word}  ({after.detail})")
+    lines.append(f"the bug {change} in deepspeed {after.version}; paste:")
+    lines.append(f'  @pytest.mark.ds_version(affected="{result.specifier}", ...)')
+    good_probe = next((p for p in result.probes if str(p.version) == str(Version(good))), None)
+    if good_probe is not None and good_probe.bug:
+        lines.append(f"note: the bug shows on --good {good} and not on --bad {bad}; the flip is the same either way")
+    for p in result.skipped:
+        lines.append(f"skipped deepspeed {p.version}: {p.detail}")
+    tested = sum(1 for p in result.probes if p.bug is not None)
+    lines.append(
+        f"{len(result.probes)} releases probed ({tested} tested, {len(result.skipped)} skipped) in "
+        f"{seconds / 60:.1f} min"
+    )
+    return "\n".join(lines)

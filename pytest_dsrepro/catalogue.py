@@ -1,0 +1,181 @@
+"""The catalogue: every repro's ``ds_repro`` metadata and affected range, read by collecting tests with pytest.
+
+The markers are the one source of truth, so the catalogue is never written down anywhere else: ``collect`` runs
+pytest's own collection in-process (``--collect-only``) with a small plugin that reads each item's markers through
+``item.get_closest_marker`` / ``item.iter_markers``. Repro files import torch and DeepSpeed only inside test bodies,
+so collecting them is fast and needs neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: The columns ``dsrepro list`` prints, with their headers.
+COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"))
+FORMATS = ("table", "markdown", "json")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One catalogued repro (one module with a ``ds_repro`` marker), merged over its tests."""
+
+    id: str
+    title: str
+    upstream: str | None
+    fix_ref: str | None
+    fixed_in: str | None
+    root_cause: str
+    affected: tuple[str, ...]  # every distinct ds_version ``affected`` specifier of its tests, in order of appearance
+    path: str
+    tests: tuple[str, ...] = field(default=())
+
+    @property
+    def affected_text(self) -> str:
+        """The union of the ranges, as a reader writes it: ``<0.18.3 | >=0.18.3,<0.19.5``."""
+        return " | ".join(self.affected) or "-"
+
+    @property
+    def fixed_text(self) -> str:
+        return self.fixed_in or "unfixed"
+
+
+class CollectionFailed(Exception):
+    """pytest could not collect the given paths; the message carries pytest's own output."""
+
+
+@dataclass
+class _Collector:
+    """A pytest plugin object: gathers each collected item's catalogue markers."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.errors.append(f"{report.nodeid or '<session>'}: {report.longreprtext.strip()}")
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            mark = item.get_closest_marker("ds_repro")
+            if mark is None:
+                continue
+            affected = []
+            for m in item.iter_markers("ds_version"):
+                spec = m.kwargs.get("affected", m.args[0] if m.args else None)
+                if spec is not None:
+                    affected.append(str(spec))
+            self.rows.append(
+                {"nodeid": item.nodeid, "path": str(item.path), "repro": dict(mark.kwargs), "affected": affected}
+            )
+
+
+def _default_id(path: str) -> str:
+    return Path(path).stem.removeprefix("test_")
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def entries_from_rows(rows: Iterable[dict[str, Any]], root: Path | None = None) -> list[Entry]:
+    """Merge per-test rows into one entry per repro id (pure; the order is the collection order)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        meta = row["repro"]
+        repro_id = str(meta.get("id") or _default_id(row["path"]))
+        path = Path(row["path"])
+        if root is not None:
+            with contextlib.suppress(ValueError):
+                path = path.relative_to(root)
+        entry = merged.setdefault(
+            repro_id,
+            {
+                "id": repro_id,
+                "title": str(meta.get("title") or ""),
+                "upstream": _text(meta.get("upstream")),
+                "fix_ref": _text(meta.get("fix_ref")),
+                "fixed_in": _text(meta.get("fixed_in")),
+                "root_cause": str(meta.get("root_cause") or ""),
+                "affected": [],
+                "path": str(path),
+                "tests": [],
+            },
+        )
+        entry["tests"].append(row["nodeid"])
+        for spec in row["affected"]:
+            if spec not in entry["affected"]:
+                entry["affected"].append(spec)
+    return [Entry(**{**e, "affected": tuple(e["affected"]), "tests": tuple(e["tests"])}) for e in merged.values()]
+
+
+def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]:
+    """Collect ``paths`` with pytest in this process and return the catalogue.
+
+    pytest's own output is captured, and shown only when collection fails (``CollectionFailed``).
+    """
+    collector = _Collector()
+    out = io.StringIO()
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, *paths]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = pytest.main(args, plugins=[collector])
+    if collector.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        detail = "\n".join(collector.errors) or out.getvalue().strip()
+        raise CollectionFailed(f"pytest could not collect {' '.join(paths)} (exit code {int(code)}):\n{detail}")
+    return entries_from_rows(collector.rows, Path.cwd())
+
+
+def _cells(entry: Entry) -> dict[str, str]:
+    return {
+        "id": entry.id,
+        "title": entry.title,
+        "upstream": entry.upstream or "-",
+        "affected": entry.affected_text,
+        "fixed": entry.fixed_text,
+    }
+
+
+def format_table(entries: Sequence[Entry]) -> str:
+    """Aligned columns for a terminal; the last column is not padded."""
+    rows = [dict(COLUMNS)] + [_cells(e) for e in entries]
+    keys = [k for k, _ in COLUMNS]
+    widths = {k: max(len(r[k]) for r in rows) for k in keys}
+    lines = ["  ".join(r[k].ljust(widths[k]) for k in keys).rstrip() for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def format_markdown(entries: Sequence[Entry]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for e in entries:
+        cells = _cells(e)
+        upstream = (
+            f"[{e.upstream}]({e.upstream})" if e.upstream and e.upstream.startswith("http") else cells["upstream"]
+        )
+        affected = " \\| ".join(f"`{a}`" for a in e.affected) or "-"
+        lines.append(f"| `{e.id}` | {_md(e.title)} | {upstream} | {affected} | {cells['fixed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def format_json(entries: Sequence[Entry]) -> str:
+    return json.dumps([asdict(e) for e in entries], indent=2) + "\n"
+
+
+def render(entries: Sequence[Entry], fmt: str = "table") -> str:
+    if fmt == "markdown":
+        return format_markdown(entries)
+    if fmt == "json":
+        return format_json(entries)
+    if fmt == "table":
+        return format_table(entries)
+    raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")

@@ -1,0 +1,92 @@
+"""``dsrepro new``: a repro file from the template, which runs (and passes) at once and says what to fill in."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import string
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_PRESET = "zero3"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]*")
+
+
+class ScaffoldError(Exception):
+    """A bad name, preset or issue URL, or a file that exists; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Names:
+    id: str  # catalogue id, kebab-case: "zero3-module-id"
+    slug: str  # snake_case: file test_<slug>.py, function test_<slug>
+
+
+def names(name: str) -> Names:
+    """``"ZeRO3 module.id"`` -> ``Names(id="zero3-module-id", slug="zero3_module_id")``."""
+    stem = name.strip()
+    stem = stem.removesuffix(".py")
+    stem = stem.removeprefix("test_")
+    if not _NAME.fullmatch(stem):
+        raise ScaffoldError(
+            f"invalid NAME {name!r}: use letters, digits, spaces, '-', '_' or '.', starting with a letter or digit "
+            "(e.g. zero3-module-id)"
+        )
+    words = [w for w in re.split(r"[^a-z0-9]+", stem.lower()) if w]
+    return Names(id="-".join(words), slug="_".join(words))
+
+
+def presets() -> list[str]:
+    from .configs import PRESETS  # imported late: the CLI starts without the plugin's modules
+
+    return list(PRESETS)
+
+
+def check_preset(preset: str) -> str:
+    valid = presets()
+    if preset not in valid:
+        raise ScaffoldError(f"unknown preset {preset!r}; presets: {', '.join(valid)}")
+    return preset
+
+
+def check_issue(url: str | None) -> str | None:
+    if url is not None and not re.fullmatch(r"https?://\S+", url):
+        raise ScaffoldError(f"--issue {url!r} is not a URL; give the issue's address, e.g. https://github.com/...")
+    return url
+
+
+def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAULT_PRESET) -> str:
+    """The text of a new repro file (pure apart from reading the template)."""
+    n = names(name)
+    template = string.Template(resources.files("pytest_dsrepro").joinpath("templates/repro.py.tmpl").read_text())
+    upstream = json.dumps(issue) if issue else '"TODO: https://github.com/deepspeedai/DeepSpeed/issues/NNNN"'
+    return template.substitute(
+        title_doc=f"Repro {n.id}: TODO one line on what goes wrong.",
+        name=shlex.quote(name),
+        path=path.as_posix(),
+        test=f"test_{n.slug}",
+        id=n.id,
+        upstream=upstream,
+        preset=preset,
+    )
+
+
+def target(name: str, directory: Path) -> Path:
+    return directory / f"test_{names(name).slug}.py"
+
+
+def create(name: str, directory: Path = Path("repros"), issue: str | None = None, preset: str = DEFAULT_PRESET) -> Path:
+    """Write ``directory/test_<slug>.py``; never overwrite (``ScaffoldError`` names the file that exists)."""
+    check_issue(issue)
+    check_preset(preset)
+    path = target(name, directory)
+    text = render(name, path, issue, preset)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with path.open("x", encoding="utf-8") as f:  # "x": the check and the creation are one step
+            f.write(text)
+    except FileExistsError:
+        raise ScaffoldError(f"{path} already exists; not overwriting it (choose another NAME or remove it)") from None
+    return path
