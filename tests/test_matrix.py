@@ -1,0 +1,296 @@
+"""dsrepro matrix: pure functions over results files written here as JSON (no torch, no worlds)."""
+
+from __future__ import annotations
+
+import argparse
+import html.parser
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_dsrepro import matrix
+from pytest_dsrepro.matrix import MatrixError, load, merge, render_html, render_markdown, render_terminal
+
+EPILOGUE = "zero3-backward-without-optimizer"
+MODULE_ID = "zero3-module-id-clobbered"
+
+
+def rec(
+    nodeid: str, verdict: str | None, *, repro: Any = MODULE_ID, variant: str | None = "stock", outcome: str = "passed",
+    error: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A test record as the plugin writes it (``repro`` an object with id/title/upstream)."""
+    meta = (
+        None if repro is None else {"id": repro, "title": f"title of {repro}", "upstream": f"https://x.invalid/{repro}"}
+    )
+    return {"nodeid": nodeid, "repro": meta, "variant": variant, "verdict": verdict, "outcome": outcome,
+            "error": error, "duration": 1.0}  # fmt: skip
+
+
+def write(
+    directory: Path, version: str, tests: list[dict[str, Any]], *, created: str = "2026-11-22T10:00:00+00:00",
+    unavailable: str | None = None, name: str | None = None, torch: str = "2.13.0+cpu",
+) -> Path:  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / (name or f"results-deepspeed-{version}-{len(list(directory.iterdir()))}.json")
+    env = {"deepspeed": version, "torch": torch, "python": "3.11.7", "backend": None if unavailable else "gloo",
+           "world_size": None if unavailable else 2, "platform": "Linux"}  # fmt: skip
+    data = {"schema": 1, "created": created, "environment": env, "unavailable": unavailable, "tests": tests}
+    path.write_text(json.dumps(data))
+    return path
+
+
+STOCK = "repros/test_module_id.py::test_user_id_survives[zero3-stock]"
+FIXED = "repros/test_module_id.py::test_user_id_survives[zero3-fixed]"
+EPI = "repros/test_epilogue.py::test_backward[zero3-stock]"
+
+
+@pytest.fixture
+def catalogue(tmp_path: Path) -> Path:
+    """Four releases (given out of order), one of them unavailable, one UNEXPECTED cell."""
+    d = tmp_path / "results"
+    write(d, "0.16.4", [rec(STOCK, "FIXED"), rec(FIXED, "PASSES-WITH-FIX", variant="fixed"),
+                        rec(EPI, "REPRODUCED", repro=EPILOGUE, outcome="xfailed", error="AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'backward'")])  # fmt: skip
+    write(d, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed", error="AssertionError: ids [7, 7] | [0, 1]"),
+                        rec(FIXED, "PASSES-WITH-FIX", variant="fixed"),
+                        rec(EPI, "REPRODUCED", repro=EPILOGUE, outcome="xfailed", error="AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'backward'")])  # fmt: skip
+    write(d, "0.14.1", [], unavailable="import failed: AttributeError: module 'torch' has no attribute '_six'")
+    write(d, "0.18.3", [rec(STOCK, "FIXED"), rec(FIXED, "UNEXPECTED", variant="fixed", outcome="failed",
+                                                   error="RuntimeError: patch no longer applies")])  # fmt: skip
+    return d
+
+
+def build(paths: list[Path]) -> matrix.Matrix:
+    files, warnings = load(paths)
+    return merge(files, warnings)
+
+
+def test_columns_sorted_by_version_not_by_string(tmp_path: Path) -> None:
+    for v in ["0.9.0", "0.16.10", "0.16.3", "0.14.4"]:
+        write(tmp_path, v, [rec(STOCK, "FIXED")])
+    m = build([tmp_path])
+    assert [c.version for c in m.columns] == ["0.9.0", "0.14.4", "0.16.3", "0.16.10"]
+
+
+def test_rows_cells_and_labels(catalogue: Path) -> None:
+    m = build([catalogue])
+    assert [c.version for c in m.columns] == ["0.14.1", "0.16.3", "0.16.4", "0.18.3"]
+    # one test for EPILOGUE: the row is the repro id; two for MODULE_ID: the parameters tell them apart, stock first
+    assert [r.label for r in m.rows] == [EPILOGUE, f"{MODULE_ID} [zero3-stock]", f"{MODULE_ID} [zero3-fixed]"]
+    stock = m.rows[1]
+    assert [m.cell(stock, c).verdict if m.cell(stock, c) else None for c in m.columns] == [
+        None, "REPRODUCED", "FIXED", "FIXED"]  # fmt: skip
+    assert m.cell(m.rows[0], m.columns[3]) is None  # EPILOGUE did not run on 0.18.3: "not run", not invented
+    assert m.rows[0].upstream == f"https://x.invalid/{EPILOGUE}"
+
+
+def test_unavailable_release_is_a_column_with_its_reason(catalogue: Path) -> None:
+    m = build([catalogue])
+    col = m.columns[0]
+    assert col.unavailable_line == (
+        "cannot run with torch 2.13.0+cpu: import failed: AttributeError: module 'torch' has no attribute '_six'"
+    )
+    assert "0.14.1: cannot run with torch 2.13.0+cpu" in render_terminal(m)
+    assert "cannot run with torch 2.13.0+cpu" in render_markdown(m)
+    assert "cannot run with torch 2.13.0+cpu" in render_html(m)
+    assert matrix.exit_code(m) == 1  # because of the UNEXPECTED cell, not the unavailable release
+
+
+def test_only_unavailable_releases_still_render(tmp_path: Path) -> None:
+    write(tmp_path, "0.14.0", [], unavailable="import failed: CPU_Accelerator requires intel_extension_for_pytorch")
+    m = build([tmp_path])
+    assert m.rows == () and len(m.columns) == 1
+    assert "intel_extension_for_pytorch" in render_html(m)
+    assert "intel_extension_for_pytorch" in render_markdown(m)
+    assert matrix.exit_code(m) == 0
+    assert matrix.exit_code(m, fail_on_unavailable=True) == 1
+
+
+def test_latest_file_wins_per_version(tmp_path: Path) -> None:
+    old = write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="old")],
+                created="2026-11-22T09:00:00+00:00", name="b-old.json")  # fmt: skip
+    new = write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed")],
+                created="2026-11-22T10:00:00+00:00", name="a-new.json")  # fmt: skip
+    m = build([tmp_path])
+    (col,) = m.columns
+    assert col.source == new and col.superseded == (old,)
+    assert m.cell(m.rows[0], col).verdict == "REPRODUCED"
+    assert matrix.exit_code(m) == 0
+    assert "1 older results file(s) set aside" in render_terminal(m)
+
+
+def test_latest_file_wins_even_when_it_says_unavailable(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED")], created="2026-11-22T09:00:00+00:00")
+    write(tmp_path, "0.16.3", [], unavailable="pip failed", created="2026-11-22T11:00:00+00:00")
+    (col,) = build([tmp_path]).columns
+    assert col.unavailable == "pip failed"
+
+
+def test_same_created_time_falls_back_to_file_time(tmp_path: Path) -> None:
+    a = write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")], name="z.json")
+    b = write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED")], name="a.json")
+    os.utime(a, (1_000_000, 1_000_000))
+    os.utime(b, (2_000_000, 2_000_000))
+    (col,) = build([tmp_path]).columns
+    assert col.source == b
+
+
+def test_exit_code_zero_without_unexpected(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED"), rec(FIXED, "PASSES-WITH-FIX", variant="fixed")])
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED"), rec(FIXED, "SKIPPED", variant="fixed", outcome="skipped",
+                                                        error="no fix needed")])  # fmt: skip
+    assert matrix.exit_code(build([tmp_path])) == 0
+
+
+def test_failing_test_without_verdict_is_unexpected(tmp_path: Path) -> None:
+    """A gated test whose world crashed in setup, or a plain test failing, must not vanish from the table."""
+    write(tmp_path, "0.16.3", [
+        rec(STOCK, None, outcome="error", error="world did not start"),
+        rec("repros/test_plain.py::test_ok", None, repro=None, outcome="passed"),
+        rec("repros/test_plain.py::test_bad", None, repro=None, outcome="failed", error="boom"),
+    ])  # fmt: skip
+    m = build([tmp_path])
+    assert [r.label for r in m.rows] == ["(not a repro)", MODULE_ID]  # the passing plain test is not a row
+    assert {c.verdict for c in m.cells.values()} == {"UNEXPECTED"}
+    assert "no verdict, pytest outcome error: world did not start" in render_terminal(m)
+    assert matrix.exit_code(m) == 1
+
+
+def test_flat_repro_field_is_read_too(tmp_path: Path) -> None:
+    """The contract's example writes ``repro`` as a plain id with ``title``/``upstream`` beside it."""
+    record = {"nodeid": STOCK, "repro": MODULE_ID, "title": "T", "upstream": "https://u.invalid", "variant": "stock",
+              "verdict": "FIXED", "outcome": "passed", "error": None, "duration": 1.0}  # fmt: skip
+    write(tmp_path, "0.16.4", [record])
+    (row,) = build([tmp_path]).rows
+    assert (row.repro, row.title, row.upstream) == (MODULE_ID, "T", "https://u.invalid")
+
+
+def test_markdown_table_and_footnotes(catalogue: Path) -> None:
+    md = render_markdown(build([catalogue]))
+    lines = md.splitlines()
+    header = next(ln for ln in lines if ln.startswith("| repro"))
+    assert header == "| repro | 0.14.1 | 0.16.3 | 0.16.4 | 0.18.3 |"
+    table = [ln for ln in lines if ln.startswith("|")]
+    assert len({ln.count(" | ") - ln.count("\\|") for ln in table if not ln.startswith("|---")}) == 1, table
+    assert "_torch 2.13.0+cpu, gloo, 2 ranks_" in md
+    # same error on two releases: one footnote; a pipe inside an error cannot break the table
+    assert md.count("object has no attribute 'backward'") == 1
+    assert "**UNEXPECTED**" in md
+    notes = [ln for ln in lines if ln.startswith("[^")]
+    assert any("RuntimeError: patch no longer applies" in n for n in notes)
+    assert any("ids [7, 7] | [0, 1]" in n for n in notes)
+    assert f"[{MODULE_ID} \\[zero3-stock\\]]" not in md  # labels are link text, brackets kept readable
+    assert f"https://x.invalid/{MODULE_ID}" in md
+
+
+class _Cells(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells: list[dict[str, str | None]] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        if tag == "td":
+            self.cells.append(dict(attrs))
+
+
+def test_html_is_self_contained_with_colours_and_tooltips(catalogue: Path) -> None:
+    page = render_html(build([catalogue]))
+    parser = _Cells()
+    parser.feed(page)
+    assert "script" not in parser.tags and "link" not in parser.tags and "img" not in parser.tags
+    assert "<style>" in page and "td.UNEXPECTED { background:" in page
+    unexpected = [c for c in parser.cells if c.get("class") == "UNEXPECTED" and c.get("title")]
+    assert unexpected and unexpected[0]["title"] == "RuntimeError: patch no longer applies"
+    reproduced = [c for c in parser.cells if c.get("class") == "REPRODUCED"]
+    assert any(c.get("title") == "AssertionError: ids [7, 7] | [0, 1]" for c in reproduced)
+    (unavailable,) = [c for c in parser.cells if c.get("class") == "unavailable"]
+    assert unavailable["rowspan"] == "3"
+    assert "torch 2.13.0+cpu, gloo, 2 ranks" in page
+
+
+def test_html_escapes_everything(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error='<script>alert("x")</script>')])
+    page = render_html(build([tmp_path]))
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_terminal_table(catalogue: Path) -> None:
+    text = render_terminal(build([catalogue]))
+    lines = text.splitlines()
+    assert lines[0].startswith("DeepSpeed repro matrix: 3 rows x 4 releases (")
+    assert "all releases" not in text  # the unavailable column differs, so each column says its own
+    row = next(ln for ln in lines if ln.startswith(f"{MODULE_ID} [zero3-fixed]"))
+    assert row.split()[2:] == ["n/a", "PASSES-WITH-FIX", "PASSES-WITH-FIX", "UNEXPECTED"]
+    assert "\033[" not in text
+    assert "0.18.3  " + FIXED + ": RuntimeError: patch no longer applies" in text
+    coloured = render_terminal(build([catalogue]), color=True)
+    assert "\033[1;31mUNEXPECTED" in coloured
+
+
+def test_terminal_says_common_environment_once(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED")])
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED")])
+    text = render_terminal(build([tmp_path]))
+    assert "all releases: torch 2.13.0+cpu, gloo, 2 ranks" in text
+
+
+def test_load_warns_about_foreign_and_broken_json(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")])
+    (tmp_path / "package.json").write_text('{"name": "x"}')
+    (tmp_path / "half.json").write_text('{"schema": 1, "crea')
+    (tmp_path / "future.json").write_text('{"schema": 2, "environment": {}, "tests": []}')
+    files, warnings = load([tmp_path])
+    assert len(files) == 1
+    assert sorted(Path(w.split(":")[0]).name for w in warnings) == ["future.json", "half.json", "package.json"]
+    assert any("schema 2" in w for w in warnings)
+
+
+def test_no_files_is_a_usage_error_naming_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(MatrixError, match=f"no pytest-dsrepro results files in {tmp_path}"):
+        load([tmp_path])
+    with pytest.raises(MatrixError, match="no such file or directory"):
+        load([tmp_path / "missing"])
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    matrix.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_run_writes_outputs_and_exits_1_on_unexpected(catalogue: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert matrix.run(_args(str(catalogue), "--color", "never")) == 1
+    out = capsys.readouterr().out
+    assert "UNEXPECTED" in out
+    assert (catalogue / "matrix.md").read_text().startswith("# DeepSpeed repro matrix")
+    assert (catalogue / "matrix.html").read_text().startswith("<!DOCTYPE html>")
+    # the outputs are not results files: a second run reads the same four releases and nothing else
+    assert matrix.run(_args(str(catalogue), "--no-write")) == 1
+    assert "dsrepro matrix: warning" not in capsys.readouterr().err
+
+
+def test_run_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert matrix.run(_args(str(tmp_path / "nothing"))) == 2
+    assert capsys.readouterr().err.strip() == f"dsrepro matrix: no such file or directory: {tmp_path / 'nothing'}"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert matrix.run(_args(str(empty))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(empty) in err
+    write(tmp_path / "ok", "0.16.3", [rec(STOCK, "REPRODUCED")])
+    out_md = tmp_path / "out" / "m.md"
+    assert matrix.run(_args(str(tmp_path / "ok"), "--markdown", str(out_md), "--html", str(tmp_path / "m.html"))) == 0
+    assert out_md.exists() and (tmp_path / "m.html").exists()
+
+
+def test_importing_matrix_needs_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, pytest_dsrepro.matrix, pytest_dsrepro.install; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
