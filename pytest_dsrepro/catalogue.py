@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 #: The columns ``dsrepro list`` prints, with their headers.
 COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"))
@@ -33,7 +35,7 @@ class Entry:
     fix_ref: str | None
     fixed_in: str | None
     root_cause: str
-    affected: tuple[str, ...]  # every distinct ds_version ``affected`` specifier of its tests, in order of appearance
+    affected: tuple[str, ...]  # every distinct ds_version ``affected`` specifier of its tests, oldest range first
     path: str
     tests: tuple[str, ...] = field(default=())
 
@@ -75,6 +77,15 @@ class _Collector:
             self.rows.append(
                 {"nodeid": item.nodeid, "path": str(item.path), "repro": dict(mark.kwargs), "affected": affected}
             )
+
+
+def _lower_bound(spec: str) -> tuple[int, Version]:
+    """Sort key: ranges read from the oldest releases up (``<0.18.3`` before ``>=0.18.3,<0.19.5``)."""
+    try:
+        bounds = [Version(s.version) for s in SpecifierSet(spec) if s.operator in (">=", ">", "==", "~=", "===")]
+    except (InvalidSpecifier, InvalidVersion):
+        return (1, Version("0"))  # not valid: the test itself will fail and say so; list it last
+    return (0, max(bounds, default=Version("0")))
 
 
 def _default_id(path: str) -> str:

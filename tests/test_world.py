@@ -321,7 +321,7 @@ def test_world_fixtures_outside_worlds_fail_clearly(pytester: pytest.Pytester, r
 def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest) -> None:
     """DeepSpeed's CPU shm allreduce creates a buffer per rank and never deletes it; worlds must."""
     pytester.makepyfile(
-        """
+        f"""
         import os
         import pytest
 
@@ -331,51 +331,43 @@ def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest) -> 
             import deepspeed, torch
             deepspeed.init_distributed(dist_backend="gloo")
             port = os.environ["MASTER_PORT"]
-            mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{port}_" in n]
+            mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{{port}}_" in n]
             assert len(mine) == 2, mine  # the op really ran: one buffer per rank, for this world's port
             t = torch.ones(4)
             deepspeed.comm.inference_all_reduce(t)
             assert t.tolist() == [2.0] * 4
+            with open(os.path.join({str(pytester.path)!r}, f"port-{{port}}"), "w"):
+                pass
         """
     )
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
     run().assert_outcomes(passed=3)
-    after = {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
-    assert after <= before, f"left in /dev/shm: {sorted(after - before)}"
+    ports = [p.name.removeprefix("port-") for p in pytester.path.glob("port-*")]
+    assert len(ports) == 3
+    left = [n for n in os.listdir("/dev/shm") if any(f"_{port}_" in n for port in ports)]
+    assert not left, f"left in /dev/shm: {left}"
+
+
+ALL_REDUCES = """
+import pytest
+
+@pytest.mark.ds_world
+@pytest.mark.parametrize("i", range({n}))
+def test_many(ds_rank, i):
+    import torch, torch.distributed as dist
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert t.item() == 2
+"""
 
 
 def test_xdist_runs_worlds_in_parallel(pytester: pytest.Pytester, run: RunPytest) -> None:
-    pytester.makepyfile(
-        """
-        import pytest
-
-        @pytest.mark.ds_world
-        @pytest.mark.parametrize("i", range(8))
-        def test_many(ds_rank, i):
-            import torch, torch.distributed as dist
-            t = torch.tensor([1.0])
-            dist.all_reduce(t)
-            assert t.item() == 2
-        """
-    )
+    pytester.makepyfile(ALL_REDUCES.format(n=8))
     result = run("-n", "4")
     result.assert_outcomes(passed=8)
 
 
 def test_two_sessions_at_once(pytester: pytest.Pytester, process_tag: str) -> None:
-    pytester.makepyfile(
-        """
-        import pytest
-
-        @pytest.mark.ds_world
-        @pytest.mark.parametrize("i", range(5))
-        def test_many(ds_rank, i):
-            import torch, torch.distributed as dist
-            t = torch.tensor([1.0])
-            dist.all_reduce(t)
-            assert t.item() == 2
-        """
-    )
+    pytester.makepyfile(ALL_REDUCES.format(n=5))
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"]
     procs = [
         subprocess.Popen(cmd, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
