@@ -53,7 +53,7 @@ class CollectionFailed(Exception):
     """pytest could not collect the given paths; the message carries pytest's own output."""
 
 
-@dataclass
+@dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
 class _Collector:
     """A pytest plugin object: gathers each collected item's catalogue markers."""
 
@@ -124,7 +124,10 @@ def entries_from_rows(rows: Iterable[dict[str, Any]], root: Path | None = None) 
         for spec in row["affected"]:
             if spec not in entry["affected"]:
                 entry["affected"].append(spec)
-    return [Entry(**{**e, "affected": tuple(e["affected"]), "tests": tuple(e["tests"])}) for e in merged.values()]
+    return [
+        Entry(**{**e, "affected": tuple(sorted(e["affected"], key=_lower_bound)), "tests": tuple(e["tests"])})
+        for e in merged.values()
+    ]
 
 
 def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]:

@@ -227,8 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if passthrough:
-        if not hasattr(args, "pytest_args"):
-            parser.error("arguments after `--` are only for `dsrepro bisect` (they go to pytest)")
         args.pytest_args = passthrough
     return handler(args)
 

@@ -1,0 +1,129 @@
+"""dsrepro list: the catalogue comes from the markers, by pytest collection, without importing torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pytest_dsrepro import cli
+from pytest_dsrepro.catalogue import Entry, entries_from_rows, format_table
+
+EPILOGUE = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_repro(id="zero3-no-optimizer-backward", title="ZeRO-3 backward without optimizer",
+                         upstream="https://example.invalid/issues/1", root_cause="no epilogue"),
+    pytest.mark.ds_world,
+]
+
+@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_version(affected="<0.18.3", raises=AttributeError, match="backward")
+@pytest.mark.ds_version(affected=">=0.18.3,<0.19.5", raises=AttributeError, match="epilogue")
+@pytest.mark.ds_version(">=0.19.5", raises=AttributeError, match="set_gradient")
+def test_backward(ds_engine):
+    import torch  # only in the body: collection never imports it
+"""
+MODULE_ID = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_repro(id="zero3-module-id", title="ZeRO-3 overwrites module.id",
+                         upstream="https://example.invalid/issues/6772", fix_ref="PR 6847", fixed_in="0.16.4"),
+    pytest.mark.ds_world,
+]
+
+@pytest.mark.ds_config("zero3", "zero3_offload")
+@pytest.mark.ds_version(affected="<0.16.4", raises=AssertionError)
+def test_ids(ds_engine):
+    import deepspeed
+
+def test_ids_again():
+    pass
+"""
+PLAIN = """
+def test_not_a_repro():
+    pass
+"""
+
+
+@pytest.fixture
+def repros(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.mkdir("repros")
+    pytester.makepyfile(**{"repros/test_epilogue": EPILOGUE, "repros/test_module_id": MODULE_ID,
+                           "repros/test_plain": PLAIN})  # fmt: skip
+    pytester.chdir()
+    return pytester
+
+
+def test_table(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["ID", "TITLE", "UPSTREAM", "AFFECTED", "FIXED", "IN"]
+    assert lines[1].startswith("zero3-no-optimizer-backward  ZeRO-3 backward without optimizer  ")
+    assert lines[1].endswith("https://example.invalid/issues/1     <0.18.3 | >=0.18.3,<0.19.5 | >=0.19.5  unfixed")
+    assert lines[2].split() == ["zero3-module-id", "ZeRO-3", "overwrites", "module.id",
+                                "https://example.invalid/issues/6772", "<0.16.4", "0.16.4"]  # fmt: skip
+    # Aligned: every column starts at the same offset on every line.
+    assert len({line.index("https") for line in lines[1:]}) == 1
+    assert len(lines) == 3
+
+
+def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list", "repros/test_module_id.py", "--format", "json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["id"] == "zero3-module-id" and entry["fixed_in"] == "0.16.4" and entry["fix_ref"] == "PR 6847"
+    assert entry["affected"] == ["<0.16.4"]
+    assert entry["path"] == "repros/test_module_id.py"
+    assert entry["tests"] == [
+        "repros/test_module_id.py::test_ids[zero3]",
+        "repros/test_module_id.py::test_ids[zero3_offload]",
+        "repros/test_module_id.py::test_ids_again",
+    ]
+
+
+def test_markdown(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list", "--format", "markdown"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| ID | TITLE | UPSTREAM | AFFECTED | FIXED IN |"
+    assert out[2] == ("| `zero3-no-optimizer-backward` | ZeRO-3 backward without optimizer | "
+                      "[https://example.invalid/issues/1](https://example.invalid/issues/1) | "
+                      "`<0.18.3` \\| `>=0.18.3,<0.19.5` \\| `>=0.19.5` | unfixed |")  # fmt: skip
+
+
+def test_collection_errors_and_empty(pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    pytester.makepyfile(test_broken="import nonexistent_module_xyz\n", test_plain=PLAIN)
+    pytester.chdir()
+    assert cli.main(["list", "test_broken.py"]) == 1
+    err = capsys.readouterr().err
+    assert "dsrepro: pytest could not collect test_broken.py" in err and "nonexistent_module_xyz" in err
+    assert cli.main(["list", "test_plain.py"]) == 1
+    assert capsys.readouterr().err == "dsrepro: no repros (tests with a ds_repro marker) under test_plain.py\n"
+    assert cli.main(["list"]) == 2
+    assert "no repros/ directory here" in capsys.readouterr().err
+
+
+def test_list_imports_neither_torch_nor_deepspeed(repros: pytest.Pytester) -> None:
+    code = (
+        "import sys; from pytest_dsrepro import cli; code = cli.main(['list']); "
+        "heavy = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules); "
+        "print('HEAVY', heavy); sys.exit(code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+
+
+def test_rows_merge_without_pytest() -> None:
+    rows = [
+        {"nodeid": "r/test_a.py::t[x]", "path": "/w/r/test_a.py", "repro": {"title": "A"}, "affected": ["<1"]},
+        {"nodeid": "r/test_a.py::t[y]", "path": "/w/r/test_a.py", "repro": {"title": "A"}, "affected": ["<1", ">=2"]},
+    ]
+    (entry,) = entries_from_rows(rows)
+    assert entry.id == "a" and entry.affected == ("<1", ">=2") and entry.affected_text == "<1 | >=2"
+    assert entry.fixed_text == "unfixed" and len(entry.tests) == 2
+    empty = Entry("x", "", None, None, None, "", (), "p")
+    assert format_table([empty]).splitlines()[1].split() == ["x", "-", "-", "unfixed"]

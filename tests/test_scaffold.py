@@ -1,0 +1,94 @@
+"""dsrepro new: names, validation, never overwriting, and a scaffold that runs and passes in a real 2-rank world."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import RunPytest
+from pytest_dsrepro import catalogue, cli
+from pytest_dsrepro.configs import PRESETS
+from pytest_dsrepro.scaffold import Names, ScaffoldError, create, names
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("zero3-module-id", Names("zero3-module-id", "zero3_module_id")),
+        ("ZeRO3 module.id", Names("zero3-module-id", "zero3_module_id")),
+        ("test_offload_hang.py", Names("offload-hang", "offload_hang")),
+        ("6772", Names("6772", "6772")),
+    ],
+)
+def test_names(name: str, expected: Names) -> None:
+    assert names(name) == expected
+
+
+@pytest.mark.parametrize("name", ["", "  ", "../etc/passwd", "a/b", "-x", "naïve", "x;rm"])
+def test_bad_names(name: str) -> None:
+    with pytest.raises(ScaffoldError, match=r"invalid NAME .*e\.g\. zero3-module-id"):
+        names(name)
+
+
+def test_new_writes_a_file_with_the_markers_and_todos(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    url = "https://github.com/deepspeedai/DeepSpeed/issues/6772"
+    assert cli.main(["new", "zero3 module id", "--issue", url, "--config", "zero2"]) == 0
+    path = tmp_path / "repros" / "test_zero3_module_id.py"
+    out = capsys.readouterr().out
+    assert out.startswith("wrote repros/test_zero3_module_id.py\n")
+    assert "pytest repros/test_zero3_module_id.py -v" in out
+    assert "dsrepro bisect repros/test_zero3_module_id.py::test_zero3_module_id --good X --bad Y" in out
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    assert 'id="zero3-module-id"' in text and f'upstream="{url}"' in text
+    assert '@pytest.mark.ds_config("zero2")' in text and "def test_zero3_module_id(" in text
+    assert "pytest.mark.ds_world(size=2)" in text and "@pytest.mark.ds_version(affected=" in text
+    assert text.count("TODO") >= 5
+
+
+def test_new_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["new", "hang", "--dir", str(tmp_path)]
+    assert cli.main(args) == 0
+    path = tmp_path / "test_hang.py"
+    path.write_text("# my work in progress\n")
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err == (
+        f"dsrepro: {path} already exists; not overwriting it (choose another NAME or remove it)\n"
+    )
+    assert path.read_text() == "# my work in progress\n"
+    with pytest.raises(ScaffoldError, match="already exists"):
+        create("test_hang.py", tmp_path)
+
+
+def test_new_validates_preset_issue_and_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["new", "x", "--dir", str(tmp_path), "--config", "zero4"]) == 1
+    assert capsys.readouterr().err == f"dsrepro: unknown preset 'zero4'; presets: {', '.join(PRESETS)}\n"
+    assert cli.main(["new", "x", "--dir", str(tmp_path), "--issue", "issue 12"]) == 1
+    assert "--issue 'issue 12' is not a URL" in capsys.readouterr().err
+    assert cli.main(["new", "a/b", "--dir", str(tmp_path)]) == 1
+    assert "invalid NAME 'a/b'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_preset_renders() -> None:
+    for preset in PRESETS:
+        from pytest_dsrepro.scaffold import render
+
+        compile(render("n", Path("repros/test_n.py"), None, preset), "<scaffold>", "exec")
+
+
+def test_scaffold_is_catalogued_and_passes_at_once_in_two_ranks(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(pytester.path)
+    assert cli.main(["new", "my first repro", "--issue", "https://example.invalid/1"]) == 0
+    (entry,) = catalogue.collect(["repros"])
+    assert (entry.id, entry.upstream, entry.affected, entry.fixed_in) == (
+        "my-first-repro", "https://example.invalid/1", ("<0.0.1",), None,
+    )  # fmt: skip
+    result = run("repros", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_my_first_repro?zero3? PASSED*", "FIXED *test_my_first_repro[[]zero3[]]"])
