@@ -115,17 +115,27 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any:
-    """A TCPStore on a port the OS picks (port 0): no scanning, no bind-and-close race. Rank 0 publishes the port
-    through the world's private directory; the others wait for it."""
+    """A TCPStore on a loopback socket whose port the OS picks: no port scanning, no bind-and-close race, nothing
+    listening beyond this machine. Rank 0 publishes the port through the world's private directory."""
+    import socket
+
     import torch.distributed as dist
 
     port_file = layout.port_file(workdir)
     if rank == 0:
+        listener = socket.create_server((LOOPBACK, 0), backlog=max(128, world_size))
+        port = listener.getsockname()[1]
         store = dist.TCPStore(  # type: ignore[attr-defined]
-            LOOPBACK, 0, world_size, True, timeout=_timeout(timeout), wait_for_workers=False
+            LOOPBACK,
+            port,
+            world_size,
+            True,
+            timeout=_timeout(timeout),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns the socket from here on
         )
         tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(str(store.port))
+        tmp.write_text(str(port))
         tmp.rename(port_file)
         return store
     deadline = time.monotonic() + timeout
@@ -134,9 +144,7 @@ def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any
             raise TimeoutError(f"rank 0 did not publish its store port within {timeout:.0f}s")
         time.sleep(0.002)
     port = int(port_file.read_text())
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        LOOPBACK, port, world_size, False, timeout=_timeout(timeout)
-    )
+    return dist.TCPStore(LOOPBACK, port, world_size, False, timeout=_timeout(timeout))  # type: ignore[attr-defined]
 
 
 def set_rank_environment(rank: int, world_size: int, port: int) -> None:

@@ -40,6 +40,24 @@ def test_body_runs_in_every_rank_with_fixtures_and_params(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(["*test_sum?1? PASSED*", "*test_sum?10? PASSED*"])
 
 
+def test_worlds_listen_on_loopback_only(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import psutil
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_sockets(ds_rank):
+            import torch, torch.distributed as dist
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            listening = [c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"]
+            assert listening and set(listening) == {"127.0.0.1"}, listening
+        """
+    )
+    run().assert_outcomes(passed=1)
+
+
 def test_world_size_from_option_and_marker(pytester: pytest.Pytester, run: RunPytest) -> None:
     pytester.makepyfile(
         """
