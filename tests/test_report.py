@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
 from conftest import RunPytest, deepspeed_version
 from pytest_dsrepro.report import dedupe_ranks, rank_label, render_markdown
 
-ENV = {
+ENV: dict[str, Any] = {
     "deepspeed": "0.18.3",
     "torch": "2.13.0",
     "python": "3.11.7",
@@ -21,7 +22,7 @@ ENV = {
     "gpu": None,
     "gpu_count": 0,
 }
-REPRO = {
+REPRO: dict[str, Any] = {
     "id": "zero3-no-optimizer-backward",
     "title": "ZeRO-3 backward without an optimizer raises AttributeError",
     "upstream": "https://github.com/deepspeedai/DeepSpeed/issues/1",
@@ -30,8 +31,8 @@ REPRO = {
     "root_cause": "allreduce_gradients calls an epilogue that DeepSpeedZeRoOffload lacks.",
     "affected": [">=0.18.3,<0.19.5"],
 }
-CONFIG = {"train_batch_size": 4, "zero_optimization": {"stage": 3}}
-FAILING = {
+CONFIG: dict[str, Any] = {"train_batch_size": 4, "zero_optimization": {"stage": 3}}
+FAILING: dict[str, Any] = {
     "nodeid": "repros/test_a.py::test_backward[zero3-stock]",
     "repro": REPRO,
     "variant": "stock",
@@ -57,7 +58,7 @@ FAILING = {
     ],
     "longrepr": "ranks failed",
 }
-PASSING = {
+PASSING: dict[str, Any] = {
     "nodeid": "repros/test_b.py::test_ids[zero3-fixed]",
     "repro": {**REPRO, "id": "zero3-module-id", "fixed_in": "0.16.4", "fix_ref": "PR #6847", "affected": ["<0.16.4"]},
     "variant": "fixed",
@@ -70,7 +71,7 @@ PASSING = {
     "ranks": [],
     "longrepr": None,
 }
-RUN = {"schema": 1, "created": "2026-11-22T10:00:00+00:00", "environment": ENV, "unavailable": None,
+RUN: dict[str, Any] = {"schema": 1, "created": "2026-11-22T10:00:00+00:00", "environment": ENV, "unavailable": None,
        "tests": [FAILING, PASSING]}  # fmt: skip
 
 
@@ -151,7 +152,7 @@ def test_rank_labels() -> None:
 
 
 def test_not_a_repro_plain_failure_and_awkward_text() -> None:
-    plain = {"nodeid": "tests/test_x.py::test_y", "repro": None, "variant": None, "verdict": None, "outcome": "failed",
+    plain: dict[str, Any] = {"nodeid": "tests/test_x.py::test_y", "repro": None, "variant": None, "verdict": None, "outcome": "failed",
              "error": "assert 1 == 2 | `x`", "duration": 0.1, "config": None, "config_notes": [], "ranks": [],
              "longrepr": "def test_y():\n>   assert 1 == 2\n```\nE   assert 1 == 2"}  # fmt: skip
     text = render_markdown({**RUN, "tests": [plain]})

@@ -1,0 +1,290 @@
+"""dsrepro bisect: the pure search over releases with fake oracles, reading probe results, the command's output, and
+(slow, opt-in) a real bisect over PyPI releases.
+
+The real bisect installs and JIT-builds several DeepSpeed releases (about 2-3 minutes each on 2 cores), so it does not
+run by default. Run it with:
+
+    DSREPRO_SLOW=1 python -m pytest tests/test_bisect.py -k real -v
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.version import Version
+
+from conftest import REAL_CACHE, deepspeed_version
+from pytest_dsrepro import bisect, cli
+from pytest_dsrepro.bisect import (
+    BisectError,
+    Probe,
+    Prober,
+    Result,
+    bug_present,
+    estimated_steps,
+    parse_index_versions,
+    releases_between,
+    search,
+    specifier,
+)
+
+PIP_OUTPUT = """WARNING: pip index is currently an experimental command.
+deepspeed (0.19.8)
+Available versions: 0.19.8, 0.18.3, 0.17.0, 0.16.4, 0.16.3, 0.16.0, 0.15.4, 0.15.3, 0.14.4
+"""
+RELEASES = [Version(v) for v in ["0.15.4", *(f"0.16.{i}" for i in range(10)), *(f"0.17.{i}" for i in range(7)),
+                                 "0.18.0", "0.18.1", "0.18.2", "0.18.3"]]  # fmt: skip
+
+
+def fake(flip: str, *, bug_below: bool = True, skip: Iterable[str] = ()) -> tuple[list[Version], bisect.Oracle]:
+    """An oracle for a bug that stops (``bug_below``) or starts at release ``flip``; ``skip`` cannot install."""
+    asked: list[Version] = []
+    skipped = {Version(s) for s in skip}
+
+    def oracle(version: Version) -> Probe:
+        asked.append(version)
+        if version in skipped:
+            return Probe(version, None, "cannot install: no wheel")
+        return Probe(version, (version < Version(flip)) == bug_below, "fake")
+
+    return asked, oracle
+
+
+# --- pure functions ----------------------------------------------------------------------------------------------
+
+
+def test_pip_index_output() -> None:
+    assert parse_index_versions(PIP_OUTPUT)[:2] == [Version("0.14.4"), Version("0.15.3")]
+    assert len(parse_index_versions(PIP_OUTPUT)) == 9
+    with pytest.raises(BisectError, match="cannot read the release list"):
+        parse_index_versions("ERROR: No matching distribution found for deepspeed")
+
+
+def test_releases_between_either_order_and_inclusive() -> None:
+    available = parse_index_versions(PIP_OUTPUT) + [Version("0.17.0rc1")]
+    expected = [Version(v) for v in ["0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3"]]
+    assert releases_between(available, "0.15.4", "0.18.3") == expected
+    assert releases_between(available, "0.18.3", "0.15.4") == expected  # pre-releases are left out
+    with pytest.raises(BisectError, match=r"deepspeed 0.16.5 is not a release on the index \(nearest: 0.16.4"):
+        releases_between(available, "0.16.5", "0.18.3")
+    with pytest.raises(BisectError, match="the same release"):
+        releases_between(available, "0.16.4", "0.16.4.0")
+
+
+def test_finds_a_fix_in_logarithmic_probes() -> None:
+    asked, oracle = fake("0.16.4")
+    result = search(RELEASES, oracle)
+    assert result.first_after.version == Version("0.16.4") and result.last_before.version == Version("0.16.3")
+    assert result.exact and result.fixed and result.specifier == "<0.16.4"
+    assert asked[:2] == [Version("0.15.4"), Version("0.18.3")]  # both ends first
+    assert len(asked) == len(set(asked)) <= estimated_steps(len(RELEASES)) == 7
+
+
+def test_finds_a_regression() -> None:
+    _, oracle = fake("0.18.3", bug_below=False)
+    result = search(RELEASES, oracle)
+    assert result.first_after.version == Version("0.18.3") and not result.fixed
+    assert result.specifier == ">=0.18.3"
+
+
+@pytest.mark.parametrize("flip", [str(v) for v in RELEASES[1:]])
+def test_every_flip_point_is_found(flip: str) -> None:
+    for bug_below in (True, False):
+        _, oracle = fake(flip, bug_below=bug_below)
+        assert search(RELEASES, oracle).first_after.version == Version(flip)
+
+
+def test_skipped_releases_are_neither_good_nor_bad() -> None:
+    # The middle release cannot be installed: its neighbour is probed instead, and the answer is still exact.
+    asked, oracle = fake("0.16.4", skip=["0.16.9", "0.18.1"])
+    result = search(RELEASES, oracle)
+    assert result.first_after.version == Version("0.16.4") and result.exact
+    assert asked[2:4] == [Version("0.16.9"), Version("0.17.0")]  # 0.16.9 skipped: its neighbour goes instead
+    assert [p.version for p in result.skipped] == [Version("0.16.9")]
+    assert all(p.bug is None for p in result.skipped)
+
+
+def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
+    _, oracle = fake("0.16.4", skip=["0.16.3", "0.16.4"])
+    result = search(RELEASES, oracle)
+    assert not result.exact
+    assert result.last_before.version == Version("0.16.2") and result.first_after.version == Version("0.16.5")
+    assert result.untested == (Version("0.16.3"), Version("0.16.4"))
+    text = bisect.summary(result, "0.18.3", "0.15.4", 60.0)
+    assert "the outcome flips at one of deepspeed 0.16.3, 0.16.4, 0.16.5" in text
+    assert "skipped deepspeed 0.16.3: cannot install: no wheel" in text
+
+
+def test_ends_must_be_testable_and_differ() -> None:
+    _, same = fake("9.0")
+    with pytest.raises(BisectError, match="the bug shows on both deepspeed 0.15.4 and 0.18.3: no flip"):
+        search(RELEASES, same)
+    _, broken_end = fake("0.16.4", skip=["0.15.4"])
+    with pytest.raises(BisectError, match=r"deepspeed 0.15.4 could not be tested \(cannot install: no wheel\)"):
+        search(RELEASES, broken_end)
+    with pytest.raises(BisectError, match="at least two"):
+        search(RELEASES[:1], broken_end)
+
+
+def test_progress_is_told_before_each_probe() -> None:
+    seen: list[tuple[str, int, int]] = []
+    _, oracle = fake("0.16.4", skip=["0.16.9"])
+    result = search(RELEASES, oracle, progress=lambda v, step, total: seen.append((str(v), step, total)))
+    assert [s[1] for s in seen] == list(range(1, len(result.probes) + 1))
+    assert seen[0] == ("0.15.4", 1, 7) and seen[1][0] == "0.18.3"
+
+
+def test_specifier() -> None:
+    assert specifier(Version("0.16.4"), fixed=True) == "<0.16.4"
+    assert specifier(Version("0.18.3"), fixed=False) == ">=0.18.3"
+
+
+def _record(verdict: str | None, outcome: str, variant: str | None = "stock", **extra: Any) -> dict[str, Any]:
+    return {"verdict": verdict, "outcome": outcome, "variant": variant, "error": None, "ranks": [], **extra}
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [
+        ([_record("REPRODUCED", "xfailed")], True),
+        ([_record("FIXED", "passed")], False),
+        ([_record("UNEXPECTED", "failed", error="did not reproduce on deepspeed 0.16.3: ...")], False),
+        ([_record("UNEXPECTED", "failed", error="regression: ...", ranks=[{"ranks": "ranks 0-1"}])], True),
+        ([_record("UNEXPECTED", "failed", error="failed differently on ...", ranks=[{"ranks": "rank 1"}])], True),
+        ([_record(None, "failed", None)], True),  # a plain test: its outcome is the answer
+        ([_record(None, "passed", None)], False),
+        ([_record("SKIPPED", "skipped")], None),
+        ([_record(None, "error", None)], None),  # setup failed: says nothing about the bug
+        ([_record("PASSES-WITH-FIX", "passed", "fixed")], None),  # fix variants are not asked
+        ([_record("FIXED", "passed"), _record("REPRODUCED", "xfailed")], True),  # any stock config shows it
+        ([], None),
+    ],
+)
+def test_bug_present(records: list[dict[str, Any]], expected: bool | None) -> None:
+    assert bug_present(records) is expected
+
+
+# --- one probe, with the installed release --------------------------------------------------------------------------
+
+PLAIN = """
+import os
+
+def test_flag():
+    assert os.environ.get("BUG") != "1", "the bug"
+"""
+
+
+def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makepyfile(test_flag=PLAIN)
+    pytester.chdir()
+    here = Version(deepspeed_version())
+
+    def prepare(bug: str) -> Any:
+        return lambda version: {**os.environ, "BUG": bug}
+
+    bad = Prober("test_flag.py::test_flag", prepare("1"), log_dir=tmp_path)(here)
+    assert bad.bug is True and bad.detail.startswith("FAILED: ") and bad.seconds > 0
+    assert "test_flag.py F" in (tmp_path / f"deepspeed-{here}.log").read_text()
+    assert Prober("test_flag.py::test_flag", prepare("0"))(here).bug is False
+    # A release other than the one imported is never taken for the one asked.
+    other = Prober("test_flag.py::test_flag", prepare("0"))(Version("0.1.0"))
+    assert other.bug is None and other.detail == f"ran deepspeed {here} instead of 0.1.0"
+
+    def cannot(version: Version) -> Mapping[str, str]:
+        raise BisectError("import failed: RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch")
+
+    skipped = Prober("test_flag.py::test_flag", cannot)(here)
+    assert skipped.bug is None and skipped.detail.startswith("cannot install or import: import failed: RuntimeError")
+    missing = Prober("test_flag.py::test_nope", prepare("0"))(here)
+    assert missing.bug is None and missing.detail.startswith("no test ran (pytest exit code 4)")
+
+
+# --- the command ---------------------------------------------------------------------------------------------------
+
+
+def test_command_prints_progress_and_the_specifier(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, oracle = fake("0.16.4", skip=["0.16.9"])
+    made: dict[str, Any] = {}
+
+    class FakeProber:
+        def __init__(self, nodeid: str, **kwargs: Any) -> None:
+            made.update(nodeid=nodeid, **kwargs)
+
+        def __call__(self, version: Version) -> Probe:
+            return oracle(version)
+
+    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES)
+    monkeypatch.setattr(bisect, "release_environment", lambda *a, **k: "prepare")
+    monkeypatch.setattr(bisect, "Prober", FakeProber)
+    code = cli.main(["bisect", "r/test_x.py::test_y", "--good", "0.18.3", "--bad", "0.15.4", "--", "-x", "-v"])
+    assert code == 0
+    out, err = capsys.readouterr()
+    assert made["nodeid"] == "r/test_x.py::test_y" and made["pytest_args"] == ("-x", "-v")
+    assert err.startswith("bisecting r/test_x.py::test_y over 22 deepspeed releases 0.15.4 .. 0.18.3 (about 7 probes)")
+    assert "[1/~7] deepspeed 0.15.4: installing and running ...\n    deepspeed 0.15.4: bug (fake) in 0.0 s" in err
+    assert "    deepspeed 0.16.9: skipped (cannot install: no wheel) in 0.0 s" in err
+    assert "[4/~8] deepspeed 0.17.0: installing and running ..." in err  # a skip adds a probe to the estimate
+    assert out.splitlines()[0] == "first release where the outcome flips: deepspeed 0.16.4"
+    assert '  @pytest.mark.ds_version(affected="<0.16.4", ...)' in out
+    assert "skipped deepspeed 0.16.9: cannot install: no wheel" in out
+    assert "note: the bug shows on --good" not in out  # 0.18.3, the --good end, is the one without the bug
+
+    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES[:3])
+    assert cli.main(["bisect", "t.py::t", "--good", "0.16.9", "--bad", "0.15.4"]) == 1
+    assert "dsrepro: deepspeed 0.16.9 is not a release on the index" in capsys.readouterr().err
+
+
+def test_result_summary_notes_swapped_labels() -> None:
+    _, oracle = fake("0.16.4")
+    result: Result = search(RELEASES, oracle)
+    text = bisect.summary(result, "0.15.4", "0.18.3", 600.0)
+    assert "note: the bug shows on --good 0.15.4 and not on --bad 0.18.3" in text
+    assert text.endswith("releases probed (" + f"{len(result.probes)} tested, 0 skipped) in 10.0 min")
+
+
+# --- real releases (slow, opt-in) ----------------------------------------------------------------------------------
+
+MODULE_ID = """
+import pytest
+
+pytestmark = pytest.mark.ds_world
+
+
+@pytest.mark.ds_config("zero3")
+def test_user_ids_survive(ds_engine):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    for i, layer in enumerate(model):
+        layer.id = f"expert-{i}"
+    ds_engine(model=model)
+    assert [layer.id for layer in model] == ["expert-0", "expert-1", "expert-2"]
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DSREPRO_SLOW"), reason="installs DeepSpeed releases; set DSREPRO_SLOW=1")
+def test_real_bisect_finds_the_module_id_fix(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """ZeRO-3 overwrote user ``module.id`` until PR #6847, first released in 0.16.4.
+
+    Installs into this interpreter's environment what each release needs (its requirements, torch pinned), and each
+    release alone into the shared per-release cache: run it in a throwaway environment, not a precious one.
+    """
+    monkeypatch.setenv("DSREPRO_CACHE_DIR", os.environ.get("DSREPRO_CACHE_DIR", REAL_CACHE))
+    pytester.makepyfile(test_module_id=MODULE_ID)
+    pytester.chdir()
+    code = cli.main(["bisect", "test_module_id.py::test_user_ids_survive", "--good", "0.18.3", "--bad", "0.15.4"])
+    out, err = capfd.readouterr()
+    sys.stderr.write(err)
+    assert code == 0, err
+    assert "first release where the outcome flips: deepspeed 0.16.4" in out
+    assert '@pytest.mark.ds_version(affected="<0.16.4", ...)' in out
