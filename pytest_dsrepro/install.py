@@ -21,8 +21,10 @@ result says why (``InstallResult.reason``), and :func:`write_unavailable` record
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import email.parser
+import hashlib
 import json
 import os
 import platform
@@ -91,15 +93,23 @@ except BaseException as exc:
 print(MARK + json.dumps(out), flush=True)
 """.replace("MARK", repr(PROBE_MARK))
 
+# Versions, and when each distribution was installed (its METADATA's mtime): a reinstall changes the fingerprint.
 _VERSIONS = r"""
 import json, sys
 from importlib import metadata
 found = {}
 for name in sys.argv[1:]:
     try:
-        found[name] = metadata.version(name)
+        dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
-        found[name] = None
+        found[name] = [None, None]
+        continue
+    meta = [f for f in (dist.files or []) if f.name == "METADATA"]
+    try:
+        stamp = meta[0].locate().stat().st_mtime_ns if meta else None
+    except OSError:
+        stamp = None
+    found[name] = [dist.version, stamp]
 print(json.dumps(found))
 """
 
@@ -223,12 +233,13 @@ class _Runner:
     def __call__(self, what: str, args: Sequence[str], timeout: float = PIP_TIMEOUT) -> str:
         cmd = [self.python, *args]
         self.steps.append(" ".join(cmd))
+        # never PYTHONPATH=target here: pip must see (and change) only the base environment
         if self.echo:
             print(f"dsrepro install: {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             proc = subprocess.run(
                 cmd,
-                env=_env(self.target),
+                env=_env(None),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -257,6 +268,10 @@ class _Runner:
 
 def installed_versions(python: str, names: Sequence[str], target: Path | None = None) -> dict[str, str | None]:
     """Distribution versions as the target interpreter sees them (no heavy import)."""
+    return {name: version for name, (version, _) in _installed(python, names, target).items()}
+
+
+def _installed(python: str, names: Sequence[str], target: Path | None) -> dict[str, tuple[str | None, int | None]]:
     proc = subprocess.run(
         [python, "-c", _VERSIONS, *names],
         env=_env(target),
@@ -267,8 +282,8 @@ def installed_versions(python: str, names: Sequence[str], target: Path | None = 
     )
     if proc.returncode != 0:
         raise InstallError(f"cannot run {python}: {_reason(proc.stderr, f'exit code {proc.returncode}')}")
-    found: dict[str, str | None] = json.loads(proc.stdout)
-    return found
+    found: dict[str, list[Any]] = json.loads(proc.stdout)
+    return {name: (v[0], v[1]) for name, v in found.items()}
 
 
 def probe_import(python: str = sys.executable, *, target: Path | None = None, timeout: float = PROBE_TIMEOUT) -> Probe:
@@ -313,6 +328,58 @@ def runtime_requirements(wheel: Path) -> list[str]:
             continue
         reqs.append(str(req))
     return reqs
+
+
+def _install_requirements(run: _Runner, what: str, requirements: Sequence[str], constraints: Path) -> None:
+    """Into the environment; with a target, never *changing* a package the environment already has.
+
+    A target directory serves one release while the environment serves everything else (the developers' venv, other
+    releases): what this release needs at another version goes into the target, which shadows it via PYTHONPATH.
+    """
+    if not requirements:
+        return
+    if run.target is None:
+        run.pip(f"installing {what}", ["install", "-c", str(constraints), *requirements])
+        return
+    run.target.mkdir(parents=True, exist_ok=True)
+    report_path = run.target / ".dsrepro-resolve.json"
+    run.pip(f"resolving {what}", ["install", "--dry-run", "--report", str(report_path), "-c", str(constraints),
+                                  *requirements])  # fmt: skip
+    resolved = [
+        (i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report_path.read_text())["install"]
+    ]
+    report_path.unlink()
+    present = installed_versions(run.python, [name for name, _ in resolved])
+    new = [f"{n}=={v}" for n, v in resolved if present[n] is None]
+    changed = [f"{n}=={v}" for n, v in resolved if present[n] is not None]
+    if new:
+        run.pip(f"installing {what} (new to the environment)", ["install", "--no-deps", "-c", str(constraints), *new])
+    if changed:
+        run.pip(f"installing {what} (other versions than the environment's) into {run.target}",
+                ["install", "--no-deps", "--upgrade", "--target", str(run.target), *changed])  # fmt: skip
+
+
+def _probe_stamp(
+    cache_dir: Path, python: str, target: Path | None, have: Mapping[str, tuple[str | None, int | None]]
+) -> Path:
+    """Where a successful probe of exactly these installed files (and accelerator choice) is remembered."""
+    key = json.dumps([os.path.realpath(python), str(target), sorted(have.items()), os.environ.get("DS_ACCELERATOR")])
+    return cache_dir / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+def _cached_probe(stamp: Path) -> Probe | None:
+    try:
+        return Probe(**json.loads(stamp.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _keep_probe(stamp: Path, probe: Probe) -> None:
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(dataclasses.asdict(probe)))
+    except OSError:
+        pass  # a cache, nothing more
 
 
 def _wheelhouse(cache_dir: Path, torch_version: str) -> Path:
@@ -380,11 +447,13 @@ def install_deepspeed(
         )  # fmt: skip
 
     try:
-        have = installed_versions(python, ["torch", "deepspeed"], target)
-        torch_version = have["torch"]
-        if _same_version(have["deepspeed"], version) and _satisfies(have["torch"], torch_pin):
-            probe = probe_import(python, target=target)
+        have = _installed(python, ["torch", "deepspeed"], target)
+        torch_version = have["torch"][0]
+        if _same_version(have["deepspeed"][0], version) and _satisfies(torch_version, torch_pin):
+            stamp = _probe_stamp(cache_dir, python, target, have)
+            probe = _cached_probe(stamp) or probe_import(python, target=target)
             if probe.ok and _same_version(probe.deepspeed, version):
+                _keep_probe(stamp, probe)
                 return result(True, "already installed", None, probe)
         run.pip("installing torch and build tools", ["install", "-c", str(constraints), *BUILD_PREREQUISITES])
         torch_version = installed_versions(python, ["torch"])["torch"]
@@ -394,10 +463,7 @@ def install_deepspeed(
         wheel = build_wheel(
             version, python=python, constraints=constraints, wheelhouse=_wheelhouse(cache_dir, torch_version), run=run
         )
-        run.pip(
-            f"installing deepspeed {version}'s requirements",
-            ["install", "-c", str(constraints), *runtime_requirements(wheel)],
-        )
+        _install_requirements(run, f"deepspeed {version}'s requirements", runtime_requirements(wheel), constraints)
         where = ["--target", str(target), "--upgrade"] if target is not None else ["--force-reinstall"]
         run.pip(f"installing deepspeed {version}", ["install", "--no-deps", *where, str(wheel)])
     except InstallError as exc:
@@ -408,6 +474,7 @@ def install_deepspeed(
         return result(False, "failed", f"import failed: {error}", probe)
     if not _same_version(probe.deepspeed, version):
         return result(False, "failed", f"installed {version} but import finds deepspeed {probe.deepspeed}", probe)
+    _keep_probe(_probe_stamp(cache_dir, python, target, _installed(python, ["torch", "deepspeed"], target)), probe)
     return result(True, "installed", None, probe)
 
 

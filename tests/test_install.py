@@ -1,0 +1,234 @@
+"""dsrepro install: the recipe's decisions as pure functions, and its failure path with a stand-in interpreter.
+
+Real installs (pip, an sdist build, torch) are proved by tox itself (``tox -e ds0163``); here nothing touches the
+network or the environment running the tests: stand-in ``torch``/``deepspeed`` modules live in a target directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pytest_dsrepro import install, matrix
+from pytest_dsrepro.install import InstallResult, Probe
+
+
+def test_find_constraints_env_then_nearest_parent(tmp_path: Path) -> None:
+    (tmp_path / "constraints.txt").write_text("torch==2.13.0\n")
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    assert install.find_constraints({}, deep) == tmp_path / "constraints.txt"
+    assert install.find_constraints({"DSREPRO_CONSTRAINTS": "/x/c.txt"}, deep) == Path("/x/c.txt")
+    assert install.find_constraints({}, Path("/")) is None or Path("/constraints.txt").exists()
+
+
+def test_pinned_reads_the_torch_line(tmp_path: Path) -> None:
+    c = tmp_path / "c.txt"
+    c.write_text("# comment\n-r other.txt\nnumpy<3  # inline\nTorch == 2.13.0\n")
+    spec = install.pinned(c, "torch")
+    assert spec is not None and str(spec) == "==2.13.0"
+    assert install.pinned(c, "deepspeed") is None
+    assert install._satisfies("2.13.0+cpu", spec)  # the local CPU wheel satisfies the plain pin
+    assert not install._satisfies("2.14.0", spec)
+    assert not install._satisfies(None, spec)
+
+
+def test_the_repository_pins_torch() -> None:
+    root = Path(__file__).resolve().parents[1]
+    spec = install.pinned(root / "constraints.txt", "torch")
+    assert spec is not None and spec.contains("2.13.0+cpu") and not spec.contains("2.14.0")
+
+
+@pytest.mark.parametrize(
+    ("output", "reason"),
+    [
+        ("Collecting x\nERROR: Could not find a version that satisfies the requirement deepspeed==9.9\n"
+         "ERROR: No matching distribution found for deepspeed==9.9\n",
+         "Could not find a version that satisfies the requirement deepspeed==9.9"),
+        ("  File setup.py\n    import torch\nModuleNotFoundError: No module named 'torch'\n"
+         "error: subprocess-exited-with-error\nERROR: Failed building wheel\n",
+         "ModuleNotFoundError: No module named 'torch'"),
+        ("", "exit code 1"),
+        ("just words\nlast words\n", "last words"),
+    ],
+)  # fmt: skip
+def test_reason_is_the_line_that_says_what_went_wrong(output: str, reason: str) -> None:
+    assert install._reason(output, "exit code 1") == reason
+
+
+def test_runtime_requirements_leave_extras_out(tmp_path: Path) -> None:
+    wheel = tmp_path / "deepspeed-0.16.3-py3-none-any.whl"
+    meta = (
+        "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.16.3\nRequires-Dist: hjson\n"
+        'Requires-Dist: pydantic>=2.0.0\nRequires-Dist: torch\nRequires-Dist: triton; extra == "inf"\n'
+        'Requires-Dist: pywin32; sys_platform == "win32"\n\n'
+    )
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("deepspeed-0.16.3.dist-info/METADATA", meta)
+    assert install.runtime_requirements(wheel) == [
+        "hjson", "pydantic>=2.0.0", "torch", 'pywin32; sys_platform == "win32"']  # fmt: skip
+    assert install._cached_wheel(tmp_path, "0.16.3") == wheel
+    assert install._cached_wheel(tmp_path, "0.16.4") is None
+
+
+def stub_release(root: Path, *, deepspeed: str = "0.16.3", import_error: str | None = None) -> Path:
+    """Stand-in torch and deepspeed in a target directory, with dist-info so importlib.metadata finds them."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(
+        "__version__ = '2.13.0+cpu'\nclass cuda:\n    @staticmethod\n    def is_available():\n        return False\n"
+    )
+    (root / "deepspeed" / "accelerator").mkdir(parents=True)
+    body = f"raise RuntimeError({import_error!r})\n" if import_error else f"__version__ = {deepspeed!r}\n"
+    (root / "deepspeed" / "__init__.py").write_text(body)
+    (root / "deepspeed" / "accelerator" / "__init__.py").write_text(
+        "import os\nclass _A:\n    def device_name(self):\n        return os.environ['DS_ACCELERATOR']\n"
+        "def get_accelerator():\n    return _A()\n"
+    )
+    for name, version in (("torch", "2.13.0+cpu"), ("deepspeed", deepspeed)):
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    return root
+
+
+def test_probe_imports_with_cpu_accelerator_when_no_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    probe = install.probe_import(sys.executable, target=stub_release(tmp_path))
+    assert probe == Probe(ok=True, python=probe.python, torch="2.13.0+cpu", deepspeed="0.16.3", accelerator="cpu")
+
+
+def test_probe_reports_the_import_error(tmp_path: Path) -> None:
+    target = stub_release(tmp_path, import_error="CPU_Accelerator requires intel_extension_for_pytorch")
+    probe = install.probe_import(sys.executable, target=target)
+    assert not probe.ok and probe.torch == "2.13.0+cpu" and probe.deepspeed is None
+    assert probe.error == "RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch"
+    assert probe.traceback and "Traceback" in probe.traceback
+
+
+def test_probe_of_an_interpreter_that_dies(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'Fatal Python error: Segmentation fault' >&2\nkill -SEGV $$\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    probe = install.probe_import(str(fake))
+    assert not probe.ok and probe.error is not None
+    assert probe.error.startswith("import probe died (killed by signal 11)")
+
+
+def test_already_installed_release_needs_no_pip_and_is_remembered(tmp_path: Path) -> None:
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("torch==2.13.0\n")
+    target = stub_release(tmp_path / "site")
+    first = install.install_deepspeed(
+        "0.16.3", python=sys.executable, constraints=constraints, target=target, cache_dir=tmp_path / "cache"
+    )
+    assert (first.ok, first.action, first.steps, first.torch) == (True, "already installed", (), "2.13.0+cpu")
+    assert len(list((tmp_path / "cache" / "probes").iterdir())) == 1
+    # the same files again: the remembered probe answers; a reinstall (new METADATA time) would probe afresh
+    (target / "deepspeed" / "__init__.py").write_text("raise SystemExit('would have been imported')\n")
+    again = install.install_deepspeed(
+        "0.16.3", python=sys.executable, constraints=constraints, target=target, cache_dir=tmp_path / "cache"
+    )
+    assert again.ok and again.probe == first.probe
+
+
+@pytest.fixture
+def failing_pip(tmp_path: Path) -> Path:
+    """An interpreter that runs Python normally but whose pip cannot find anything."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then\n'
+        "  echo 'Looking in links: /opt/wheels'\n"
+        "  echo 'ERROR: Could not find a version that satisfies the requirement deepspeed==0.0.1' >&2\n"
+        "  exit 1\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
+def test_failed_install_is_a_result_not_an_exception(tmp_path: Path, failing_pip: Path) -> None:
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("torch==2.13.0\n")
+    result = install.install_deepspeed(
+        "0.0.1", python=str(failing_pip), constraints=constraints, target=tmp_path / "t", cache_dir=tmp_path / "cache",
+        log=tmp_path / "log.txt",
+    )  # fmt: skip
+    assert not result.ok and result.action == "failed"
+    assert result.reason == (
+        "installing torch and build tools failed: Could not find a version that satisfies the requirement "
+        "deepspeed==0.0.1"
+    )
+    assert result.steps and "-c " + str(constraints) in result.steps[0]
+    assert "ERROR: Could not find" in (tmp_path / "log.txt").read_text()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    install.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_run_records_an_unavailable_release_that_the_matrix_shows(
+    tmp_path: Path, failing_pip: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("torch==2.13.0\n")
+    results = tmp_path / "results"
+    code = install.run(
+        _args("0.0.1", "--python", str(failing_pip), "--constraints", str(constraints), "--results", str(results),
+              "--target", str(tmp_path / "t"), "--cache-dir", str(tmp_path / "cache"))
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "deepspeed 0.0.1 cannot run with torch" in err and "recorded as unavailable" in err
+    (path,) = results.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["schema"] == 1 and data["tests"] == [] and data["environment"]["deepspeed"] == "0.0.1"
+    m = matrix.merge(*matrix.load([results]))
+    (col,) = m.columns
+    assert col.version == "0.0.1" and col.unavailable_line is not None
+    assert col.unavailable_line.startswith("cannot run with torch ")
+    assert "Could not find a version" in col.unavailable_line
+
+
+def test_unavailable_file_names_the_pinned_torch_when_torch_never_arrived(tmp_path: Path) -> None:
+    constraints = tmp_path / "c.txt"
+    constraints.write_text("torch==2.13.0\n")
+    result = InstallResult("0.14.1", sys.executable, None, False, "failed", "pip failed", None, 1.0)
+    path = install.write_unavailable(tmp_path, result, constraints)
+    data = json.loads(path.read_text())
+    assert data["environment"]["torch"] == "2.13.0" and data["unavailable"] == "pip failed"
+    assert path.name.startswith("results-deepspeed-0.14.1-unavailable-")
+
+
+def test_run_refuses_without_constraints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("DSREPRO_CONSTRAINTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    if install.find_constraints() is not None:
+        pytest.skip("a constraints.txt above the temporary directory")
+    assert install.run(_args("0.16.3")) == 2
+    assert "refusing to install with torch unpinned" in capsys.readouterr().err
+
+
+def test_version_argument_is_checked() -> None:
+    with pytest.raises(SystemExit) as exc:
+        _args("latest")
+    assert exc.value.code == 2
+
+
+def test_recipe_constants() -> None:
+    assert install.BUILD_ENV == {"DS_BUILD_OPS": "0"}
+    assert os.environ.get("DS_BUILD_OPS") is None or install._env(None)["DS_BUILD_OPS"] == "0"
+    assert install._env(Path("/t"))["PYTHONPATH"].split(os.pathsep)[0] == "/t"
