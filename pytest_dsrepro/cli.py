@@ -189,15 +189,15 @@ def _partner(name: str) -> ModuleType | None:
 
 def _add_partners(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     helps = {
-        "matrix": "run the catalogue against several DeepSpeed releases: the bug x version matrix",
-        "install": "install one DeepSpeed release into the shared per-release cache",
+        "matrix": "merge results files of several DeepSpeed releases into the bug x version table",
+        "install": "install one DeepSpeed release (torch pinned) and prove it imports",
     }
     for name, text in helps.items():
         module = _partner(name)
         if module is None:
             continue
-        p = sub.add_parser(name, help=text, description=(module.__doc__ or text).strip().splitlines()[0])
-        module.add_arguments(p)
+        p = sub.add_parser(name, help=text, description=text)
+        module.add_arguments(p)  # may set its own description
         p.set_defaults(handler=module.run)
 
 
