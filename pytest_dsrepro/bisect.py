@@ -40,7 +40,13 @@ class Probe:
     version: Version
     bug: bool | None
     detail: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole probe
+    install_seconds: float = 0.0  # of which installing (or finding) the release
+
+    @property
+    def timing(self) -> str:
+        install = f", install {self.install_seconds:.1f} s" if self.install_seconds else ""
+        return f"{self.seconds:.1f} s{install}"
 
     @property
     def word(self) -> str:
@@ -245,14 +251,17 @@ class Prober:
 
     def __call__(self, version: Version) -> Probe:
         start = time.monotonic()
+        installed = start
 
         def done(bug: bool | None, detail: str) -> Probe:
-            return Probe(version, bug, detail, time.monotonic() - start)
+            return Probe(version, bug, detail, time.monotonic() - start, installed - start)
 
         try:
             env = dict(self.prepare(version))
         except Exception as exc:  # noqa: BLE001 - any install failure skips the release, with its reason
+            installed = time.monotonic()
             return done(None, f"cannot install or import: {' '.join(str(exc).split())[:400]}")
+        installed = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"dsrepro-bisect-{version}-") as tmp:
             args = [self.python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", tmp]
             proc = subprocess.run(

@@ -138,7 +138,7 @@ def _bisect(args: argparse.Namespace) -> int:
     def oracle(version: Version) -> bisect.Probe:
         probe = inner(version)
         detail = f" ({probe.detail})" if probe.detail else ""
-        print(f"    deepspeed {version}: {probe.word}{detail} in {probe.seconds:.1f} s", file=out, flush=True)
+        print(f"    deepspeed {version}: {probe.word}{detail} in {probe.timing}", file=out, flush=True)
         return probe
 
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -185,10 +186,15 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
     here = Version(deepspeed_version())
 
     def prepare(bug: str) -> Any:
-        return lambda version: {**os.environ, "BUG": bug}
+        def environment(version: Version) -> Mapping[str, str]:
+            time.sleep(0.01)  # an install, however quick, is timed
+            return {**os.environ, "BUG": bug}
+
+        return environment
 
     bad = Prober("test_flag.py::test_flag", prepare("1"), log_dir=tmp_path)(here)
     assert bad.bug is True and bad.detail.startswith("FAILED: ") and bad.seconds > 0
+    assert 0 < bad.install_seconds < bad.seconds and bad.timing.endswith(" s") and ", install " in bad.timing
     assert "test_flag.py F" in (tmp_path / f"deepspeed-{here}.log").read_text()
     assert Prober("test_flag.py::test_flag", prepare("0"))(here).bug is False
     # A release other than the one imported is never taken for the one asked.
