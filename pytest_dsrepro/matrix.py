@@ -367,15 +367,18 @@ def _terminal_text(matrix: Matrix, row: Row, column: Column) -> str:
 
 def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
     """A fixed-width table; below it the unexpected cells with their errors and the unavailable releases."""
-    head = [[c.version, c.environment_line if not c.unavailable else f"torch {c.torch or '?'}"] for c in matrix.columns]
-    if matrix.columns and len({tuple(h[1:]) for h in head}) == 1:  # same torch/backend everywhere: say it once
-        common = head[0][1]
-        head = [h[:1] for h in head]
-    else:
-        common = None
-    for h, c in zip(head, matrix.columns, strict=True):
+    # The same torch/backend/world size everywhere (the usual case): said once above the table, columns stay narrow.
+    envs = {c.environment_line for c in matrix.columns if not c.unavailable}
+    common: str | None = None
+    if matrix.columns and len(envs) <= 1 and len({c.torch for c in matrix.columns}) == 1:
+        common = envs.pop() if envs else f"torch {matrix.columns[0].torch or '?'}"
+    head: list[list[str]] = []
+    for c in matrix.columns:
+        setup = f"{c.backend or '?'}, {c.world_size or '?'} ranks"
+        lines = [c.version] if common else [c.version, f"torch {c.torch or '?'}", setup]
         if c.unavailable:
-            h.append("UNAVAILABLE")
+            lines[1 if common else 2 :] = ["UNAVAILABLE"]
+        head.append(lines)
     depth = max((len(h) for h in head), default=1)
     texts = {(r.nodeid, c.version): _terminal_text(matrix, r, c) for r in matrix.rows for c in matrix.columns}
     label_w = max([len("repro"), *(len(r.label) for r in matrix.rows)])

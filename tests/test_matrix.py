@@ -223,7 +223,9 @@ def test_terminal_table(catalogue: Path) -> None:
     text = render_terminal(build([catalogue]))
     lines = text.splitlines()
     assert lines[0].startswith("DeepSpeed repro matrix: 3 rows x 4 releases (")
-    assert "all releases" not in text  # the unavailable column differs, so each column says its own
+    assert "all releases: torch 2.13.0+cpu, gloo, 2 ranks" in text  # the unavailable column has the same torch
+    assert lines[3].split() == ["repro", "0.14.1", "0.16.3", "0.16.4", "0.18.3"]
+    assert lines[4].split() == ["UNAVAILABLE"]
     row = next(ln for ln in lines if ln.startswith(f"{MODULE_ID} [zero3-fixed]"))
     assert row.split()[2:] == ["n/a", "PASSES-WITH-FIX", "PASSES-WITH-FIX", "UNEXPECTED"]
     assert "\033[" not in text
@@ -237,6 +239,17 @@ def test_terminal_says_common_environment_once(tmp_path: Path) -> None:
     write(tmp_path, "0.16.4", [rec(STOCK, "FIXED")])
     text = render_terminal(build([tmp_path]))
     assert "all releases: torch 2.13.0+cpu, gloo, 2 ranks" in text
+
+
+def test_terminal_heads_each_column_when_environments_differ(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED")], torch="2.12.0+cpu")
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED")])
+    write(tmp_path, "0.14.1", [], unavailable="import failed")
+    lines = render_terminal(build([tmp_path])).splitlines()
+    assert "all releases" not in "\n".join(lines)
+    assert lines[2].split() == ["repro", "0.14.1", "0.16.3", "0.16.4"]
+    assert lines[3].split() == ["torch", "2.13.0+cpu", "torch", "2.12.0+cpu", "torch", "2.13.0+cpu"]
+    assert lines[4].split() == ["UNAVAILABLE", "gloo,", "2", "ranks", "gloo,", "2", "ranks"]
 
 
 def test_load_warns_about_foreign_and_broken_json(tmp_path: Path) -> None:
