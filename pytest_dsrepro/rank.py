@@ -114,34 +114,38 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def rendezvous(rank: int, world_size: int, workdir: Path, timeout: float) -> Any:
-    """A TCPStore on a loopback socket whose port the OS picks: no port scanning, no bind-and-close race, nothing
-    listening beyond this machine. Rank 0 publishes the port through the world's private directory."""
+def serve_store(workdir: Path, world_size: int) -> None:
+    """Host the world's TCPStore until the world is reaped (runs in its own process, forked beside the ranks).
+
+    The store lives on a loopback socket whose port the OS picks: no port scanning, no bind-and-close race, nothing
+    listening beyond this machine. Kept out of the ranks so that it outlives whichever rank finishes first.
+    """
     import socket
 
     import torch.distributed as dist
 
+    listener = socket.create_server((LOOPBACK, 0), backlog=max(128, world_size))
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # noqa: F841 - kept alive until the process is killed
+        LOOPBACK, port, world_size, True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
     port_file = layout.port_file(workdir)
-    if rank == 0:
-        listener = socket.create_server((LOOPBACK, 0), backlog=max(128, world_size))
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            LOOPBACK,
-            port,
-            world_size,
-            True,
-            timeout=_timeout(timeout),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),  # the store owns the socket from here on
-        )
-        tmp = port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(port_file)
-        return store
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(str(port))
+    tmp.rename(port_file)
+    while True:
+        time.sleep(3600)
+
+
+def rendezvous(world_size: int, workdir: Path, timeout: float) -> Any:
+    """Connect to the world's store once its port is published."""
+    import torch.distributed as dist
+
+    port_file = layout.port_file(workdir)
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 did not publish its store port within {timeout:.0f}s")
+            raise TimeoutError(f"the world's store did not publish its port within {timeout:.0f}s")
         time.sleep(0.002)
     port = int(port_file.read_text())
     return dist.TCPStore(LOOPBACK, port, world_size, False, timeout=_timeout(timeout))  # type: ignore[attr-defined]
@@ -205,7 +209,7 @@ def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix
 def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> dict[str, Any]:
     """The whole life of a spawned rank, except process plumbing (see ``server``)."""
     try:
-        store = rendezvous(rank, world_size, workdir, job.timeout)
+        store = rendezvous(world_size, workdir, job.timeout)
         set_rank_environment(rank, world_size, store.port)
         init_default_group(job.backend, store, rank, world_size, job.timeout)
     except BaseException as exc:  # noqa: BLE001

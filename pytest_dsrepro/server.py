@@ -7,7 +7,8 @@ Protocol over one socket (``multiprocessing.connection`` framing, pickled tuples
     server -> pytest  ("hello", facts) once ready; ("spawned", world, pids); ("exited", world, rank, returncode)
     pytest -> server  ("spawn", world, job_bytes, size, workdir); ("reap", world)
 End of file on the socket (pytest exited, even by SIGKILL) makes the server kill every process it started and exit.
-Ranks die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
+Each world is a store process (its TCPStore) and one process per rank. They die with the server
+(PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
 start are its children and get killed.
 """
 
@@ -20,6 +21,7 @@ import pickle
 import signal
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -65,11 +67,11 @@ def preload() -> dict[str, Any]:
     return facts
 
 
-def _start_rank(job: bytes, rank: int, size: int, workdir: Path, server_pid: int, conn: Connection) -> int:
+def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
+    """Fork a child of the server that runs ``body`` and exits; it never unwinds into the server's loop."""
     pid = os.fork()
     if pid:
         return pid
-    # --- in the rank ---
     code = 70
     try:
         conn.close()
@@ -77,18 +79,9 @@ def _start_rank(job: bytes, rank: int, size: int, workdir: Path, server_pid: int
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        out = os.open(layout.output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
-        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
-        from . import rank as rank_mod
-
-        result = rank_mod.run_rank(pickle.loads(job), rank, size, workdir)
-        rank_mod.write_result(workdir, rank, result)
+        body()
         code = 0
-    except BaseException:  # noqa: BLE001 - a rank never unwinds into the server's loop
+    except BaseException:  # noqa: BLE001 - reported through the output file, and the missing result
         import traceback
 
         traceback.print_exc()
@@ -96,6 +89,26 @@ def _start_rank(job: bytes, rank: int, size: int, workdir: Path, server_pid: int
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
+    out = os.open(layout.output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    from . import rank as rank_mod
+
+    rank_mod.write_result(workdir, rank, rank_mod.run_rank(pickle.loads(job), rank, size, workdir))
+
+
+def start_world(job: bytes, size: int, workdir: Path, server_pid: int, conn: Connection) -> list[int]:
+    """The world's store process, then its ranks; returns the ranks' pids."""
+    from . import rank as rank_mod
+
+    _fork(conn, server_pid, lambda: rank_mod.serve_store(workdir, size))
+    return [_fork(conn, server_pid, lambda r=r: _rank_body(job, r, size, workdir)) for r in range(size)]  # type: ignore[misc]
 
 
 def _child_exit_wakeups() -> int:
@@ -125,7 +138,7 @@ def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
             if kind == "spawn":
                 job, size, workdir = rest
                 open_worlds[world] = Path(workdir)
-                pids = [_start_rank(job, r, size, Path(workdir), me, conn) for r in range(size)]
+                pids = start_world(job, size, Path(workdir), me, conn)
                 worlds.update({pid: (world, r) for r, pid in enumerate(pids)})
                 conn.send(("spawned", world, pids))
             elif kind == "reap":  # pytest reads the directory, then discards it

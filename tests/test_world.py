@@ -58,6 +58,25 @@ def test_worlds_listen_on_loopback_only(pytester: pytest.Pytester, run: RunPytes
     run().assert_outcomes(passed=1)
 
 
+def test_the_store_outlives_the_first_rank_to_finish(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_late_rank(ds_rank):
+            import torch.distributed as dist
+            if ds_rank == 1:
+                time.sleep(1)  # rank 0 has long finished
+                store = dist.distributed_c10d._get_default_store()
+                store.set("late", "still here")
+                assert store.get("late") == b"still here"
+        """
+    )
+    run().assert_outcomes(passed=1)
+
+
 def test_world_size_from_option_and_marker(pytester: pytest.Pytester, run: RunPytest) -> None:
     pytester.makepyfile(
         """
