@@ -1,0 +1,97 @@
+"""Backporting an upstream fix onto an installed DeepSpeed release, for a repro's ``fix=``.
+
+An upstream fix is a source diff, so ``backport`` applies one: it recompiles a module's source with regex edits,
+finds (by comparing the syntax trees) every function and method the edits changed, and installs exactly those,
+decorators and all, through a ``pytest.MonkeyPatch``. The new code looks up its globals in a namespace that maps
+every other name to the live module's objects, and its ``super()`` cell holds the live class, so DeepSpeed keeps
+seeing one consistent module. An edit that matches nothing fails loudly: a backport that silently did nothing would
+make a repro's ``[fixed]`` variant a lie.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+
+class BackportError(Exception):
+    """The edits do not fit the installed source (it moved, or the fix is already there)."""
+
+
+def _attribute(class_name: str, name: str) -> str:
+    """The name a method is stored under: ``__private`` methods are mangled to ``_Class__private``."""
+    if name.startswith("__") and not name.endswith("__"):
+        return f"_{class_name.lstrip('_')}{name}"
+    return name
+
+
+def _definitions(source: str) -> dict[str, str]:
+    """``{"func": dump, "Class.method": dump}`` for the module's top-level functions and methods."""
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found[node.name] = ast.dump(node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{node.name}.{_attribute(node.name, item.name)}"] = ast.dump(item)
+    return found
+
+
+def _functions_within(obj: Any, seen: set[int] | None = None) -> Iterator[types.FunctionType]:
+    """A function and every function its closures hold (what decorators wrap)."""
+    seen = set() if seen is None else seen
+    if not inspect.isfunction(obj) or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield obj
+    for cell in obj.__closure__ or ():
+        try:
+            yield from _functions_within(cell.cell_contents, seen)
+        except ValueError:  # an empty cell
+            continue
+
+
+def _point_super_at(new_class: type, live_class: type) -> None:
+    """Methods compiled in ``new_class`` share one ``__class__`` cell; make ``super()`` there mean the live class."""
+    for member in vars(new_class).values():
+        for fn in _functions_within(member):
+            if "__class__" in fn.__code__.co_freevars and fn.__closure__:
+                fn.__closure__[fn.__code__.co_freevars.index("__class__")].cell_contents = live_class
+                return
+
+
+def backport(monkeypatch: pytest.MonkeyPatch, module_name: str, edits: Sequence[tuple[str, str]]) -> list[str]:
+    """Apply regex ``edits`` (pattern, replacement) to ``module_name``'s source; return what was patched."""
+    module = importlib.import_module(module_name)
+    original = inspect.getsource(module)
+    source = original
+    for pattern, replacement in edits:
+        source, count = re.subn(pattern, replacement, source)
+        if not count:
+            raise BackportError(f"{module_name}: {pattern!r} matches nothing in the installed source")
+    before, after = _definitions(original), _definitions(source)
+    changed = sorted(name for name, dump in after.items() if before.get(name) != dump)
+    if not changed:
+        raise BackportError(f"{module_name}: the edits changed no function or method")
+    namespace: dict[str, Any] = dict(vars(module))
+    exec(compile(source, module.__file__ or module_name, "exec"), namespace)  # noqa: S102 - that is a backport
+    new_objects = {}
+    for qualname in changed:
+        owner, _, attr = qualname.rpartition(".")
+        new_objects[qualname] = vars(namespace[owner])[attr] if owner else namespace[attr]
+        if owner:
+            _point_super_at(namespace[owner], getattr(module, owner))
+    # Everything but the patched functions resolves to the live objects (classes, module state, helpers).
+    namespace.update({k: v for k, v in vars(module).items() if k not in changed})
+    for qualname, new in new_objects.items():
+        owner, _, attr = qualname.rpartition(".")
+        monkeypatch.setattr(getattr(module, owner) if owner else module, attr, new)
+    return changed

@@ -1,0 +1,59 @@
+"""Small models and deterministic data for repros: built on demand, so importing this module imports no torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tiny_mlp(hidden: int = 16, seed: int = 0) -> Any:
+    """A two-layer MLP (in ``hidden`` -> out 1), identically initialised on every rank."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+
+def tiny_moe(num_experts: int = 4, hidden: int = 16, seed: int = 0, first_id: int = 100) -> Any:
+    """A mixture-of-experts layer whose experts carry user ids (``expert.id``), as MoE code uses them for placement.
+
+    ``placement()`` maps each expert id to the rank that owns it; routing sends each token to one expert.
+    """
+    import torch
+
+    class Expert(torch.nn.Module):
+        def __init__(self, expert_id: int) -> None:
+            super().__init__()
+            self.id = expert_id  # the user's id: what ZeRO-3 before 0.16.4 overwrote
+            self.ffn = torch.nn.Linear(hidden, hidden)
+
+        def forward(self, x: Any) -> Any:
+            return torch.relu(self.ffn(x))
+
+    class TinyMoE(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(hidden, num_experts)
+            self.experts = torch.nn.ModuleList(Expert(first_id + i) for i in range(num_experts))
+            self.head = torch.nn.Linear(hidden, 1)
+
+        def placement(self, world_size: int) -> dict[int, int]:
+            return {e.id: e.id % world_size for e in self.experts}
+
+        def forward(self, x: Any) -> Any:
+            choice = self.gate(x).argmax(dim=-1)
+            # every expert runs on every token (ZeRO-3 needs the same modules on every rank), routing picks one
+            outputs = torch.stack([e(x) for e in self.experts], dim=1)
+            picked = outputs[torch.arange(x.shape[0]), choice]
+            return self.head(picked)
+
+    torch.manual_seed(seed)
+    return TinyMoE()
+
+
+def make_batch(batch_size: int, hidden: int = 16, seed: int = 0, rank: int = 0) -> tuple[Any, Any]:
+    """``(x, y)`` for a regression step: different per rank, the same on every run."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(batch_size, hidden, generator=generator)
+    return x, x.sum(dim=-1, keepdim=True) * 0.1

@@ -1,0 +1,87 @@
+"""ZeRO-3 initialize overwrites the ``id`` attribute users set on their modules (deepspeedai/DeepSpeed#6772).
+
+Up to 0.16.3, ``DeepSpeedZeRoOffload._register_hooks_recursively`` numbered every submodule by assigning
+``module.id = <counter>``, and ZeRO-3's parameter coordinator keyed its trace and its active-submodule sets on that
+attribute. Mixture-of-experts code that keeps its own expert ids in ``module.id`` (for expert placement) silently
+got DeepSpeed's counters back. PR #6847 moved DeepSpeed's number to ``module.ds_id`` (first released in 0.16.4).
+"""
+
+import math
+
+import pytest
+
+from pytest_dsrepro.models import make_batch, tiny_moe
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero3-module-id-clobbered",
+        title="ZeRO-3 initialize overwrites user-set module.id attributes",
+        upstream="https://github.com/deepspeedai/DeepSpeed/issues/6772",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/6847",
+        fixed_in="0.16.4",
+        root_cause="ZeRO-3 stored its own submodule counter in module.id, replacing any value the user kept there; "
+        "its parameter coordinator then keyed prefetch traces and active-submodule sets on it.",
+    ),
+    pytest.mark.ds_world,
+]
+
+#: ZeRO-3 with every parameter partitioned: persistent parameters take a separate all-gather path that is not
+#: deterministic on gloo before 0.19.8 (see docs/repros.md), and this bug does not depend on them.
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+}
+
+
+def use_deepspeed_module_ids(monkeypatch):
+    """Backport of PR #6847: ZeRO-3 numbers modules in ``ds_id``; every reader in the two files moves with it."""
+    import inspect
+
+    from deepspeed.runtime.zero import parameter_offload
+
+    from pytest_dsrepro.backport import backport
+
+    if "module.ds_id = my_count" in inspect.getsource(parameter_offload):
+        return  # this release has the fix
+    backport(monkeypatch, "deepspeed.runtime.zero.parameter_offload", [(r"\b(module|sub_module)\.id\b", r"\1.ds_id")])
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.zero.partitioned_param_coordinator",
+        [
+            (r"\b(sub_module|submodule|current_submodule|m)\.id\b", r"\1.ds_id"),
+            (r"(self\.__submodule_order\[self\.__step_id\])\.id\b", r"\1.ds_id"),
+        ],
+    )
+
+
+@pytest.mark.ds_config(ZERO3)
+@pytest.mark.ds_version(
+    affected="<0.16.4",
+    raises=AssertionError,
+    match=r"ZeRO-3 initialize replaced the user's expert ids",
+    fix=use_deepspeed_module_ids,
+)
+def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_world_size):
+    import torch
+
+    model = tiny_moe(num_experts=4)
+    ids = [expert.id for expert in model.experts]
+    placement = model.placement(ds_world_size)
+
+    engine = ds_engine(model=model, optimizer="adam")
+
+    after = [expert.id for expert in model.experts]
+    assert after == ids, f"ZeRO-3 initialize replaced the user's expert ids: {ids} -> {after}"
+    assert model.placement(ds_world_size) == placement
+
+    # ZeRO-3's own bookkeeping must still work: trace recording, prefetch and release over several steps.
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank)
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], f"ZeRO-3 did not train: {losses}"
