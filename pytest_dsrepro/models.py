@@ -33,7 +33,9 @@ def tiny_moe(num_experts: int = 4, hidden: int = 16, seed: int = 0, first_id: in
         def __init__(self) -> None:
             super().__init__()
             self.gate = torch.nn.Linear(hidden, num_experts)
-            self.experts = torch.nn.ModuleList(Expert(first_id + i) for i in range(num_experts))
+            self.experts: list[Expert] = torch.nn.ModuleList(  # type: ignore[assignment]
+                Expert(first_id + i) for i in range(num_experts)
+            )
             self.head = torch.nn.Linear(hidden, 1)
 
         def placement(self, world_size: int) -> dict[int, int]:
