@@ -13,7 +13,9 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -208,6 +210,29 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
     assert skipped.bug is None and skipped.detail.startswith("cannot install or import: import failed: RuntimeError")
     missing = Prober("test_flag.py::test_nope", prepare("0"))(here)
     assert missing.bug is None and missing.detail.startswith("no test ran (pytest exit code 4)")
+
+
+def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each release's directory is guarded by a file lock: same release, one at a time; other releases in parallel."""
+    from pytest_dsrepro import install
+
+    spans: dict[str, list[tuple[float, float]]] = {}
+
+    def slow_install(version: str, *, target: Path, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(0.3)
+        spans.setdefault(version, []).append((start, time.monotonic()))
+        return SimpleNamespace(ok=True, reason=None)
+
+    monkeypatch.setattr(install, "install_deepspeed", slow_install)
+    prepares = [bisect.release_environment(tmp_path, tmp_path / "constraints.txt") for _ in range(2)]
+    jobs = [(prepare, Version(v)) for prepare in prepares for v in ("0.16.3", "0.16.4")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        envs = list(pool.map(lambda job: job[0](job[1]), jobs))
+    (first, second), (other, _) = sorted(spans["0.16.3"]), sorted(spans["0.16.4"])
+    assert first[1] <= second[0]  # the same release: strictly one after the other
+    assert other[0] < first[1] and first[0] < other[1]  # another release did not wait for it
+    assert envs[0]["PYTHONPATH"].split(os.pathsep)[0] == str(bisect.release_dir(tmp_path, Version("0.16.3")))
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
