@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 _BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -87,8 +89,16 @@ class ConfigError(Exception):
     pass
 
 
-def config_id(spec: object, index: int) -> str:
-    return spec if isinstance(spec, str) else f"config{index}"
+_PARAM_TYPE = type(pytest.param(None))
+
+
+def config_entry(spec: object, index: int) -> tuple[str, object]:
+    """``(test id, preset name or dict)`` for one ``ds_config`` argument: a preset is its own id, a dict is
+    ``config<N>`` unless given as ``pytest.param(dict, id="name")``."""
+    if isinstance(spec, _PARAM_TYPE):
+        value = spec.values[0] if len(spec.values) == 1 else spec.values
+        return (spec.id if isinstance(spec.id, str) else config_entry(value, index)[0]), value
+    return (spec if isinstance(spec, str) else f"config{index}"), spec
 
 
 def _fill(section: dict[str, Any], key: str, value: object) -> None:
@@ -151,7 +161,7 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
 
 
 def resolve(
-    spec: object, index: int, world_size: int, backend: str, args: TrainingArgs = TrainingArgs()
+    spec: object, name: str, world_size: int, backend: str, args: TrainingArgs = TrainingArgs()
 ) -> ResolvedConfig:
     """A preset name or a dict -> the config a world of this size and backend will hand to DeepSpeed."""
     if isinstance(spec, str):
@@ -165,4 +175,4 @@ def resolve(
     config = copy.deepcopy(dict(raw))
     resolve_auto(config, world_size, args)
     notes = adapt_to_backend(config, backend)
-    return ResolvedConfig(config_id(spec, index), config, tuple(notes))
+    return ResolvedConfig(name, config, tuple(notes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .configs import config_id
+from .configs import config_entry
 from .gates import FIXED, STOCK, common_fix, gates_of
 from .markers import MarkerError
 
@@ -25,8 +25,8 @@ def configs(metafunc: pytest.Metafunc) -> None:
         _fail(f"{where}: give presets and/or dicts as positional arguments, e.g. ds_config('zero3', {{...}})")
     if "ds_config" not in metafunc.fixturenames:
         _fail(f"{where}: the test uses neither the ds_config nor the ds_engine fixture, so the configs would be unused")
-    ids = [config_id(spec, i) for i, spec in enumerate(specs)]
-    metafunc.parametrize("ds_config", list(enumerate(specs)), ids=ids, indirect=True)
+    named = [config_entry(spec, i) for i, spec in enumerate(specs)]
+    metafunc.parametrize("ds_config", named, ids=[name for name, _ in named], indirect=True)
 
 
 def variants(metafunc: pytest.Metafunc) -> None:

@@ -161,13 +161,13 @@ def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
         pytest.fail(
             f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test", pytrace=False
         )
-    index, spec = param
+    name, spec = param
     s = request.config.stash[SETTINGS_KEY]
     prepared = request.node.stash.get(PREPARED_KEY, None)
     size = prepared.spec.size if prepared else s.world_size
     backend = prepared.backend if prepared else "gloo"
     try:
-        resolved = configs.resolve(spec, index, size, backend)
+        resolved = configs.resolve(spec, name, size, backend)
     except configs.ConfigError as exc:
         pytest.fail(f"@pytest.mark.ds_config on {request.node.nodeid}: {exc}", pytrace=False)
     request.node.stash[results.CONFIG_KEY] = resolved

@@ -55,7 +55,7 @@ def use_deepspeed_module_ids(monkeypatch):
     )
 
 
-@pytest.mark.ds_config(ZERO3)
+@pytest.mark.ds_config(pytest.param(ZERO3, id="zero3_all_partitioned"))
 @pytest.mark.ds_version(
     affected="<0.16.4",
     raises=AssertionError,

@@ -9,7 +9,7 @@ from pytest_dsrepro.configs import PRESETS, ConfigError, resolve
 
 
 def test_auto_values_resolve_like_hugging_face() -> None:
-    resolved = resolve("zero2", 0, world_size=2, backend="nccl")
+    resolved = resolve("zero2", "zero2", world_size=2, backend="nccl")
     config = resolved.config
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 1
@@ -17,16 +17,16 @@ def test_auto_values_resolve_like_hugging_face() -> None:
     assert config["optimizer"]["params"] == {"lr": 1e-3, "weight_decay": 0.0}
     assert config["fp16"]["enabled"] is True  # a GPU world keeps fp16
     assert resolved.notes == ()
-    assert resolve("zero3_offload", 0, world_size=4, backend="nccl").config["train_batch_size"] == 8
+    assert resolve("zero3_offload", "zero3_offload", world_size=4, backend="nccl").config["train_batch_size"] == 8
 
 
 def test_cpu_world_adaptations_are_said() -> None:
-    resolved = resolve("zero3_offload", 0, world_size=2, backend="gloo")
+    resolved = resolve("zero3_offload", "zero3_offload", world_size=2, backend="gloo")
     assert resolved.config["fp16"] == {"enabled": False}
     assert resolved.config["zero_optimization"]["offload_param"]["pin_memory"] is False
     assert resolved.notes[0] == "fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world"
     assert any("offload_optimizer.pin_memory -> false" in n for n in resolved.notes)
-    zero2 = resolve("zero2", 0, world_size=2, backend="gloo")
+    zero2 = resolve("zero2", "zero2", world_size=2, backend="gloo")
     assert zero2.config["optimizer"]["params"]["torch_adam"] is True
     assert "optimizer AdamW -> torch implementation: DeepSpeed's CPU Adam is a JIT build" in zero2.notes
 
@@ -34,16 +34,16 @@ def test_cpu_world_adaptations_are_said() -> None:
 def test_presets_are_not_mutated_by_resolution() -> None:
     before = repr(PRESETS)
     for name in PRESETS:
-        resolve(name, 0, world_size=2, backend="gloo")
+        resolve(name, name, world_size=2, backend="gloo")
     assert repr(PRESETS) == before
 
 
 def test_dicts_and_unknown_names() -> None:
-    resolved = resolve({"zero_optimization": {"stage": 1}}, 2, world_size=2, backend="gloo")
+    resolved = resolve({"zero_optimization": {"stage": 1}}, "config2", world_size=2, backend="gloo")
     assert resolved.name == "config2"
     assert resolved.config["train_batch_size"] == 4
     with pytest.raises(ConfigError, match=r"unknown preset 'zer3'; presets: zero0, zero1, zero2, zero3, zero3_offload"):
-        resolve("zer3", 0, world_size=2, backend="gloo")
+        resolve("zer3", "zer3", world_size=2, backend="gloo")
 
 
 def test_every_preset_trains_a_step_in_a_real_world(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -53,7 +53,10 @@ def test_every_preset_trains_a_step_in_a_real_world(pytester: pytest.Pytester, r
         import pytest
 
         @pytest.mark.ds_world
-        @pytest.mark.ds_config("zero0", "zero1", "zero2", "zero3", "zero3_offload", {"zero_optimization": {"stage": 2}})
+        @pytest.mark.ds_config(
+            "zero0", "zero1", "zero2", "zero3", "zero3_offload", {"zero_optimization": {"stage": 2}},
+            pytest.param({"zero_optimization": {"stage": 1}}, id="stage1_inline"),
+        )
         def test_step(ds_engine, ds_config, ds_rank):
             import torch
             torch.manual_seed(0)
@@ -68,9 +71,14 @@ def test_every_preset_trains_a_step_in_a_real_world(pytester: pytest.Pytester, r
         """
     )
     result = run("-v")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
     result.stdout.fnmatch_lines_random(
-        ["*test_step?zero2? PASSED*", "*test_step?zero3_offload? PASSED*", "*test_step?config5? PASSED*"]
+        [
+            "*test_step?zero2? PASSED*",
+            "*test_step?zero3_offload? PASSED*",
+            "*test_step?config5? PASSED*",
+            "*test_step?stage1_inline? PASSED*",
+        ]
     )
 
 

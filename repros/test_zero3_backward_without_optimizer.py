@@ -1,0 +1,84 @@
+"""``engine.backward`` on a ZeRO-3 engine built without an optimizer dies with an AttributeError.
+
+With no optimizer passed and no ``optimizer`` section, ``deepspeed.initialize`` wraps a ``DummyOptim`` and ZeRO-3
+puts a ``DeepSpeedZeRoOffload`` (parameter partitioning only) where the optimizer goes. ``engine.backward`` refuses
+only ``None``/``DummyOptim``, then calls optimizer-only hooks on it: ``optimizer.backward`` (up to 0.18.2),
+``overlapping_partition_gradients_reduce_epilogue`` from ``allreduce_gradients`` (0.18.3-0.19.4), and
+``set_gradient_accumulation_boundary`` from the backward prologue (0.19.5 on). One root cause, three messages;
+unfixed upstream at the time of writing. Every rank raises the same error; offloading is not needed to trigger it.
+"""
+
+import math
+
+import pytest
+
+from pytest_dsrepro.models import make_batch, tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero3-backward-without-optimizer",
+        title="ZeRO-3 engine without optimizer: engine.backward raises AttributeError on DeepSpeedZeRoOffload",
+        upstream="https://github.com/deepspeedai/DeepSpeed/blob/v0.18.3/deepspeed/runtime/engine.py#L2300",
+        fix_ref=None,
+        fixed_in=None,
+        root_cause="engine.backward calls optimizer-only hooks on DeepSpeedZeRoOffload, the stand-in ZeRO-3 puts in "
+        "place of an optimizer when none is given; the calls are not guarded.",
+    ),
+    pytest.mark.ds_world,
+]
+
+ATTRIBUTE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
+
+
+def guard_optimizer_hooks(monkeypatch):
+    """Our fix (seed option 2, generalised): without an optimizer there is no gradient partitioning to drive, so
+    ZeRO-3's stand-in answers the engine's gradient hooks as a plain model would: autograd for ``backward``, nothing
+    for the reduce epilogue and the accumulation boundary. ZeRO-3's own parameter hooks still gather and release."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    def backward(self, loss, retain_graph=False):
+        loss.backward(retain_graph=retain_graph)
+
+    def overlapping_partition_gradients_reduce_epilogue(self):
+        pass
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        pass
+
+    for hook in (backward, overlapping_partition_gradients_reduce_epilogue, set_gradient_accumulation_boundary):
+        if not hasattr(DeepSpeedZeRoOffload, hook.__name__):
+            monkeypatch.setattr(DeepSpeedZeRoOffload, hook.__name__, hook, raising=False)
+
+
+@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_version(
+    affected="<0.18.3", raises=AttributeError, match=ATTRIBUTE.format("backward"), fix=guard_optimizer_hooks
+)
+@pytest.mark.ds_version(
+    affected=">=0.18.3,<0.19.5",
+    raises=AttributeError,
+    match=ATTRIBUTE.format("overlapping_partition_gradients_reduce_epilogue"),
+    fix=guard_optimizer_hooks,
+)
+@pytest.mark.ds_version(
+    affected=">=0.19.5",
+    raises=AttributeError,
+    match=ATTRIBUTE.format("set_gradient_accumulation_boundary"),
+    fix=guard_optimizer_hooks,
+)
+def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_rank):
+    import torch
+
+    engine = ds_engine(model=tiny_mlp(seed=3), optimizer=None)
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=2, rank=ds_rank)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+
+    # Backward really ran: every parameter has this rank's full gradient, equal to plain autograd's on the same data.
+    reference = tiny_mlp(seed=3)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    for (name, param), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
+        grad = param.grad
+        assert grad is not None, f"{name}: no gradient after engine.backward"
+        assert tuple(grad.shape) == tuple(param.ds_shape), f"{name}: gradient {tuple(grad.shape)}"
+        assert all(math.isfinite(v) for v in grad.flatten().tolist()) and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected.grad, msg=f"{name}: gradient differs from plain autograd")
