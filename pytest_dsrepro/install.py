@@ -566,12 +566,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsrepro install: recorded as unavailable in {path}", file=sys.stderr)
     return 1
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_dsrepro.install")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

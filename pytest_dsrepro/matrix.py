@@ -614,12 +614,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
     return exit_code(matrix, fail_on_unavailable=args.fail_on_unavailable)
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_dsrepro.matrix")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
