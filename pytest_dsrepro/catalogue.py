@@ -79,6 +79,11 @@ class _Collector:
             )
 
 
+def oldest_first(specs: Iterable[str]) -> list[str]:
+    """Affected ranges in reading order: ``<0.18.3`` before ``>=0.18.3,<0.19.5`` before ``>=0.19.5``."""
+    return sorted(specs, key=_lower_bound)
+
+
 def _lower_bound(spec: str) -> tuple[int, Version]:
     """Sort key: ranges read from the oldest releases up (``<0.18.3`` before ``>=0.18.3,<0.19.5``)."""
     try:
@@ -125,7 +130,7 @@ def entries_from_rows(rows: Iterable[dict[str, Any]], root: Path | None = None) 
             if spec not in entry["affected"]:
                 entry["affected"].append(spec)
     return [
-        Entry(**{**e, "affected": tuple(sorted(e["affected"], key=_lower_bound)), "tests": tuple(e["tests"])})
+        Entry(**{**e, "affected": tuple(oldest_first(e["affected"])), "tests": tuple(e["tests"])})
         for e in merged.values()
     ]
 

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .catalogue import oldest_first
+
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000
 
@@ -151,7 +153,7 @@ def _repro(repro: Mapping[str, Any] | None) -> list[str]:
     lines = [f"- **Repro:** `{repro.get('id')}` - {repro.get('title') or '(no title)'}"]
     if upstream:
         lines.append(f"- **Upstream:** {upstream}")
-    affected = [a for a in repro.get("affected") or [] if a]
+    affected = oldest_first(str(a) for a in repro.get("affected") or [] if a)
     if affected:
         lines.append("- **Affected:** " + " or ".join(f"`deepspeed{a}`" for a in affected))
     fixed = repro.get("fixed_in")

@@ -128,6 +128,10 @@ def test_passing_repro_has_no_failure_blocks() -> None:
     section = _section(render_markdown(RUN), PASSING["nodeid"])
     assert "- **Fixed in:** 0.16.4 (PR #6847)" in section
     assert "- **Affected:** `deepspeed<0.16.4`" in section
+    three = {**PASSING, "repro": {**REPRO, "affected": [">=0.19.5", ">=0.18.3,<0.19.5", "<0.18.3"]}}
+    assert "- **Affected:** `deepspeed<0.18.3` or `deepspeed>=0.18.3,<0.19.5` or `deepspeed>=0.19.5`" in (
+        render_markdown({**RUN, "tests": [three]})
+    )
     assert "- **Outcome:** passed in 1.5 s (fixed variant)" in section
     assert "Traceback" not in section and "Result" not in section
     assert "Resolved DeepSpeed config" in section
