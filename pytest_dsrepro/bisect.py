@@ -200,7 +200,9 @@ def describe(records: Iterable[Mapping[str, Any]]) -> str:
             continue
         label = r.get("verdict") or str(r.get("outcome", "?")).upper()
         error = r.get("error")
-        parts.append(f"{label}" + (f": {error}" if error else ""))
+        parts.append(
+            str(error) if error and str(error).startswith(str(label)) else f"{label}: {error}" if error else label
+        )
     return "; ".join(parts)
 
 

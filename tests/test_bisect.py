@@ -142,6 +142,18 @@ def test_progress_is_told_before_each_probe() -> None:
     assert seen[0] == ("0.15.4", 1, 7) and seen[1][0] == "0.18.3"
 
 
+def test_describe_says_each_verdict_once() -> None:
+    records = [
+        _record("REPRODUCED", "xfailed", error="REPRODUCED on deepspeed 0.16.1: ranks 0-1: AssertionError: ids"),
+        _record(None, "failed", None, error="AssertionError: x"),
+        _record("FIXED", "passed"),
+        _record("PASSES-WITH-FIX", "passed", "fixed"),
+    ]
+    assert bisect.describe(records) == (
+        "REPRODUCED on deepspeed 0.16.1: ranks 0-1: AssertionError: ids; FAILED: AssertionError: x; FIXED"
+    )
+
+
 def test_specifier() -> None:
     assert specifier(Version("0.16.4"), fixed=True) == "<0.16.4"
     assert specifier(Version("0.18.3"), fixed=False) == ">=0.18.3"
