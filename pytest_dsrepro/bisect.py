@@ -200,9 +200,12 @@ def describe(records: Iterable[Mapping[str, Any]]) -> str:
             continue
         label = r.get("verdict") or str(r.get("outcome", "?")).upper()
         error = r.get("error")
-        parts.append(
-            str(error) if error and str(error).startswith(str(label)) else f"{label}: {error}" if error else label
-        )
+        if not error:
+            parts.append(str(label))
+        elif str(error).startswith(str(label)):  # "REPRODUCED on deepspeed ...": the verdict is already said
+            parts.append(str(error))
+        else:
+            parts.append(f"{label}: {error}")
     return "; ".join(parts)
 
 
