@@ -1,8 +1,8 @@
 """dsrepro bisect: the pure search over releases with fake oracles, reading probe results, the command's output, and
 (slow, opt-in) a real bisect over PyPI releases.
 
-The real bisect installs and JIT-builds several DeepSpeed releases (about 2-3 minutes each on 2 cores), so it does not
-run by default. Run it with:
+The real bisect installs and JIT-builds several DeepSpeed releases (2-4 minutes each the first time on 2 cores; 18.5
+minutes for its 7 probes cold, about 7 warm), so it does not run by default. Run it with:
 
     DSREPRO_SLOW=1 python -m pytest tests/test_bisect.py -k real -v
 """
