@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,6 +93,17 @@ def test_markdown(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -
     assert out[2] == ("| `zero3-no-optimizer-backward` | ZeRO-3 backward without optimizer | "
                       "[https://example.invalid/issues/1](https://example.invalid/issues/1) | "
                       "`<0.18.3` \\| `>=0.18.3,<0.19.5` \\| `>=0.19.5` | unfixed |")  # fmt: skip
+
+
+def test_listing_writes_no_results_or_report(
+    repros: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = repros.path / "out"
+    monkeypatch.setenv("DSREPRO_RESULTS", str(out))
+    monkeypatch.setenv("DSREPRO_REPORT", str(out / "report.md"))
+    assert cli.main(["list"]) == 0
+    assert not out.exists()
+    assert os.environ["DSREPRO_RESULTS"] == str(out)  # and the environment is as it was
 
 
 def test_collection_errors_and_empty(pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
