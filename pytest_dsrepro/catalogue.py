@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,24 +135,6 @@ def entries_from_rows(rows: Iterable[dict[str, Any]], root: Path | None = None) 
     ]
 
 
-#: The plugin's environment settings that make a run write files; a catalogue listing must write none.
-_OUTPUT_ENV = ("DSREPRO_RESULTS", "DSREPRO_REPORT")
-
-
-@contextlib.contextmanager
-def _without_outputs() -> Iterator[None]:
-    """Hide ``$DSREPRO_RESULTS``/``$DSREPRO_REPORT`` from the in-process collection, then put them back.
-
-    Set for a tox environment or a shell, they would make the plugin write an empty results file (a bogus run in
-    ``dsrepro matrix``) or report for a mere listing.
-    """
-    saved = {name: os.environ.pop(name) for name in _OUTPUT_ENV if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
 def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]:
     """Collect ``paths`` with pytest in this process and return the catalogue.
 
@@ -162,7 +143,7 @@ def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]
     collector = _Collector()
     out = io.StringIO()
     args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, *paths]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), _without_outputs():
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         code = pytest.main(args, plugins=[collector])
     if collector.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         detail = "\n".join(collector.errors) or out.getvalue().strip()

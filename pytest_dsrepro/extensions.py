@@ -3,12 +3,13 @@
 DeepSpeed builds ``deepspeed_shm_comm`` with ninja/g++ the first time a process group is set up on CPU (45-150 s
 cold). Torch caches builds under ``TORCH_EXTENSIONS_DIR`` keyed by name only, so releases that share the directory
 rebuild each other's op on every switch; and a build killed midway leaves torch's ``lock`` file behind, which makes
-every later build of that directory wait forever. Hence: one directory per (DeepSpeed, torch) pair, one builder at a
-time across processes (``filelock``), and stale torch locks removed while we hold ours.
+every later build of that directory wait forever. Hence: one directory per DeepSpeed install (release, torch,
+location), one builder at a time across processes (``filelock``), and stale torch locks removed while we hold ours.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -21,8 +22,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "pytest-dsrepro"
 
 
-def extensions_dir(cache_dir: Path, deepspeed_version: str, torch_version: str) -> Path:
-    return cache_dir / "torch_extensions" / f"deepspeed-{deepspeed_version}-torch-{torch_version}"
+def extensions_dir(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
+    """Keyed by where DeepSpeed is installed too: the build files name its sources by absolute path, so two
+    installs of one release (a tox env, a bisect probe) sharing a directory would rebuild each other's op."""
+    where = hashlib.sha256(str(deepspeed_dir.resolve()).encode()).hexdigest()[:10]
+    return cache_dir / "torch_extensions" / f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}"
 
 
 def remove_stale_locks(directory: Path) -> list[Path]:
@@ -44,7 +48,9 @@ def warm_up() -> str:
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         cache = Path(os.environ.get(CACHE_ENV) or default_cache_dir())
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(cache, deepspeed.__version__, torch.__version__))
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(
+            extensions_dir(cache, deepspeed.__version__, torch.__version__, Path(deepspeed.__file__).parent)
+        )
     directory = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     directory.mkdir(parents=True, exist_ok=True)
     from deepspeed.comm.torch import build_shm_op

@@ -565,4 +565,3 @@ def run(args: argparse.Namespace) -> int:
         path = write_unavailable(args.results, result, constraints)
         print(f"dsrepro install: recorded as unavailable in {path}", file=sys.stderr)
     return 1
-

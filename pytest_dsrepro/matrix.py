@@ -613,4 +613,3 @@ def run(args: argparse.Namespace) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     return exit_code(matrix, fail_on_unavailable=args.fail_on_unavailable)
-

@@ -111,8 +111,8 @@ class _RunCollector:
                 terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if results.is_xdist_worker(self.config):
-            return
+        if results.is_xdist_worker(self.config) or self.config.option.collectonly:
+            return  # the controller writes; a mere collection writes nothing
         s = self.config.stash[SETTINGS_KEY]
         facts = self.config.stash[RUNNER_KEY].server.facts
         backend, _ = markers.settle_backend(s.backend, s.world_size, facts.cuda_devices if facts else 0)

@@ -114,7 +114,9 @@ def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str |
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     if report.failed:
-        return report.longreprtext.strip().splitlines()[0] if report.longreprtext.strip() else "failed"
+        crash = getattr(report.longrepr, "reprcrash", None)  # the exception line, as pytest's short summary shows it
+        text = crash.message if crash is not None else report.longreprtext.strip()
+        return text.splitlines()[0] if text.strip() else "failed"
     return None
 
 

@@ -69,6 +69,8 @@ def preload() -> dict[str, Any]:
 
 def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
     """Fork a child of the server that runs ``body`` and exits; it never unwinds into the server's loop."""
+    sys.stdout.flush()  # or the child would inherit, and later write, whatever the server had buffered
+    sys.stderr.flush()
     pid = os.fork()
     if pid:
         return pid
@@ -96,6 +98,8 @@ def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+    for stream in (sys.stdout, sys.stderr):  # keep Python's prints in order with C-level writes to the same file
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     from . import rank as rank_mod

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from pytest_dsrepro.extensions import CACHE_ENV, default_cache_dir
+from pytest_dsrepro.settings import OPTIONS
 
 TAG = "DSREPRO_TEST_TAG"
 #: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).
@@ -38,6 +39,14 @@ def wait_for_no_processes(tag: str, timeout: float = 15.0) -> list[psutil.Proces
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+@pytest.fixture(autouse=True)
+def hermetic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's pytest runs see only the settings each test gives them, not the caller's DSREPRO_* choices."""
+    for option in OPTIONS:
+        if option.name != "cache_dir":
+            monkeypatch.delenv(option.env, raising=False)
 
 
 @pytest.fixture

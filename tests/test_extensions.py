@@ -11,10 +11,12 @@ from conftest import REAL_CACHE, RunPytest, deepspeed_version
 from pytest_dsrepro.extensions import extensions_dir, remove_stale_locks
 
 
-def test_one_directory_per_release_pair(tmp_path: Path) -> None:
-    a = extensions_dir(tmp_path, "0.16.3", "2.13.0")
-    b = extensions_dir(tmp_path, "0.16.4", "2.13.0")
-    assert a != b and a.parent == b.parent
+def test_one_directory_per_install(tmp_path: Path) -> None:
+    a = extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env1")
+    b = extensions_dir(tmp_path, "0.16.4", "2.13.0", tmp_path / "env1")
+    c = extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env2")
+    assert len({a, b, c}) == 3 and a.parent == b.parent == c.parent
+    assert a == extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env1")
 
 
 def test_stale_torch_locks_are_found_and_removed(tmp_path: Path) -> None:
@@ -29,16 +31,9 @@ def test_a_killed_build_does_not_hang_the_next_run(
     pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cache whose build directory holds torch's lock file (as a killed build leaves it) still runs at once."""
+    import deepspeed
     import torch
 
-    source = extensions_dir(Path(REAL_CACHE), deepspeed_version(), torch.__version__)
-    if not (source / "deepspeed_shm_comm").is_dir():
-        pytest.skip(f"no warm build to copy at {source} (the rest of the suite builds it)")
-    cache = pytester.path / "cache"
-    target = extensions_dir(cache, deepspeed_version(), torch.__version__)
-    shutil.copytree(source, target)
-    (target / "deepspeed_shm_comm" / "lock").write_text("")
-    monkeypatch.setenv("DSREPRO_CACHE_DIR", str(cache))
     pytester.makepyfile(
         """
         import pytest
@@ -49,5 +44,14 @@ def test_a_killed_build_does_not_hang_the_next_run(
             deepspeed.init_distributed(dist_backend="gloo")
         """
     )
+    installed = Path(deepspeed.__file__).parent
+    source = extensions_dir(Path(REAL_CACHE), deepspeed_version(), torch.__version__, installed)
+    if not (source / "deepspeed_shm_comm").is_dir():
+        run(timeout=1800).assert_outcomes(passed=1)  # a cold cache: build the op once, in the real cache
+    cache = pytester.path / "cache"
+    target = extensions_dir(cache, deepspeed_version(), torch.__version__, installed)
+    shutil.copytree(source, target)
+    (target / "deepspeed_shm_comm" / "lock").write_text("")
+    monkeypatch.setenv("DSREPRO_CACHE_DIR", str(cache))
     run(timeout=120).assert_outcomes(passed=1)
     assert not (target / "deepspeed_shm_comm" / "lock").exists()
