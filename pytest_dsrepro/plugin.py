@@ -13,6 +13,7 @@ import pytest
 from . import configs, execution, launcher, markers, parametrize, results, settings
 from .engine import EngineFactory
 from .execution import PREPARED_KEY, RUNNER_KEY
+from .gates import installed_deepspeed
 from .rank import RankValue
 from .settings import SETTINGS_KEY
 from .world import WorldRunner
@@ -105,8 +106,7 @@ class _RunCollector:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         lines = self.run.summary_lines()
         if lines:
-            version = results.environment("", 0)["deepspeed"]
-            terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {version})")
+            terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {installed_deepspeed()})")
             for line in lines:
                 terminalreporter.write_line(line)
 
