@@ -1,0 +1,88 @@
+"""backport: an upstream diff applied to an installed module, through a MonkeyPatch, and undone with it."""
+
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_dsrepro.backport import BackportError, backport
+
+SOURCE = """
+
+STATE = []
+
+
+def traced(fn):
+    def wrapper(*args, **kwargs):  # no functools.wraps, like DeepSpeed's instrument_w_nvtx
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class Base:
+    def tag(self, module):
+        return "base"
+
+
+class Registry(Base):
+    def register(self, module):
+        module.id = len(STATE)
+        STATE.append(module)
+        return super().tag(module)
+
+    @traced
+    def lookup(self, module):
+        return module.id
+
+    def __private(self, module):
+        return module.id
+
+    def private(self, module):
+        return self.__private(module)
+
+
+def number(module):
+    return module.id
+"""
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    (tmp_path / "fake_ds.py").write_text(textwrap.dedent(SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_ds
+
+    yield fake_ds
+    sys.modules.pop("fake_ds", None)
+
+
+class Module:
+    pass
+
+
+def test_every_changed_function_moves_together_and_is_undone(fake) -> None:
+    registry = fake.Registry()
+    with pytest.MonkeyPatch.context() as mp:
+        patched = backport(mp, "fake_ds", [(r"\bmodule\.id\b", "module.ds_id")])
+        assert patched == ["Registry._Registry__private", "Registry.lookup", "Registry.register", "number"]
+        m = Module()
+        m.id = "user"
+        assert registry.register(m) == "base"  # super() still resolves against the live class
+        assert m.id == "user" and m.ds_id == 0
+        assert registry.lookup(m) == 0 and registry.private(m) == 0 and fake.number(m) == 0
+        assert isinstance(registry, fake.Registry) and fake.STATE == [m]  # live classes and module state
+    m2 = Module()
+    registry.register(m2)
+    assert m2.id == 1 and not hasattr(m2, "ds_id")  # undone
+
+
+def test_edits_that_do_not_fit_fail_loudly(fake) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        expected = "fake_ds: " + repr(r"module\.uid") + " matches nothing in the installed source"
+        with pytest.raises(BackportError, match=re.escape(expected)):
+            backport(mp, "fake_ds", [(r"module\.uid", "module.ds_uid")])
+        with pytest.raises(BackportError, match="fake_ds: the edits changed no function or method"):
+            backport(mp, "fake_ds", [(r"STATE = \[\]", "STATE = []  # same")])
