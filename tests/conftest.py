@@ -74,6 +74,18 @@ def run(pytester: pytest.Pytester, process_tag: str) -> RunPytest:
     return _run
 
 
+def run_marked(pytester: pytest.Pytester, run: RunPytest, marker: str) -> pytest.RunResult:
+    """Run one empty test ``test_marked`` carrying ``@pytest.mark.<marker>``."""
+    pytester.makepyfile(f"import pytest\n\n@pytest.mark.{marker}\ndef test_marked():\n    pass\n")
+    return run()
+
+
+def assert_clear_error(result: pytest.RunResult, marker: str, message: str) -> None:
+    """The message names the marker, the test and the value, without a traceback."""
+    result.stdout.fnmatch_lines([f"*@pytest.mark.{marker} on *::test_marked: {message}*"])
+    assert "Traceback" not in result.stdout.str()
+
+
 def deepspeed_version() -> str:
     from importlib import metadata
 

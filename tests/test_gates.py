@@ -6,7 +6,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from conftest import RunPytest, deepspeed_version
+from conftest import RunPytest, assert_clear_error, deepspeed_version, run_marked
 from pytest_dsrepro.gates import FIXED, STOCK, Verdict, VersionGate, gates_of, judge
 from pytest_dsrepro.markers import MarkerError
 from pytest_dsrepro.outcome import ErrorInfo, RankResult, Status
@@ -125,19 +125,9 @@ def test_gates_of_reads_every_marker(pytester: pytest.Pytester) -> None:
 def test_bad_ds_version_is_a_collection_error_naming_test_and_argument(
     pytester: pytest.Pytester, run: RunPytest, args: str, message: str
 ) -> None:
-    pytester.makepyfile(
-        f"""
-        import pytest
-
-        @pytest.mark.ds_version({args})
-        def test_gated():
-            pass
-        """
-    )
-    result = run()
+    result = run_marked(pytester, run, f"ds_version({args})")
     assert result.ret == pytest.ExitCode.INTERRUPTED
-    result.stdout.fnmatch_lines([f"*@pytest.mark.ds_version on *::test_gated: {message}*"])
-    assert "Traceback" not in result.stdout.str()
+    assert_clear_error(result, "ds_version", message)
 
 
 def test_different_fixes_are_refused(pytester: pytest.Pytester, run: RunPytest) -> None:

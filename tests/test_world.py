@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import RunPytest, wait_for_no_processes
+from conftest import RunPytest, assert_clear_error, run_marked, wait_for_no_processes
 
 
 def test_body_runs_in_every_rank_with_fixtures_and_params(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -328,19 +328,9 @@ def test_unpicklable_fixture_is_named(pytester: pytest.Pytester, run: RunPytest)
 def test_bad_world_marker_names_marker_test_and_value(
     pytester: pytest.Pytester, run: RunPytest, marker: str, message: str
 ) -> None:
-    pytester.makepyfile(
-        f"""
-        import pytest
-
-        @pytest.mark.ds_world({marker})
-        def test_bad():
-            pass
-        """
-    )
-    result = run()
+    result = run_marked(pytester, run, f"ds_world({marker})")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines([f"*@pytest.mark.ds_world on test_bad*.py::test_bad: {message}"])
-    assert "Traceback" not in result.stdout.str()
+    assert_clear_error(result, "ds_world", message)
 
 
 def test_world_fixtures_outside_worlds_fail_clearly(pytester: pytest.Pytester, run: RunPytest) -> None:
