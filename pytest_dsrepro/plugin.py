@@ -10,13 +10,19 @@ from typing import Any
 
 import pytest
 
-from . import configs, execution, launcher, markers, parametrize, results, settings
-from .engine import EngineFactory
-from .execution import PREPARED_KEY, RUNNER_KEY
-from .gates import installed_deepspeed
-from .rank import RankValue
-from .settings import SETTINGS_KEY
-from .world import WorldRunner
+from .core import configs
+from .session import execution
+from .worlds import launcher
+from .session import markers
+from .session import parametrize
+from .session import recording as results
+from .session import settings
+from .inrank.engine import EngineFactory
+from .session.execution import PREPARED_KEY, RUNNER_KEY
+from .core.gates import installed_deepspeed
+from .worlds.rank import RankValue
+from .session.settings import SETTINGS_KEY
+from .worlds.client import WorldRunner
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -120,7 +126,7 @@ class _RunCollector:
         if s.results is not None:
             self.run.write(s.results)
         if s.report is not None:
-            from .report import render_markdown
+            from .core.report import render_markdown
 
             s.report.parent.mkdir(parents=True, exist_ok=True)
             s.report.write_text(render_markdown(self.run.as_json()))

@@ -44,7 +44,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from .extensions import CACHE_ENV, default_cache_dir
+from ..core.options import CACHE_ENV, default_cache_dir
 
 __all__ = [
     "CONSTRAINTS_ENV",
@@ -434,7 +434,7 @@ def install_deepspeed(
     Never raises for a release that cannot be installed: the result has ``ok=False`` and the reason.
     """
     started = time.monotonic()
-    cache_dir = cache_dir or Path(os.environ.get(CACHE_ENV) or default_cache_dir())
+    cache_dir = cache_dir or default_cache_dir()
     run = _Runner(python, target, log, echo)
     torch_pin = pinned(constraints, "torch")
     wheel: Path | None = None

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from . import launcher
-from .extensions import default_cache_dir
+from ..worlds import launcher
+from ..worlds.comm_op import default_cache_dir
 
 BACKENDS = ("auto", "gloo", "nccl")
 

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from . import extensions
+from . import comm_op as extensions
 from . import workdir as layout
 
 PR_SET_PDEATHSIG = 1

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from .configs import ResolvedConfig
-from .gates import Judgement, Verdict
-from .outcome import Status, WorldOutcome, group_ranks
+from ..core.configs import ResolvedConfig
+from ..core.gates import Judgement, Verdict
+from ..core.outcome import Status, WorldOutcome, group_ranks
 
 SCHEMA = 1
 PROPERTY = "dsrepro"

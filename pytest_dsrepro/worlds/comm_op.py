@@ -13,13 +13,9 @@ import hashlib
 import os
 from pathlib import Path
 
-CACHE_ENV = "DSREPRO_CACHE_DIR"
+from ..core.options import default_cache_dir
+
 BUILD_LOCK_TIMEOUT = 1800.0  # a cold build on a loaded 2-core machine takes minutes; never forever
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pytest-dsrepro"
 
 
 def extensions_dir(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
@@ -47,7 +43,7 @@ def warm_up() -> str:
     from filelock import FileLock
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
-        cache = Path(os.environ.get(CACHE_ENV) or default_cache_dir())
+        cache = default_cache_dir()
         os.environ["TORCH_EXTENSIONS_DIR"] = str(
             extensions_dir(cache, deepspeed.__version__, torch.__version__, Path(deepspeed.__file__).parent)
         )

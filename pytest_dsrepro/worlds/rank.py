@@ -15,12 +15,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import workdir as layout
-from .outcome import ErrorInfo, Status
+from ..core.outcome import ErrorInfo, Status
+from ..inrank import context
+from ..inrank.context import RankContext
 from .workdir import LOOPBACK
 
 Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
@@ -53,31 +55,6 @@ class RankJob:
     payload: bytes  # pickle of (kwargs, fixes)
     backend: str
     timeout: float
-
-
-@dataclass
-class RankContext:
-    """The running rank, as the body and the plugin's rank-side fixtures see it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    extra: dict[str, Any] = field(default_factory=dict)  # facts sent back to the pytest process
-
-    @property
-    def device(self) -> str:
-        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
-
-
-_current: RankContext | None = None
-
-
-def current() -> RankContext:
-    """The context of the rank this code runs in; fails outside a world."""
-    if _current is None:
-        raise RuntimeError("not inside a pytest-dsrepro world: mark the test with @pytest.mark.ds_world")
-    return _current
 
 
 def _import_test_module(ref: TestRef) -> Any:
@@ -188,22 +165,18 @@ def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix
     """Apply the fixes (through a MonkeyPatch, undone afterwards) and run the body; return the verdict as data."""
     import pytest
 
-    global _current
-    _current = ctx
     try:
-        with pytest.MonkeyPatch.context() as monkeypatch:
+        with context.running(ctx), pytest.MonkeyPatch.context() as monkeypatch:
             for fix in fixes:
                 fix(monkeypatch)
             fn(**_substitute(kwargs, ctx))
     except pytest.skip.Exception as exc:
-        return {"status": Status.SKIPPED, "detail": str(exc.msg), "extra": ctx.extra}
+        return {"status": Status.SKIPPED, "detail": str(exc.msg)}
     except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, text), "extra": ctx.extra}
-    finally:
-        _current = None
-    return {"status": Status.PASSED, "extra": ctx.extra}
+        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, text)}
+    return {"status": Status.PASSED}
 
 
 def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .catalogue import oldest_first
+from .gates import oldest_first
 
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000

@@ -11,16 +11,17 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
+from typing import Any
 
-import pytest
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
-from .markers import MarkerError
+from . import versions
+from .errors import MarkerError
 from .outcome import RankResult, Status, group_ranks
 
-Fix = Callable[[pytest.MonkeyPatch], None]
+#: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
+Fix = Callable[[Any], None]
 
 STOCK, FIXED = "stock", "fixed"
 
@@ -31,6 +32,37 @@ class Verdict(str, enum.Enum):
     PASSES_WITH_FIX = "PASSES-WITH-FIX"  # the fix variant passed
     UNEXPECTED = "UNEXPECTED"  # anything else
     SKIPPED = "SKIPPED"
+
+
+class Reason(str, enum.Enum):
+    """Why a run earned its verdict; what tools read instead of the verdict's wording."""
+
+    REPRODUCED = "reproduced"
+    NOT_AFFECTED = "not-affected"
+    FIX_HOLDS = "fix-holds"
+    DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected
+    FAILED_DIFFERENTLY = "failed-differently"
+    REGRESSION = "regression"
+    FIX_DOES_NOT_HOLD = "fix-does-not-hold"
+    HARNESS_ERROR = "harness-error"  # no world ran: nothing is known about the bug
+
+    @property
+    def verdict(self) -> Verdict:
+        return _VERDICTS.get(self, Verdict.UNEXPECTED)
+
+    @property
+    def body_failed(self) -> bool | None:
+        """Did the test body fail? None when no body ran (a harness error)."""
+        if self is Reason.HARNESS_ERROR:
+            return None
+        return self not in (Reason.NOT_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
+
+
+_VERDICTS = {
+    Reason.REPRODUCED: Verdict.REPRODUCED,
+    Reason.NOT_AFFECTED: Verdict.FIXED,
+    Reason.FIX_HOLDS: Verdict.PASSES_WITH_FIX,
+}
 
 
 @dataclass(frozen=True)
@@ -47,8 +79,12 @@ class VersionGate:
 
 @dataclass(frozen=True)
 class Judgement:
-    verdict: Verdict
+    reason: Reason
     message: str
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.reason.verdict
 
 
 def _load_fix(value: object, where: str) -> Fix:
@@ -90,11 +126,9 @@ def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) 
     return VersionGate(spec, raises, match, None if fix is None else _load_fix(fix, where))
 
 
-def gates_of(item: pytest.Item | pytest.Metafunc) -> tuple[VersionGate, ...]:
-    """Every ``ds_version`` marker of a test, validated; they must agree on the fix."""
-    node = item.definition if isinstance(item, pytest.Metafunc) else item
-    where = f"@pytest.mark.ds_version on {node.nodeid}"
-    gates = tuple(parse_gate(m.args, dict(m.kwargs), where) for m in node.iter_markers("ds_version"))
+def parse_gates(marks: Iterable[tuple[tuple[object, ...], dict[str, object]]], where: str) -> tuple[VersionGate, ...]:
+    """Every ``ds_version`` marker of a test (as ``(args, kwargs)``), validated; they must agree on the fix."""
+    gates = tuple(parse_gate(args, kwargs, where) for args, kwargs in marks)
     fixes = {g.fix for g in gates if g.fix is not None}
     if len(fixes) > 1:
         raise MarkerError(
@@ -108,10 +142,20 @@ def common_fix(gates: Iterable[VersionGate]) -> Fix | None:
 
 
 def installed_deepspeed() -> Version | None:
+    return versions.installed("deepspeed")
+
+
+def oldest_first(specs: Iterable[str]) -> list[str]:
+    """Affected ranges in reading order: ``<0.18.3`` before ``>=0.18.3,<0.19.5`` before ``>=0.19.5``."""
+    return sorted(specs, key=_lower_bound)
+
+
+def _lower_bound(spec: str) -> tuple[int, Version]:
     try:
-        return Version(metadata.version("deepspeed"))
-    except metadata.PackageNotFoundError:
-        return None
+        bounds = [Version(s.version) for s in SpecifierSet(spec) if s.operator in (">=", ">", "==", "~=", "===")]
+    except (InvalidSpecifier, InvalidVersion):
+        return (1, Version("0"))  # not valid: the test itself will fail and say so; list it last
+    return (0, max(bounds, default=Version("0")))
 
 
 def active_gate(gates: Sequence[VersionGate], version: Version, where: str) -> VersionGate | None:
@@ -140,20 +184,20 @@ def judge(
     ds = f"deepspeed {version}"
     if variant == FIXED:
         if not failures:
-            return Judgement(Verdict.PASSES_WITH_FIX, f"passes with the fix on {ds}")
-        return Judgement(Verdict.UNEXPECTED, f"the fix does not hold on {ds}: {_endings(failures)}")
+            return Judgement(Reason.FIX_HOLDS, f"passes with the fix on {ds}")
+        return Judgement(Reason.FIX_DOES_NOT_HOLD, f"the fix does not hold on {ds}: {_endings(failures)}")
     gate = active_gate(gates, version, where)
     if gate is None:
         if not failures:
-            return Judgement(Verdict.FIXED, f"not affected: passes on {ds}")
+            return Judgement(Reason.NOT_AFFECTED, f"not affected: passes on {ds}")
         ranges = " or ".join(str(g.affected) for g in gates)
         return Judgement(
-            Verdict.UNEXPECTED, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
+            Reason.REGRESSION, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
         )
     if not failures:
-        return Judgement(Verdict.UNEXPECTED, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed")
+        return Judgement(Reason.DID_NOT_REPRODUCE, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed")
     if all(_matches(r, gate) for r in failures):
-        return Judgement(Verdict.REPRODUCED, f"REPRODUCED on {ds}: {_endings(failures)}")
+        return Judgement(Reason.REPRODUCED, f"REPRODUCED on {ds}: {_endings(failures)}")
     return Judgement(
-        Verdict.UNEXPECTED, f"failed differently on {ds}: expected {gate.describe()}, got {_endings(failures)}"
+        Reason.FAILED_DIFFERENTLY, f"failed differently on {ds}: expected {gate.describe()}, got {_endings(failures)}"
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from .configs import PRESETS
+from ..core.configs import PRESETS
 from .settings import BACKENDS, Settings
 
 MARKERS = {

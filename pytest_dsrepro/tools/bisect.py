@@ -338,9 +338,9 @@ def release_environment(
     from filelock import FileLock
 
     from . import install
-    from .extensions import CACHE_ENV, default_cache_dir
+    from ..core.options import default_cache_dir
 
-    root = cache_dir or Path(os.environ.get(CACHE_ENV) or default_cache_dir())
+    root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or _torch_pin(root)
 
     def prepare(version: Version) -> Mapping[str, str]:

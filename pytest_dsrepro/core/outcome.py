@@ -11,8 +11,6 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from _pytest.outcomes import Failed
-
 #: Lines of a rank's own stdout/stderr shown under its failure.
 OUTPUT_TAIL_LINES = 25
 
@@ -157,17 +155,3 @@ def describe_failure(outcome: WorldOutcome) -> str:
             if r.output.strip() and r.status is not Status.STOPPED:
                 lines += ["", f"---- rank {r.rank}: output (last {OUTPUT_TAIL_LINES} lines) ----", _tail(r.output)]
     return "\n".join(lines)
-
-
-class WorldFailed(Failed):
-    """A test failure raised in the pytest process for a failed world; keeps the structured outcome.
-
-    It is a ``pytest.fail`` exception with ``pytrace=False``, so pytest shows exactly the rank stories and not the
-    plugin's own frames.
-    """
-
-    __module__ = "builtins"  # as pytest's own Failed: the short summary reads "WorldFailed: ranks 0-1: ..."
-
-    def __init__(self, outcome: WorldOutcome) -> None:
-        super().__init__(describe_failure(outcome), pytrace=False)
-        self.outcome = outcome

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import rank
+from . import context
 
 
 class ConfigRejected(Exception):
@@ -27,7 +27,7 @@ class EngineFactory:
         from deepspeed.runtime.config import DeepSpeedConfig
 
         # DeepSpeedConfig reads the world size from deepspeed.comm (1 when it is not set up): wrap our process group.
-        deepspeed.init_distributed(dist_backend=rank.current().backend)
+        deepspeed.init_distributed(dist_backend=context.current().backend)
         try:
             DeepSpeedConfig(self.config)
         except Exception as exc:
@@ -45,7 +45,6 @@ class EngineFactory:
         import deepspeed
         import torch
 
-        rank.current().extra["config"] = self.config
         self.validate()
         if model is None:
             from .models import tiny_mlp

@@ -39,7 +39,7 @@ def names(name: str) -> Names:
 
 
 def presets() -> list[str]:
-    from .configs import PRESETS  # imported late: the CLI starts without the plugin's modules
+    from ..core.configs import PRESETS  # imported late: the CLI starts without the plugin's modules
 
     return list(PRESETS)
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from . import launcher
-from .gates import FIXED, Verdict, common_fix, gates_of, installed_deepspeed, judge
+from ..worlds import launcher
+from ..core.gates import FIXED, Verdict, common_fix, gates_of, installed_deepspeed, judge
 from .markers import MarkerError, WorldSpec, settle_backend, world_spec
-from .outcome import ErrorInfo, RankResult, Status, WorldFailed, WorldOutcome, describe_failure
-from .rank import RankJob, TestRef
-from .results import JUDGEMENT_KEY
+from ..core.outcome import ErrorInfo, RankResult, Status, WorldFailed, WorldOutcome, describe_failure
+from ..worlds.rank import RankJob, TestRef
+from .recording import JUDGEMENT_KEY
 from .settings import SETTINGS_KEY
-from .world import WorldRunner
+from ..worlds.client import WorldRunner
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
 

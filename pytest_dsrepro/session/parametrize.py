@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from .configs import config_entry
-from .gates import FIXED, STOCK, common_fix, gates_of
+from ..core.configs import config_entry
+from ..core.gates import FIXED, STOCK, common_fix, gates_of
 from .markers import MarkerError
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from . import workdir as layout
-from .extensions import CACHE_ENV
-from .outcome import RankResult, Status, WorldOutcome, rank_ranges
+from ..core.options import CACHE_ENV
+from ..core.outcome import RankResult, Status, WorldOutcome, rank_ranges
 from .rank import RankJob
 from .server import STACK_SIGNAL
 

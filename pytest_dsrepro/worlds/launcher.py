@@ -10,30 +10,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .outcome import RankResult, WorldOutcome
+from ..core import options
+from ..core.options import Launched
+from ..core.outcome import RankResult, WorldOutcome
 from .rank import Fix, RankContext, run_body
 
 if TYPE_CHECKING:
-    from .markers import WorldSpec
+    from ..core.worlds import WorldSpec
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@dataclass(frozen=True)
-class Launched:
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def launched(environ: dict[str, str] | None = None) -> Launched | None:
-    env = os.environ if environ is None else environ
-    if not all(env.get(name) for name in LAUNCHER_VARIABLES):
-        return None
-    return Launched(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")))
+def launched() -> Launched | None:
+    """The rank the launcher made this process, from its environment; None when no launcher started pytest."""
+    return options.launched(os.environ)
 
 
 def cuda_devices() -> int:

@@ -1,0 +1,188 @@
+"""The plugin's settings: declared once, validated by one set of validators, resolved once from ordered sources.
+
+The same validators check command-line, environment and ini values (as text) and marker arguments (as values), so
+``--ds-world-size 0`` and ``@pytest.mark.ds_world(size=0)`` are refused with the same words. Resolution is a pure
+function of the sources, so the pytest side only gathers them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("auto", "gloo", "nccl")
+#: The launcher's variables; all of them set means pytest itself already is one rank of a world.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+CACHE_ENV = "DSREPRO_CACHE_DIR"
+
+
+class OptionError(ValueError):
+    """A value that an option or a marker argument does not accept; the message says what it must be."""
+
+
+def whole_number(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OptionError("must be a whole number >= 1")
+    return value
+
+
+def seconds(value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise OptionError("must be a number of seconds > 0")
+    return float(value)
+
+
+def backend(value: object) -> str:
+    if value not in BACKENDS:
+        raise OptionError(f"must be one of {', '.join(BACKENDS)}")
+    return str(value)
+
+
+def _number_text(kind: Callable[[str], int | float], check: Callable[[object], Any]) -> Callable[[str], Any]:
+    """A validator of text: the number it spells, then the value check (bad text gets the value check's words)."""
+
+    def parse(text: str) -> Any:
+        try:
+            number: object = kind(text)
+        except ValueError:
+            number = None
+        return check(number)
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # attribute of Settings, ini key "ds_<name>", option "--ds-<name>", env "DSREPRO_<NAME>"
+    help: str
+    parse: Callable[[str], Any]
+    default: str | None
+    metavar: str
+
+    @property
+    def flag(self) -> str:
+        return "--ds-" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return "ds_" + self.name
+
+    @property
+    def ini(self) -> str:
+        return "ds_" + self.name
+
+    @property
+    def env(self) -> str:
+        return "DSREPRO_" + self.name.upper()
+
+
+OPTIONS = (
+    Option(
+        "world_size",
+        "ranks per world where @ds_world does not pin a size (default 2; under torchrun, its WORLD_SIZE)",
+        _number_text(int, whole_number),
+        "2",
+        "N",
+    ),
+    Option(
+        "backend",
+        "process-group backend: auto (nccl when CUDA devices >= world size, else gloo), gloo or nccl (default auto)",
+        backend,
+        "auto",
+        "NAME",
+    ),
+    Option(
+        "timeout",
+        "seconds a world may run before every rank's stack is dumped and it fails (default 300)",
+        _number_text(float, seconds),
+        "300",
+        "SECONDS",
+    ),
+    Option(
+        "startup_timeout",
+        "seconds the fork server may take to import torch/DeepSpeed and build DeepSpeed's CPU "
+        "comm op on first use (default 1800)",
+        _number_text(float, seconds),
+        "1800",
+        "SECONDS",
+    ),
+    Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
+    Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
+    Option(
+        "cache_dir",
+        "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
+        Path,
+        None,
+        "DIR",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    world_size: int
+    backend: str
+    timeout: float
+    startup_timeout: float
+    results: Path | None
+    report: Path | None
+    cache_dir: Path
+
+
+class SettingsError(Exception):
+    """A bad option value; the message names where it came from (option, environment variable or ini key)."""
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The rank an external launcher (torchrun, SLURM + torchrun, DeepSpeed's launcher) made this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launched(environ: Mapping[str, str]) -> Launched | None:
+    if not all(environ.get(name) for name in LAUNCHER_VARIABLES):
+        return None
+    return Launched(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+
+
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$DSREPRO_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-dsrepro``, else ``~/.cache/pytest-dsrepro``."""
+    env = os.environ if environ is None else environ
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    base = env.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pytest-dsrepro"
+
+
+Source = Callable[[Option], tuple[object, str]]  # an option -> (raw value or None, where it came from)
+
+
+def resolve(sources: Iterable[Source], environ: Mapping[str, str]) -> Settings:
+    """The first source that has a value wins, else the default; ``SettingsError`` names where a bad value came from.
+
+    Under an external launcher the world size defaults to the launcher's ``WORLD_SIZE``.
+    """
+    ordered = list(sources)
+    world = launched(environ)
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        default = str(world.world_size) if world and opt.name == "world_size" else opt.default
+        given = (source(opt) for source in ordered)
+        raw, where = next(((v, w) for v, w in given if v is not None), (default, "default"))
+        try:
+            values[opt.name] = None if raw is None else opt.parse(str(raw))
+        except ValueError as exc:
+            raise SettingsError(f"pytest-dsrepro: {where}: invalid value {raw!r}: {exc}") from None
+    if values["cache_dir"] is None:
+        values["cache_dir"] = default_cache_dir(environ)
+    return Settings(**values)
+
+
+def environment_source(environ: Mapping[str, str]) -> Source:
+    return lambda opt: (environ.get(opt.env) or None, f"environment variable {opt.env}")

@@ -1,0 +1,53 @@
+"""What world a test asks for (the ``ds_world`` marker) and which backend it gets on the devices at hand."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from . import options
+from .errors import MarkerError
+from .options import Settings
+
+T = TypeVar("T")
+
+WORLD_ARGUMENTS = ("size", "backend", "timeout")
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    size: int
+    backend: str  # auto, gloo or nccl; "auto" is settled when the devices are known
+    timeout: float
+
+
+def world_spec(args: tuple[object, ...], kwargs: Mapping[str, object], settings: Settings, where: str) -> WorldSpec:
+    """The world of a ``ds_world(size=None, backend=None, timeout=None)`` marker; unset values come from settings."""
+    unexpected = [repr(a) for a in args] + sorted(set(kwargs) - set(WORLD_ARGUMENTS))
+    if unexpected:
+        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes size=, backend=, timeout=")
+    return WorldSpec(
+        size=_argument(kwargs, "size", options.whole_number, settings.world_size, where),
+        backend=_argument(kwargs, "backend", options.backend, settings.backend, where),
+        timeout=_argument(kwargs, "timeout", options.seconds, settings.timeout, where),
+    )
+
+
+def _argument(kwargs: Mapping[str, object], name: str, check: Callable[[object], T], default: T, where: str) -> T:
+    value = kwargs.get(name)
+    if value is None:
+        return default
+    try:
+        return check(value)
+    except options.OptionError as exc:
+        raise MarkerError(f"{where}: {name}={value!r} {exc}") from None
+
+
+def settle_backend(requested: str, size: int, cuda_devices: int) -> tuple[str, str | None]:
+    """``(backend, skip_reason)``: auto picks NCCL only when every rank can have its own GPU."""
+    if requested == "auto":
+        return ("nccl", None) if cuda_devices >= size else ("gloo", None)
+    if requested == "nccl" and cuda_devices < size:
+        return "nccl", f"NCCL needs {size} CUDA devices for a {size}-rank world; found {cuda_devices}"
+    return requested, None

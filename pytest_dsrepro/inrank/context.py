@@ -1,0 +1,46 @@
+"""Who the running rank is, for repro bodies and the plugin's rank-side helpers (``pytest_dsrepro.current()``).
+
+Set by the world's rank bootstrap (``worlds.rank``) or, under an external launcher, by ``worlds.launcher``, for the
+duration of one test body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """The running rank, as the body and the plugin's rank-side fixtures see it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
+
+
+_current: RankContext | None = None
+
+
+def current() -> RankContext:
+    """The context of the rank this code runs in; fails outside a world."""
+    if _current is None:
+        raise RuntimeError("not inside a pytest-dsrepro world: mark the test with @pytest.mark.ds_world")
+    return _current
+
+
+@contextmanager
+def running(ctx: RankContext) -> Iterator[RankContext]:
+    """Make ``ctx`` the current rank while a body runs."""
+    global _current
+    _current = ctx
+    try:
+        yield ctx
+    finally:
+        _current = None

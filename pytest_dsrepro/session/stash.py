@@ -1,0 +1,39 @@
+"""What the plugin keeps on ``config.stash`` and on each item's stash: one key per fact, typed, set once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from ..core.configs import ResolvedConfig
+from ..core.gates import Fix, Judgement, VersionGate
+from ..core.options import Settings
+from ..core.outcome import WorldOutcome
+from ..core.worlds import WorldSpec
+
+
+@dataclass(frozen=True)
+class Marks:
+    """A test's markers, parsed and validated once at setup (``markers.parse``)."""
+
+    world: WorldSpec | None  # None: not a world test
+    gates: tuple[VersionGate, ...]
+    fix: Fix | None  # applied in every rank when variant == "fixed"
+    variant: str | None  # "stock" or "fixed" when the gates declare a fix
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A world test, ready to run: its world and the backend settled for the devices at hand."""
+
+    spec: WorldSpec
+    backend: str  # gloo or nccl
+
+
+SETTINGS_KEY = pytest.StashKey[Settings]()
+MARKS_KEY = pytest.StashKey[Marks]()
+PREPARED_KEY = pytest.StashKey[Prepared]()
+CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
+OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
+JUDGEMENT_KEY = pytest.StashKey[Judgement]()
