@@ -1,8 +1,33 @@
-"""pytest-dsrepro: DeepSpeed distributed-training bugs as executable pytest tests in real N-rank worlds."""
+"""pytest-dsrepro: DeepSpeed distributed-training bugs as executable pytest tests in real N-rank worlds.
 
-from .inrank.engine import ConfigRejected, EngineFactory
-from .core.gates import Verdict
-from .core.outcome import WorldFailed
-from .worlds.rank import RankContext, current
+The public names are resolved on first use, so importing a subpackage (in the fork server, in a rank, in the
+``dsrepro`` command) loads nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core.gates import Verdict
+    from .inrank.context import RankContext, current
+    from .inrank.engine import ConfigRejected, EngineFactory
+    from .session.execution import WorldFailed
 
 __all__ = ["ConfigRejected", "EngineFactory", "RankContext", "Verdict", "WorldFailed", "current"]
+
+_WHERE = {
+    "ConfigRejected": "inrank.engine",
+    "EngineFactory": "inrank.engine",
+    "RankContext": "inrank.context",
+    "current": "inrank.context",
+    "Verdict": "core.gates",
+    "WorldFailed": "session.execution",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from pytest_dsrepro.models import make_batch, tiny_mlp
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
     pytest.mark.ds_repro(

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from pytest_dsrepro.models import make_batch, tiny_moe
+from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -40,7 +40,7 @@ def use_deepspeed_module_ids(monkeypatch):
 
     from deepspeed.runtime.zero import parameter_offload
 
-    from pytest_dsrepro.backport import backport
+    from pytest_dsrepro.inrank.backport import backport
 
     if "module.ds_id = my_count" in inspect.getsource(parameter_offload):
         return  # this release has the fix

@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
-from pytest_dsrepro.extensions import CACHE_ENV, default_cache_dir
-from pytest_dsrepro.settings import OPTIONS
+from pytest_dsrepro.core.options import CACHE_ENV, OPTIONS, default_cache_dir
 
 TAG = "DSREPRO_TEST_TAG"
 #: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).

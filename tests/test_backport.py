@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.backport import BackportError, backport
+from pytest_dsrepro.inrank.backport import BackportError, backport
 
 SOURCE = """
 

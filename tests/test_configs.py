@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import RunPytest
-from pytest_dsrepro.configs import PRESETS, ConfigError, resolve
+from pytest_dsrepro.core.configs import PRESETS, ConfigError, resolve
 
 
 def test_auto_values_resolve_like_hugging_face() -> None:

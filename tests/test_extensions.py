@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REAL_CACHE, RunPytest, deepspeed_version
-from pytest_dsrepro.extensions import extensions_dir, remove_stale_locks
+from pytest_dsrepro.worlds.comm_op import extensions_dir, remove_stale_locks
 
 
 def test_one_directory_per_install(tmp_path: Path) -> None:

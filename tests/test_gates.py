@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from conftest import RunPytest, assert_clear_error, deepspeed_version, run_marked
-from pytest_dsrepro.gates import FIXED, STOCK, Verdict, VersionGate, gates_of, judge
-from pytest_dsrepro.markers import MarkerError
-from pytest_dsrepro.outcome import ErrorInfo, RankResult, Status
-
-V = deepspeed_version()
+from pytest_dsrepro.core.errors import MarkerError
+from pytest_dsrepro.core.gates import FIXED, STOCK, Reason, Verdict, VersionGate, judge, oldest_first, parse_gate
+from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
+from pytest_dsrepro.session import markers
 
 
 def _error(exc: BaseException) -> RankResult:
@@ -88,7 +89,7 @@ def test_overlapping_ranges_are_an_error() -> None:
         judge(gates, STOCK, Version("0.17.5"), [], "here")
 
 
-def test_gates_of_reads_every_marker(pytester: pytest.Pytester) -> None:
+def test_markers_are_read_from_every_ds_version_marker(pytester: pytest.Pytester) -> None:
     item, _ = pytester.getitems(
         """
         import pytest
@@ -102,32 +103,77 @@ def test_gates_of_reads_every_marker(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    gates = gates_of(item)
+    gates = markers.gates(item)
     assert {str(g.affected) for g in gates} == {"<0.18.3", ">=0.18.3"}
     assert all(g.fix is not None and g.fix.__name__ == "fix" for g in gates)
 
 
+def _fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    pass
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "kwargs", "message"),
     [
-        ("affected='<<0.1', raises=AttributeError", "affected='<<0.1' is not a valid PEP 440 specifier"),
-        ("affected='<0.1', raises='AttributeError'", "raises='AttributeError' must be an exception type"),
-        ("affected='<0.1', raises=int", "raises=<class 'int'> must be an exception type"),
-        ("affected='<0.1', raises=KeyError, match='('", "match='(' is not a valid regular expression"),
+        ((), {"affected": "<<0.1", "raises": AttributeError}, "affected='<<0.1' is not a valid PEP 440 specifier"),
+        ((), {"affected": "<0.1", "raises": "AttributeError"}, "raises='AttributeError' must be an exception type"),
+        ((), {"affected": "<0.1", "raises": int}, "raises=<class 'int'> must be an exception type"),
+        ((), {"affected": "<0.1", "raises": KeyError, "match": "("}, "match='(' is not a valid regular expression"),
         (
-            "affected='<0.1', raises=KeyError, fix='no_such_module:patch'",
+            (),
+            {"affected": "<0.1", "raises": KeyError, "fix": "no_such_module:patch"},
             "fix='no_such_module:patch' cannot be imported (ModuleNotFoundError",
         ),
-        ("affected='<0.1', raises=KeyError, fix=42", "fix=42 is not callable"),
-        ("affected='<0.1', raises=KeyError, typo=1", "takes affected, raises=, match=, fix="),
+        ((), {"affected": "<0.1", "raises": KeyError, "fix": 42}, "fix=42 is not callable"),
+        ((), {"affected": "<0.1", "raises": KeyError, "typo": 1}, "takes affected, raises=, match=, fix="),
+        (("<0.1", ">0.2"), {"raises": KeyError}, "takes affected, raises=, match=, fix="),
+        ((), {"raises": KeyError}, "affected=None must be a PEP 440 specifier string"),
     ],
 )
-def test_bad_ds_version_is_a_collection_error_naming_test_and_argument(
-    pytester: pytest.Pytester, run: RunPytest, args: str, message: str
+def test_bad_ds_version_arguments_are_named(
+    args: tuple[object, ...], kwargs: dict[str, object], message: str
 ) -> None:
-    result = run_marked(pytester, run, f"ds_version({args})")
+    with pytest.raises(MarkerError, match="^here: " + re.escape(message)):
+        parse_gate(args, kwargs, "here")
+
+
+def test_a_good_gate_loads_its_fix_by_name() -> None:
+    gate = parse_gate(("<0.1",), {"raises": KeyError, "fix": f"{__name__}:_fix"}, "here")
+    assert gate.fix is _fix and gate.describe() == "KeyError on deepspeed<0.1"
+
+
+def test_a_bad_ds_version_is_a_collection_error_naming_test_and_argument(
+    pytester: pytest.Pytester, run: RunPytest
+) -> None:
+    result = run_marked(pytester, run, "ds_version(affected='<<0.1', raises=AttributeError)")
     assert result.ret == pytest.ExitCode.INTERRUPTED
-    assert_clear_error(result, "ds_version", message)
+    assert_clear_error(result, "ds_version", "affected='<<0.1' is not a valid PEP 440 specifier")
+
+
+@pytest.mark.parametrize(
+    ("reason", "verdict", "body_failed"),
+    [
+        (Reason.REPRODUCED, Verdict.REPRODUCED, True),
+        (Reason.NOT_AFFECTED, Verdict.FIXED, False),
+        (Reason.FIX_HOLDS, Verdict.PASSES_WITH_FIX, False),
+        (Reason.DID_NOT_REPRODUCE, Verdict.UNEXPECTED, False),
+        (Reason.FAILED_DIFFERENTLY, Verdict.UNEXPECTED, True),
+        (Reason.REGRESSION, Verdict.UNEXPECTED, True),
+        (Reason.FIX_DOES_NOT_HOLD, Verdict.UNEXPECTED, True),
+        (Reason.HARNESS_ERROR, Verdict.UNEXPECTED, None),
+    ],
+)
+def test_every_reason_has_one_verdict(reason: Reason, verdict: Verdict, body_failed: bool | None) -> None:
+    assert (reason.verdict, reason.body_failed) == (verdict, body_failed)
+
+
+def test_affected_ranges_read_oldest_first() -> None:
+    assert oldest_first([">=0.19.5", "<0.18.3", ">=0.18.3,<0.19.5", "<<bad"]) == [
+        "<0.18.3",
+        ">=0.18.3,<0.19.5",
+        ">=0.19.5",
+        "<<bad",
+    ]
 
 
 def test_different_fixes_are_refused(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -148,7 +194,7 @@ def test_different_fixes_are_refused(pytester: pytest.Pytester, run: RunPytest) 
     result.stdout.fnmatch_lines(["*markers name different fixes; one test has one fix*"])
 
 
-GATED = f"""
+GATED = """
 import pytest
 
 def patch_engine(monkeypatch):
@@ -195,7 +241,8 @@ def test_fix_does_not_hold(ds_rank):
 
 
 def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPytest) -> None:
-    pytester.makepyfile(GATED)
+    V = deepspeed_version()
+    pytester.makepyfile(GATED.replace("{V}", V))
     result = run("-rxXs", "-v")
     result.assert_outcomes(passed=3, failed=4, xfailed=2)
     result.stdout.fnmatch_lines_random(
@@ -223,3 +270,33 @@ def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPy
             "UNEXPECTED       *::test_does_not_reproduce  -- did not reproduce on deepspeed *",
         ]
     )
+
+
+def test_a_harness_error_is_never_judged_as_the_bug(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """``raises=Exception`` covers everything a body can raise, but not a world that never ran."""
+    pytester.makepyfile(
+        """
+        import threading
+        import pytest
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_version(affected=">=0", raises=Exception)
+        def test_gated(lock):
+            raise RuntimeError("the bug")
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*pytest-dsrepro could not run this test's world: *::test_gated: fixture or parameter 'lock' cannot be "
+            "sent to the ranks (TypeError: *",
+            "*= dsrepro verdicts *",
+            "UNEXPECTED  *::test_gated  -- no world ran: *",
+        ]
+    )
+    assert "REPRODUCED" not in result.stdout.str()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_dsrepro.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure, rank_ranges
+from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure, rank_ranges
 
 
 def test_rank_ranges() -> None:

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import RunPytest
 from pytest_dsrepro import catalogue, cli
-from pytest_dsrepro.configs import PRESETS
-from pytest_dsrepro.scaffold import Names, ScaffoldError, create, names
+from pytest_dsrepro.core.configs import PRESETS
+from pytest_dsrepro.tools.scaffold import Names, ScaffoldError, create, names
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_new_validates_preset_issue_and_name(tmp_path: Path, capsys: pytest.Capt
 
 def test_every_preset_renders() -> None:
     for preset in PRESETS:
-        from pytest_dsrepro.scaffold import render
+        from pytest_dsrepro.tools.scaffold import render
 
         compile(render("n", Path("repros/test_n.py"), None, preset), "<scaffold>", "exec")
 

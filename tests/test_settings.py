@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.settings import SETTINGS_KEY, resolve
+from pytest_dsrepro.session.settings import resolve
+from pytest_dsrepro.session.stash import SETTINGS_KEY
 
 
 def test_defaults(pytester: pytest.Pytester) -> None:

@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
 _BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -87,18 +85,6 @@ class ResolvedConfig:
 
 class ConfigError(Exception):
     pass
-
-
-_PARAM_TYPE = type(pytest.param(None))
-
-
-def config_entry(spec: object, index: int) -> tuple[str, object]:
-    """``(test id, preset name or dict)`` for one ``ds_config`` argument: a preset is its own id, a dict is
-    ``config<N>`` unless given as ``pytest.param(dict, id="name")``."""
-    if isinstance(spec, _PARAM_TYPE):
-        value = spec.values[0] if len(spec.values) == 1 else spec.values
-        return (spec.id if isinstance(spec.id, str) else config_entry(value, index)[0]), value
-    return (spec if isinstance(spec, str) else f"config{index}"), spec
 
 
 def _fill(section: dict[str, Any], key: str, value: object) -> None:

@@ -1,4 +1,4 @@
-"""Running a test's body in its world: prepared at setup, executed in place of pytest's own call.
+"""Running a test's body in its world: prepared at setup, executed in place of the test function, then judged.
 
 Spawned worlds (the normal case) fork fresh ranks from the fork server; under an external launcher (torchrun,
 SLURM) the pytest process already is a rank and the body runs right here.
@@ -6,48 +6,51 @@ SLURM) the pytest process already is a rank and the body runs right here.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
+from ..core.errors import HarnessError, MarkerError
+from ..core.gates import FIXED, Judgement, Reason, Verdict, installed_deepspeed, judge
+from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
+from ..core.worlds import settle_backend
 from ..worlds import launcher
-from ..core.gates import FIXED, Verdict, common_fix, gates_of, installed_deepspeed, judge
-from .markers import MarkerError, WorldSpec, settle_backend, world_spec
-from ..core.outcome import ErrorInfo, RankResult, Status, WorldFailed, WorldOutcome, describe_failure
-from ..worlds.rank import RankJob, TestRef
-from .recording import JUDGEMENT_KEY
-from .settings import SETTINGS_KEY
 from ..worlds.client import WorldRunner
+from ..worlds.protocol import RankJob, TestRef
+from . import markers
+from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, Marks, Prepared
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
 
 
-@dataclass(frozen=True)
-class Prepared:
-    spec: WorldSpec
-    backend: str  # settled: gloo or nccl
+class WorldFailed(pytest.fail.Exception):
+    """A test failure raised in the pytest process for a failed world; keeps the structured outcome.
 
+    A ``pytest.fail`` exception with ``pytrace=False``: pytest shows exactly the rank stories, not the plugin's frames.
+    """
 
-PREPARED_KEY = pytest.StashKey[Prepared]()
-OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
+    __module__ = "builtins"  # as pytest's own Failed: the short summary reads "WorldFailed: ranks 0-1: ..."
 
-
-def variant_of(item: pytest.Item) -> str | None:
-    callspec = getattr(item, "callspec", None)
-    return callspec.params.get("ds_variant") if callspec is not None else None
+    def __init__(self, outcome: WorldOutcome) -> None:
+        super().__init__(describe_failure(outcome), pytrace=False)
+        self.outcome = outcome
 
 
 def setup(item: pytest.Item) -> None:
-    """Validate the world marker and settle the backend before any fixture runs (skips NCCL without GPUs)."""
+    """Parse the markers once, and for a world test settle its backend before any fixture runs."""
     try:
-        spec = world_spec(item, item.config.stash[SETTINGS_KEY])
+        marks = markers.parse(item, item.config.stash[SETTINGS_KEY])
     except MarkerError as exc:
         pytest.fail(str(exc), pytrace=False)
+    item.stash[MARKS_KEY] = marks
+    spec = marks.world
     if spec is None:
         return
     world = launcher.launched()
@@ -56,11 +59,61 @@ def setup(item: pytest.Item) -> None:
             pytest.skip(f"needs a {spec.size}-rank world; the launcher started {world.world_size} ranks")
         cuda_devices = launcher.cuda_devices()
     else:
-        cuda_devices = item.config.stash[RUNNER_KEY].facts().cuda_devices
+        try:
+            cuda_devices = item.config.stash[RUNNER_KEY].facts().cuda_devices
+        except HarnessError as exc:
+            pytest.fail(f"pytest-dsrepro could not start its fork server: {exc}", pytrace=False)
     backend, skip = settle_backend(spec.backend, spec.size, cuda_devices)
     if skip:
         pytest.skip(skip)
     item.stash[PREPARED_KEY] = Prepared(spec, backend)
+
+
+@contextmanager
+def in_world(item: pytest.Function) -> Iterator[None]:
+    """While pytest calls a world test, its function is one that runs the body in the world.
+
+    pytest's own ``pytest_pyfunc_call`` still picks the arguments, so the body gets exactly what pytest would pass.
+    """
+    prepared = item.stash.get(PREPARED_KEY, None)
+    if prepared is None:
+        yield
+        return
+    original = item.obj
+    item.obj = functools.partial(_run, item, original, prepared)
+    try:
+        yield
+    finally:
+        item.obj = original
+
+
+def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared, **kwargs: Any) -> None:
+    marks = item.stash[MARKS_KEY]
+    fixes = [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
+    if launcher.launched() is not None:
+        outcome = launcher.run_here(function, kwargs, fixes, prepared.spec, prepared.backend)
+    else:
+        job = RankJob(
+            test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
+            timeout=prepared.spec.timeout,
+        )  # fmt: skip
+        outcome = item.config.stash[RUNNER_KEY].run(job, prepared.spec.size)
+    item.stash[OUTCOME_KEY] = outcome
+    if outcome.passed:
+        return
+    reason = outcome.skip_reason
+    if reason is not None:
+        pytest.skip(reason)
+    raise WorldFailed(outcome)
+
+
+def _reference(item: pytest.Function) -> TestRef:
+    """The test by module file and qualified name: ranks import it themselves (functions are never pickled)."""
+    module = item.module
+    assert module is not None and module.__file__ is not None
+    cls = getattr(item, "cls", None)
+    qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
+    return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd())
 
 
 def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) -> bytes:
@@ -69,55 +122,11 @@ def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) ->
         try:
             pickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - whatever pickle raises, the fixture is named
-            raise pytest.fail.Exception(
+            raise HarnessError(
                 f"{item.nodeid}: fixture or parameter {name!r} cannot be sent to the ranks "
-                f"({type(exc).__name__}: {exc}); world tests receive only picklable values",
-                pytrace=False,
+                f"({type(exc).__name__}: {exc}); world tests receive only picklable values"
             ) from None
     return pickle.dumps((kwargs, fixes))
-
-
-def test_kwargs(item: pytest.Function) -> dict[str, Any]:
-    """The arguments pytest would pass to the test function (as its own ``pytest_pyfunc_call`` computes them)."""
-    return {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-
-
-def fixes_of(item: pytest.Function) -> list[Any]:
-    fix = common_fix(gates_of(item))
-    return [fix] if fix is not None and variant_of(item) == FIXED else []
-
-
-def call(item: pytest.Function) -> bool | None:
-    """Run the body in its world; None leaves non-world tests to pytest."""
-    prepared = item.stash.get(PREPARED_KEY, None)
-    if prepared is None:
-        return None
-    kwargs, fixes = test_kwargs(item), fixes_of(item)
-    if launcher.launched() is not None:
-        outcome = launcher.run_here(item.obj, kwargs, fixes, prepared.spec, prepared.backend)
-    else:
-        module = item.module
-        assert module is not None and module.__file__ is not None
-        job = RankJob(
-            test=TestRef(module.__name__, module.__file__, _qualname(item), tuple(sys.path), os.getcwd()),
-            payload=_payload(item, kwargs, fixes),
-            backend=prepared.backend,
-            timeout=prepared.spec.timeout,
-        )
-        outcome = item.config.stash[RUNNER_KEY].run(job, prepared.spec.size)
-    item.stash[OUTCOME_KEY] = outcome
-    if outcome.passed:
-        return True
-    reason = outcome.skip_reason
-    if reason is not None:
-        pytest.skip(reason)
-    raise WorldFailed(outcome)
-
-
-def _qualname(item: pytest.Function) -> str:
-    cls = getattr(item, "cls", None)
-    name = item.originalname
-    return f"{cls.__qualname__}.{name}" if cls is not None else name
 
 
 def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:
@@ -130,18 +139,23 @@ def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:
 
 
 def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
-    """Turn the body's ending into the gate's verdict: xfail when reproduced, a failure when unexpected."""
-    gates = gates_of(item)
-    if not gates or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
-        if exc is not None:
-            raise exc
+    """The verdict on the body's ending: returns when pytest's own outcome stands, else raises the judged one.
+
+    A harness error (no world ran) fails the test as such and is never judged against the gates.
+    """
+    marks = item.stash.get(MARKS_KEY, Marks(None, (), None, None))
+    if isinstance(exc, HarnessError):
+        if marks.gates:
+            item.stash[JUDGEMENT_KEY] = Judgement(Reason.HARNESS_ERROR, f"no world ran: {exc}")
+        raise pytest.fail.Exception(f"pytest-dsrepro could not run this test's world: {exc}", pytrace=False) from exc
+    if not marks.gates or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
         return
     where = f"@pytest.mark.ds_version on {item.nodeid}"
     version = installed_deepspeed()
     if version is None:
         pytest.fail(f"{where}: DeepSpeed is not installed, so no release can be judged", pytrace=False)
     try:
-        judgement = judge(gates, variant_of(item), version, _failures(exc), where)
+        judgement = judge(marks.gates, marks.variant, version, _failures(exc), where)
     except MarkerError as error:
         pytest.fail(str(error), pytrace=False)
     item.stash[JUDGEMENT_KEY] = judgement

@@ -1,13 +1,14 @@
-"""The markers: their documentation (one place, shown by ``pytest --markers``) and the world marker's evaluation."""
+"""The markers: documented once (``pytest --markers``), parsed and validated once per test into ``Marks``."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 
 from ..core.configs import PRESETS
-from .settings import BACKENDS, Settings
+from ..core.gates import FIXED, STOCK, VersionGate, common_fix, parse_gates
+from ..core.options import Settings
+from ..core.worlds import world_spec
+from .stash import Marks
 
 MARKERS = {
     "ds_world": "ds_world(size=None, backend=None, timeout=None): run the test body in every rank of a fresh "
@@ -22,10 +23,7 @@ MARKERS = {
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
 }
-
-
-class MarkerError(Exception):
-    """A marker's arguments are wrong; the message names the marker, the test and the value."""
+VARIANTS = (STOCK, FIXED)
 
 
 def register(config: pytest.Config) -> None:
@@ -33,40 +31,24 @@ def register(config: pytest.Config) -> None:
         config.addinivalue_line("markers", text)
 
 
-@dataclass(frozen=True)
-class WorldSpec:
-    size: int
-    backend: str  # auto, gloo or nccl; "auto" is settled when the devices are known
-    timeout: float
+def gates(node: pytest.Item | pytest.FunctionDefinition) -> tuple[VersionGate, ...]:
+    """Every ``ds_version`` marker of a test or a test function's definition, validated (``MarkerError``)."""
+    marks = [(m.args, dict(m.kwargs)) for m in node.iter_markers("ds_version")]
+    return parse_gates(marks, f"@pytest.mark.ds_version on {node.nodeid}")
 
 
-def world_spec(item: pytest.Item, settings: Settings) -> WorldSpec | None:
-    """The world a test asks for, or None when it is not a world test."""
-    mark = item.get_closest_marker("ds_world")
-    if mark is None:
-        return None
-    where = f"@pytest.mark.ds_world on {item.nodeid}"
-    allowed = {"size", "backend", "timeout"}
-    if mark.args or set(mark.kwargs) - allowed:
-        extra = [repr(a) for a in mark.args] + sorted(set(mark.kwargs) - allowed)
-        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(extra)}; takes size=, backend=, timeout=")
-    given = {k: v for k, v in mark.kwargs.items() if v is not None}
-    size = given.get("size", settings.world_size)
-    backend = given.get("backend", settings.backend)
-    timeout = given.get("timeout", settings.timeout)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise MarkerError(f"{where}: size={size!r} must be a whole number >= 1")
-    if backend not in BACKENDS:
-        raise MarkerError(f"{where}: backend={backend!r} must be one of {', '.join(BACKENDS)}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
-        raise MarkerError(f"{where}: timeout={timeout!r} must be a number of seconds > 0")
-    return WorldSpec(size=size, backend=backend, timeout=float(timeout))
+def variant(item: pytest.Item) -> str | None:
+    """``"stock"`` or ``"fixed"`` for tests whose ``ds_version`` declares a fix (see ``parametrize.variants``)."""
+    callspec = getattr(item, "callspec", None)
+    value = callspec.params.get("ds_variant") if callspec is not None else None
+    return value if value in VARIANTS else None
 
 
-def settle_backend(requested: str, size: int, cuda_devices: int) -> tuple[str, str | None]:
-    """``(backend, skip_reason)``: auto picks NCCL only when every rank can have its own GPU."""
-    if requested == "auto":
-        return ("nccl", None) if cuda_devices >= size else ("gloo", None)
-    if requested == "nccl" and cuda_devices < size:
-        return "nccl", f"NCCL needs {size} CUDA devices for a {size}-rank world; found {cuda_devices}"
-    return requested, None
+def parse(item: pytest.Item, settings: Settings) -> Marks:
+    """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
+    found = gates(item)
+    world = item.get_closest_marker("ds_world")
+    spec = None
+    if world is not None:
+        spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
+    return Marks(world=spec, gates=found, fix=common_fix(found), variant=variant(item))

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from ..core.configs import config_entry
-from ..core.gates import FIXED, STOCK, common_fix, gates_of
-from .markers import MarkerError
+from ..core.errors import MarkerError
+from ..core.gates import common_fix
+from . import markers
+
+_PARAM_TYPE = type(pytest.param(None))
 
 
 def _fail(message: str) -> None:
     raise pytest.fail.Exception(message, pytrace=False)
+
+
+def config_entry(spec: object, index: int) -> tuple[str, object]:
+    """``(test id, preset name or dict)`` for one ``ds_config`` argument: a preset is its own id, a dict is
+    ``config<N>`` unless given as ``pytest.param(dict, id="name")``."""
+    if isinstance(spec, _PARAM_TYPE):
+        value = spec.values[0] if len(spec.values) == 1 else spec.values
+        return (spec.id if isinstance(spec.id, str) else config_entry(value, index)[0]), value
+    return (spec if isinstance(spec, str) else f"config{index}"), spec
 
 
 def configs(metafunc: pytest.Metafunc) -> None:
@@ -31,11 +42,11 @@ def configs(metafunc: pytest.Metafunc) -> None:
 
 def variants(metafunc: pytest.Metafunc) -> None:
     try:
-        fix = common_fix(gates_of(metafunc))
+        fix = common_fix(markers.gates(metafunc.definition))
     except MarkerError as exc:
         _fail(str(exc))
     if fix is None:
         return
     if "ds_variant" not in metafunc.fixturenames:
         metafunc.fixturenames.append("ds_variant")
-    metafunc.parametrize("ds_variant", [STOCK, FIXED], indirect=True)
+    metafunc.parametrize("ds_variant", list(markers.VARIANTS), indirect=True)

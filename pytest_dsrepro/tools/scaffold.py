@@ -60,7 +60,7 @@ def check_issue(url: str | None) -> str | None:
 def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAULT_PRESET) -> str:
     """The text of a new repro file (pure apart from reading the template)."""
     n = names(name)
-    template = string.Template(resources.files("pytest_dsrepro").joinpath("templates/repro.py.tmpl").read_text())
+    template = string.Template(resources.files("pytest_dsrepro.tools").joinpath("templates/repro.py.tmpl").read_text())
     upstream = json.dumps(issue) if issue else '"TODO: https://github.com/deepspeedai/DeepSpeed/issues/NNNN"'
     return template.substitute(
         title_doc=f"Repro {n.id}: TODO one line on what goes wrong.",
