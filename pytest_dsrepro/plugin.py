@@ -12,7 +12,7 @@ import pytest
 
 from .core import configs
 from .inrank.engine import EngineFactory
-from .session import execution, markers, parametrize, recording, settings
+from .session import collector, execution, markers, parametrize, settings
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
@@ -29,7 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
     resolved = settings.resolve(config)
     config.stash[SETTINGS_KEY] = resolved
     config.stash[RUNNER_KEY] = WorldRunner(resolved.cache_dir, resolved.startup_timeout)
-    config.pluginmanager.register(recording.RunCollector(config), "dsrepro-run")
+    config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -39,7 +39,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [recording.header_line(config.stash[SETTINGS_KEY], launcher.launched())]
+    return [collector.header_line(config.stash[SETTINGS_KEY], launcher.launched())]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,7 +69,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    recording.attach(item, report)
+    collector.attach(item, report)
     return report
 
 

@@ -24,7 +24,6 @@ pytestmark = [
         root_cause="engine.backward calls optimizer-only hooks on DeepSpeedZeRoOffload, the stand-in ZeRO-3 puts in "
         "place of an optimizer when none is given; the calls are not guarded.",
     ),
-    pytest.mark.ds_world,
 ]
 
 ATTRIBUTE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"

@@ -22,7 +22,6 @@ pytestmark = [
         root_cause="ZeRO-3 stored its own submodule counter in module.id, replacing any value the user kept there; "
         "its parameter coordinator then keyed prefetch traces and active-submodule sets on it.",
     ),
-    pytest.mark.ds_world,
 ]
 
 #: ZeRO-3 with every parameter partitioned: persistent parameters take a separate all-gather path that is not

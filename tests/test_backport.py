@@ -71,12 +71,17 @@ def test_every_changed_function_moves_together_and_is_undone(fake) -> None:
         m = Module()
         m.id = "user"
         assert registry.register(m) == "base"  # super() still resolves against the live class
-        assert m.id == "user" and m.ds_id == 0
-        assert registry.lookup(m) == 0 and registry.private(m) == 0 and fake.number(m) == 0
-        assert isinstance(registry, fake.Registry) and fake.STATE == [m]  # live classes and module state
+        assert m.id == "user"
+        assert m.ds_id == 0
+        assert registry.lookup(m) == 0
+        assert registry.private(m) == 0
+        assert fake.number(m) == 0
+        assert isinstance(registry, fake.Registry)
+        assert [m] == fake.STATE
     m2 = Module()
     registry.register(m2)
-    assert m2.id == 1 and not hasattr(m2, "ds_id")  # undone
+    assert m2.id == 1
+    assert not hasattr(m2, "ds_id")
 
 
 def test_edits_that_do_not_fit_fail_loudly(fake) -> None:

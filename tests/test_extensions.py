@@ -15,7 +15,8 @@ def test_one_directory_per_install(tmp_path: Path) -> None:
     a = extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env1")
     b = extensions_dir(tmp_path, "0.16.4", "2.13.0", tmp_path / "env1")
     c = extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env2")
-    assert len({a, b, c}) == 3 and a.parent == b.parent == c.parent
+    assert len({a, b, c}) == 3
+    assert a.parent == b.parent == c.parent
     assert a == extensions_dir(tmp_path, "0.16.3", "2.13.0", tmp_path / "env1")
 
 

@@ -130,16 +130,15 @@ def _fix(monkeypatch: pytest.MonkeyPatch) -> None:
         ((), {"raises": KeyError}, "affected=None must be a PEP 440 specifier string"),
     ],
 )
-def test_bad_ds_version_arguments_are_named(
-    args: tuple[object, ...], kwargs: dict[str, object], message: str
-) -> None:
+def test_bad_ds_version_arguments_are_named(args: tuple[object, ...], kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(MarkerError, match="^here: " + re.escape(message)):
         parse_gate(args, kwargs, "here")
 
 
 def test_a_good_gate_loads_its_fix_by_name() -> None:
     gate = parse_gate(("<0.1",), {"raises": KeyError, "fix": f"{__name__}:_fix"}, "here")
-    assert gate.fix is _fix and gate.describe() == "KeyError on deepspeed<0.1"
+    assert gate.fix is _fix
+    assert gate.describe() == "KeyError on deepspeed<0.1"
 
 
 def test_a_bad_ds_version_is_a_collection_error_naming_test_and_argument(

@@ -34,7 +34,9 @@ def test_identical_failures_are_told_once_with_each_rank_output() -> None:
     )
     assert text.splitlines()[1] == "(4-rank gloo world, 1.2s)"
     assert text.count("Traceback: same") == 1
-    assert "out 0" in text and "out 1" in text and "ignored" not in text
+    assert "out 0" in text
+    assert "out 1" in text
+    assert "ignored" not in text
     assert [r.rank for r in outcome.failures] == [0, 1, 2]  # a stopped rank is a consequence, not a failure
 
 
@@ -43,7 +45,8 @@ def test_exception_types_match_by_mro_without_importing() -> None:
         pass
 
     info = ErrorInfo.from_exception(Custom("k"), "")
-    assert info.is_instance_of(KeyError) and info.is_instance_of(LookupError)
+    assert info.is_instance_of(KeyError)
+    assert info.is_instance_of(LookupError)
     assert not info.is_instance_of(AttributeError)
     assert info.summary == "Custom: 'k'"
 

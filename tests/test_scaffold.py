@@ -43,9 +43,12 @@ def test_new_writes_a_file_with_the_markers_and_todos(tmp_path: Path, monkeypatc
     assert "dsrepro bisect repros/test_zero3_module_id.py::test_zero3_module_id --good X --bad Y" in out
     text = path.read_text()
     compile(text, str(path), "exec")
-    assert 'id="zero3-module-id"' in text and f'upstream="{url}"' in text
-    assert '@pytest.mark.ds_config("zero2")' in text and "def test_zero3_module_id(" in text
-    assert "pytest.mark.ds_world(size=2)" in text and "@pytest.mark.ds_version(affected=" in text
+    assert 'id="zero3-module-id"' in text
+    assert f'upstream="{url}"' in text
+    assert '@pytest.mark.ds_config("zero2")' in text
+    assert "def test_zero3_module_id(" in text
+    assert "pytest.mark.ds_world(size=2)" in text
+    assert "@pytest.mark.ds_version(affected=" in text
     assert text.count("TODO") >= 5
 
 

@@ -28,7 +28,8 @@ def test_precedence(pytester: pytest.Pytester) -> None:
 def test_paths(pytester: pytest.Pytester, tmp_path: Path) -> None:
     config = pytester.parseconfigure(f"--ds-results={tmp_path}", "--ds-cache-dir=/x/cache")
     s = config.stash[SETTINGS_KEY]
-    assert s.results == tmp_path and s.cache_dir == Path("/x/cache")
+    assert s.results == tmp_path
+    assert s.cache_dir == Path("/x/cache")
 
 
 @pytest.mark.parametrize(

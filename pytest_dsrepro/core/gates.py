@@ -195,7 +195,9 @@ def judge(
             Reason.REGRESSION, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
         )
     if not failures:
-        return Judgement(Reason.DID_NOT_REPRODUCE, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed")
+        return Judgement(
+            Reason.DID_NOT_REPRODUCE, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed"
+        )
     if all(_matches(r, gate) for r in failures):
         return Judgement(Reason.REPRODUCED, f"REPRODUCED on {ds}: {_endings(failures)}")
     return Judgement(

@@ -29,8 +29,11 @@ from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
 
+#: pytest's ``Failed``, which its public API names only as ``pytest.fail.Exception`` (mypy takes no such base).
+_Failed = pytest.fail.Exception
 
-class WorldFailed(pytest.fail.Exception):
+
+class WorldFailed(_Failed):  # type: ignore[misc,valid-type]
     """A test failure raised in the pytest process for a failed world; keeps the structured outcome.
 
     A ``pytest.fail`` exception with ``pytrace=False``: pytest shows exactly the rank stories, not the plugin's frames.
@@ -110,7 +113,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
 def _reference(item: pytest.Function) -> TestRef:
     """The test by module file and qualified name: ranks import it themselves (functions are never pickled)."""
     module = item.module
-    assert module is not None and module.__file__ is not None
+    assert module is not None
+    assert module.__file__ is not None
     cls = getattr(item, "cls", None)
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
     return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd())

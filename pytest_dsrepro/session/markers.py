@@ -31,7 +31,7 @@ def register(config: pytest.Config) -> None:
         config.addinivalue_line("markers", text)
 
 
-def gates(node: pytest.Item | pytest.FunctionDefinition) -> tuple[VersionGate, ...]:
+def gates(node: pytest.Item) -> tuple[VersionGate, ...]:
     """Every ``ds_version`` marker of a test or a test function's definition, validated (``MarkerError``)."""
     marks = [(m.args, dict(m.kwargs)) for m in node.iter_markers("ds_version")]
     return parse_gates(marks, f"@pytest.mark.ds_version on {node.nodeid}")

@@ -1,20 +1,21 @@
-"""The ``dsrepro`` command: the catalogue, new repros, bisecting releases, and (from their own modules) the
-version matrix and per-release installs.
+"""The ``dsrepro`` command: the catalogue, new repros, per-release installs, bisecting releases, the version matrix.
 
-Every subcommand is a thin layer over a module with plain, tested functions; nothing heavy is imported until a
-subcommand needs it, so ``dsrepro --help`` is instant.
+Every subcommand is a ``Command``: a name, a help line, a function that declares its arguments and one that runs it,
+each a thin layer over a module of plain, tested functions. Nothing heavy is imported until a subcommand runs, so
+``dsrepro --help`` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
+
+from . import install, matrix
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -54,11 +55,9 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_list(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("list", help="show the catalogue: id, title, upstream, affected releases, fixed in")
+def _list_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="*", metavar="PATH", help="files or directories to collect (default: repros/)")
     p.add_argument("--format", choices=("table", "markdown", "json"), default="table", help="output format")
-    p.set_defaults(handler=_list)
 
 
 # --- new ---------------------------------------------------------------------------------------------------------
@@ -81,17 +80,15 @@ def _new(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_new(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _new_arguments(p: argparse.ArgumentParser) -> None:
     from .scaffold import DEFAULT_PRESET
 
-    p = sub.add_parser("new", help="write a new repro from the template into repros/ (never overwrites)")
     p.add_argument("name", metavar="NAME", help="short name, e.g. zero3-module-id; the file is repros/test_<name>.py")
     p.add_argument("--issue", metavar="URL", help="upstream issue URL (the repro's ds_repro upstream=)")
     p.add_argument(
         "--config", metavar="PRESET", default=DEFAULT_PRESET, help=f"ds_config preset (default {DEFAULT_PRESET})"
     )
     p.add_argument("--dir", default="repros", help="directory to write into (default repros/)")
-    p.set_defaults(handler=_new)
 
 
 # --- bisect ------------------------------------------------------------------------------------------------------
@@ -150,13 +147,7 @@ def _bisect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bisect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bisect",
-        help="find the first DeepSpeed release where a test's outcome flips",
-        description="Install DeepSpeed releases from PyPI (cached per release) and binary-search the first one where "
-        "TEST_NODEID's outcome flips. Arguments after `--` go to pytest.",
-    )
+def _bisect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("nodeid", metavar="TEST_NODEID", help="e.g. repros/test_zero3_module_id.py::test_user_ids_survive")
     p.add_argument("--good", required=True, metavar="VERSION", help="a release at one end (e.g. where it passes)")
     p.add_argument("--bad", required=True, metavar="VERSION", help="a release at the other end (where it fails)")
@@ -172,33 +163,43 @@ def _add_bisect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("--log-dir", metavar="DIR", help="keep each probe's install log and pytest output here")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one probe's pytest run may take")
-    p.set_defaults(handler=_bisect, pytest_args=[])
+    p.set_defaults(pytest_args=[])
 
 
-# --- matrix and install: other modules' subcommands ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Handler
+    description: str | None = None
 
 
-def _partner(name: str) -> ModuleType | None:
-    """``pytest_dsrepro.<name>`` if it offers ``add_arguments(parser)`` and ``run(args) -> int``."""
-    try:
-        module = importlib.import_module(f"pytest_dsrepro.{name}")
-    except ImportError:
-        return None
-    return module if hasattr(module, "add_arguments") and hasattr(module, "run") else None
-
-
-def _add_partners(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    helps = {
-        "matrix": "merge results files of several DeepSpeed releases into the bug x version table",
-        "install": "install one DeepSpeed release (torch pinned) and prove it imports",
-    }
-    for name, text in helps.items():
-        module = _partner(name)
-        if module is None:
-            continue
-        p = sub.add_parser(name, help=text, description=text)
-        module.add_arguments(p)  # may set its own description
-        p.set_defaults(handler=module.run)
+COMMANDS = (
+    Command("list", "show the catalogue: id, title, upstream, affected releases, fixed in", _list_arguments, _list),
+    Command("new", "write a new repro from the template into repros/ (never overwrites)", _new_arguments, _new),
+    Command(
+        "bisect",
+        "find the first DeepSpeed release where a test's outcome flips",
+        _bisect_arguments,
+        _bisect,
+        "Install DeepSpeed releases from PyPI (cached per release) and binary-search the first one where "
+        "TEST_NODEID's outcome flips. Arguments after `--` go to pytest.",
+    ),
+    # These two declare their own description in add_arguments.
+    Command(
+        "install",
+        "install one DeepSpeed release (torch pinned) and prove it imports",
+        install.add_arguments,
+        install.run,
+    ),
+    Command(
+        "matrix",
+        "merge results files of several DeepSpeed releases into the bug x version table",
+        matrix.add_arguments,
+        matrix.run,
+    ),
+)
 
 
 # --- main --------------------------------------------------------------------------------------------------------
@@ -207,10 +208,10 @@ def _add_partners(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsrepro", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-    _add_list(sub)
-    _add_new(sub)
-    _add_bisect(sub)
-    _add_partners(sub)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.description or command.help)
+        command.arguments(p)
+        p.set_defaults(handler=command.run)
     return parser
 
 

@@ -1,0 +1,30 @@
+"""The project's top-level conftest.py: what every repro in repros/ shares."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import RunPytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_repro_runs_in_a_world(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """The top-level conftest.py puts each test under repros/ into a world; elsewhere nothing changes."""
+    shutil.copy(ROOT / "conftest.py", pytester.path / "conftest.py")
+    body = """
+        def test_where(request):
+            import torch.distributed as dist
+            assert request.node.get_closest_marker("ds_world") is not None
+            assert dist.is_initialized() and dist.get_world_size() == 2
+        """
+    pytester.mkdir("repros")
+    pytester.makepyfile(**{"repros/test_in_repros": body, "test_elsewhere": body})
+    result = run("-v", "--ds-world-size", "2")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines_random(
+        ["*repros/test_in_repros.py::test_where PASSED*", "*test_elsewhere.py::test_where FAILED*"]
+    )
