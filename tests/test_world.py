@@ -1,4 +1,8 @@
-"""End to end: real gloo worlds started by the plugin, seen as a user sees them."""
+"""End to end: real gloo worlds started by the plugin, seen as a user sees them.
+
+How one world is stopped after a failure is proved a level lower, on the runner itself (``test_worlds_client.py``),
+where the failure grace is a parameter and nothing waits 5 s.
+"""
 
 from __future__ import annotations
 
@@ -249,28 +253,6 @@ def test_a_dead_rank_is_never_a_pass(pytester: pytest.Pytester, run: RunPytest, 
     result.stdout.fnmatch_lines([expected])
 
 
-def test_healthy_ranks_are_stopped_promptly(pytester: pytest.Pytester, run: RunPytest) -> None:
-    pytester.makepyfile(
-        """
-        import time
-        import pytest
-
-        @pytest.mark.ds_world(timeout=120)
-        def test_one_fails(ds_rank):
-            if ds_rank == 0:
-                raise RuntimeError("rank 0 failed first")
-            time.sleep(3600)
-        """
-    )
-    started = time.monotonic()
-    result = run()
-    assert time.monotonic() - started < 60, "healthy ranks must be stopped in seconds, not at the timeout"
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        ["rank 0: RuntimeError: rank 0 failed first; rank 1: stopped: still running 5s after rank 0 failed"]
-    )
-
-
 def test_no_state_leaks_between_tests(pytester: pytest.Pytester, run: RunPytest) -> None:
     pytester.makepyfile(
         """
@@ -505,7 +487,7 @@ def test_launcher_mode_runs_in_place_under_torchrun(pytester: pytest.Pytester, p
             dist.all_reduce(t)
             assert t.item() == 2
             import psutil
-            assert not any("pytest_dsrepro.server" in " ".join(p.cmdline()) for p in psutil.Process().children())
+            assert not any("pytest_dsrepro.worlds.server" in " ".join(p.cmdline()) for p in psutil.Process().children())
 
         @pytest.mark.ds_world(size=4)
         def test_needs_four():

@@ -78,7 +78,6 @@ class WorldOutcome:
     backend: str
     ranks: tuple[RankResult, ...]
     duration: float
-    extra: dict[str, object] | None = None  # facts the ranks report back (e.g. the resolved DeepSpeed config)
 
     @property
     def passed(self) -> bool:

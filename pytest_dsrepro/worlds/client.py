@@ -2,6 +2,10 @@
 
 A world always ends within its timeout, leaves no process and no /dev/shm buffer behind, and tells the story of
 every rank: its exception, its exit code or signal, its Python stack if it hung, and the tail of its own output.
+
+This module talks to the fork server only in ``protocol`` messages and never signals a rank itself: the server forked
+the ranks and reaps them, so only it knows a pid still names that rank. To stop ranks it asks the server
+(``DumpStacks``, then ``Kill``), and ``Reap`` when the world's directory has been read.
 """
 
 from __future__ import annotations
@@ -18,41 +22,37 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
-from . import workdir as layout
+from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
 from ..core.outcome import RankResult, Status, WorldOutcome, rank_ranges
-from .rank import RankJob
-from .server import STACK_SIGNAL
+from . import workdir as layout
+from .protocol import (
+    SERVER_MESSAGES,
+    ClientMessage,
+    DumpStacks,
+    Exited,
+    Hello,
+    Kill,
+    RankJob,
+    RankReport,
+    Reap,
+    ServerFacts,
+    ServerMessage,
+    Spawn,
+    Spawned,
+)
 
 #: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped.
 FAILURE_GRACE = 5.0
 #: How long ranks get to write their Python stacks before they are killed.
 STACK_DUMP_WAIT = 1.0
-
-
-class WorldError(Exception):
-    """The harness itself could not run a world (the fork server did not start, a job could not be sent)."""
-
-
-@dataclass(frozen=True)
-class ServerFacts:
-    """What the fork server found when it preloaded: versions, devices, the comm-op build."""
-
-    raw: dict[str, Any]
-
-    @property
-    def cuda_devices(self) -> int:
-        return int(self.raw.get("cuda_devices", 0))
-
-    @property
-    def gpus(self) -> list[str]:
-        return list(self.raw.get("gpus", []))
+#: The fork server's module, run as ``python -m``.
+SERVER_MODULE = "pytest_dsrepro.worlds.server"
 
 
 class ForkServer:
-    """One preloaded interpreter (``pytest_dsrepro.server``) per pytest process, started on first use."""
+    """One preloaded interpreter (``worlds.server``) per pytest process, started on first use."""
 
     def __init__(self, cache_dir: Path, startup_timeout: float) -> None:
         self.cache_dir = cache_dir
@@ -64,7 +64,7 @@ class ForkServer:
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])  # the directory holding pytest_dsrepro/
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
         env[CACHE_ENV] = str(self.cache_dir)
         return env
@@ -77,7 +77,7 @@ class ForkServer:
         self._log = Path(log)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest_dsrepro.server", str(theirs.fileno()), str(os.getpid()), log],
+                [sys.executable, "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -89,15 +89,25 @@ class ForkServer:
             os.close(fd)
             theirs.close()
         self._conn = Connection(ours.detach())
-        message = self._receive(self.startup_timeout)
-        if message is None or message[0] != "hello" or "fatal" in message[2]:
-            detail = message[2].get("fatal", "") if message else "no answer"
+        try:
+            message = self.receive(self.startup_timeout)
+        except HarnessError:
+            message = None
+        if not isinstance(message, Hello) or message.facts.fatal is not None:
+            if isinstance(message, Hello):
+                detail = message.facts.fatal
+            elif self._proc is not None and self._proc.poll() is not None:
+                detail = f"it ended with {describe_exit(self._proc.returncode)}"
+            else:
+                detail = "no answer"
+            self._stop()
+            log = self.log_tail()
             self.close()
-            raise WorldError(
-                f"the pytest-dsrepro fork server did not start ({detail or 'it exited'}) within "
-                f"{self.startup_timeout:.0f}s; its log:\n{self.log_tail()}"
+            raise HarnessError(
+                f"the pytest-dsrepro fork server did not start ({detail}) within "
+                f"{self.startup_timeout:g}s; its log:\n{log}"
             )
-        self.facts = ServerFacts(message[2])
+        self.facts = message.facts
         return self.facts
 
     def log_tail(self, lines: int = 30) -> str:
@@ -105,26 +115,27 @@ class ForkServer:
             return ""
         return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
 
-    def _receive(self, timeout: float) -> tuple[Any, ...] | None:
-        """The next message, or None on timeout or when the server is gone."""
-        assert self._conn is not None
-        try:
-            if self._conn.poll(max(timeout, 0.0)):
-                return self._conn.recv()  # type: ignore[no-any-return]
-        except (EOFError, OSError):
-            pass
-        return None
-
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: ClientMessage) -> None:
         if self._conn is None:
-            raise WorldError("the fork server is not running")
+            raise HarnessError("the pytest-dsrepro fork server is not running")
         try:
             self._conn.send(message)
         except OSError as exc:
-            raise WorldError(f"the fork server is gone ({exc}); its log:\n{self.log_tail()}") from exc
+            raise HarnessError(f"the pytest-dsrepro fork server is gone ({exc}); its log:\n{self.log_tail()}") from exc
 
-    def receive(self, timeout: float) -> tuple[Any, ...] | None:
-        return self._receive(timeout)
+    def receive(self, timeout: float) -> ServerMessage | None:
+        """The next message, or None on timeout or when the server is gone."""
+        if self._conn is None:
+            return None
+        try:
+            if not self._conn.poll(max(timeout, 0.0)):
+                return None
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            return None
+        if not isinstance(message, SERVER_MESSAGES):
+            raise HarnessError(f"the pytest-dsrepro fork server sent an unknown message: {message!r}")
+        return message
 
     @property
     def alive(self) -> bool:
@@ -132,6 +143,12 @@ class ForkServer:
 
     def close(self) -> None:
         """Closing the socket makes the server kill whatever it started and exit."""
+        self._stop()
+        if self._log is not None:
+            self._log.unlink(missing_ok=True)
+        self.facts = None
+
+    def _stop(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -142,9 +159,6 @@ class ForkServer:
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-        if self._log is not None:
-            self._log.unlink(missing_ok=True)
-        self.facts = None
 
 
 def describe_exit(returncode: int) -> str:
@@ -159,9 +173,9 @@ def describe_exit(returncode: int) -> str:
 @dataclass
 class _Rank:
     rank: int
-    pid: int
+    pid: int  # for diagnostics only: the server signals its ranks, never this process
     returncode: int | None = None
-    result: dict[str, Any] | None = None  # what the rank wrote before exiting
+    report: RankReport | None = None  # what the rank wrote before exiting
     forced: Status | None = None  # HUNG or STOPPED when we ended it
     forced_detail: str = ""
 
@@ -175,36 +189,33 @@ class WorldRun:
     size: int
     backend: str
     timeout: float
+    failure_grace: float = FAILURE_GRACE
+    stack_dump_wait: float = STACK_DUMP_WAIT
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
 
     def _failed(self, r: _Rank) -> bool:
-        return r.returncode is not None and (
-            r.returncode != 0 or r.result is None or r.result["status"] is Status.FAILED
-        )
+        return r.returncode is not None and (r.returncode != 0 or r.report is None or r.report.status is Status.FAILED)
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks if r.returncode is None]
 
-    def _dispatch(self, message: tuple[Any, ...] | None) -> None:
-        if message is None:
-            return
-        if message[0] == "exited" and message[1] == self.world_id:
-            r = self.ranks[message[2]]
-            r.returncode = message[3]
-            path = layout.result_file(self.workdir, r.rank)
-            r.result = pickle.loads(path.read_bytes()) if path.exists() else None
+    def _dispatch(self, message: ServerMessage | None) -> None:
+        if isinstance(message, Exited) and message.world == self.world_id:
+            r = self.ranks[message.rank]
+            r.returncode = message.returncode
+            r.report = layout.read_report(self.workdir, r.rank)
 
     def _force_end(self, ranks: list[_Rank], status: Status, detail: str) -> None:
-        """Dump the Python stacks of ``ranks``, then kill them."""
+        """Have the server dump the Python stacks of ``ranks``, then kill them."""
         for r in ranks:
             r.forced, r.forced_detail = status, detail
-            _signal(r.pid, STACK_SIGNAL)
-        deadline = time.monotonic() + STACK_DUMP_WAIT
+        which = tuple(r.rank for r in ranks)
+        self.server.send(DumpStacks(self.world_id, which))
+        deadline = time.monotonic() + self.stack_dump_wait
         while time.monotonic() < deadline and not all(self._stack(r.rank) for r in ranks):
             time.sleep(0.02)
-        for r in ranks:
-            _signal(r.pid, signal.SIGKILL)
+        self.server.send(Kill(self.world_id, which))
 
     def _stack(self, rank: int) -> str:
         return _user_frames(layout.read_text(layout.stack_file(self.workdir, rank)))
@@ -212,13 +223,15 @@ class WorldRun:
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
         try:
-            self.server.send(("spawn", self.world_id, pickle.dumps(job), self.size, str(self.workdir)))
+            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir)))
             while not self.ranks:
                 message = self.server.receive(self.timeout)
                 if message is None:
-                    raise WorldError(f"the fork server did not start the ranks; its log:\n{self.server.log_tail()}")
-                if message[0] == "spawned" and message[1] == self.world_id:
-                    self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message[2])]
+                    raise HarnessError(
+                        f"the pytest-dsrepro fork server did not start the ranks; its log:\n{self.server.log_tail()}"
+                    )
+                if isinstance(message, Spawned) and message.world == self.world_id:
+                    self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
             self._wait(started + self.timeout)
             return self._outcome(time.monotonic() - started)
         finally:
@@ -230,15 +243,17 @@ class WorldRun:
             now = time.monotonic()
             if first_failure is None and any(self._failed(r) for r in self.ranks):
                 first_failure = now
-            if first_failure is not None and now > first_failure + FAILURE_GRACE:
+            if first_failure is not None and now > first_failure + self.failure_grace:
                 failed = [r.rank for r in self.ranks if self._failed(r)]
                 self._force_end(
-                    live, Status.STOPPED, f"still running {FAILURE_GRACE:.0f}s after {rank_ranges(failed)} failed"
+                    live,
+                    Status.STOPPED,
+                    f"still running {self.failure_grace:g}s after {rank_ranges(failed)} failed",
                 )
             elif now > deadline:
                 self._force_end(live, Status.HUNG, f"still running when the {self.timeout:g}s world timeout expired")
             else:
-                wake = min(deadline, first_failure + FAILURE_GRACE if first_failure else deadline)
+                wake = deadline if first_failure is None else min(deadline, first_failure + self.failure_grace)
                 self._dispatch(self.server.receive(min(max(wake - now, 0.0), 0.5)))
                 continue
             self._collect_exits(live)
@@ -253,67 +268,59 @@ class WorldRun:
 
     def _outcome(self, duration: float) -> WorldOutcome:
         results = []
-        extra: dict[str, Any] = {}
         for r in self.ranks:
-            result = r.result
-            output, stack = layout.read_text(layout.output_file(self.workdir, r.rank)), self._stack(r.rank)
+            output = layout.read_text(layout.output_file(self.workdir, r.rank))
             if r.forced is not None:
+                stack = self._stack(r.rank)
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
-            elif result is None:
+            elif r.report is None:
                 assert r.returncode is not None
                 detail = describe_exit(r.returncode)
                 if r.returncode == 0:
                     detail += " without reporting that its body completed"
                 results.append(RankResult(r.rank, Status.CRASHED, detail=detail, output=output))
             else:
-                if r.rank == 0:
-                    extra = result.get("extra") or {}
-                results.append(
-                    RankResult(
-                        r.rank,
-                        result["status"],
-                        error=result.get("error"),
-                        detail=result.get("detail", ""),
-                        output=output,
-                    )
-                )
-        return WorldOutcome(self.size, self.backend, tuple(results), duration, extra)
+                results.append(r.report.result(r.rank, output))
+        return WorldOutcome(self.size, self.backend, tuple(results), duration)
 
     def _cleanup(self) -> None:
+        """Ask the server to reap the world (it kills whatever is left of it), then discard its directory."""
         live = self._live()
-        for r in live:
-            _signal(r.pid, signal.SIGKILL)
         if self.server.alive:
             try:
-                self.server.send(("reap", self.world_id))
-            except WorldError:
+                self.server.send(Reap(self.world_id))
+            except HarnessError:
                 pass
-            self._collect_exits(live)
+            else:
+                self._collect_exits(live)
         layout.discard(self.workdir)
 
 
 def _user_frames(dump: str) -> str:
     """faulthandler's dump without the harness frames under the test body (innermost frames come first)."""
-    harness = (
-        os.sep + "pytest_dsrepro" + os.sep + "rank.py",
-        os.sep + "pytest_dsrepro" + os.sep + "server.py",
-        "<frozen runpy>",
-    )
+    here = os.sep + "pytest_dsrepro" + os.sep + "worlds" + os.sep
+    harness = (here + "rank.py", here + "server.py", "<frozen runpy>")
     return "\n".join(line for line in dump.splitlines() if not any(h in line for h in harness))
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 class WorldRunner:
-    """Runs worlds for one pytest process; owns its fork server."""
+    """Runs worlds for one pytest process; owns its fork server.
 
-    def __init__(self, cache_dir: Path, startup_timeout: float) -> None:
+    ``failure_grace``: after one rank fails, how long the others get before they are stopped; ``stack_dump_wait``:
+    how long ranks get to write their Python stacks before they are killed.
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        startup_timeout: float,
+        *,
+        failure_grace: float = FAILURE_GRACE,
+        stack_dump_wait: float = STACK_DUMP_WAIT,
+    ) -> None:
         self.server = ForkServer(cache_dir, startup_timeout)
+        self.failure_grace = failure_grace
+        self.stack_dump_wait = stack_dump_wait
         self._ids = itertools.count(1)
 
     def facts(self) -> ServerFacts:
@@ -324,7 +331,16 @@ class WorldRunner:
         if not self.server.alive:
             self.server.close()
             self.server.start()
-        return WorldRun(self.server, next(self._ids), size, job.backend, job.timeout).run(job)
+        world = WorldRun(
+            self.server,
+            next(self._ids),
+            size,
+            job.backend,
+            job.timeout,
+            failure_grace=self.failure_grace,
+            stack_dump_wait=self.stack_dump_wait,
+        )
+        return world.run(job)
 
     def close(self) -> None:
         self.server.close()

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import options
 from ..core.options import Launched
-from ..core.outcome import RankResult, WorldOutcome
-from .rank import Fix, RankContext, run_body
+from ..core.outcome import WorldOutcome
+from ..inrank.context import RankContext
+from .rank import Fix, run_body
 
 if TYPE_CHECKING:
     from ..core.worlds import WorldSpec
+
 
 def launched() -> Launched | None:
     """The rank the launcher made this process, from its environment; None when no launcher started pytest."""
@@ -38,7 +40,8 @@ def run_here(
     import torch.distributed as dist
 
     world = launched()
-    assert world is not None and world.world_size == spec.size
+    assert world is not None, "run_here outside a launched world"
+    assert world.world_size == spec.size, "the pytest side skips worlds of another size"
     if not dist.is_initialized():
         if backend == "nccl":
             import torch
@@ -49,6 +52,5 @@ def run_here(
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=spec.timeout))
     ctx = RankContext(world.rank, world.world_size, world.local_rank, backend)
     started = time.monotonic()
-    result = run_body(fn, kwargs, fixes, ctx)
-    mine = RankResult(world.rank, result["status"], error=result.get("error"), detail=result.get("detail", ""))
-    return WorldOutcome(world.world_size, backend, (mine,), time.monotonic() - started, result.get("extra"))
+    report = run_body(fn, kwargs, fixes, ctx)
+    return WorldOutcome(world.world_size, backend, (report.result(world.rank),), time.monotonic() - started)

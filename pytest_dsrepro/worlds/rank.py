@@ -1,7 +1,8 @@
 """Everything that happens inside one rank: rendezvous, the default process group, the test body.
 
 This module runs in forked rank processes (and, under an external launcher, in the pytest process of each rank).
-It imports torch only inside functions; the plugin imports it at load time for the job types.
+It imports torch only inside functions. What a rank receives and reports are ``protocol`` types: a ``RankJob`` in,
+one ``RankReport`` out.
 """
 
 from __future__ import annotations
@@ -15,46 +16,17 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import workdir as layout
 from ..core.outcome import ErrorInfo, Status
 from ..inrank import context
 from ..inrank.context import RankContext
+from . import workdir as layout
+from .protocol import RankJob, RankReport, RankValue, TestRef
 from .workdir import LOOPBACK
 
 Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
-
-
-@dataclass(frozen=True)
-class RankValue:
-    """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class TestRef:
-    """Where to find the test function, by module file and qualified name (never by pickling the function)."""
-
-    module_name: str
-    module_file: str
-    qualname: str  # "test_x" or "TestClass.test_x"
-    sys_path: tuple[str, ...]
-    cwd: str
-
-
-@dataclass(frozen=True)
-class RankJob:
-    """What every rank of one world runs. ``payload`` is pickled apart so that it is unpickled only after the test's
-    module is imported (parametrize values and fixes may be defined in it)."""
-
-    test: TestRef
-    payload: bytes  # pickle of (kwargs, fixes)
-    backend: str
-    timeout: float
 
 
 def _import_test_module(ref: TestRef) -> Any:
@@ -70,7 +42,8 @@ def _import_test_module(ref: TestRef) -> Any:
         pass
     # Modules imported by pytest's importlib mode are not importable by name: load the same file under that name.
     spec = importlib.util.spec_from_file_location(ref.module_name, ref.module_file)
-    assert spec is not None and spec.loader is not None, ref.module_file
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the test module {ref.module_name} from {ref.module_file}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[ref.module_name] = module
     spec.loader.exec_module(module)
@@ -161,8 +134,12 @@ def _substitute(kwargs: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
     return {k: values[v.name] if isinstance(v, RankValue) else v for k, v in kwargs.items()}
 
 
-def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext) -> dict[str, Any]:
-    """Apply the fixes (through a MonkeyPatch, undone afterwards) and run the body; return the verdict as data."""
+def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport:
+    return RankReport(Status.FAILED, error=ErrorInfo.from_exception(exc, heading + traceback_text))
+
+
+def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext) -> RankReport:
+    """Apply the fixes (through a MonkeyPatch, undone afterwards) and run the body; report how it ended."""
     import pytest
 
     try:
@@ -171,47 +148,32 @@ def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix
                 fix(monkeypatch)
             fn(**_substitute(kwargs, ctx))
     except pytest.skip.Exception as exc:
-        return {"status": Status.SKIPPED, "detail": str(exc.msg)}
+        return RankReport(Status.SKIPPED, detail=str(exc.msg))
     except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, text)}
-    return {"status": Status.PASSED}
+        return _failed(exc, "", "".join(traceback.format_exception(type(exc), exc, tb)))
+    return RankReport(Status.PASSED)
 
 
-def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> dict[str, Any]:
+def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankReport:
     """The whole life of a spawned rank, except process plumbing (see ``server``)."""
     try:
         store = rendezvous(world_size, workdir, job.timeout)
         set_rank_environment(rank, world_size, store.port)
         init_default_group(job.backend, store, rank, world_size, job.timeout)
     except BaseException as exc:  # noqa: BLE001
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, "world setup failed:\n" + tb)}
+        return _failed(exc, "world setup failed:\n", traceback.format_exc())
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
     try:
         fn = resolve_test(job.test)
         kwargs, fixes = pickle.loads(job.payload)
     except BaseException as exc:  # noqa: BLE001
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return {"status": Status.FAILED, "error": ErrorInfo.from_exception(exc, "loading the test failed:\n" + tb)}
-    result = run_body(fn, kwargs, fixes, ctx)
+        return _failed(exc, "loading the test failed:\n", traceback.format_exc())
+    report = run_body(fn, kwargs, fixes, ctx)
     import torch.distributed as dist
 
-    if dist.is_initialized() and result["status"] is Status.PASSED:
+    if dist.is_initialized() and report.status is Status.PASSED:
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
-    return result
+    return report
 
-
-def write_result(workdir: Path, rank: int, result: dict[str, Any]) -> None:
-    """Atomically, so that the pytest process never reads half a result."""
-    path = layout.result_file(workdir, rank)
-    tmp = path.with_suffix(".tmp")
-    try:
-        data = pickle.dumps(result)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable extra must not turn a verdict into a crash
-        result = {**result, "extra": {"unpicklable_extra": repr(exc)}}
-        data = pickle.dumps(result)
-    tmp.write_bytes(data)
-    tmp.rename(path)

@@ -3,9 +3,12 @@
 Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
 world still gets brand-new rank processes, so nothing a test does leaks into the next.
 
-Protocol over one socket (``multiprocessing.connection`` framing, pickled tuples):
-    server -> pytest  ("hello", facts) once ready; ("spawned", world, pids); ("exited", world, rank, returncode)
-    pytest -> server  ("spawn", world, job_bytes, size, workdir); ("reap", world)
+Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG``.
+It speaks the typed messages of ``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
+    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode)
+    pytest -> server  Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+The server forks every rank and is the only process that signals one (it alone knows which pids are still its
+unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kill ranks, then to reap the world.
 End of file on the socket (pytest exited, even by SIGKILL) makes the server kill every process it started and exit.
 Each world is a store process (its TCPStore) and one process per rank. They die with the server
 (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
@@ -14,7 +17,9 @@ start are its children and get killed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import faulthandler
 import os
 import pickle
@@ -24,10 +29,10 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
 
 from . import comm_op as extensions
 from . import workdir as layout
+from .protocol import DumpStacks, Exited, Hello, Kill, Reap, ServerFacts, Spawn, Spawned
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -45,26 +50,36 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def preload() -> dict[str, Any]:
-    """Import torch and DeepSpeed once, choose the accelerator, build DeepSpeed's comm op; report what is in play."""
+def preload() -> ServerFacts:
+    """Import torch and DeepSpeed once, choose the accelerator, build DeepSpeed's comm op; report what is in play.
+
+    Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
+    the pytest process imports nothing.
+    """
     import torch
 
-    facts: dict[str, Any] = {"pid": os.getpid(), "torch": torch.__version__, "deepspeed": None}
-    facts["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    facts["gpus"] = [torch.cuda.get_device_name(i) for i in range(facts["cuda_devices"])]
-    if not facts["cuda_devices"]:
+    cuda_devices = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    facts = ServerFacts(
+        pid=os.getpid(),
+        torch=str(torch.__version__),
+        cuda_devices=cuda_devices,
+        gpus=tuple(str(torch.cuda.get_device_name(i)) for i in range(cuda_devices)),
+    )
+    if not cuda_devices:
         # Without it DeepSpeed probes for CUDA/XPU/... accelerators; on a CPU machine the CPU one is the truth.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
     except ImportError as exc:
-        facts["deepspeed_error"] = f"{type(exc).__name__}: {exc}"
-        return facts
-    facts["deepspeed"] = deepspeed.__version__
+        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}")
     started = time.monotonic()
-    facts["comm_op"] = extensions.warm_up()
-    facts["comm_op_seconds"] = round(time.monotonic() - started, 2)
-    return facts
+    comm_op = extensions.warm_up()
+    return dataclasses.replace(
+        facts,
+        deepspeed=str(deepspeed.__version__),
+        comm_op=comm_op,
+        comm_op_seconds=round(time.monotonic() - started, 2),
+    )
 
 
 def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
@@ -104,7 +119,7 @@ def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     from . import rank as rank_mod
 
-    rank_mod.write_result(workdir, rank, rank_mod.run_rank(pickle.loads(job), rank, size, workdir))
+    layout.write_report(workdir, rank, rank_mod.run_rank(pickle.loads(job), rank, size, workdir))
 
 
 def start_world(job: bytes, size: int, workdir: Path, server_pid: int, conn: Connection) -> list[int]:
@@ -124,40 +139,68 @@ def _child_exit_wakeups() -> int:
     return r
 
 
+class Worlds:
+    """The worlds this server started for pytest: their ranks' pids until reaped, their directories until reaped."""
+
+    def __init__(self, conn: Connection, directories: dict[int, Path]) -> None:
+        self.conn = conn
+        self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
+        self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks not reaped yet
+
+    def handle(self, message: object) -> None:
+        match message:
+            case Spawn(world=world, job=job, size=size, workdir=workdir):
+                self.directories[world] = Path(workdir)
+                pids = start_world(job, size, Path(workdir), os.getpid(), self.conn)
+                self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
+                self.conn.send(Spawned(world, tuple(pids)))
+            case DumpStacks(world=world, ranks=ranks):
+                self.signal(world, ranks, STACK_SIGNAL)
+            case Kill(world=world, ranks=ranks):
+                self.signal(world, ranks, signal.SIGKILL)
+            case Reap(world=world):  # pytest has read the directory, and discards it itself
+                kill_descendants()
+                self.directories.pop(world, None)
+            case _:
+                print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
+
+    def signal(self, world: int, ranks: tuple[int, ...], sig: int) -> None:
+        """Only ranks not reaped yet: their pids cannot have been recycled for another process."""
+        for pid, (w, r) in self._ranks.items():
+            if w == world and r in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def reap(self) -> None:
+        """Reap whatever ended: ranks are reported, orphans they left behind are just reaped."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            ended = self._ranks.pop(pid, None)
+            if ended is not None:
+                world, rank = ended
+                self.conn.send(Exited(world, rank, os.waitstatus_to_exitcode(status)))
+
+
 def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    me = os.getpid()
-    worlds: dict[int, tuple[int, int]] = {}  # pid -> (world, rank)
+    worlds = Worlds(conn, open_worlds)
     wakeups = _child_exit_wakeups()
     while True:
         ready = wait([conn, wakeups], timeout=1.0)
         if wakeups in ready:
             os.read(wakeups, 4096)
-        try:
-            message = conn.recv() if conn in ready else None
-        except (EOFError, OSError):
-            return
-        if message is not None:
-            kind, world, *rest = message
-            if kind == "spawn":
-                job, size, workdir = rest
-                open_worlds[world] = Path(workdir)
-                pids = start_world(job, size, Path(workdir), me, conn)
-                worlds.update({pid: (world, r) for r, pid in enumerate(pids)})
-                conn.send(("spawned", world, pids))
-            elif kind == "reap":  # pytest reads the directory, then discards it
-                kill_descendants()
-                open_worlds.pop(world, None)
-        while True:  # reap whatever ended: ranks are reported, orphans they left behind are just reaped
+        if conn in ready:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if pid in worlds:
-                world_id, r = worlds.pop(pid)
-                conn.send(("exited", world_id, r, os.waitstatus_to_exitcode(status)))
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            worlds.handle(message)
+        worlds.reap()
 
 
 def kill_descendants() -> None:
@@ -165,10 +208,8 @@ def kill_descendants() -> None:
 
     procs = psutil.Process().children(recursive=True)
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=5)
 
 
@@ -187,10 +228,10 @@ def main() -> None:
     try:
         try:
             facts = preload()
-        except BaseException as exc:  # noqa: BLE001
-            facts = {"pid": os.getpid(), "fatal": f"{type(exc).__name__}: {exc}"}
-        conn.send(("hello", 0, facts))
-        if "fatal" not in facts:
+        except BaseException as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
+            facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
+        conn.send(Hello(facts))
+        if facts.fatal is None:
             serve(conn, open_worlds)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # EOF and the parent-death signal can both come: finish

@@ -1,15 +1,18 @@
 """A world's private directory: the one place that knows its layout, and how to leave nothing of it behind.
 
-Ranks write their results, output and stacks here; rank 0 publishes its store port here. The pytest process reads
-it after the world; whoever outlives the world (pytest, or the fork server if pytest was killed) discards it.
+Ranks write their reports, output and stacks here; the world's store process publishes its port here. The pytest
+process reads it after the world; whoever outlives the world (pytest, or the fork server if pytest was killed)
+discards it. A rank's report file is written and read only through ``write_report`` and ``read_report``.
 """
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
 from . import shm
+from .protocol import RankReport
 
 LOOPBACK = "127.0.0.1"
 
@@ -28,6 +31,25 @@ def output_file(workdir: Path, rank: int) -> Path:
 
 def stack_file(workdir: Path, rank: int) -> Path:
     return workdir / f"stack-{rank}.txt"
+
+
+def write_report(workdir: Path, rank: int, report: RankReport) -> None:
+    """Atomically, so that the pytest process never reads half a report."""
+    path = result_file(workdir, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(report))
+    tmp.rename(path)
+
+
+def read_report(workdir: Path, rank: int) -> RankReport | None:
+    """The rank's report; None when it wrote none (it died, or exited before its body completed)."""
+    path = result_file(workdir, rank)
+    if not path.exists():
+        return None
+    report = pickle.loads(path.read_bytes())
+    if not isinstance(report, RankReport):
+        raise TypeError(f"{path} holds a {type(report).__name__}, not a RankReport")
+    return report
 
 
 def read_text(path: Path) -> str:

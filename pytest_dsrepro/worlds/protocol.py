@@ -1,0 +1,169 @@
+"""Everything that crosses a process boundary in a spawned world, as small frozen dataclasses.
+
+Three processes meet here: the pytest process (``worlds.client``), the fork server (``worlds.server``) and the ranks
+it forks (``worlds.rank``).
+
+- **The socket between pytest and the fork server** carries the messages below, pickled in
+  ``multiprocessing.connection`` framing, and each side dispatches on the message's class, never on a position:
+
+      server -> pytest   Hello(facts) once preloaded; Spawned(world, pids); Exited(world, rank, returncode)
+      pytest -> server   Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+
+  The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
+  ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
+- **A rank's job** (``RankJob``, pickled inside ``Spawn``) names the test by reference (``TestRef``) and carries its
+  arguments pickled apart, with ``RankValue`` placeholders for per-rank fixture values.
+- **A rank's report** (``RankReport``) is the one typed verdict a rank produces, written to its result file by a
+  spawned rank and consumed in place by the launcher path.
+
+Only builtins, ``core`` data and these classes travel: unpickling a message in the pytest process must never import
+torch (hence ``ServerFacts.torch`` is ``str(torch.__version__)``, not torch's own version object). This module
+imports neither torch nor pytest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.outcome import ErrorInfo, RankResult, Status
+
+# ---- what the fork server found -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the fork server found when it preloaded: versions, devices, the comm-op build. Builtins only."""
+
+    pid: int
+    torch: str  # "" when torch could not be imported (then ``fatal`` says why)
+    deepspeed: str | None = None  # None when DeepSpeed is not importable; ``deepspeed_error`` says why
+    deepspeed_error: str | None = None
+    cuda_devices: int = 0
+    gpus: tuple[str, ...] = ()
+    comm_op: str | None = None  # how DeepSpeed's CPU comm op was built or loaded (see ``comm_op.warm_up``)
+    comm_op_seconds: float | None = None
+    fatal: str | None = None  # the server could not preload and will not run worlds
+
+
+# ---- server -> pytest -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The server is ready (or, with ``facts.fatal``, is not and exits)."""
+
+    facts: ServerFacts
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """The ranks of ``world`` are running; ``pids[rank]`` for diagnostics (pytest never signals them)."""
+
+    world: int
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A rank ended; ``returncode`` as ``subprocess`` writes it (negative: killed by that signal)."""
+
+    world: int
+    rank: int
+    returncode: int
+
+
+ServerMessage = Hello | Spawned | Exited
+SERVER_MESSAGES = (Hello, Spawned, Exited)
+
+# ---- pytest -> server -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start a world: its store process, then ``size`` ranks that each run ``job`` (a pickled ``RankJob``)."""
+
+    world: int
+    job: bytes
+    size: int
+    workdir: str
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """Make these live ranks of ``world`` write every thread's Python stack to their stack files."""
+
+    world: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL these live ranks of ``world``; each is then reported by ``Exited``."""
+
+    world: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Reap:
+    """pytest has read the world's directory: kill whatever of it is left (its store, processes ranks started)."""
+
+    world: int
+
+
+ClientMessage = Spawn | DumpStacks | Kill | Reap
+CLIENT_MESSAGES = (Spawn, DumpStacks, Kill, Reap)
+
+# ---- the job every rank of a world runs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankValue:
+    """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``).
+
+    ``name`` is ``"rank"`` or ``"world_size"``.
+    """
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TestRef:
+    """Where to find the test function, by module file and qualified name (never by pickling the function)."""
+
+    __test__ = False  # not a test class, whatever pytest's collection patterns say
+
+    module_name: str
+    module_file: str
+    qualname: str  # "test_x" or "TestClass.test_x"
+    sys_path: tuple[str, ...]
+    cwd: str
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank of one world runs. ``payload`` is pickled apart so that it is unpickled only after the test's
+    module is imported (parametrize values and fixes may be defined in it)."""
+
+    test: TestRef
+    payload: bytes  # pickle of (kwargs, fixes)
+    backend: str
+    timeout: float
+
+
+# ---- what a rank reports --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """How one rank's body ended, as the rank itself saw it: the one report both the spawned and launcher paths read.
+
+    What only an observer knows (exit code, output, stacks, a forced stop) is added by the reader, in ``result``.
+    """
+
+    status: Status
+    error: ErrorInfo | None = None
+    detail: str = ""  # the skip reason
+
+    def result(self, rank: int, output: str = "") -> RankResult:
+        return RankResult(rank, self.status, error=self.error, detail=self.detail, output=output)

@@ -1,0 +1,247 @@
+"""The pytest side of a world, one level below the plugin: ``WorldRun`` against a scripted server, then
+``WorldRunner`` against a real fork server, in this process, with short failure grace and stack-dump waits.
+
+The client never signals a rank: it asks the server, which forked the ranks, to dump stacks and to kill them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import REAL_CACHE
+from pytest_dsrepro.core.errors import HarnessError
+from pytest_dsrepro.core.outcome import Status, WorldOutcome
+from pytest_dsrepro.worlds import client, workdir
+from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
+from pytest_dsrepro.worlds.protocol import (
+    ClientMessage,
+    DumpStacks,
+    Exited,
+    Kill,
+    RankJob,
+    RankReport,
+    RankValue,
+    Reap,
+    ServerMessage,
+    Spawn,
+    Spawned,
+    TestRef,
+)
+
+WORLD = 1
+
+
+class ScriptedServer:
+    """Stands in for ``ForkServer``: on ``Spawn`` the ranks in ``ends`` write their report (if any) and exit with
+    their code; the others run until the client has them killed."""
+
+    def __init__(self, ends: dict[int, tuple[RankReport | None, int]] | None = None, *, starts: bool = True) -> None:
+        self.ends = ends or {}
+        self.starts = starts
+        self.sent: list[ClientMessage] = []
+        self.replies: list[ServerMessage] = []
+        self.alive = True
+        self.workdir: Path | None = None
+
+    def send(self, message: ClientMessage) -> None:
+        self.sent.append(message)
+        if isinstance(message, Spawn) and self.starts:
+            self.workdir = Path(message.workdir)
+            self.replies.append(Spawned(message.world, tuple(range(1000, 1000 + message.size))))
+            for rank, (report, code) in self.ends.items():
+                if report is not None:
+                    workdir.write_report(self.workdir, rank, report)
+                self.replies.append(Exited(message.world, rank, code))
+        elif isinstance(message, Kill):
+            self.replies += [Exited(message.world, rank, -9) for rank in message.ranks]
+
+    def receive(self, timeout: float) -> ServerMessage | None:
+        if self.replies:
+            return self.replies.pop(0)
+        time.sleep(min(timeout, 0.01))
+        return None
+
+    def log_tail(self) -> str:
+        return "(scripted: no log)"
+
+
+def _job(timeout: float = 30.0) -> RankJob:
+    return RankJob(TestRef("m", "/m.py", "test_x", (), "/"), b"", "gloo", timeout)
+
+
+def _run(server: ScriptedServer, size: int = 2, timeout: float = 30.0, **kwargs: Any) -> WorldOutcome:
+    run = WorldRun(server, WORLD, size, "gloo", timeout, **kwargs)  # type: ignore[arg-type]
+    return run.run(_job(timeout))
+
+
+@pytest.fixture
+def no_signals_from_here(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Records any signal this process sends while a world runs; the tests expect none."""
+    sent: list[tuple[int, int]] = []
+    real_kill = os.kill
+
+    def kill(pid: int, sig: int) -> None:
+        sent.append((pid, sig))
+        real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    return sent
+
+
+def test_after_a_failure_the_client_asks_the_server_to_dump_stacks_then_kill(
+    no_signals_from_here: list[tuple[int, int]],
+) -> None:
+    server = ScriptedServer({0: (None, 1)})  # rank 0 fails at once; rank 1 runs until stopped
+    started = time.monotonic()
+    outcome = _run(server, failure_grace=0.1, stack_dump_wait=0.05)
+    assert time.monotonic() - started < 5
+    assert [type(m) for m in server.sent] == [Spawn, DumpStacks, Kill, Reap]
+    assert server.sent[1:] == [DumpStacks(WORLD, (1,)), Kill(WORLD, (1,)), Reap(WORLD)]
+    failed, stopped = outcome.ranks
+    assert (failed.status, failed.detail) == (Status.CRASHED, "exit code 1")
+    assert (stopped.status, stopped.detail) == (Status.STOPPED, "still running 0.1s after rank 0 failed")
+    assert no_signals_from_here == []
+
+
+def test_at_the_timeout_every_live_rank_is_hung(no_signals_from_here: list[tuple[int, int]]) -> None:
+    server = ScriptedServer()
+    outcome = _run(server, size=3, timeout=0.2, stack_dump_wait=0.05)
+    assert server.sent[1:] == [DumpStacks(WORLD, (0, 1, 2)), Kill(WORLD, (0, 1, 2)), Reap(WORLD)]
+    assert {r.status for r in outcome.ranks} == {Status.HUNG}
+    assert outcome.ranks[0].detail == "still running when the 0.2s world timeout expired"
+    assert no_signals_from_here == []
+
+
+def test_reports_are_read_from_the_world_directory() -> None:
+    server = ScriptedServer({0: (RankReport(Status.PASSED), 0), 1: (RankReport(Status.SKIPPED, detail="no GPU"), 0)})
+    outcome = _run(server)
+    assert [(r.status, r.detail) for r in outcome.ranks] == [(Status.PASSED, ""), (Status.SKIPPED, "no GPU")]
+    assert outcome.skip_reason == "no GPU"
+    assert server.sent[1:] == [Reap(WORLD)]
+    assert server.workdir is not None
+    assert not server.workdir.exists()  # discarded after the world
+
+
+def test_a_rank_that_exits_without_a_report_crashed() -> None:
+    outcome = _run(ScriptedServer({0: (RankReport(Status.PASSED), 0), 1: (None, 0)}), failure_grace=0.1)
+    assert (outcome.ranks[1].status, outcome.ranks[1].detail) == (
+        Status.CRASHED,
+        "exit code 0 without reporting that its body completed",
+    )
+
+
+def test_a_server_that_does_not_start_the_ranks_is_a_harness_error() -> None:
+    server = ScriptedServer(starts=False)
+    with pytest.raises(HarnessError, match="did not start the ranks"):
+        _run(server, timeout=0.1)
+
+
+def test_a_server_that_does_not_start_is_a_harness_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client, "SERVER_MODULE", "pytest_dsrepro.worlds.no_such_module")
+    server = ForkServer(tmp_path, startup_timeout=60)
+    with pytest.raises(HarnessError) as failed:
+        server.start()
+    message = str(failed.value)
+    assert "the pytest-dsrepro fork server did not start (it ended with exit code 1)" in message
+    assert "No module named pytest_dsrepro.worlds.no_such_module" in message  # the tail of its log
+    assert not server.alive
+
+
+def test_sending_without_a_server_is_a_harness_error(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="fork server is not running"):
+        ForkServer(tmp_path, startup_timeout=60).send(Reap(WORLD))
+
+
+# ---- a real fork server ---------------------------------------------------------------------------------------
+
+BODIES = """
+import time
+
+
+def test_one_fails(rank):
+    if rank == 0:
+        raise RuntimeError("rank 0 failed first")
+    time.sleep(3600)
+
+
+def test_passes(rank, world_size):
+    assert world_size == 2
+"""
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[WorldRunner]:
+    """One real fork server for this module (preloading torch and DeepSpeed costs seconds), with short waits."""
+    runner = WorldRunner(Path(REAL_CACHE), startup_timeout=600, failure_grace=0.5, stack_dump_wait=2.0)
+    try:
+        facts = runner.facts()
+        yield runner
+    finally:
+        runner.close()
+    assert not psutil.pid_exists(facts.pid) or psutil.Process(facts.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _real_job(tmp_path: Path, name: str, timeout: float = 120.0) -> RankJob:
+    module = tmp_path / "dsrepro_bodies.py"
+    module.write_text(textwrap.dedent(BODIES))
+    kwargs = {"rank": RankValue("rank"), "world_size": RankValue("world_size")}
+    if name == "test_one_fails":
+        kwargs.pop("world_size")
+    ref = TestRef("dsrepro_bodies", str(module), name, (str(tmp_path), *sys.path), str(tmp_path))
+    return RankJob(ref, pickle.dumps((kwargs, [])), "gloo", timeout)
+
+
+def _server_children(runner: WorldRunner, timeout: float = 10.0) -> list[psutil.Process]:
+    """What the server still has running once a world is over (the Reap may still be in progress)."""
+    assert runner.server.facts is not None
+    server = psutil.Process(runner.server.facts.pid)
+    deadline = time.monotonic() + timeout
+    while (left := server.children(recursive=True)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_the_servers_facts_are_builtins(runner: WorldRunner) -> None:
+    """Unpickling them in pytest must not import torch: no TorchVersion, only str, int, tuple."""
+    facts = runner.facts()
+    assert type(facts.torch) is str
+    assert facts.torch
+    assert type(facts.deepspeed) is str
+    assert type(facts.cuda_devices) is int
+    assert type(facts.gpus) is tuple
+    assert all(type(g) is str for g in facts.gpus)
+    assert facts.fatal is None
+
+
+def test_healthy_ranks_are_stopped_with_their_stacks(
+    runner: WorldRunner, tmp_path: Path, no_signals_from_here: list[tuple[int, int]]
+) -> None:
+    started = time.monotonic()
+    outcome = runner.run(_real_job(tmp_path, "test_one_fails"), size=2)
+    assert time.monotonic() - started < 30, "stopped after the 0.5s grace, not at the 120s timeout"
+    failed, stopped = outcome.ranks
+    assert failed.status is Status.FAILED
+    assert failed.error is not None
+    assert failed.error.summary == "RuntimeError: rank 0 failed first"
+    assert (stopped.status, stopped.detail) == (Status.STOPPED, "still running 0.5s after rank 0 failed")
+    assert "dsrepro_bodies.py" in stopped.stack
+    assert "in test_one_fails" in stopped.stack
+    assert "pytest_dsrepro" not in stopped.stack  # the harness frames under the body are left out
+    assert no_signals_from_here == [], "the pytest process signalled a process the server forked"
+    assert _server_children(runner) == [], "the reaped world left a process behind"
+
+
+def test_a_world_after_a_stopped_one_runs_clean(runner: WorldRunner, tmp_path: Path) -> None:
+    outcome = runner.run(_real_job(tmp_path, "test_passes"), size=2)
+    assert outcome.passed, outcome
+    assert _server_children(runner) == []

@@ -1,0 +1,110 @@
+"""The typed wire protocol and the rank report, without a world: what crosses a process boundary, and how."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
+from pytest_dsrepro.worlds import workdir
+from pytest_dsrepro.worlds.client import _user_frames
+from pytest_dsrepro.worlds.protocol import (
+    CLIENT_MESSAGES,
+    SERVER_MESSAGES,
+    DumpStacks,
+    Exited,
+    Hello,
+    Kill,
+    RankJob,
+    RankReport,
+    RankValue,
+    Reap,
+    ServerFacts,
+    Spawn,
+    Spawned,
+    TestRef,
+)
+
+FACTS = ServerFacts(
+    pid=7, torch="2.13.0+cpu", deepspeed="0.19.8", cuda_devices=0, comm_op="loaded", comm_op_seconds=0.1
+)
+REF = TestRef("test_mod", "/tmp/test_mod.py", "TestGroup.test_x", ("/tmp",), "/tmp")
+MESSAGES = [
+    Hello(FACTS),
+    Spawned(1, (101, 102)),
+    Exited(1, 0, -9),
+    Spawn(1, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world"),
+    DumpStacks(1, (0, 1)),
+    Kill(1, (1,)),
+    Reap(1),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_is_a_frozen_dataclass_that_pickles(message: object) -> None:
+    assert dataclasses.is_dataclass(message)
+    assert pickle.loads(pickle.dumps(message)) == message
+    field = dataclasses.fields(message)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(message, field, None)
+
+
+def test_each_side_knows_every_message_of_the_other() -> None:
+    assert {type(m) for m in MESSAGES} == set(SERVER_MESSAGES) | set(CLIENT_MESSAGES)
+    assert not set(SERVER_MESSAGES) & set(CLIENT_MESSAGES)
+
+
+def test_the_protocol_and_the_client_import_neither_torch_nor_pytest() -> None:
+    """The pytest process unpickles every message: nothing in them may pull torch (or pytest itself) in."""
+    code = (
+        "import sys, pickle\n"
+        "from pytest_dsrepro.worlds import client, protocol\n"
+        f"pickle.loads({pickle.dumps(MESSAGES)!r})\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'pytest', '_pytest') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_rank_report_becomes_that_ranks_result() -> None:
+    error = ErrorInfo.from_exception(ValueError("bad"), "Traceback ...")
+    assert RankReport(Status.FAILED, error=error).result(3, "out") == RankResult(
+        3, Status.FAILED, error=error, output="out"
+    )
+    assert RankReport(Status.SKIPPED, detail="no GPU").result(0) == RankResult(0, Status.SKIPPED, detail="no GPU")
+
+
+def test_the_report_file_round_trips_and_only_holds_a_report(tmp_path: Path) -> None:
+    assert workdir.read_report(tmp_path, 0) is None  # the rank wrote nothing: a crash, judged by the client
+    report = RankReport(Status.SKIPPED, detail="needs a bigger machine")
+    workdir.write_report(tmp_path, 0, report)
+    assert workdir.read_report(tmp_path, 0) == report
+    assert [p.name for p in tmp_path.iterdir()] == [workdir.result_file(tmp_path, 0).name]  # no temporary left
+    workdir.result_file(tmp_path, 1).write_bytes(pickle.dumps({"status": Status.PASSED}))
+    with pytest.raises(TypeError, match="holds a dict, not a RankReport"):
+        workdir.read_report(tmp_path, 1)
+
+
+def test_rank_values_and_test_refs_are_plain_data() -> None:
+    assert pickle.loads(pickle.dumps(RankValue("rank"))) == RankValue("rank")
+    assert TestRef.__test__ is False  # never collected by pytest, whatever the name says
+
+
+def test_stack_dumps_keep_only_the_users_frames() -> None:
+    harness = Path("/site-packages/pytest_dsrepro/worlds")
+    dump = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            '  File "/usr/lib/python3.11/threading.py", line 320 in wait',
+            '  File "/tmp/test_hang.py", line 10 in test_hangs',
+            f'  File "{harness / "rank.py"}", line 170 in run_body',
+            f'  File "{harness / "server.py"}", line 118 in _rank_body',
+            '  File "<frozen runpy>", line 88 in _run_code',
+        ]
+    )
+    assert _user_frames(dump).splitlines() == dump.splitlines()[:3]
