@@ -1,14 +1,187 @@
-"""--ds-results: one JSON file per run with the environment and a record per test, under xdist too."""
+"""The results file: ``core.results`` (the schema: typed records, validation, files) as pure functions, the recording
+side's summary, and once end to end: ``--ds-results`` writes one file per run, serial and under xdist."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import RunPytest, deepspeed_version
+from pytest_dsrepro.core import results
+from pytest_dsrepro.core.gates import Reason, Verdict
+from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status, WorldOutcome
+from pytest_dsrepro.core.results import Environment, RankStory, ReproMeta, RunRecord, TestRecord
 
-REPRO = """
+ENV = Environment(deepspeed="0.18.3", torch="2.13.0", python="3.11.7", backend="gloo", world_size=2, os="Linux",
+                  cpu="AMD EPYC", cpu_count=2, gpu=None, gpu_count=0)  # fmt: skip
+REPRO = ReproMeta(id="demo", title="A demo", upstream="https://x.invalid/1", affected=(">=0.1",))
+STOCK = TestRecord(
+    nodeid="t.py::test[stock]", repro=REPRO, variant="stock", verdict=Verdict.REPRODUCED, reason=Reason.REPRODUCED,
+    outcome="xfailed", error="REPRODUCED on deepspeed 0.18.3: ranks 0-1: AttributeError: x", duration=1.25,
+    config={"zero_optimization": {"stage": 3}}, config_notes=("fp16 -> fp32",),
+    ranks=(RankStory("ranks 0-1", "AttributeError: x", "Traceback ...", "out"),), longrepr=None,
+)  # fmt: skip
+PLAIN = TestRecord(nodeid="t.py::test_plain", repro=None, variant=None, verdict=None, reason=None, outcome="failed",
+                   error="assert 1 == 2", duration=0.1, config=None, longrepr="E   assert 1 == 2")  # fmt: skip
+RUN = RunRecord(created=datetime.datetime(2026, 11, 22, 10, tzinfo=datetime.timezone.utc), environment=ENV,
+                tests=(STOCK, PLAIN))  # fmt: skip
+
+
+def test_a_run_survives_json_text() -> None:
+    data = json.loads(json.dumps(RUN.to_json()))
+    assert data["schema"] == results.SCHEMA
+    assert data["created"] == "2026-11-22T10:00:00+00:00"
+    assert data["tests"][0]["verdict"] == "REPRODUCED"
+    assert data["tests"][0]["reason"] == "reproduced"
+    assert list(data["environment"]) == ["deepspeed", "torch", "python", "backend", "world_size", "os", "cpu",
+                                         "cpu_count", "gpu", "gpu_count"]  # fmt: skip
+    assert RunRecord.from_json(data) == RUN
+
+
+def test_write_names_files_by_release_and_read_gives_them_back(tmp_path: Path) -> None:
+    path = results.write(RUN, tmp_path / "new")
+    assert path.name.startswith("results-deepspeed-0.18.3-")
+    assert path.suffix == ".json"
+    assert results.read(path) == RUN
+    unavailable = RunRecord(environment=ENV, unavailable="import failed")
+    assert results.write(unavailable, tmp_path).name.startswith("results-deepspeed-0.18.3-unavailable-")
+    assert results.write(RUN, tmp_path) != results.write(RUN, tmp_path)  # never overwritten
+
+
+def test_read_all_warns_about_what_it_cannot_read(tmp_path: Path) -> None:
+    good = results.write(RUN, tmp_path / "a")
+    (tmp_path / "a" / "package.json").write_text('{"name": "x"}')
+    (tmp_path / "b.json").write_text("{")
+    files, warnings = results.read_all([tmp_path / "a", tmp_path / "b.json"])
+    assert [f.path for f in files] == [good]
+    assert files[0].created == RUN.created
+    assert warnings == [
+        f"{tmp_path / 'a' / 'package.json'}: ignored: not a pytest-dsrepro results file (no 'schema')",
+        f"{tmp_path / 'b.json'}: ignored: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+    ]
+    with pytest.raises(FileNotFoundError, match=r"no such file or directory: .*missing"):
+        results.read_all([tmp_path / "missing"])
+
+
+def test_a_file_without_its_time_is_as_old_as_the_file(tmp_path: Path) -> None:
+    path = results.write(dataclasses.replace(RUN, created=None), tmp_path)
+    (stored,) = results.read_all([path])[0]
+    assert stored.created == datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+
+
+def _broken(change: Any) -> dict[str, Any]:
+    data = RUN.to_json()
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
+        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 2 only"),
+        (lambda d: d.update(schema="2"), "schema '2': this pytest-dsrepro reads results files of schema 2 only"),
+        (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
+        (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
+        (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),
+        (lambda d: d.update(created="yesterday"), "results file: 'created' is 'yesterday', not an ISO 8601 time"),
+        (lambda d: d.update(unavailable=["x"]), "results file: 'unavailable' must be a string, not a list"),
+        # the drift this module ends: install wrote "platform" where the report reads "os"
+        (lambda d: d["environment"].update(platform=d["environment"].pop("os")), "environment: missing field 'os'"),
+        (lambda d: d["environment"].update(world_size="2"), "environment: 'world_size' must be a whole number"),
+        (lambda d: d.update(environment=None), "environment must be an object, not null"),
+        (lambda d: d["tests"].append(3), "tests[2] must be an object, not 3"),
+        (lambda d: d["tests"][0].pop("reason"), "tests[0] (t.py::test[stock]): missing field 'reason'"),
+        (lambda d: d["tests"][0].update(verdict="MAYBE"),
+         "tests[0] (t.py::test[stock]): 'verdict' is 'MAYBE', not one of REPRODUCED, FIXED, PASSES-WITH-FIX"),
+        (lambda d: d["tests"][0].update(reason="because"), "'reason' is 'because', not one of reproduced, "),
+        (lambda d: d["tests"][0].update(verdict="FIXED"),
+         "tests[0] (t.py::test[stock]): verdict FIXED does not follow from reason 'reproduced' (REPRODUCED)"),
+        (lambda d: d["tests"][0].update(reason=None), "verdict REPRODUCED without a reason"),
+        (lambda d: d["tests"][1].update(reason="harness-error"), "reason 'harness-error' without its verdict UNEXPECTED"),
+        (lambda d: d["tests"][0].update(outcome="fine"), "'outcome' is 'fine', not one of passed, failed, skipped"),
+        (lambda d: d["tests"][0].update(duration=-1), "'duration' must be a number of seconds >= 0, not -1"),
+        (lambda d: d["tests"][0].update(config_notes="x"), "'config_notes' must be a list of strings, not a string"),
+        (lambda d: d["tests"][0]["ranks"][0].pop("traceback"),
+         "tests[0] (t.py::test[stock]).ranks[0]: missing field 'traceback'"),
+        (lambda d: d["tests"][0].update(repro="demo"),
+         "tests[0] (t.py::test[stock]): 'repro' must be an object or null, not a string"),
+        (lambda d: d["tests"][0]["repro"].update(affected=">=0.1"),
+         "tests[0] (t.py::test[stock]).repro: 'affected' must be a list of strings, not a string"),
+    ],
+)  # fmt: skip
+def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunRecord.from_json(_broken(change))
+
+
+def test_records_are_checked_when_built_too() -> None:
+    with pytest.raises(ValueError, match=r"t.py::x: verdict UNEXPECTED without a reason"):
+        dataclasses.replace(PLAIN, nodeid="t.py::x", verdict=Verdict.UNEXPECTED)
+    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 2 only"):
+        RunRecord(schema=1, environment=ENV)
+    skipped = dataclasses.replace(PLAIN, verdict=Verdict.SKIPPED, outcome="skipped")  # a gated test never judged
+    assert skipped.reason is None
+
+
+def test_repro_meta_reads_the_marker_as_declared() -> None:
+    """``ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause='')``, positional or keyword."""
+    ds_versions = [((), {"affected": "<0.18.3"}), ((">=0.18.3,<0.19.5",), {}), ((), {"affected": "<0.18.3"})]
+    meta = results.repro_meta(("zero3-x", "Title"), {"upstream": "https://u", "fixed_in": None, "typo": 1},
+                              "/w/repros/test_zero3_x.py", ds_versions)  # fmt: skip
+    assert meta == ReproMeta(
+        id="zero3-x", title="Title", upstream="https://u", affected=("<0.18.3", ">=0.18.3,<0.19.5")
+    )
+    plain = results.repro_meta((), {"title": 3}, Path("repros/test_module_id.py"), [((), {"raises": KeyError})])
+    assert (plain.id, plain.title, plain.affected, plain.root_cause) == ("module_id", "3", (), "")
+
+
+def test_rank_stories_tell_each_ending_once() -> None:
+    error = ErrorInfo(("builtins.KeyError", "builtins.Exception"), "'k'", "Traceback\nKeyError: 'k'")
+    outcome = WorldOutcome(4, "gloo", (
+        RankResult(0, Status.FAILED, error, output="x" * 5000),
+        RankResult(1, Status.FAILED, error),
+        RankResult(2, Status.PASSED),
+        RankResult(3, Status.HUNG, detail="after 5s", stack="File a.py, line 1"),
+    ), 5.0)  # fmt: skip
+    first, hung = results.rank_stories(outcome)
+    assert (first.ranks, first.error, first.traceback) == ("ranks 0-1", "KeyError: 'k'", error.traceback)
+    assert len(first.output) == results.OUTPUT_KEPT
+    assert (hung.ranks, hung.error, hung.traceback) == ("rank 3", "hung: after 5s", "File a.py, line 1")
+    assert results.rank_stories(None) == ()
+
+
+def test_environment_of_this_machine() -> None:
+    env = results.environment("gloo", 2, ["NVIDIA A100", "NVIDIA A100", "NVIDIA H100"])
+    assert (env.backend, env.world_size, env.gpu, env.gpu_count) == ("gloo", 2, "NVIDIA A100, NVIDIA H100", 3)
+    assert env.python
+    assert env.os
+    assert env.cpu
+    assert (env.cpu_count or 0) >= 1
+    assert results.environment(None, None).gpu_count == 0
+
+
+def test_summary_lines_put_the_verdict_first() -> None:
+    from pytest_dsrepro.session.recording import Run
+
+    harness = dataclasses.replace(PLAIN, nodeid="t.py::h", repro=REPRO, verdict=Verdict.UNEXPECTED,
+                                  reason=Reason.HARNESS_ERROR, error="no world ran: server died")  # fmt: skip
+    plain_pass = dataclasses.replace(PLAIN, nodeid="t.py::ok", outcome="passed", error=None)
+    run = Run([STOCK, harness, plain_pass])
+    assert run.summary_lines() == [
+        "REPRODUCED  t.py::test[stock]",
+        "UNEXPECTED  t.py::h  -- no world ran: server died",
+    ]
+    assert run.record(ENV).tests == (STOCK, harness, plain_pass)
+
+
+REPRO_FILE = """
 import pytest
 
 pytestmark = [
@@ -34,24 +207,37 @@ def test_plain_skip(ds_rank):
 
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["serial", "xdist"])
 def test_results_file(pytester: pytest.Pytester, run: RunPytest, xdist: list[str]) -> None:
-    pytester.makepyfile(test_demo=REPRO)
+    pytester.makepyfile(test_demo=REPRO_FILE)
     result = run(f"--ds-results={pytester.path / 'out'}", *xdist)
     result.assert_outcomes(passed=1, xfailed=1, skipped=1)
     (path,) = (pytester.path / "out").glob("*.json")
     run_record = json.loads(path.read_text())
+    results.read(path)  # valid, by the one reader
     env = run_record["environment"]
-    assert run_record["schema"] == 1 and run_record["unavailable"] is None
-    assert env["deepspeed"] == deepspeed_version() and env["backend"] == "gloo" and env["world_size"] == 2
-    assert env["cpu_count"] >= 1 and env["gpu_count"] == 0
+    assert run_record["schema"] == results.SCHEMA
+    assert run_record["unavailable"] is None
+    assert env["deepspeed"] == deepspeed_version()
+    assert env["backend"] == "gloo"
+    assert env["world_size"] == 2
+    assert env["cpu_count"] >= 1
+    assert env["gpu_count"] == 0
+    assert env["os"]
     tests = {t["nodeid"]: t for t in run_record["tests"]}
     stock = tests["test_demo.py::test_demo[zero2-stock]"]
-    assert stock["verdict"] == "REPRODUCED" and stock["outcome"] == "xfailed" and stock["variant"] == "stock"
+    assert stock["verdict"] == "REPRODUCED"
+    assert stock["outcome"] == "xfailed"
+    assert stock["variant"] == "stock"
+    assert stock["reason"] == "reproduced"
     assert stock["error"].startswith(f"REPRODUCED on deepspeed {deepspeed_version()}: ranks 0-1: AttributeError:")
-    assert stock["repro"]["id"] == "demo-bug" and stock["repro"]["affected"] == [">=0.1"]
-    assert stock["config"]["zero_optimization"]["stage"] == 2 and stock["config"]["train_batch_size"] == 4
+    assert stock["repro"]["id"] == "demo-bug"
+    assert stock["repro"]["affected"] == [">=0.1"]
+    assert stock["config"]["zero_optimization"]["stage"] == 2
+    assert stock["config"]["train_batch_size"] == 4
     assert "fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world" in stock["config_notes"]
-    assert stock["ranks"][0]["ranks"] == "ranks 0-1" and "json.epilogue()" in stock["ranks"][0]["traceback"]
+    assert stock["ranks"][0]["ranks"] == "ranks 0-1"
+    assert "json.epilogue()" in stock["ranks"][0]["traceback"]
     fixed = tests["test_demo.py::test_demo[zero2-fixed]"]
-    assert (fixed["verdict"], fixed["outcome"], fixed["error"]) == ("PASSES-WITH-FIX", "passed", None)
+    assert (fixed["verdict"], fixed["reason"], fixed["outcome"], fixed["error"]) == (
+        "PASSES-WITH-FIX", "fix-holds", "passed", None)  # fmt: skip
     skipped = tests["test_demo.py::test_plain_skip"]
     assert (skipped["outcome"], skipped["error"]) == ("skipped", "nothing to see")

@@ -1,0 +1,521 @@
+"""The results file: the one definition of its schema, and the only code that writes or reads it.
+
+A results file is one pytest run (``--ds-results DIR``) or one release that could not run at all (``dsrepro install
+--results DIR``): a :class:`RunRecord` holding the :class:`Environment` and one :class:`TestRecord` per test report.
+Recording (the pytest side), ``dsrepro install``, ``dsrepro matrix``, ``dsrepro bisect`` and the Markdown report all
+go through the typed records here; nobody else reads or writes the JSON, and verdicts are the gates' own
+:class:`~pytest_dsrepro.core.gates.Verdict` and :class:`~pytest_dsrepro.core.gates.Reason`, never strings of their own.
+
+Pure: no pytest, no torch. :func:`RunRecord.from_json` validates everything and raises ``ValueError`` saying what
+is wrong and where; a file of another schema version is refused by name rather than half read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any
+
+from . import versions
+from .gates import Reason, Verdict
+from .outcome import Status, WorldOutcome, group_ranks
+
+__all__ = [
+    "OUTCOMES",
+    "SCHEMA",
+    "Environment",
+    "RankStory",
+    "ReproMeta",
+    "ResultsFile",
+    "RunRecord",
+    "TestRecord",
+    "affected_specifiers",
+    "environment",
+    "now",
+    "rank_stories",
+    "read",
+    "read_all",
+    "repro_meta",
+    "write",
+]
+
+#: The one schema version. 2: test records carry the gates' ``reason``; environments name ``os`` (install wrote
+#: ``platform``) and always have every field.
+SCHEMA = 2
+#: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
+OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+#: How much of one rank group's own output a record keeps.
+OUTPUT_KEPT = 4000
+
+
+# --- validation ----------------------------------------------------------------------------------------------------
+
+
+_KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else _KINDS.get(type(value), repr(value))
+
+
+class _Fields:
+    """One JSON object being read: each getter checks a field's type and names the field when it is wrong.
+
+    Every declared field must be present (null where the type allows it) and no other field may be: a writer that
+    drifts from the schema is caught at the first file it writes, not by a reader that silently finds nothing.
+    """
+
+    def __init__(self, data: object, where: str, names: Iterable[str]) -> None:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be an object, not {_kind(data)}")
+        missing = [n for n in names if n not in data]
+        unknown = sorted(set(data) - set(names))
+        if missing:
+            raise ValueError(f"{where}: missing field{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")
+        if unknown:
+            raise ValueError(f"{where}: unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}")
+        self.data: dict[str, Any] = data
+        self.where = where
+
+    def _bad(self, name: str, expected: str) -> ValueError:
+        return ValueError(f"{self.where}: {name!r} must be {expected}, not {_kind(self.data[name])}")
+
+    def text(self, name: str) -> str:
+        value = self.data[name]
+        if not isinstance(value, str):
+            raise self._bad(name, "a string")
+        return value
+
+    def optional_text(self, name: str) -> str | None:
+        return None if self.data[name] is None else self.text(name)
+
+    def optional_count(self, name: str) -> int | None:
+        value = self.data[name]
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self._bad(name, "a whole number >= 0 or null")
+        return value
+
+    def seconds(self, name: str) -> float:
+        value = self.data[name]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise self._bad(name, "a number of seconds >= 0")
+        return float(value)
+
+    def texts(self, name: str) -> tuple[str, ...]:
+        value = self.data[name]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._bad(name, "a list of strings")
+        return tuple(value)
+
+    def items(self, name: str, at: str) -> list[tuple[object, str]]:
+        """A list field's items, each with its place for messages (``at[3]``)."""
+        value = self.data[name]
+        if not isinstance(value, list):
+            raise self._bad(name, "a list")
+        return [(item, f"{at}[{i}]") for i, item in enumerate(value)]
+
+    def optional_object(self, name: str) -> dict[str, Any] | None:
+        value = self.data[name]
+        if value is not None and not isinstance(value, dict):
+            raise self._bad(name, "an object or null")
+        return value
+
+    def choice(self, name: str, choices: Sequence[str]) -> str:
+        value = self.data[name]
+        if value not in choices:
+            raise ValueError(f"{self.where}: {name!r} is {value!r}, not one of {', '.join(choices)}")
+        return str(value)
+
+    def optional_choice(self, name: str, choices: Sequence[str]) -> str | None:
+        return None if self.data[name] is None else self.choice(name, choices)
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# --- the records ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Environment:
+    """Where a run happened. None: not known (e.g. an install that never got as far as a world)."""
+
+    deepspeed: str | None
+    torch: str | None
+    python: str | None
+    backend: str | None
+    world_size: int | None
+    os: str | None
+    cpu: str | None
+    cpu_count: int | None
+    gpu: str | None  # the distinct GPU models, joined
+    gpu_count: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "environment") -> Environment:
+        f = _Fields(data, where, _names(cls))
+        return cls(
+            deepspeed=f.optional_text("deepspeed"),
+            torch=f.optional_text("torch"),
+            python=f.optional_text("python"),
+            backend=f.optional_text("backend"),
+            world_size=f.optional_count("world_size"),
+            os=f.optional_text("os"),
+            cpu=f.optional_text("cpu"),
+            cpu_count=f.optional_count("cpu_count"),
+            gpu=f.optional_text("gpu"),
+            gpu_count=f.optional_count("gpu_count"),
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(backend: str | None, world_size: int | None, gpus: Sequence[str] | None = None) -> Environment:
+    """This machine and this interpreter's DeepSpeed and torch (read from package metadata, never imported)."""
+    return Environment(
+        deepspeed=versions.installed_text("deepspeed"),
+        torch=versions.installed_text("torch"),
+        python=platform.python_version(),
+        backend=backend,
+        world_size=world_size,
+        os=platform.platform(),
+        cpu=_cpu_model(),
+        cpu_count=os.cpu_count(),
+        gpu=", ".join(sorted(set(gpus))) if gpus else None,
+        gpu_count=len(gpus or ()),
+    )
+
+
+@dataclass(frozen=True)
+class ReproMeta:
+    """A catalogued repro: the ``ds_repro`` marker's fields, plus the ``affected`` ranges of its ``ds_version``."""
+
+    id: str
+    title: str = ""
+    upstream: str | None = None
+    fix_ref: str | None = None
+    fixed_in: str | None = None  # the first release without the bug; None: unfixed
+    root_cause: str = ""
+    affected: tuple[str, ...] = ()  # the test's ds_version specifiers, in marker order
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "affected": list(self.affected)}
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "repro") -> ReproMeta:
+        f = _Fields(data, where, _names(cls))
+        return cls(
+            id=f.text("id"),
+            title=f.text("title"),
+            upstream=f.optional_text("upstream"),
+            fix_ref=f.optional_text("fix_ref"),
+            fixed_in=f.optional_text("fixed_in"),
+            root_cause=f.text("root_cause"),
+            affected=f.texts("affected"),
+        )
+
+
+#: ``ds_repro``'s parameters, in the order positional arguments fill them (see the marker's registered help).
+REPRO_PARAMETERS = ("id", "title", "upstream", "fix_ref", "fixed_in", "root_cause")
+
+MarkerArgs = tuple[Sequence[object], Mapping[str, object]]  # one marker's (args, kwargs)
+
+
+def affected_specifiers(ds_versions: Iterable[MarkerArgs]) -> tuple[str, ...]:
+    """The ``affected`` specifier of each ``ds_version`` marker (positional or keyword), distinct, in marker order.
+
+    Taken as written: the gates validate them; a listing shows what the author wrote.
+    """
+    found: list[str] = []
+    for args, kwargs in ds_versions:
+        spec = kwargs.get("affected", args[0] if args else None)
+        if spec is not None and str(spec) not in found:
+            found.append(str(spec))
+    return tuple(found)
+
+
+def repro_meta(
+    args: Sequence[object], kwargs: Mapping[str, object], path: str | PurePath, ds_versions: Iterable[MarkerArgs]
+) -> ReproMeta:
+    """A ``ds_repro`` marker (its args and kwargs) of the test in ``path``, with the test's ``ds_version`` markers.
+
+    The id defaults to the module's name without ``test_``. Values are kept as text; parameters the marker does not
+    declare are left out. The one reading of the marker: recording and ``dsrepro list`` both call it.
+    """
+    given: dict[str, object] = dict(zip(REPRO_PARAMETERS, args, strict=False))  # extra positionals: left out
+    given.update((k, v) for k, v in kwargs.items() if k in REPRO_PARAMETERS)
+
+    def text(name: str) -> str | None:
+        value = given.get(name)
+        return None if value is None else str(value)
+
+    return ReproMeta(
+        id=text("id") or PurePath(path).stem.removeprefix("test_"),
+        title=text("title") or "",
+        upstream=text("upstream"),
+        fix_ref=text("fix_ref"),
+        fixed_in=text("fixed_in"),
+        root_cause=text("root_cause") or "",
+        affected=affected_specifiers(ds_versions),
+    )
+
+
+@dataclass(frozen=True)
+class RankStory:
+    """Ranks that ended the same way, told once: their label (``ranks 0-1``), error line, traceback, output tail."""
+
+    ranks: str
+    error: str
+    traceback: str
+    output: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "rank story") -> RankStory:
+        f = _Fields(data, where, _names(cls))
+        return cls(f.text("ranks"), f.text("error"), f.text("traceback"), f.text("output"))
+
+
+def rank_stories(outcome: WorldOutcome | None) -> tuple[RankStory, ...]:
+    """A world's ranks that did not pass, one story per distinct ending (``core.outcome.group_ranks``)."""
+    if outcome is None:
+        return ()
+    bad = [r for r in outcome.ranks if r.status is not Status.PASSED]
+    stories = []
+    for group in group_ranks(bad):
+        first = group.ranks[0]
+        trace = first.error.traceback if first.error else first.stack
+        stories.append(RankStory(group.label, group.headline, trace, first.output[-OUTPUT_KEPT:]))
+    return tuple(stories)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestRecord:
+    """One test report (the call, or a setup/teardown that failed).
+
+    ``verdict`` and ``reason`` come from the gates' judgement: a verdict other than SKIPPED always has its reason,
+    and ``reason.verdict`` is the verdict. ``reason`` is what tools decide on (``Reason.body_failed``); ``error``
+    is the line a person reads.
+    """
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    nodeid: str
+    repro: ReproMeta | None
+    variant: str | None  # "stock" or "fixed" when the gates declare a fix
+    verdict: Verdict | None
+    reason: Reason | None
+    outcome: str  # one of OUTCOMES
+    error: str | None
+    duration: float
+    config: dict[str, Any] | None  # the DeepSpeed config the world was given
+    config_notes: tuple[str, ...] = ()
+    ranks: tuple[RankStory, ...] = ()
+    longrepr: str | None = None
+
+    def __post_init__(self) -> None:
+        problem = _verdict_problem(self.verdict, self.reason)
+        if problem:
+            raise ValueError(f"{self.nodeid}: {problem}")
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"{self.nodeid}: outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nodeid": self.nodeid,
+            "repro": self.repro.to_json() if self.repro else None,
+            "variant": self.variant,
+            "verdict": self.verdict.value if self.verdict else None,
+            "reason": self.reason.value if self.reason else None,
+            "outcome": self.outcome,
+            "error": self.error,
+            "duration": self.duration,
+            "config": self.config,
+            "config_notes": list(self.config_notes),
+            "ranks": [r.to_json() for r in self.ranks],
+            "longrepr": self.longrepr,
+        }
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "test") -> TestRecord:
+        if isinstance(data, dict) and isinstance(data.get("nodeid"), str):
+            where = f"{where} ({data['nodeid']})"
+        f = _Fields(data, where, _names(cls))
+        repro = f.optional_object("repro")
+        verdict = f.optional_choice("verdict", [v.value for v in Verdict])
+        reason = f.optional_choice("reason", [r.value for r in Reason])
+        problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        return cls(
+            nodeid=f.text("nodeid"),
+            repro=None if repro is None else ReproMeta.from_json(repro, f"{where}.repro"),
+            variant=f.optional_text("variant"),
+            verdict=Verdict(verdict) if verdict else None,
+            reason=Reason(reason) if reason else None,
+            outcome=f.choice("outcome", OUTCOMES),
+            error=f.optional_text("error"),
+            duration=f.seconds("duration"),
+            config=f.optional_object("config"),
+            config_notes=f.texts("config_notes"),
+            ranks=tuple(RankStory.from_json(item, at) for item, at in f.items("ranks", f"{where}.ranks")),
+            longrepr=f.optional_text("longrepr"),
+        )
+
+
+def _verdict_problem(verdict: Verdict | None, reason: Reason | None) -> str | None:
+    if verdict in (None, Verdict.SKIPPED):
+        return None if reason is None else f"reason {reason.value!r} without its verdict {reason.verdict.value}"
+    if reason is None:
+        return f"verdict {verdict.value} without a reason"
+    if reason.verdict is not verdict:
+        return f"verdict {verdict.value} does not follow from reason {reason.value!r} ({reason.verdict.value})"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """One results file: a pytest run's tests, or (``unavailable``) a release that could not run here."""
+
+    schema: int = SCHEMA
+    created: datetime.datetime | None = None  # None: not recorded (readers fall back to the file's time)
+    environment: Environment
+    unavailable: str | None = None  # why the release could not run at all
+    tests: tuple[TestRecord, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schema != SCHEMA:
+            raise ValueError(_schema_problem(self.schema))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "created": self.created.isoformat(timespec="seconds") if self.created else None,
+            "environment": self.environment.to_json(),
+            "unavailable": self.unavailable,
+            "tests": [t.to_json() for t in self.tests],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> RunRecord:
+        """A run record from a file's JSON; ``ValueError`` says what is wrong and where."""
+        if not isinstance(data, dict) or "schema" not in data:
+            raise ValueError("not a pytest-dsrepro results file (no 'schema')")
+        if data["schema"] != SCHEMA:
+            raise ValueError(_schema_problem(data["schema"]))
+        f = _Fields(data, "results file", _names(cls))
+        return cls(
+            environment=Environment.from_json(data["environment"]),
+            tests=tuple(TestRecord.from_json(item, at) for item, at in f.items("tests", "tests")),
+            unavailable=f.optional_text("unavailable"),
+            created=_created(f.optional_text("created")),
+        )
+
+    @property
+    def version(self) -> str:
+        """The DeepSpeed release the run is about, as text (``unknown`` when not recorded)."""
+        return self.environment.deepspeed or "unknown"
+
+
+def _schema_problem(found: object) -> str:
+    return (
+        f"schema {found!r}: this pytest-dsrepro reads results files of schema {SCHEMA} only "
+        "(written by another version of pytest-dsrepro: run it again to write them anew)"
+    )
+
+
+def _created(text: str | None) -> datetime.datetime | None:
+    if text is None:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"results file: 'created' is {text!r}, not an ISO 8601 time") from None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+
+
+def now() -> datetime.datetime:
+    """A run's ``created`` time: UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+
+
+# --- files ---------------------------------------------------------------------------------------------------------
+
+
+def write(run: RunRecord, directory: Path) -> Path:
+    """Write ``run`` as a new file in ``directory`` (created if needed); files never overwrite each other.
+
+    ``results-deepspeed-<release>-<random>.json``, with ``-unavailable`` before the random part for a release
+    that could not run.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    kind = "-unavailable" if run.unavailable else ""
+    path = directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
+    path.write_text(json.dumps(run.to_json(), indent=2, default=str))
+    return path
+
+
+def read(path: Path) -> RunRecord:
+    """One results file; ``OSError`` when it cannot be read, ``ValueError`` when it is not a valid results file."""
+    return RunRecord.from_json(json.loads(path.read_text()))  # JSONDecodeError is a ValueError
+
+
+@dataclass(frozen=True)
+class ResultsFile:
+    """A results file read from disk."""
+
+    path: Path
+    run: RunRecord
+
+    @property
+    def created(self) -> datetime.datetime:
+        """When the run was recorded; the file's modification time when the record does not say."""
+        if self.run.created is not None:
+            return self.run.created
+        return datetime.datetime.fromtimestamp(self.path.stat().st_mtime, datetime.timezone.utc)
+
+
+def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[str]]:
+    """Every results file under ``paths`` (files, or directories searched for ``*.json``), and one warning per JSON
+    file that is not a valid results file (``<path>: ignored: <why>``).
+
+    ``FileNotFoundError`` when a given path does not exist.
+    """
+    files: list[ResultsFile] = []
+    warnings: list[str] = []
+    for given in paths:
+        if given.is_dir():
+            candidates = sorted(given.rglob("*.json"))
+        elif given.is_file():
+            candidates = [given]
+        else:
+            raise FileNotFoundError(f"no such file or directory: {given}")
+        for path in candidates:
+            try:
+                files.append(ResultsFile(path, read(path)))
+            except (OSError, ValueError) as exc:
+                warnings.append(f"{path}: ignored: {exc}")
+    return files, warnings
