@@ -1,19 +1,22 @@
 """``--ds-report``: a run record rendered as Markdown that can be pasted into a GitHub issue as it is.
 
-``render_markdown`` is a pure function of the run record that ``results.Run.as_json`` builds (the same data
-``--ds-results`` writes), so it is tested on hand-built records. Long parts (configs, tracebacks, rank output) are
+``render_markdown`` is a pure function of a ``core.results.RunRecord`` (the record ``--ds-results`` writes, or
+its JSON), so it is tested on hand-built records. Long parts (configs, tracebacks, rank output) are
 folded in ``<details>`` so the issue reads top-down: environment, a summary table, then one section per test.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .gates import oldest_first
+from .outcome import rank_ranges
+from .results import Environment, RankStory, ReproMeta, RunRecord, TestRecord
 
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000
@@ -75,161 +78,133 @@ def _rank_numbers(label: str) -> list[int] | None:
     return numbers
 
 
-def rank_label(numbers: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; ``[3]`` -> ``"rank 3"``."""
-    ordered = sorted(set(numbers))
-    parts: list[str] = []
-    start = prev = None
-    for n in [*ordered, None]:
-        if n is not None and prev is not None and n == prev + 1:
-            prev = n
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = n
-    return ("rank " if len(ordered) == 1 else "ranks ") + ",".join(parts)
-
-
-def dedupe_ranks(groups: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Merge rank groups that ended the same way (same error and traceback) into one, labels joined.
+def dedupe_ranks(stories: Sequence[RankStory]) -> list[RankStory]:
+    """Merge rank stories that ended the same way (same error and traceback) into one, labels joined.
 
     The plugin already groups identical ranks; this also merges records written one rank at a time, and keeps
-    the order in which each distinct ending first appears.
+    the order in which each distinct ending first appears. Labels are written by ``core.outcome.rank_ranges``.
     """
-    merged: dict[tuple[str, str], dict[str, Any]] = {}
-    for group in groups:
-        key = (str(group.get("error") or ""), str(group.get("traceback") or ""))
-        label = str(group.get("ranks") or "")
-        if key not in merged:
-            merged[key] = {**group, "_labels": [label]}
-        else:
-            merged[key]["_labels"].append(label)
+    merged: dict[tuple[str, str], list[RankStory]] = {}
+    for story in stories:
+        merged.setdefault((story.error, story.traceback), []).append(story)
     out = []
-    for group in merged.values():
-        labels: list[str] = group.pop("_labels")
+    for same in merged.values():
+        labels = [s.ranks for s in same]
         numbers = [_rank_numbers(label) for label in labels]
         if all(n is not None for n in numbers):
-            group["ranks"] = rank_label(n for ns in numbers if ns is not None for n in ns)
+            label = rank_ranges({n for ns in numbers if ns is not None for n in ns})
         else:
-            group["ranks"] = ", ".join(labels)
-        out.append(group)
+            label = ", ".join(labels)
+        out.append(dataclasses.replace(same[0], ranks=label))
     return out
 
 
 # --- sections --------------------------------------------------------------------------------------------------
 
 
-def _environment(env: Mapping[str, Any]) -> list[str]:
+def _environment(env: Environment) -> list[str]:
     lines = ["### Environment", "", "| | |", "|---|---|"]
     for title, key in _ENV_ROWS:
-        lines.append(f"| {title} | {_cell(env.get(key) if env.get(key) is not None else 'not installed')} |")
-    cpu = env.get("cpu") or "unknown"
-    if env.get("cpu_count"):
-        cpu = f"{cpu} ({env['cpu_count']} cores)"
+        value = getattr(env, key)
+        lines.append(f"| {title} | {_cell(value if value is not None else 'not installed')} |")
+    cpu = env.cpu or "unknown"
+    if env.cpu_count:
+        cpu = f"{cpu} ({env.cpu_count} cores)"
     lines.append(f"| CPU | {_cell(cpu)} |")
-    gpu = f"{env['gpu_count']} x {env['gpu']}" if env.get("gpu_count") else "none"
+    gpu = f"{env.gpu_count} x {env.gpu}" if env.gpu_count else "none"
     lines.append(f"| GPU | {_cell(gpu)} |")
     return lines
 
 
-def _label(test: Mapping[str, Any]) -> str:
-    return str(test.get("verdict") or str(test.get("outcome") or "unknown").upper())
+def _label(test: TestRecord) -> str:
+    return test.verdict.value if test.verdict else test.outcome.upper()
 
 
-def _summary(tests: Sequence[Mapping[str, Any]]) -> list[str]:
+def _summary(tests: Sequence[TestRecord]) -> list[str]:
     lines = ["### Summary", "", "| Test | Verdict | Outcome | Duration |", "|---|---|---|---|"]
     for t in tests:
-        lines.append(
-            f"| {_code(t.get('nodeid', '?'))} | {_cell(_label(t))} | {_cell(t.get('outcome'))} "
-            f"| {float(t.get('duration') or 0):.1f} s |"
-        )
+        lines.append(f"| {_code(t.nodeid)} | {_cell(_label(t))} | {_cell(t.outcome)} | {t.duration:.1f} s |")
     return lines
 
 
-def _repro(repro: Mapping[str, Any] | None) -> list[str]:
-    if not repro:
+def _repro(repro: ReproMeta | None) -> list[str]:
+    if repro is None:
         return ["Not a catalogued repro (no `ds_repro` marker)."]
-    upstream = repro.get("upstream")
-    lines = [f"- **Repro:** `{repro.get('id')}` - {repro.get('title') or '(no title)'}"]
-    if upstream:
-        lines.append(f"- **Upstream:** {upstream}")
-    affected = oldest_first(str(a) for a in repro.get("affected") or [] if a)
+    lines = [f"- **Repro:** `{repro.id}` - {repro.title or '(no title)'}"]
+    if repro.upstream:
+        lines.append(f"- **Upstream:** {repro.upstream}")
+    affected = oldest_first(a for a in repro.affected if a)
     if affected:
         lines.append("- **Affected:** " + " or ".join(f"`deepspeed{a}`" for a in affected))
-    fixed = repro.get("fixed_in")
-    fix_ref = repro.get("fix_ref")
-    fixed_text = f"{fixed}" if fixed else "no release yet"
-    lines.append(f"- **Fixed in:** {fixed_text}" + (f" ({fix_ref})" if fix_ref else ""))
-    if repro.get("root_cause"):
-        lines.append(f"- **Root cause:** {' '.join(str(repro['root_cause']).split())}")
+    fixed_text = repro.fixed_in or "no release yet"
+    lines.append(f"- **Fixed in:** {fixed_text}" + (f" ({repro.fix_ref})" if repro.fix_ref else ""))
+    if repro.root_cause:
+        lines.append(f"- **Root cause:** {' '.join(repro.root_cause.split())}")
     return lines
 
 
-def _config(test: Mapping[str, Any]) -> list[str]:
+def _config(test: TestRecord) -> list[str]:
     lines: list[str] = []
-    notes = test.get("config_notes") or []
-    if notes:
-        lines.append("- **Config adapted to this world:** " + "; ".join(str(n) for n in notes))
-    config = test.get("config")
-    if config is not None:
-        body = _fence(json.dumps(config, indent=2, sort_keys=True, default=str), "json")
+    if test.config_notes:
+        lines.append("- **Config adapted to this world:** " + "; ".join(test.config_notes))
+    if test.config is not None:
+        body = _fence(json.dumps(test.config, indent=2, sort_keys=True, default=str), "json")
         lines += ["", _details("Resolved DeepSpeed config", body)]
     return lines
 
 
-def _failures(test: Mapping[str, Any]) -> list[str]:
-    groups = dedupe_ranks(test.get("ranks") or [])
+def _failures(test: TestRecord) -> list[str]:
+    stories = dedupe_ranks(test.ranks)
     lines: list[str] = []
-    if len(groups) > 1:
-        lines += ["", f"The ranks ended in {len(groups)} different ways:"]
-    for g in groups:
-        label = str(g.get("ranks") or "ranks")
-        lines += ["", f"**{label}:** {_code(g.get('error') or 'no error recorded')}"]
-        if g.get("traceback"):
-            lines += ["", _details(f"Traceback ({label})", _fence(_clip(str(g["traceback"])), "pytb"))]
-        if g.get("output"):
-            lines += ["", _details(f"Output of {label} (tail)", _fence(_clip(str(g["output"]))))]
-    if not groups and test.get("longrepr"):
-        lines += ["", _details("Failure", _fence(_clip(str(test["longrepr"]))))]
+    if len(stories) > 1:
+        lines += ["", f"The ranks ended in {len(stories)} different ways:"]
+    for story in stories:
+        label = story.ranks or "ranks"
+        lines += ["", f"**{label}:** {_code(story.error or 'no error recorded')}"]
+        if story.traceback:
+            lines += ["", _details(f"Traceback ({label})", _fence(_clip(story.traceback), "pytb"))]
+        if story.output:
+            lines += ["", _details(f"Output of {label} (tail)", _fence(_clip(story.output)))]
+    if not stories and test.longrepr:
+        lines += ["", _details("Failure", _fence(_clip(test.longrepr)))]
     return lines
 
 
-def _test(test: Mapping[str, Any]) -> list[str]:
-    head = f"### {_label(test)}: {_code(test.get('nodeid', '?'))}"
-    lines = [head, "", *_repro(test.get("repro"))]
-    outcome = f"- **Outcome:** {test.get('outcome')} in {float(test.get('duration') or 0):.1f} s"
-    if test.get("variant"):
-        outcome += f" ({test['variant']} variant)"
+def _test(test: TestRecord) -> list[str]:
+    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro)]
+    outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
+    if test.variant:
+        outcome += f" ({test.variant} variant)"
     lines.append(outcome)
-    if test.get("error"):
-        lines.append(f"- **Result:** {_code(test['error'])}")
+    if test.error:
+        lines.append(f"- **Result:** {_code(test.error)}")
     lines += _config(test)
     lines += _failures(test)
     return lines
 
 
-def _counts(tests: Sequence[Mapping[str, Any]]) -> str:
+def _counts(tests: Sequence[TestRecord]) -> str:
     counts: dict[str, int] = {}
     for t in tests:
         counts[_label(t)] = counts.get(_label(t), 0) + 1
     return ", ".join(f"{n} {label.lower()}" for label, n in counts.items()) or "no tests"
 
 
-def render_markdown(run: Mapping[str, Any]) -> str:
-    """The whole report; paste it into an issue as it is."""
-    env = run.get("environment") or {}
-    tests = run.get("tests") or []
-    world = f"{env.get('world_size', '?')} ranks, {env.get('backend') or '?'}"
+def render_markdown(run: RunRecord | Mapping[str, Any]) -> str:
+    """The whole report of a run record (or of its JSON, validated: ``ValueError``); paste it into an issue as it is."""
+    if not isinstance(run, RunRecord):
+        run = RunRecord.from_json(run)
+    env, tests = run.environment, run.tests
+    world = f"{env.world_size or '?'} ranks, {env.backend or '?'}"
+    created = f" Run at {run.created.isoformat(timespec='seconds')}." if run.created else ""
     lines = [
         "## pytest-dsrepro report",
         "",
-        f"DeepSpeed {env.get('deepspeed') or 'not installed'}, torch {env.get('torch') or 'not installed'}, "
-        f"{world}: {_counts(tests)}." + (f" Run at {run['created']}." if run.get("created") else ""),
+        f"DeepSpeed {env.deepspeed or 'not installed'}, torch {env.torch or 'not installed'}, "
+        f"{world}: {_counts(tests)}.{created}",
     ]
-    unavailable = run.get("unavailable")
-    if unavailable:
-        why = unavailable.get("reason") or unavailable if isinstance(unavailable, Mapping) else unavailable
-        lines += ["", f"> **DeepSpeed was not available for this run:** {' '.join(str(why).split())}"]
+    if run.unavailable:
+        lines += ["", f"> **DeepSpeed was not available for this run:** {' '.join(run.unavailable.split())}"]
     lines += ["", *_environment(env)]
     if tests:
         lines += ["", *_summary(tests)]
