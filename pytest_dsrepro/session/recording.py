@@ -1,99 +1,35 @@
-"""One record per test, and one run record per pytest run: what ``--ds-results``, ``--ds-report``, the terminal
-summary and ``dsrepro matrix`` all read.
+"""Recording, the pytest side of the results file: a ``TestRecord`` per test report, a ``Run`` collecting them, and
+the run's outputs (``--ds-results``, ``--ds-report``, the terminal summary).
 
-Records travel inside ``report.user_properties`` (plain JSON data), so they reach the controller under xdist too.
+The schema is ``core.results``'s; this module only reads the facts a test left on its stash (``session.stash``) and
+its report. Records travel inside ``report.user_properties`` as JSON data, so they reach the controller under xdist.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import platform
-import uuid
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from ..core.configs import ResolvedConfig
+from ..core import results
 from ..core.gates import Judgement, Verdict
-from ..core.outcome import Status, WorldOutcome, group_ranks
+from ..core.report import render_markdown
+from ..core.results import Environment, ReproMeta, RunRecord, TestRecord
+from . import markers
+from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY
 
-SCHEMA = 1
+#: The ``user_properties`` name under which a report carries its record.
 PROPERTY = "dsrepro"
-JUDGEMENT_KEY = pytest.StashKey[Judgement]()
-CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(backend: str, world_size: int, gpus: list[str] | None = None) -> dict[str, Any]:
-    return {
-        "deepspeed": _version("deepspeed"),
-        "torch": _version("torch"),
-        "python": platform.python_version(),
-        "backend": backend,
-        "world_size": world_size,
-        "os": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "gpu": ", ".join(sorted(set(gpus))) if gpus else None,
-        "gpu_count": len(gpus or []),
-    }
-
-
-def repro_metadata(item: pytest.Item) -> dict[str, Any] | None:
+def repro_meta(item: pytest.Item) -> ReproMeta | None:
+    """The ``ds_repro`` metadata of a test, or None when it is not a catalogued repro."""
     mark = item.get_closest_marker("ds_repro")
     if mark is None:
         return None
-    module = getattr(item, "module", None)
-    default_id = Path(module.__file__).stem.removeprefix("test_") if module and module.__file__ else item.name
-    meta: dict[str, Any] = {
-        "id": default_id,
-        "title": "",
-        "upstream": None,
-        "fix_ref": None,
-        "fixed_in": None,
-        "root_cause": "",
-    }
-    meta.update(mark.kwargs)
-    meta["affected"] = [
-        str(m.kwargs.get("affected", m.args[0] if m.args else "")) for m in item.iter_markers("ds_version")
-    ]
-    return meta
-
-
-def _ranks(outcome: WorldOutcome | None) -> list[dict[str, str]]:
-    if outcome is None:
-        return []
-    bad = [r for r in outcome.ranks if r.status is not Status.PASSED]
-    return [
-        {
-            "ranks": g.label,
-            "error": g.headline,
-            "traceback": g.ranks[0].error.traceback if g.ranks[0].error else g.ranks[0].stack,
-            "output": g.ranks[0].output[-4000:],
-        }
-        for g in group_ranks(bad)
-    ]
+    ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
+    return results.repro_meta(mark.args, mark.kwargs, item.path, ds_versions)
 
 
 def _outcome_word(report: pytest.TestReport) -> str:
@@ -105,11 +41,7 @@ def _outcome_word(report: pytest.TestReport) -> str:
 
 
 def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str | None:
-    if (
-        judgement is not None
-        and judgement.verdict is not Verdict.FIXED
-        and judgement.verdict is not Verdict.PASSES_WITH_FIX
-    ):
+    if judgement is not None and judgement.verdict not in (Verdict.FIXED, Verdict.PASSES_WITH_FIX):
         return judgement.message.splitlines()[0]
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -120,71 +52,67 @@ def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str |
     return None
 
 
-def record(
-    item: pytest.Item, report: pytest.TestReport, outcome: WorldOutcome | None, variant: str | None
-) -> dict[str, Any]:
+def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
+    """The record of one report of ``item``, from what the test left on its stash."""
     judgement = item.stash.get(JUDGEMENT_KEY, None)
-    verdict = judgement.verdict.value if judgement else None
-    if report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("ds_version"):
-        verdict = Verdict.SKIPPED.value
+    marks = item.stash.get(MARKS_KEY, None)
+    verdict, reason = (judgement.verdict, judgement.reason) if judgement else (None, None)
+    gated = bool(marks.gates) if marks is not None else item.get_closest_marker("ds_version") is not None
+    if report.skipped and not hasattr(report, "wasxfail") and gated:
+        verdict, reason = Verdict.SKIPPED, None  # a gated test that never got judged: no reason to give
     config = item.stash.get(CONFIG_KEY, None)
-    return {
-        "nodeid": item.nodeid,
-        "repro": repro_metadata(item),
-        "variant": variant,
-        "verdict": verdict,
-        "outcome": _outcome_word(report),
-        "error": _error_line(report, judgement),
-        "duration": round(report.duration, 3),
-        "config": config.config if config else None,
-        "config_notes": list(config.notes) if config else [],
-        "ranks": _ranks(outcome),
-        "longrepr": (report.longreprtext or None) if report.failed else None,
-    }
+    return TestRecord(
+        nodeid=item.nodeid,
+        repro=repro_meta(item),
+        variant=marks.variant if marks is not None else markers.variant(item),  # markers that failed to parse
+        verdict=verdict,
+        reason=reason,
+        outcome=_outcome_word(report),
+        error=_error_line(report, judgement),
+        duration=round(report.duration, 3),
+        config=config.config if config else None,
+        config_notes=config.notes if config else (),
+        ranks=results.rank_stories(item.stash.get(OUTCOME_KEY, None)),
+        longrepr=(report.longreprtext or None) if report.failed else None,
+    )
+
+
+def attach(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Put the record of a call, or of a setup/teardown that did not pass, on the report (as JSON data)."""
+    if report.when == "call" or not report.passed:
+        report.user_properties.append((PROPERTY, record(item, report).to_json()))
 
 
 @dataclass
 class Run:
-    """Collects the records of one pytest run (in the controller under xdist)."""
+    """Collects the records of one pytest run, where reports arrive (the controller under xdist)."""
 
-    records: list[dict[str, Any]] = field(default_factory=list)
-    environment: dict[str, Any] = field(default_factory=dict)
+    tests: list[TestRecord] = field(default_factory=list)
 
     def add(self, report: pytest.TestReport) -> None:
         for name, value in report.user_properties:
-            if name == PROPERTY and isinstance(value, dict):
-                self.records.append(value)
+            if name == PROPERTY:
+                self.tests.append(TestRecord.from_json(value))
 
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "environment": self.environment,
-            "unavailable": None,
-            "tests": self.records,
-        }
-
-    def write(self, directory: Path) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
-        env = self.environment
-        path = directory / f"results-deepspeed-{env.get('deepspeed')}-{uuid.uuid4().hex[:8]}.json"
-        path.write_text(json.dumps(self.as_json(), indent=2, default=str))
-        return path
+    def record(self, environment: Environment) -> RunRecord:
+        return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests))
 
     def summary_lines(self) -> list[str]:
         """The terminal summary: one line per gated test, its verdict first."""
-        gated = [r for r in self.records if r["verdict"] or r["repro"]]
-        labels = [r["verdict"] or r["outcome"].upper() for r in gated]
+        gated = [t for t in self.tests if t.verdict or t.repro]
+        labels = [t.verdict.value if t.verdict else t.outcome.upper() for t in gated]
         width = max(map(len, labels), default=0)
         lines = []
-        for label, r in zip(labels, gated, strict=True):
-            why = f"  -- {r['error']}" if label in (Verdict.UNEXPECTED.value, Verdict.SKIPPED.value) else ""
-            lines.append(f"{label:<{width}}  {r['nodeid']}{why}")
+        for label, t in zip(labels, gated, strict=True):
+            why = f"  -- {t.error}" if label in (Verdict.UNEXPECTED.value, Verdict.SKIPPED.value) else ""
+            lines.append(f"{label:<{width}}  {t.nodeid}{why}")
         return lines
 
 
-RUN_KEY = pytest.StashKey[Run]()
-
-
-def is_xdist_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
+def write_outputs(run: RunRecord, results_dir: Path | None, report: Path | None) -> None:
+    """``--ds-results DIR`` (a new file in it) and ``--ds-report PATH`` (Markdown), each when asked for."""
+    if results_dir is not None:
+        results.write(run, results_dir)
+    if report is not None:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(render_markdown(run))
