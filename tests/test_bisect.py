@@ -22,8 +22,10 @@ import pytest
 from packaging.version import Version
 
 from conftest import REAL_CACHE, deepspeed_version
-from pytest_dsrepro import bisect, cli
-from pytest_dsrepro.bisect import (
+from pytest_dsrepro.core.gates import Reason, Verdict
+from pytest_dsrepro.core.results import RankStory, TestRecord
+from pytest_dsrepro.tools import bisect, cli
+from pytest_dsrepro.tools.bisect import (
     BisectError,
     Probe,
     Prober,
@@ -69,7 +71,7 @@ def test_pip_index_output() -> None:
 
 
 def test_releases_between_either_order_and_inclusive() -> None:
-    available = parse_index_versions(PIP_OUTPUT) + [Version("0.17.0rc1")]
+    available = [*parse_index_versions(PIP_OUTPUT), Version("0.17.0rc1")]
     expected = [Version(v) for v in ["0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3"]]
     assert releases_between(available, "0.15.4", "0.18.3") == expected
     assert releases_between(available, "0.18.3", "0.15.4") == expected  # pre-releases are left out
@@ -82,8 +84,11 @@ def test_releases_between_either_order_and_inclusive() -> None:
 def test_finds_a_fix_in_logarithmic_probes() -> None:
     asked, oracle = fake("0.16.4")
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.16.4") and result.last_before.version == Version("0.16.3")
-    assert result.exact and result.fixed and result.specifier == "<0.16.4"
+    assert result.first_after.version == Version("0.16.4")
+    assert result.last_before.version == Version("0.16.3")
+    assert result.exact
+    assert result.fixed
+    assert result.specifier == "<0.16.4"
     assert asked[:2] == [Version("0.15.4"), Version("0.18.3")]  # both ends first
     assert len(asked) == len(set(asked)) <= estimated_steps(len(RELEASES)) == 7
 
@@ -91,7 +96,8 @@ def test_finds_a_fix_in_logarithmic_probes() -> None:
 def test_finds_a_regression() -> None:
     _, oracle = fake("0.18.3", bug_below=False)
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.18.3") and not result.fixed
+    assert result.first_after.version == Version("0.18.3")
+    assert not result.fixed
     assert result.specifier == ">=0.18.3"
 
 
@@ -106,7 +112,8 @@ def test_skipped_releases_are_neither_good_nor_bad() -> None:
     # The middle release cannot be installed: its neighbour is probed instead, and the answer is still exact.
     asked, oracle = fake("0.16.4", skip=["0.16.9", "0.18.1"])
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.16.4") and result.exact
+    assert result.first_after.version == Version("0.16.4")
+    assert result.exact
     assert asked[2:4] == [Version("0.16.9"), Version("0.17.0")]  # 0.16.9 skipped: its neighbour goes instead
     assert [p.version for p in result.skipped] == [Version("0.16.9")]
     assert all(p.bug is None for p in result.skipped)
@@ -116,7 +123,8 @@ def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
     _, oracle = fake("0.16.4", skip=["0.16.3", "0.16.4"])
     result = search(RELEASES, oracle)
     assert not result.exact
-    assert result.last_before.version == Version("0.16.2") and result.first_after.version == Version("0.16.5")
+    assert result.last_before.version == Version("0.16.2")
+    assert result.first_after.version == Version("0.16.5")
     assert result.untested == (Version("0.16.3"), Version("0.16.4"))
     text = bisect.summary(result, "0.18.3", "0.15.4", 60.0)
     assert "the outcome flips at one of deepspeed 0.16.3, 0.16.4, 0.16.5" in text
@@ -125,7 +133,7 @@ def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
 
 def test_ends_must_be_testable_and_differ() -> None:
     _, same = fake("9.0")
-    with pytest.raises(BisectError, match="the bug shows on both deepspeed 0.15.4 and 0.18.3: no flip"):
+    with pytest.raises(BisectError, match=r"the bug shows on both deepspeed 0\.15\.4 and 0\.18\.3: no flip"):
         search(RELEASES, same)
     _, broken_end = fake("0.16.4", skip=["0.15.4"])
     with pytest.raises(BisectError, match=r"deepspeed 0.15.4 could not be tested \(cannot install: no wheel\)"):
@@ -139,15 +147,16 @@ def test_progress_is_told_before_each_probe() -> None:
     _, oracle = fake("0.16.4", skip=["0.16.9"])
     result = search(RELEASES, oracle, progress=lambda v, step, total: seen.append((str(v), step, total)))
     assert [s[1] for s in seen] == list(range(1, len(result.probes) + 1))
-    assert seen[0] == ("0.15.4", 1, 7) and seen[1][0] == "0.18.3"
+    assert seen[0] == ("0.15.4", 1, 7)
+    assert seen[1][0] == "0.18.3"
 
 
 def test_describe_says_each_verdict_once() -> None:
     records = [
-        _record("REPRODUCED", "xfailed", error="REPRODUCED on deepspeed 0.16.1: ranks 0-1: AssertionError: ids"),
+        _record(Reason.REPRODUCED, "xfailed", error="REPRODUCED on deepspeed 0.16.1: ranks 0-1: AssertionError: ids"),
         _record(None, "failed", None, error="AssertionError: x"),
-        _record("FIXED", "passed"),
-        _record("PASSES-WITH-FIX", "passed", "fixed"),
+        _record(Reason.NOT_AFFECTED, "passed"),
+        _record(Reason.FIX_HOLDS, "passed", "fixed"),
     ]
     assert bisect.describe(records) == (
         "REPRODUCED on deepspeed 0.16.1: ranks 0-1: AssertionError: ids; FAILED: AssertionError: x; FIXED"
@@ -159,29 +168,62 @@ def test_specifier() -> None:
     assert specifier(Version("0.18.3"), fixed=False) == ">=0.18.3"
 
 
-def _record(verdict: str | None, outcome: str, variant: str | None = "stock", **extra: Any) -> dict[str, Any]:
-    return {"verdict": verdict, "outcome": outcome, "variant": variant, "error": None, "ranks": [], **extra}
+def _record(
+    reason: Reason | Verdict | None, outcome: str, variant: str | None = "stock", error: str | None = None,
+    ranks: int = 0,
+) -> TestRecord:  # fmt: skip
+    """A record as the plugin writes it: a reason (and so its verdict), SKIPPED (no reason), or neither."""
+    verdict = reason if isinstance(reason, Verdict) else reason.verdict if reason else None
+    stories = tuple(RankStory(f"rank {r}", "AssertionError", "tb", "") for r in range(ranks))
+    return TestRecord(nodeid="t.py::t", repro=None, variant=variant, verdict=verdict,
+                      reason=reason if isinstance(reason, Reason) else None, outcome=outcome, error=error,
+                      duration=1.0, config=None, ranks=stories)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("records", "expected"),
     [
-        ([_record("REPRODUCED", "xfailed")], True),
-        ([_record("FIXED", "passed")], False),
-        ([_record("UNEXPECTED", "failed", error="did not reproduce on deepspeed 0.16.3: ...")], False),
-        ([_record("UNEXPECTED", "failed", error="regression: ...", ranks=[{"ranks": "ranks 0-1"}])], True),
-        ([_record("UNEXPECTED", "failed", error="failed differently on ...", ranks=[{"ranks": "rank 1"}])], True),
+        ([_record(Reason.REPRODUCED, "xfailed")], True),
+        ([_record(Reason.NOT_AFFECTED, "passed")], False),
+        ([_record(Reason.DID_NOT_REPRODUCE, "failed", error="did not reproduce on deepspeed 0.16.3: ...")], False),
+        ([_record(Reason.REGRESSION, "failed", error="regression: ...", ranks=2)], True),
+        ([_record(Reason.FAILED_DIFFERENTLY, "failed", error="failed differently on ...", ranks=1)], True),
+        ([_record(Reason.HARNESS_ERROR, "failed", error="no world ran: the fork server died")], None),
         ([_record(None, "failed", None)], True),  # a plain test: its outcome is the answer
         ([_record(None, "passed", None)], False),
-        ([_record("SKIPPED", "skipped")], None),
+        ([_record(Verdict.SKIPPED, "skipped")], None),
         ([_record(None, "error", None)], None),  # setup failed: says nothing about the bug
-        ([_record("PASSES-WITH-FIX", "passed", "fixed")], None),  # fix variants are not asked
-        ([_record("FIXED", "passed"), _record("REPRODUCED", "xfailed")], True),  # any stock config shows it
+        ([_record(Reason.FIX_HOLDS, "passed", "fixed")], None),  # fix variants are not asked
+        ([_record(Reason.FIX_DOES_NOT_HOLD, "failed", "fixed")], None),
+        ([_record(Reason.NOT_AFFECTED, "passed"), _record(Reason.REPRODUCED, "xfailed")], True),  # any stock config
         ([], None),
     ],
 )
-def test_bug_present(records: list[dict[str, Any]], expected: bool | None) -> None:
+def test_bug_present(records: list[TestRecord], expected: bool | None) -> None:
     assert bug_present(records) is expected
+
+
+@pytest.mark.parametrize("reason", [r for r in Reason if r.body_failed is not None])
+def test_bug_present_reads_the_reason_never_the_wording(reason: Reason) -> None:
+    """Messages are for people: reworded, translated or cut, the answer stays the reason's."""
+    for error in ("did not reproduce on deepspeed 0.16.3: expected ..., but it passed", "regression: ...", None):
+        assert bug_present([_record(reason, "failed", error=error)]) is reason.body_failed
+    assert (
+        bug_present([_record(Reason.DID_NOT_REPRODUCE, "failed", error="passed, although the gate expected ...")])
+        is False
+    )
+
+
+def test_a_probe_with_unreadable_results_is_skipped(tmp_path: Path) -> None:
+    """A results file of another schema (another pytest-dsrepro on the path) is no answer, and says so."""
+    fake = tmp_path / "python"
+    old = '{"schema": 1, "environment": {}, "tests": []}'
+    fake.write_text(f'#!/bin/sh\nfor a; do [ "$prev" = --ds-results ] && echo \'{old}\' > "$a/r.json"; prev=$a; done\n')
+    fake.chmod(0o755)
+    probe = Prober("t.py::t", lambda v: dict(os.environ), python=str(fake))(Version("0.16.3"))
+    assert probe.bug is None
+    assert probe.detail.startswith("unreadable results: ")
+    assert "schema 1: this pytest-dsrepro reads results files of schema 2 only" in probe.detail
 
 
 # --- one probe, with the installed release --------------------------------------------------------------------------
@@ -207,26 +249,33 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
         return environment
 
     bad = Prober("test_flag.py::test_flag", prepare("1"), log_dir=tmp_path)(here)
-    assert bad.bug is True and bad.detail.startswith("FAILED: ") and bad.seconds > 0
-    assert 0 < bad.install_seconds < bad.seconds and bad.timing.endswith(" s") and ", install " in bad.timing
+    assert bad.bug is True
+    assert bad.detail.startswith("FAILED: ")
+    assert bad.seconds > 0
+    assert 0 < bad.install_seconds < bad.seconds
+    assert bad.timing.endswith(" s")
+    assert ", install " in bad.timing
     assert "test_flag.py F" in (tmp_path / f"deepspeed-{here}.log").read_text()
     assert Prober("test_flag.py::test_flag", prepare("0"))(here).bug is False
     # A release other than the one imported is never taken for the one asked.
     other = Prober("test_flag.py::test_flag", prepare("0"))(Version("0.1.0"))
-    assert other.bug is None and other.detail == f"ran deepspeed {here} instead of 0.1.0"
+    assert other.bug is None
+    assert other.detail == f"ran deepspeed {here} instead of 0.1.0"
 
     def cannot(version: Version) -> Mapping[str, str]:
         raise BisectError("import failed: RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch")
 
     skipped = Prober("test_flag.py::test_flag", cannot)(here)
-    assert skipped.bug is None and skipped.detail.startswith("cannot install or import: import failed: RuntimeError")
+    assert skipped.bug is None
+    assert skipped.detail.startswith("cannot install or import: import failed: RuntimeError")
     missing = Prober("test_flag.py::test_nope", prepare("0"))(here)
-    assert missing.bug is None and missing.detail.startswith("no test ran (pytest exit code 4)")
+    assert missing.bug is None
+    assert missing.detail.startswith("no test ran (pytest exit code 4)")
 
 
 def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each release's directory is guarded by a file lock: same release, one at a time; other releases in parallel."""
-    from pytest_dsrepro import install
+    from pytest_dsrepro.tools import install
 
     spans: dict[str, list[tuple[float, float]]] = {}
 
@@ -243,7 +292,8 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
         envs = list(pool.map(lambda job: job[0](job[1]), jobs))
     (first, second), (other, _) = sorted(spans["0.16.3"]), sorted(spans["0.16.4"])
     assert first[1] <= second[0]  # the same release: strictly one after the other
-    assert other[0] < first[1] and first[0] < other[1]  # another release did not wait for it
+    assert other[0] < first[1]
+    assert first[0] < other[1]
     assert envs[0]["PYTHONPATH"].split(os.pathsep)[0] == str(bisect.release_dir(tmp_path, Version("0.16.3")))
 
 
@@ -269,7 +319,8 @@ def test_command_prints_progress_and_the_specifier(
     code = cli.main(["bisect", "r/test_x.py::test_y", "--good", "0.18.3", "--bad", "0.15.4", "--", "-x", "-v"])
     assert code == 0
     out, err = capsys.readouterr()
-    assert made["nodeid"] == "r/test_x.py::test_y" and made["pytest_args"] == ("-x", "-v")
+    assert made["nodeid"] == "r/test_x.py::test_y"
+    assert made["pytest_args"] == ("-x", "-v")
     assert err.startswith("bisecting r/test_x.py::test_y over 22 deepspeed releases 0.15.4 .. 0.18.3 (about 7 probes)")
     assert "[1/~7] deepspeed 0.15.4: installing and running ...\n    deepspeed 0.15.4: bug (fake) in 0.0 s" in err
     assert "    deepspeed 0.16.9: skipped (cannot install: no wheel) in 0.0 s" in err

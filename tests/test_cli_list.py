@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from pytest_dsrepro import cli
-from pytest_dsrepro.catalogue import Entry, entries_from_rows, format_table
+from pytest_dsrepro.core.results import repro_meta
+from pytest_dsrepro.tools import cli
+from pytest_dsrepro.tools.catalogue import Entry, Row, entries_from_rows, format_table
 
 EPILOGUE = """
 import pytest
@@ -76,7 +77,9 @@ def test_table(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> N
 def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list", "repros/test_module_id.py", "--format", "json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)
-    assert entry["id"] == "zero3-module-id" and entry["fixed_in"] == "0.16.4" and entry["fix_ref"] == "PR 6847"
+    assert entry["id"] == "zero3-module-id"
+    assert entry["fixed_in"] == "0.16.4"
+    assert entry["fix_ref"] == "PR 6847"
     assert entry["affected"] == ["<0.16.4"]
     assert entry["path"] == "repros/test_module_id.py"
     assert entry["tests"] == [
@@ -111,7 +114,8 @@ def test_collection_errors_and_empty(pytester: pytest.Pytester, capsys: pytest.C
     pytester.chdir()
     assert cli.main(["list", "test_broken.py"]) == 1
     err = capsys.readouterr().err
-    assert "dsrepro: pytest could not collect test_broken.py" in err and "nonexistent_module_xyz" in err
+    assert "dsrepro: pytest could not collect test_broken.py" in err
+    assert "nonexistent_module_xyz" in err
     assert cli.main(["list", "test_plain.py"]) == 1
     assert capsys.readouterr().err == "dsrepro: no repros (tests with a ds_repro marker) under test_plain.py\n"
     assert cli.main(["list"]) == 2
@@ -120,7 +124,7 @@ def test_collection_errors_and_empty(pytester: pytest.Pytester, capsys: pytest.C
 
 def test_list_imports_neither_torch_nor_deepspeed(repros: pytest.Pytester) -> None:
     code = (
-        "import sys; from pytest_dsrepro import cli; code = cli.main(['list']); "
+        "import sys; from pytest_dsrepro.tools import cli; code = cli.main(['list']); "
         "heavy = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules); "
         "print('HEAVY', heavy); sys.exit(code)"
     )
@@ -130,12 +134,15 @@ def test_list_imports_neither_torch_nor_deepspeed(repros: pytest.Pytester) -> No
 
 
 def test_rows_merge_without_pytest() -> None:
-    rows = [
-        {"nodeid": "r/test_a.py::t[x]", "path": "/w/r/test_a.py", "repro": {"title": "A"}, "affected": ["<1"]},
-        {"nodeid": "r/test_a.py::t[y]", "path": "/w/r/test_a.py", "repro": {"title": "A"}, "affected": ["<1", ">=2"]},
-    ]
-    (entry,) = entries_from_rows(rows)
-    assert entry.id == "a" and entry.affected == ("<1", ">=2") and entry.affected_text == "<1 | >=2"
-    assert entry.fixed_text == "unfixed" and len(entry.tests) == 2
+    def row(nodeid: str, *affected: str) -> Row:
+        meta = repro_meta((), {"title": "A"}, "/w/r/test_a.py", [((spec,), {}) for spec in affected])
+        return Row(nodeid, "/w/r/test_a.py", meta)
+
+    (entry,) = entries_from_rows([row("r/test_a.py::t[x]", "<1"), row("r/test_a.py::t[y]", "<1", ">=2")])
+    assert entry.id == "a"
+    assert entry.affected == ("<1", ">=2")
+    assert entry.affected_text == "<1 | >=2"
+    assert entry.fixed_text == "unfixed"
+    assert len(entry.tests) == 2
     empty = Entry("x", "", None, None, None, "", (), "p")
     assert format_table([empty]).splitlines()[1].split() == ["x", "-", "-", "unfixed"]

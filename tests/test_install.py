@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro import install, matrix
-from pytest_dsrepro.install import InstallResult, Probe
+from pytest_dsrepro.core import results
+from pytest_dsrepro.tools import install, matrix
+from pytest_dsrepro.tools.install import InstallResult, Probe
 
 
 def test_find_constraints_env_then_nearest_parent(tmp_path: Path) -> None:
@@ -33,7 +34,8 @@ def test_pinned_reads_the_torch_line(tmp_path: Path) -> None:
     c = tmp_path / "c.txt"
     c.write_text("# comment\n-r other.txt\nnumpy<3  # inline\nTorch == 2.13.0\n")
     spec = install.pinned(c, "torch")
-    assert spec is not None and str(spec) == "==2.13.0"
+    assert spec is not None
+    assert str(spec) == "==2.13.0"
     assert install.pinned(c, "deepspeed") is None
     assert install._satisfies("2.13.0+cpu", spec)  # the local CPU wheel satisfies the plain pin
     assert not install._satisfies("2.14.0", spec)
@@ -43,7 +45,9 @@ def test_pinned_reads_the_torch_line(tmp_path: Path) -> None:
 def test_the_repository_pins_torch() -> None:
     root = Path(__file__).resolve().parents[1]
     spec = install.pinned(root / "constraints.txt", "torch")
-    assert spec is not None and spec.contains("2.13.0+cpu") and not spec.contains("2.14.0")
+    assert spec is not None
+    assert spec.contains("2.13.0+cpu")
+    assert not spec.contains("2.14.0")
 
 
 @pytest.mark.parametrize(
@@ -108,9 +112,12 @@ def test_probe_imports_with_cpu_accelerator_when_no_gpu(tmp_path: Path, monkeypa
 def test_probe_reports_the_import_error(tmp_path: Path) -> None:
     target = stub_release(tmp_path, import_error="CPU_Accelerator requires intel_extension_for_pytorch")
     probe = install.probe_import(sys.executable, target=target)
-    assert not probe.ok and probe.torch == "2.13.0+cpu" and probe.deepspeed is None
+    assert not probe.ok
+    assert probe.torch == "2.13.0+cpu"
+    assert probe.deepspeed is None
     assert probe.error == "RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch"
-    assert probe.traceback and "Traceback" in probe.traceback
+    assert probe.traceback
+    assert "Traceback" in probe.traceback
 
 
 def test_probe_of_an_interpreter_that_dies(tmp_path: Path) -> None:
@@ -118,7 +125,8 @@ def test_probe_of_an_interpreter_that_dies(tmp_path: Path) -> None:
     fake.write_text("#!/bin/sh\necho 'Fatal Python error: Segmentation fault' >&2\nkill -SEGV $$\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     probe = install.probe_import(str(fake))
-    assert not probe.ok and probe.error is not None
+    assert not probe.ok
+    assert probe.error is not None
     assert probe.error.startswith("import probe died (killed by signal 11)")
 
 
@@ -136,7 +144,8 @@ def test_already_installed_release_needs_no_pip_and_is_remembered(tmp_path: Path
     again = install.install_deepspeed(
         "0.16.3", python=sys.executable, constraints=constraints, target=target, cache_dir=tmp_path / "cache"
     )
-    assert again.ok and again.probe == first.probe
+    assert again.ok
+    assert again.probe == first.probe
 
 
 @pytest.fixture
@@ -163,12 +172,14 @@ def test_failed_install_is_a_result_not_an_exception(tmp_path: Path, failing_pip
         "0.0.1", python=str(failing_pip), constraints=constraints, target=tmp_path / "t", cache_dir=tmp_path / "cache",
         log=tmp_path / "log.txt",
     )  # fmt: skip
-    assert not result.ok and result.action == "failed"
+    assert not result.ok
+    assert result.action == "failed"
     assert result.reason == (
         "installing torch and build tools failed: Could not find a version that satisfies the requirement "
         "deepspeed==0.0.1"
     )
-    assert result.steps and "-c " + str(constraints) in result.steps[0]
+    assert result.steps
+    assert "-c " + str(constraints) in result.steps[0]
     assert "ERROR: Could not find" in (tmp_path / "log.txt").read_text()
 
 
@@ -183,20 +194,24 @@ def test_run_records_an_unavailable_release_that_the_matrix_shows(
 ) -> None:
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
-    results = tmp_path / "results"
+    results_dir = tmp_path / "results"
     code = install.run(
-        _args("0.0.1", "--python", str(failing_pip), "--constraints", str(constraints), "--results", str(results),
+        _args("0.0.1", "--python", str(failing_pip), "--constraints", str(constraints), "--results", str(results_dir),
               "--target", str(tmp_path / "t"), "--cache-dir", str(tmp_path / "cache"))
     )  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
-    assert "deepspeed 0.0.1 cannot run with torch" in err and "recorded as unavailable" in err
-    (path,) = results.glob("*.json")
+    assert "deepspeed 0.0.1 cannot run with torch" in err
+    assert "recorded as unavailable" in err
+    (path,) = results_dir.glob("*.json")
     data = json.loads(path.read_text())
-    assert data["schema"] == 1 and data["tests"] == [] and data["environment"]["deepspeed"] == "0.0.1"
-    m = matrix.merge(*matrix.load([results]))
+    assert data["schema"] == results.SCHEMA
+    assert data["tests"] == []
+    assert data["environment"]["deepspeed"] == "0.0.1"
+    m = matrix.merge(*matrix.load([results_dir]))
     (col,) = m.columns
-    assert col.version == "0.0.1" and col.unavailable_line is not None
+    assert col.version == "0.0.1"
+    assert col.unavailable_line is not None
     assert col.unavailable_line.startswith("cannot run with torch ")
     assert "Could not find a version" in col.unavailable_line
 
@@ -207,8 +222,14 @@ def test_unavailable_file_names_the_pinned_torch_when_torch_never_arrived(tmp_pa
     result = InstallResult("0.14.1", sys.executable, None, False, "failed", "pip failed", None, 1.0)
     path = install.write_unavailable(tmp_path, result, constraints)
     data = json.loads(path.read_text())
-    assert data["environment"]["torch"] == "2.13.0" and data["unavailable"] == "pip failed"
+    assert data["environment"]["torch"] == "2.13.0"
+    assert data["unavailable"] == "pip failed"
     assert path.name.startswith("results-deepspeed-0.14.1-unavailable-")
+    # the schema's environment, as every results file has it: "os" (this used to say "platform", which nobody read)
+    env = results.read(path).environment
+    assert env.os is not None
+    assert "platform" not in data["environment"]
+    assert (env.deepspeed, env.backend, env.world_size, env.gpu_count) == ("0.14.1", None, None, None)
 
 
 def test_run_refuses_without_constraints(
@@ -228,7 +249,11 @@ def test_version_argument_is_checked() -> None:
     assert exc.value.code == 2
 
 
-def test_recipe_constants() -> None:
-    assert install.BUILD_ENV == {"DS_BUILD_OPS": "0"}
-    assert os.environ.get("DS_BUILD_OPS") is None or install._env(None)["DS_BUILD_OPS"] == "0"
-    assert install._env(Path("/t"))["PYTHONPATH"].split(os.pathsep)[0] == "/t"
+def test_recipe_environment_builds_no_ops_and_puts_the_target_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pip and probe command runs with DS_BUILD_OPS=0 whatever the caller set, and sees the target first."""
+    monkeypatch.setenv("DS_BUILD_OPS", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert install._env(None)["DS_BUILD_OPS"] == "0"
+    assert install._env(None)["PYTHONPATH"] == "/elsewhere"  # no target: the caller's path as it was
+    assert install._env(Path("/t"))["PYTHONPATH"].split(os.pathsep) == ["/t", "/elsewhere"]
+    assert install._env(None, {"DS_ACCELERATOR": "cpu"})["DS_ACCELERATOR"] == "cpu"

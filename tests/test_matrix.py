@@ -1,45 +1,54 @@
-"""dsrepro matrix: pure functions over results files written here as JSON (no torch, no worlds)."""
+"""dsrepro matrix: pure functions over results files written here through ``core.results`` (no torch, no worlds)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import html.parser
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from pytest_dsrepro import matrix
-from pytest_dsrepro.matrix import MatrixError, load, merge, render_html, render_markdown, render_terminal
+from pytest_dsrepro.core.gates import Reason, Verdict
+from pytest_dsrepro.core.results import Environment, ReproMeta, RunRecord, TestRecord
+from pytest_dsrepro.tools import matrix
+from pytest_dsrepro.tools.matrix import MatrixError, load, merge, render_html, render_markdown, render_terminal
 
 EPILOGUE = "zero3-backward-without-optimizer"
 MODULE_ID = "zero3-module-id-clobbered"
 
 
+#: The reason a record of each verdict gives (any reason of that verdict would do for the matrix).
+REASONS = {Verdict.REPRODUCED: Reason.REPRODUCED, Verdict.FIXED: Reason.NOT_AFFECTED,
+           Verdict.PASSES_WITH_FIX: Reason.FIX_HOLDS, Verdict.UNEXPECTED: Reason.FAILED_DIFFERENTLY}  # fmt: skip
+
+
 def rec(
-    nodeid: str, verdict: str | None, *, repro: Any = MODULE_ID, variant: str | None = "stock", outcome: str = "passed",
-    error: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """A test record as the plugin writes it (``repro`` an object with id/title/upstream)."""
-    meta = (
-        None if repro is None else {"id": repro, "title": f"title of {repro}", "upstream": f"https://x.invalid/{repro}"}
-    )
-    return {"nodeid": nodeid, "repro": meta, "variant": variant, "verdict": verdict, "outcome": outcome,
-            "error": error, "duration": 1.0}  # fmt: skip
+    nodeid: str, verdict: str | None, *, repro: str | None = MODULE_ID, variant: str | None = "stock",
+    outcome: str = "passed", error: str | None = None,
+) -> TestRecord:  # fmt: skip
+    """A test record as the plugin writes it."""
+    meta = None if repro is None else ReproMeta(repro, f"title of {repro}", f"https://x.invalid/{repro}")
+    judged = Verdict(verdict) if verdict else None
+    reason = REASONS.get(judged) if judged else None
+    return TestRecord(nodeid=nodeid, repro=meta, variant=variant, verdict=judged, reason=reason, outcome=outcome,
+                      error=error, duration=1.0, config=None)  # fmt: skip
 
 
 def write(
-    directory: Path, version: str, tests: list[dict[str, Any]], *, created: str = "2026-11-22T10:00:00+00:00",
+    directory: Path, version: str, tests: list[TestRecord], *, created: str = "2026-11-22T10:00:00+00:00",
     unavailable: str | None = None, name: str | None = None, torch: str = "2.13.0+cpu",
 ) -> Path:  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / (name or f"results-deepspeed-{version}-{len(list(directory.iterdir()))}.json")
-    env = {"deepspeed": version, "torch": torch, "python": "3.11.7", "backend": None if unavailable else "gloo",
-           "world_size": None if unavailable else 2, "platform": "Linux"}  # fmt: skip
-    data = {"schema": 1, "created": created, "environment": env, "unavailable": unavailable, "tests": tests}
-    path.write_text(json.dumps(data))
+    env = Environment(deepspeed=version, torch=torch, python="3.11.7", backend=None if unavailable else "gloo",
+                      world_size=None if unavailable else 2, os="Linux", cpu=None, cpu_count=None, gpu=None,
+                      gpu_count=None)  # fmt: skip
+    run = RunRecord(created=datetime.datetime.fromisoformat(created), environment=env, unavailable=unavailable,
+                    tests=tuple(tests))  # fmt: skip
+    path.write_text(json.dumps(run.to_json()))
     return path
 
 
@@ -81,8 +90,8 @@ def test_rows_cells_and_labels(catalogue: Path) -> None:
     # one test for EPILOGUE: the row is the repro id; two for MODULE_ID: the parameters tell them apart, stock first
     assert [r.label for r in m.rows] == [EPILOGUE, f"{MODULE_ID} [zero3-stock]", f"{MODULE_ID} [zero3-fixed]"]
     stock = m.rows[1]
-    assert [m.cell(stock, c).verdict if m.cell(stock, c) else None for c in m.columns] == [
-        None, "REPRODUCED", "FIXED", "FIXED"]  # fmt: skip
+    assert [cell.verdict if (cell := m.cell(stock, c)) else None for c in m.columns] == [
+        None, Verdict.REPRODUCED, Verdict.FIXED, Verdict.FIXED]  # fmt: skip
     assert m.cell(m.rows[0], m.columns[3]) is None  # EPILOGUE did not run on 0.18.3: "not run", not invented
     assert m.rows[0].upstream == f"https://x.invalid/{EPILOGUE}"
 
@@ -102,7 +111,8 @@ def test_unavailable_release_is_a_column_with_its_reason(catalogue: Path) -> Non
 def test_only_unavailable_releases_still_render(tmp_path: Path) -> None:
     write(tmp_path, "0.14.0", [], unavailable="import failed: CPU_Accelerator requires intel_extension_for_pytorch")
     m = build([tmp_path])
-    assert m.rows == () and len(m.columns) == 1
+    assert m.rows == ()
+    assert len(m.columns) == 1
     assert "intel_extension_for_pytorch" in render_html(m)
     assert "intel_extension_for_pytorch" in render_markdown(m)
     assert matrix.exit_code(m) == 0
@@ -116,8 +126,11 @@ def test_latest_file_wins_per_version(tmp_path: Path) -> None:
                 created="2026-11-22T10:00:00+00:00", name="a-new.json")  # fmt: skip
     m = build([tmp_path])
     (col,) = m.columns
-    assert col.source == new and col.superseded == (old,)
-    assert m.cell(m.rows[0], col).verdict == "REPRODUCED"
+    assert col.source == new
+    assert col.superseded == (old,)
+    cell = m.cell(m.rows[0], col)
+    assert cell is not None
+    assert cell.verdict is Verdict.REPRODUCED
     assert matrix.exit_code(m) == 0
     assert "1 older results file(s) set aside" in render_terminal(m)
 
@@ -154,18 +167,26 @@ def test_failing_test_without_verdict_is_unexpected(tmp_path: Path) -> None:
     ])  # fmt: skip
     m = build([tmp_path])
     assert [r.label for r in m.rows] == ["(not a repro)", MODULE_ID]  # the passing plain test is not a row
-    assert {c.verdict for c in m.cells.values()} == {"UNEXPECTED"}
+    assert {c.verdict for c in m.cells.values()} == {Verdict.UNEXPECTED}
     assert "no verdict, pytest outcome error: world did not start" in render_terminal(m)
     assert matrix.exit_code(m) == 1
 
 
-def test_flat_repro_field_is_read_too(tmp_path: Path) -> None:
-    """The contract's example writes ``repro`` as a plain id with ``title``/``upstream`` beside it."""
-    record = {"nodeid": STOCK, "repro": MODULE_ID, "title": "T", "upstream": "https://u.invalid", "variant": "stock",
-              "verdict": "FIXED", "outcome": "passed", "error": None, "duration": 1.0}  # fmt: skip
-    write(tmp_path, "0.16.4", [record])
+def test_repro_id_title_and_upstream_come_from_the_record(tmp_path: Path) -> None:
+    """``repro`` has one form, an object; a plain id (schema 1's contract example) is named as what is wrong."""
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED")])
     (row,) = build([tmp_path]).rows
-    assert (row.repro, row.title, row.upstream) == (MODULE_ID, "T", "https://u.invalid")
+    assert (row.repro, row.title, row.upstream) == (
+        MODULE_ID,
+        f"title of {MODULE_ID}",
+        f"https://x.invalid/{MODULE_ID}",
+    )
+    flat = write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")])
+    data = json.loads(flat.read_text())
+    data["tests"][0]["repro"] = MODULE_ID
+    flat.write_text(json.dumps(data))
+    _, warnings = load([tmp_path])
+    assert warnings == [f"{flat}: ignored: tests[0] ({STOCK}): 'repro' must be an object or null, not a string"]
 
 
 def test_markdown_table_and_footnotes(catalogue: Path) -> None:
@@ -202,10 +223,14 @@ def test_html_is_self_contained_with_colours_and_tooltips(catalogue: Path) -> No
     page = render_html(build([catalogue]))
     parser = _Cells()
     parser.feed(page)
-    assert "script" not in parser.tags and "link" not in parser.tags and "img" not in parser.tags
-    assert "<style>" in page and "td.UNEXPECTED { background:" in page
+    assert "script" not in parser.tags
+    assert "link" not in parser.tags
+    assert "img" not in parser.tags
+    assert "<style>" in page
+    assert "td.UNEXPECTED { background:" in page
     unexpected = [c for c in parser.cells if c.get("class") == "UNEXPECTED" and c.get("title")]
-    assert unexpected and unexpected[0]["title"] == "RuntimeError: patch no longer applies"
+    assert unexpected
+    assert unexpected[0]["title"] == "RuntimeError: patch no longer applies"
     reproduced = [c for c in parser.cells if c.get("class") == "REPRODUCED"]
     assert any(c.get("title") == "AssertionError: ids [7, 7] | [0, 1]" for c in reproduced)
     (unavailable,) = [c for c in parser.cells if c.get("class") == "unavailable"]
@@ -216,7 +241,8 @@ def test_html_is_self_contained_with_colours_and_tooltips(catalogue: Path) -> No
 def test_html_escapes_everything(tmp_path: Path) -> None:
     write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error='<script>alert("x")</script>')])
     page = render_html(build([tmp_path]))
-    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "<script>" not in page
+    assert "&lt;script&gt;" in page
 
 
 def test_terminal_table(catalogue: Path) -> None:
@@ -255,12 +281,15 @@ def test_terminal_heads_each_column_when_environments_differ(tmp_path: Path) -> 
 def test_load_warns_about_foreign_and_broken_json(tmp_path: Path) -> None:
     write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")])
     (tmp_path / "package.json").write_text('{"name": "x"}')
-    (tmp_path / "half.json").write_text('{"schema": 1, "crea')
-    (tmp_path / "future.json").write_text('{"schema": 2, "environment": {}, "tests": []}')
+    (tmp_path / "half.json").write_text('{"schema": 2, "crea')
+    (tmp_path / "future.json").write_text('{"schema": 3, "environment": {}, "tests": []}')
+    (tmp_path / "old.json").write_text('{"schema": 1, "environment": {"platform": "Linux"}, "tests": []}')
     files, warnings = load([tmp_path])
     assert len(files) == 1
-    assert sorted(Path(w.split(":")[0]).name for w in warnings) == ["future.json", "half.json", "package.json"]
-    assert any("schema 2" in w for w in warnings)
+    assert sorted(Path(w.split(":")[0]).name for w in warnings) == ["future.json", "half.json", "old.json",
+                                                                   "package.json"]  # fmt: skip
+    assert any("schema 3: this pytest-dsrepro reads results files of schema 2 only" in w for w in warnings)
+    assert any("schema 1: this pytest-dsrepro reads results files of schema 2 only" in w for w in warnings)
 
 
 def test_no_files_is_a_usage_error_naming_the_directory(tmp_path: Path) -> None:
@@ -294,16 +323,18 @@ def test_run_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     empty.mkdir()
     assert matrix.run(_args(str(empty))) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and str(empty) in err
+    assert err.count("\n") == 0
+    assert str(empty) in err
     write(tmp_path / "ok", "0.16.3", [rec(STOCK, "REPRODUCED")])
     out_md = tmp_path / "out" / "m.md"
     assert matrix.run(_args(str(tmp_path / "ok"), "--markdown", str(out_md), "--html", str(tmp_path / "m.html"))) == 0
-    assert out_md.exists() and (tmp_path / "m.html").exists()
+    assert out_md.exists()
+    assert (tmp_path / "m.html").exists()
 
 
 def test_importing_matrix_needs_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, pytest_dsrepro.matrix, pytest_dsrepro.install; print('torch' in sys.modules)"
+    code = "import sys, pytest_dsrepro.tools.matrix, pytest_dsrepro.tools.install; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

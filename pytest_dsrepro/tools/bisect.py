@@ -4,14 +4,14 @@ Three layers, the first two pure and tested directly:
 
 - ``releases_between`` and ``search``: which releases to probe, in which order, and what the probes prove. A
   release that cannot be installed or imported is *skipped*: never counted as good or bad, and reported.
-- ``bug_present``: what one probe's ``--ds-results`` records say (the bug shows / does not show / no answer).
+- ``bug_present``: what one probe's ``--ds-results`` records say (the bug shows / does not show / no answer), read
+  from each record's ``reason`` (the gates' own answer, ``Reason.body_failed``), never from a message's wording.
 - ``probe_release``: install one release (cached per release, ``filelock``-guarded, see ``install``), run
   ``python -m pytest NODEID --ds-results DIR`` with that release, and read the records back.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -22,9 +22,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
+
+from ..core import results, versions
+from ..core.gates import FIXED, Verdict
+from ..core.results import TestRecord
 
 PACKAGE = "deepspeed"
 
@@ -167,45 +170,39 @@ def search(releases: Sequence[Version], oracle: Oracle, progress: Progress | Non
 # --- reading one probe's results ----------------------------------------------------------------------------------
 
 
-def _record_bug(record: Mapping[str, Any]) -> bool | None:
-    verdict, outcome = record.get("verdict"), record.get("outcome")
-    if verdict == "REPRODUCED":
-        return True
-    if verdict == "FIXED":
-        return False
-    if verdict == "SKIPPED" or outcome in ("skipped", "error"):
+def _record_bug(record: TestRecord) -> bool | None:
+    """Does this record show the bug? None when it says nothing about it."""
+    if record.reason is not None:
+        # The gates judged the body: it failed (as declared, differently, or outside the range: the code misbehaves
+        # either way) or it passed (where the bug was expected too: "did not reproduce"); None: no world ran.
+        return record.reason.body_failed
+    if record.verdict is Verdict.SKIPPED or record.outcome in ("skipped", "error"):
         return None  # a gate or the test skipped, or setup failed: the release says nothing about the bug
-    if verdict == "UNEXPECTED":
-        # "did not reproduce" is the body passing where the gate expected the bug; everything else (a regression,
-        # failing differently, a crash or hang) is the body failing.
-        return bool(record.get("ranks")) or not str(record.get("error") or "").startswith("did not reproduce")
-    return outcome in ("failed", "xfailed")
+    return record.outcome in ("failed", "xfailed")  # a plain test: its outcome is the answer
 
 
-def bug_present(records: Iterable[Mapping[str, Any]]) -> bool | None:
-    """Does the bug show in this run? True if any stock test shows it; None if no stock test gave an answer.
+def _stock(records: Iterable[TestRecord]) -> list[TestRecord]:
+    """``[fixed]`` variants say whether the fix holds, not whether the release has the bug: left out."""
+    return [r for r in records if r.variant != FIXED]
 
-    ``[fixed]`` variants are left out: they say whether the fix holds, not whether the release has the bug.
-    """
-    answers = [_record_bug(r) for r in records if r.get("variant") in (None, "stock")]
-    known = [a for a in answers if a is not None]
+
+def bug_present(records: Iterable[TestRecord]) -> bool | None:
+    """Does the bug show in this run? True if any stock test shows it; None if no stock test gave an answer."""
+    known = [a for a in map(_record_bug, _stock(records)) if a is not None]
     return any(known) if known else None
 
 
-def describe(records: Iterable[Mapping[str, Any]]) -> str:
+def describe(records: Iterable[TestRecord]) -> str:
     """One line for the progress output: verdict (or outcome) and first error of each stock test."""
     parts = []
-    for r in records:
-        if r.get("variant") not in (None, "stock"):
-            continue
-        label = r.get("verdict") or str(r.get("outcome", "?")).upper()
-        error = r.get("error")
-        if not error:
-            parts.append(str(label))
-        elif str(error).startswith(str(label)):  # "REPRODUCED on deepspeed ...": the verdict is already said
-            parts.append(str(error))
+    for r in _stock(records):
+        label = r.verdict.value if r.verdict else r.outcome.upper()
+        if not r.error:
+            parts.append(label)
+        elif r.error.startswith(label):  # "REPRODUCED on deepspeed ...": the verdict is already said
+            parts.append(r.error)
         else:
-            parts.append(f"{label}: {error}")
+            parts.append(f"{label}: {r.error}")
     return "; ".join(parts)
 
 
@@ -275,10 +272,12 @@ class Prober:
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 (self.log_dir / f"deepspeed-{version}.log").write_text(proc.stdout + proc.stderr)
-            runs = [json.loads(path.read_text()) for path in sorted(Path(tmp).glob("*.json"))]
-        records = [t for run in runs for t in run["tests"]]
-        ran = {str(run.get("environment", {}).get("deepspeed")) for run in runs}
-        if runs and ran != {str(version)}:
+            files, unreadable = results.read_all([Path(tmp)])
+        if unreadable:
+            return done(None, f"unreadable results: {unreadable[0]}")
+        records = [t for f in files for t in f.run.tests]
+        ran = {str(f.run.environment.deepspeed) for f in files}
+        if files and ran != {str(version)}:
             return done(None, f"ran deepspeed {', '.join(sorted(ran))} instead of {version}")
         if not records:
             return done(None, f"no test ran (pytest exit code {proc.returncode}): {_tail(proc.stdout + proc.stderr)}")
@@ -298,24 +297,16 @@ def probe_environment(site: Path, base: Mapping[str, str] | None = None) -> dict
 
 def release_dir(cache_dir: Path, version: Version) -> Path:
     """Where one release is installed: per DeepSpeed release, Python and torch (a build depends on all three)."""
-    from importlib import metadata
-
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "none"
+    torch = versions.installed_text("torch") or "none"
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return cache_dir / "releases" / f"deepspeed-{version}-{py}-torch-{torch}"
 
 
 def _torch_pin(cache_dir: Path) -> Path:
     """A constraints file pinning the torch installed here: bisect must never move torch."""
-    from importlib import metadata
-
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        raise BisectError("torch is not installed in this environment; install the torch to test with first") from None
+    torch = versions.installed_text("torch")
+    if torch is None:
+        raise BisectError("torch is not installed in this environment; install the torch to test with first")
     path = cache_dir / "releases" / f"constraints-torch-{torch}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"torch=={torch}\n")
@@ -337,8 +328,8 @@ def release_environment(
     """
     from filelock import FileLock
 
-    from . import install
     from ..core.options import default_cache_dir
+    from . import install
 
     root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or _torch_pin(root)

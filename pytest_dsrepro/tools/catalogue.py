@@ -2,8 +2,9 @@
 
 The markers are the one source of truth, so the catalogue is never written down anywhere else: ``collect`` runs
 pytest's own collection in-process (``--collect-only``) with a small plugin that reads each item's markers through
-``item.get_closest_marker`` / ``item.iter_markers``. Repro files import torch and DeepSpeed only inside test bodies,
-so collecting them is fast and needs neither.
+``item.get_closest_marker`` / ``item.iter_markers``, turned into ``core.results.ReproMeta`` by the same function the
+results files use. Repro files import torch and DeepSpeed only inside test bodies, so collecting them is fast and
+needs neither.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+
+from ..core.gates import oldest_first
+from ..core.results import ReproMeta, repro_meta
 
 #: The columns ``dsrepro list`` prints, with their headers.
 COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"))
@@ -53,11 +55,20 @@ class CollectionFailed(Exception):
     """pytest could not collect the given paths; the message carries pytest's own output."""
 
 
+@dataclass(frozen=True)
+class Row:
+    """One collected test of a catalogued repro."""
+
+    nodeid: str
+    path: str
+    repro: ReproMeta
+
+
 @dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
 class _Collector:
     """A pytest plugin object: gathers each collected item's catalogue markers."""
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -69,64 +80,26 @@ class _Collector:
             mark = item.get_closest_marker("ds_repro")
             if mark is None:
                 continue
-            affected = []
-            for m in item.iter_markers("ds_version"):
-                spec = m.kwargs.get("affected", m.args[0] if m.args else None)
-                if spec is not None:
-                    affected.append(str(spec))
-            self.rows.append(
-                {"nodeid": item.nodeid, "path": str(item.path), "repro": dict(mark.kwargs), "affected": affected}
-            )
+            ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
+            meta = repro_meta(mark.args, mark.kwargs, item.path, ds_versions)
+            self.rows.append(Row(item.nodeid, str(item.path), meta))
 
 
-def oldest_first(specs: Iterable[str]) -> list[str]:
-    """Affected ranges in reading order: ``<0.18.3`` before ``>=0.18.3,<0.19.5`` before ``>=0.19.5``."""
-    return sorted(specs, key=_lower_bound)
+def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Entry]:
+    """Merge per-test rows into one entry per repro id (pure; the order is the collection order).
 
-
-def _lower_bound(spec: str) -> tuple[int, Version]:
-    """Sort key: ranges read from the oldest releases up (``<0.18.3`` before ``>=0.18.3,<0.19.5``)."""
-    try:
-        bounds = [Version(s.version) for s in SpecifierSet(spec) if s.operator in (">=", ">", "==", "~=", "===")]
-    except (InvalidSpecifier, InvalidVersion):
-        return (1, Version("0"))  # not valid: the test itself will fail and say so; list it last
-    return (0, max(bounds, default=Version("0")))
-
-
-def _default_id(path: str) -> str:
-    return Path(path).stem.removeprefix("test_")
-
-
-def _text(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
-def entries_from_rows(rows: Iterable[dict[str, Any]], root: Path | None = None) -> list[Entry]:
-    """Merge per-test rows into one entry per repro id (pure; the order is the collection order)."""
+    A repro's metadata is its first test's; the affected ranges are the union over its tests.
+    """
     merged: dict[str, dict[str, Any]] = {}
     for row in rows:
-        meta = row["repro"]
-        repro_id = str(meta.get("id") or _default_id(row["path"]))
-        path = Path(row["path"])
+        meta = row.repro
+        path = Path(row.path)
         if root is not None:
             with contextlib.suppress(ValueError):
                 path = path.relative_to(root)
-        entry = merged.setdefault(
-            repro_id,
-            {
-                "id": repro_id,
-                "title": str(meta.get("title") or ""),
-                "upstream": _text(meta.get("upstream")),
-                "fix_ref": _text(meta.get("fix_ref")),
-                "fixed_in": _text(meta.get("fixed_in")),
-                "root_cause": str(meta.get("root_cause") or ""),
-                "affected": [],
-                "path": str(path),
-                "tests": [],
-            },
-        )
-        entry["tests"].append(row["nodeid"])
-        for spec in row["affected"]:
+        entry = merged.setdefault(meta.id, {**asdict(meta), "affected": [], "path": str(path), "tests": []})
+        entry["tests"].append(row.nodeid)
+        for spec in meta.affected:
             if spec not in entry["affected"]:
                 entry["affected"].append(spec)
     return [

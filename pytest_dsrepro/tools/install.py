@@ -14,25 +14,23 @@ Used by tox (``commands_pre``) and by ``dsrepro bisect``. The rules, each learnt
   ``DS_ACCELERATOR=cpu`` when torch sees no GPU (releases <= 0.14.0 fail exactly there on CPU).
 
 A release that cannot be installed or imported is not an error of this tool but a fact about the release: the
-result says why (``InstallResult.reason``), and :func:`write_unavailable` records it as a results file, so
-``dsrepro matrix`` shows the release as a column "cannot run with torch X: <reason>" instead of dropping it.
+result says why (``InstallResult.reason``), and :func:`write_unavailable` records it as a results file (through
+``core.results``, like every other), so ``dsrepro matrix`` shows the release as a column "cannot run with torch X:
+<reason>" instead of dropping it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import email.parser
 import hashlib
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
-import uuid
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +42,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from ..core import results
 from ..core.options import CACHE_ENV, default_cache_dir
+from ..core.results import RunRecord
 
 __all__ = [
     "CONSTRAINTS_ENV",
@@ -478,31 +478,24 @@ def install_deepspeed(
     return result(True, "installed", None, probe)
 
 
-def unavailable_results(result: InstallResult, constraints: Path | None = None) -> dict[str, Any]:
-    """A results file (schema 1) saying this release cannot run here, and why."""
+def unavailable_results(result: InstallResult, constraints: Path | None = None) -> RunRecord:
+    """The run record of a release that cannot run here: no tests, and why (``unavailable``)."""
     pin = pinned(constraints, "torch") if constraints is not None else None
     torch = result.torch or (str(pin).lstrip("=") if pin else None)  # not installed: the version it would have been
-    return {
-        "schema": 1,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "environment": {
-            "deepspeed": result.version,
-            "torch": torch,
-            "python": (result.probe.python if result.probe else None) or platform.python_version(),
-            "backend": None,
-            "world_size": None,
-            "platform": platform.platform(),
-        },
-        "unavailable": result.reason or "unavailable",
-        "tests": [],
-    }
+    here = results.environment(backend=None, world_size=None)  # no world ran: no backend, no size, GPUs unknown
+    env = dataclasses.replace(
+        here,
+        deepspeed=result.version,
+        torch=torch,
+        python=(result.probe.python if result.probe else None) or here.python,
+        gpu_count=None,
+    )
+    return RunRecord(created=results.now(), environment=env, unavailable=result.reason or "unavailable")
 
 
 def write_unavailable(directory: Path, result: InstallResult, constraints: Path | None = None) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"results-deepspeed-{result.version}-unavailable-{uuid.uuid4().hex[:8]}.json"
-    path.write_text(json.dumps(unavailable_results(result, constraints), indent=2))
-    return path
+    """Write :func:`unavailable_results` into ``directory`` (``results-deepspeed-<version>-unavailable-*.json``)."""
+    return results.write(unavailable_results(result, constraints), directory)
 
 
 def _version_arg(value: str) -> str:

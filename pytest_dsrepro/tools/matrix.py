@@ -7,31 +7,31 @@ written by ``dsrepro install``) is a column of its own that says why; it is neve
 cover one release, the newest (``created``, then file time) wins, and the report says which files it set aside.
 
 Everything here is a pure function of the files' contents (:func:`load`, :func:`merge`, the ``render_*``
-functions), so the whole of it is tested without torch; :func:`run` is the command.
+functions), so the whole of it is tested without torch; :func:`run` is the command. The files are read, and
+checked, by ``core.results``; the verdicts are the gates' own ``Verdict``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import html
-import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from ..core import results
+from ..core.gates import Verdict
+from ..core.results import ResultsFile, TestRecord
+
 __all__ = [
-    "VERDICTS",
     "Cell",
     "Column",
     "Matrix",
     "MatrixError",
-    "ResultFile",
     "Row",
     "add_arguments",
     "exit_code",
@@ -43,36 +43,12 @@ __all__ = [
     "run",
 ]
 
-SCHEMA = 1
-REPRODUCED, FIXED, PASSES_WITH_FIX, UNEXPECTED, SKIPPED = (
-    "REPRODUCED",
-    "FIXED",
-    "PASSES-WITH-FIX",
-    "UNEXPECTED",
-    "SKIPPED",
-)
-VERDICTS = (REPRODUCED, FIXED, PASSES_WITH_FIX, UNEXPECTED, SKIPPED)
 NOT_RUN = "not run"
 UNAVAILABLE = "n/a"
 
 
 class MatrixError(Exception):
     """A usage problem: nothing to read, or nothing readable. ``dsrepro matrix`` exits 2 with this one line."""
-
-
-@dataclass(frozen=True)
-class ResultFile:
-    """One results file as written by ``--ds-results`` or ``dsrepro install --results``."""
-
-    path: Path
-    created: datetime.datetime
-    environment: Mapping[str, Any]
-    unavailable: str | None
-    tests: tuple[Mapping[str, Any], ...]
-
-    @property
-    def version(self) -> str:
-        return str(self.environment.get("deepspeed") or "unknown")
 
 
 @dataclass(frozen=True)
@@ -112,7 +88,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Cell:
-    verdict: str
+    verdict: Verdict
     outcome: str | None = None
     error: str | None = None
 
@@ -133,7 +109,7 @@ class Matrix:
     def cell(self, row: Row, column: Column) -> Cell | None:
         return self.cells.get((row.nodeid, column.version))
 
-    def count(self, verdict: str) -> int:
+    def count(self, verdict: Verdict) -> int:
         return sum(1 for c in self.cells.values() if c.verdict == verdict)
 
     def unexpected(self) -> list[tuple[Row, Column, Cell]]:
@@ -141,61 +117,20 @@ class Matrix:
             (r, c, cell)
             for c in self.columns
             for r in self.rows
-            if (cell := self.cell(r, c)) is not None and cell.verdict == UNEXPECTED
+            if (cell := self.cell(r, c)) is not None and cell.verdict is Verdict.UNEXPECTED
         ]
 
 
 # ----------------------------------------------------------------------------------------------------- loading
 
 
-def _created(data: Mapping[str, Any], path: Path) -> datetime.datetime:
-    raw = data.get("created")
-    if isinstance(raw, str):
-        try:
-            when = datetime.datetime.fromisoformat(raw)
-            return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
-        except ValueError:
-            pass
-    return datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
-
-
-def parse(path: Path, data: Any) -> ResultFile:
-    """A results file's contents, checked; ``ValueError`` says what is wrong with it."""
-    if not isinstance(data, dict) or "schema" not in data:
-        raise ValueError("not a pytest-dsrepro results file (no 'schema')")
-    if data["schema"] != SCHEMA:
-        raise ValueError(f"schema {data['schema']!r}, this dsrepro reads schema {SCHEMA}")
-    env = data.get("environment")
-    tests = data.get("tests") or []
-    if not isinstance(env, dict) or not isinstance(tests, list):
-        raise ValueError("'environment' must be an object and 'tests' a list")
-    unavailable = data.get("unavailable")
-    return ResultFile(
-        path=path,
-        created=_created(data, path),
-        environment=env,
-        unavailable=str(unavailable) if unavailable else None,
-        tests=tuple(t for t in tests if isinstance(t, dict)),
-    )
-
-
-def load(paths: Sequence[Path]) -> tuple[list[ResultFile], list[str]]:
+def load(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[str]]:
     """Every results file under ``paths`` (files, or directories searched for ``*.json``), and warnings for the
     JSON files that are not results files. Raises :class:`MatrixError` when nothing usable is found."""
-    files: list[ResultFile] = []
-    warnings: list[str] = []
-    for given in paths:
-        if given.is_dir():
-            candidates = sorted(given.rglob("*.json"))
-        elif given.is_file():
-            candidates = [given]
-        else:
-            raise MatrixError(f"no such file or directory: {given}")
-        for path in candidates:
-            try:
-                files.append(parse(path, json.loads(path.read_text())))
-            except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
-                warnings.append(f"{path}: ignored: {exc}")
+    try:
+        files, warnings = results.read_all(paths)
+    except FileNotFoundError as exc:
+        raise MatrixError(str(exc)) from None
     if not files:
         where = ", ".join(str(p) for p in paths)
         detail = f" ({len(warnings)} unreadable JSON files)" if warnings else ""
@@ -213,29 +148,15 @@ def version_key(version: str) -> tuple[int, Version | str]:
         return (1, version)
 
 
-def _repro_of(record: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]:
-    """(id, title, upstream): the plugin writes ``repro`` as an object; a plain id with flat fields works too."""
-    repro = record.get("repro")
-    if isinstance(repro, dict):
-        return (
-            str(repro["id"]) if repro.get("id") else None,
-            repro.get("title") or None,
-            repro.get("upstream") or None,
-        )
-    if isinstance(repro, str) and repro:
-        return repro, record.get("title") or None, record.get("upstream") or None
-    return None, None, None
-
-
-def _cell_of(record: Mapping[str, Any]) -> Cell | None:
+def _cell_of(record: TestRecord) -> Cell | None:
     """A record's cell, or None for a test outside the catalogue's business (ungated and not failing)."""
-    verdict, outcome, error = record.get("verdict"), record.get("outcome"), record.get("error")
-    if verdict:
-        return Cell(str(verdict), outcome, error)
-    if outcome in ("failed", "error", "xpassed"):
-        return Cell(UNEXPECTED, outcome, f"no verdict, pytest outcome {outcome}: {error or 'no error recorded'}")
-    if outcome == "skipped":
-        return Cell(SKIPPED, outcome, error)
+    if record.verdict is not None:
+        return Cell(record.verdict, record.outcome, record.error)
+    if record.outcome in ("failed", "error", "xpassed"):
+        why = f"no verdict, pytest outcome {record.outcome}: {record.error or 'no error recorded'}"
+        return Cell(Verdict.UNEXPECTED, record.outcome, why)
+    if record.outcome == "skipped":
+        return Cell(Verdict.SKIPPED, record.outcome, record.error)
     return None
 
 
@@ -264,26 +185,25 @@ def _row_order(row: Row, variant: str | None) -> tuple[str, str, int]:
     return (row.repro, f"{base}[{rest}]", 0 if variant in (None, "stock") else 1)
 
 
-def merge(files: Sequence[ResultFile], warnings: Sequence[str] = ()) -> Matrix:
+def merge(files: Sequence[ResultsFile], warnings: Sequence[str] = ()) -> Matrix:
     """One column per DeepSpeed version (the newest file wins), one row per test of a repro."""
-    by_version: dict[str, list[ResultFile]] = {}
+    by_version: dict[str, list[ResultsFile]] = {}
     for f in files:
-        by_version.setdefault(f.version, []).append(f)
+        by_version.setdefault(f.run.version, []).append(f)
     columns: list[Column] = []
-    winners: list[ResultFile] = []
+    winners: list[ResultsFile] = []
     for version in sorted(by_version, key=version_key):
         candidates = sorted(by_version[version], key=lambda f: (f.created, f.path.stat().st_mtime, str(f.path)))
         win = candidates[-1]
         winners.append(win)
-        env = win.environment
-        ws = env.get("world_size")
+        env = win.run.environment
         columns.append(
             Column(
                 version=version,
-                torch=env.get("torch"),
-                backend=env.get("backend"),
-                world_size=ws if isinstance(ws, int) else None,
-                unavailable=win.unavailable,
+                torch=env.torch,
+                backend=env.backend,
+                world_size=env.world_size,
+                unavailable=win.run.unavailable,
                 source=win.path,
                 superseded=tuple(f.path for f in candidates[:-1]),
             )
@@ -291,20 +211,20 @@ def merge(files: Sequence[ResultFile], warnings: Sequence[str] = ()) -> Matrix:
     cells: dict[tuple[str, str], Cell] = {}
     meta: dict[str, tuple[str, str | None, str | None, str | None]] = {}  # nodeid -> repro, title, upstream, variant
     for win in winners:
-        for record in win.tests:
-            nodeid = str(record.get("nodeid") or "")
+        for record in win.run.tests:
+            nodeid = record.nodeid
             cell = _cell_of(record)
             if not nodeid or cell is None:
                 continue
-            repro, title, upstream = _repro_of(record)
+            about = record.repro
             old = meta.get(nodeid)
             meta[nodeid] = (
-                repro or (old[0] if old else "(not a repro)"),
-                title or (old[1] if old else None),
-                upstream or (old[2] if old else None),
-                record.get("variant") or (old[3] if old else None),
+                (about.id if about else None) or (old[0] if old else "(not a repro)"),
+                (about.title if about else None) or (old[1] if old else None),
+                (about.upstream if about else None) or (old[2] if old else None),
+                record.variant or (old[3] if old else None),
             )
-            cells[(nodeid, win.version)] = cell
+            cells[(nodeid, win.run.version)] = cell
     per_repro: dict[str, list[str]] = {}
     for nodeid, (repro, *_rest) in meta.items():
         per_repro.setdefault(repro, []).append(nodeid)
@@ -340,19 +260,19 @@ def _one_line(text: str) -> str:
 
 
 def _summary(matrix: Matrix) -> str:
-    counts = [f"{matrix.count(v)} {v}" for v in VERDICTS if matrix.count(v)]
+    counts = [f"{matrix.count(v)} {v.value}" for v in Verdict if matrix.count(v)]
     unavailable = sum(1 for c in matrix.columns if c.unavailable)
     if unavailable:
         counts.append(f"{unavailable} release{'s' * (unavailable != 1)} unavailable")
     return ", ".join(counts) or "no verdicts"
 
 
-_ANSI = {
-    REPRODUCED: "\033[33m",
-    FIXED: "\033[32m",
-    PASSES_WITH_FIX: "\033[36m",
-    UNEXPECTED: "\033[1;31m",
-    SKIPPED: "\033[2m",
+_ANSI = {  # by the text shown in a cell
+    Verdict.REPRODUCED.value: "\033[33m",
+    Verdict.FIXED.value: "\033[32m",
+    Verdict.PASSES_WITH_FIX.value: "\033[36m",
+    Verdict.UNEXPECTED.value: "\033[1;31m",
+    Verdict.SKIPPED.value: "\033[2m",
     UNAVAILABLE: "\033[2m",
     NOT_RUN: "\033[2m",
 }
@@ -362,11 +282,11 @@ def _terminal_text(matrix: Matrix, row: Row, column: Column) -> str:
     if column.unavailable:
         return UNAVAILABLE
     cell = matrix.cell(row, column)
-    return cell.verdict if cell else NOT_RUN
+    return cell.verdict.value if cell else NOT_RUN
 
 
-def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
-    """A fixed-width table; below it the unexpected cells with their errors and the unavailable releases."""
+def _column_heads(matrix: Matrix) -> tuple[str | None, list[list[str]]]:
+    """The environment all columns share (None when they differ), and each column's heading lines."""
     # The same torch/backend/world size everywhere (the usual case): said once above the table, columns stay narrow.
     envs = {c.environment_line for c in matrix.columns if not c.unavailable}
     common: str | None = None
@@ -379,6 +299,31 @@ def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
         if c.unavailable:
             lines[1 if common else 2 :] = ["UNAVAILABLE"]
         head.append(lines)
+    return common, head
+
+
+def _terminal_notes(matrix: Matrix) -> list[str]:
+    """Below the table: the unexpected cells with their errors, the unavailable releases, the files set aside."""
+    lines: list[str] = []
+    unexpected = matrix.unexpected()
+    if unexpected:
+        lines += ["", "UNEXPECTED:"]
+        lines += [
+            f"  {c.version}  {r.nodeid}: {_one_line(cell.error or cell.outcome or '?')}" for r, c, cell in unexpected
+        ]
+    unavailable = [c for c in matrix.columns if c.unavailable_line]
+    if unavailable:
+        lines += ["", "Unavailable releases:"]
+        lines += [f"  {c.version}: {c.unavailable_line}" for c in unavailable]
+    superseded = sum(len(c.superseded) for c in matrix.columns)
+    if superseded:
+        lines += ["", f"{superseded} older results file(s) set aside: the newest file per release wins."]
+    return lines
+
+
+def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
+    """A fixed-width table; below it the unexpected cells with their errors and the unavailable releases."""
+    common, head = _column_heads(matrix)
     depth = max((len(h) for h in head), default=1)
     texts = {(r.nodeid, c.version): _terminal_text(matrix, r, c) for r in matrix.rows for c in matrix.columns}
     label_w = max([len("repro"), *(len(r.label) for r in matrix.rows)])
@@ -402,19 +347,7 @@ def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
     for r in matrix.rows:
         cells = [paint(texts[(r.nodeid, c.version)], w) for c, w in zip(matrix.columns, widths, strict=True)]
         lines.append("  ".join([f"{r.label:<{label_w}}", *cells]).rstrip())
-    unexpected = matrix.unexpected()
-    if unexpected:
-        lines += ["", "UNEXPECTED:"]
-        lines += [
-            f"  {c.version}  {r.nodeid}: {_one_line(cell.error or cell.outcome or '?')}" for r, c, cell in unexpected
-        ]
-    unavailable = [c for c in matrix.columns if c.unavailable_line]
-    if unavailable:
-        lines += ["", "Unavailable releases:"]
-        lines += [f"  {c.version}: {c.unavailable_line}" for c in unavailable]
-    superseded = sum(len(c.superseded) for c in matrix.columns)
-    if superseded:
-        lines += ["", f"{superseded} older results file(s) set aside: the newest file per release wins."]
+    lines += _terminal_notes(matrix)
     return "\n".join(lines) + "\n"
 
 
@@ -461,7 +394,7 @@ def render_markdown(matrix: Matrix) -> str:
             elif cell is None:
                 cells.append(f"_{NOT_RUN}_")
             else:
-                text = f"**{cell.verdict}**" if cell.verdict == UNEXPECTED else cell.verdict
+                text = f"**{cell.verdict.value}**" if cell.verdict is Verdict.UNEXPECTED else cell.verdict.value
                 cells.append(text + (f" {notes.ref(cell.note)}" if cell.note else ""))
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     titled = [r for r in matrix.rows if r.title]
@@ -496,11 +429,11 @@ td[title] { cursor: help; text-decoration: underline dotted; }
 """
 
 _LEGEND = {
-    REPRODUCED: "the bug shows on this release as declared",
-    FIXED: "stock code passes: the release is not affected",
-    PASSES_WITH_FIX: "the repro's fix makes it pass",
-    UNEXPECTED: "anything else: look at it",
-    SKIPPED: "skipped (reason on hover)",
+    Verdict.REPRODUCED: "the bug shows on this release as declared",
+    Verdict.FIXED: "stock code passes: the release is not affected",
+    Verdict.PASSES_WITH_FIX: "the repro's fix makes it pass",
+    Verdict.UNEXPECTED: "anything else: look at it",
+    Verdict.SKIPPED: "skipped (reason on hover)",
 }
 
 
@@ -527,7 +460,7 @@ def render_html(matrix: Matrix) -> str:
                 tds.append(f'<td class="not-run">{NOT_RUN}</td>')
             else:
                 tip = f' title="{e(_one_line(cell.note))}"' if cell.note else ""
-                tds.append(f'<td class="{e(cell.verdict)}"{tip}>{e(cell.verdict)}</td>')
+                tds.append(f'<td class="{e(cell.verdict.value)}"{tip}>{e(cell.verdict.value)}</td>')
         body.append("<tr>" + "".join(tds) + "</tr>")
     if not matrix.rows:
         body.append(
@@ -551,7 +484,9 @@ def render_html(matrix: Matrix) -> str:
     if unavailable_items:
         sections.append(f"<h2>Unavailable releases</h2><ul>{''.join(unavailable_items)}</ul>")
     sources = "".join(f"<li><code>{e(str(c.source))}</code></li>" for c in matrix.columns)
-    legend_cells = "".join(f'<td class="{v}">{v}</td><td class="row">{e(t)}</td>' for v, t in _LEGEND.items())
+    legend_cells = "".join(
+        f'<td class="{v.value}">{v.value}</td><td class="row">{e(t)}</td>' for v, t in _LEGEND.items()
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>DeepSpeed repro matrix</title>
 <style>{_CSS}</style></head>
