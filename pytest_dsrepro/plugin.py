@@ -12,7 +12,7 @@ import pytest
 
 from .core import configs
 from .inrank.engine import EngineFactory
-from .session import collector, execution, markers, parametrize, settings
+from .session import collector, execution, markers, parametrize, recording, settings
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
@@ -69,7 +69,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    collector.attach(item, report)
+    recording.attach(item, report)
     return report
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from ..core import results, versions
 from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
-from ..core.report import render_markdown
 from ..core.worlds import settle_backend
 from . import recording
 from .execution import RUNNER_KEY
@@ -17,9 +17,9 @@ from .stash import SETTINGS_KEY
 
 
 def header_line(settings: Settings, launched: Launched | None) -> str:
-    env = recording.environment(settings.backend, settings.world_size)
+    deepspeed, torch = versions.installed_text("deepspeed"), versions.installed_text("torch")
     line = (
-        f"dsrepro: deepspeed {env['deepspeed'] or 'not installed'}, torch {env['torch'] or 'not installed'}, "
+        f"dsrepro: deepspeed {deepspeed or 'not installed'}, torch {torch or 'not installed'}, "
         f"world size {settings.world_size}, backend {settings.backend}, timeout {settings.timeout:g}s"
     )
     if launched is not None:
@@ -27,14 +27,9 @@ def header_line(settings: Settings, launched: Launched | None) -> str:
     return line
 
 
-def attach(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Put the test's record on its report (call phase, or any phase that did not pass), so it travels under xdist."""
-    if report.when == "call" or not report.passed:
-        record = recording.record(item, report, item.stash.get(recording.OUTCOME_KEY, None))
-        report.user_properties.append((recording.PROPERTY, record))
-
-
 class RunCollector:
+    """Registered once per pytest process; under xdist only the controller writes."""
+
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.run = recording.Run()
@@ -55,9 +50,5 @@ class RunCollector:
         s = self.config.stash[SETTINGS_KEY]
         facts = self.config.stash[RUNNER_KEY].server.facts
         backend, _ = settle_backend(s.backend, s.world_size, facts.cuda_devices if facts else 0)
-        self.run.environment = recording.environment(backend, s.world_size, list(facts.gpus) if facts else None)
-        if s.results is not None:
-            self.run.write(s.results)
-        if s.report is not None:
-            s.report.parent.mkdir(parents=True, exist_ok=True)
-            s.report.write_text(render_markdown(self.run.as_json()))
+        env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)
+        recording.write_outputs(self.run.record(env), s.results, s.report)
