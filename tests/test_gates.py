@@ -299,3 +299,17 @@ def test_a_harness_error_is_never_judged_as_the_bug(pytester: pytest.Pytester, r
         ]
     )
     assert "REPRODUCED" not in result.stdout.str()
+
+
+def test_a_misspelt_ds_repro_field_is_refused(pytester: pytest.Pytester) -> None:
+    item = pytester.getitem(
+        """
+        import pytest
+
+        @pytest.mark.ds_repro(id="x", fixed="0.16.4")
+        def test_x():
+            pass
+        """
+    )
+    with pytest.raises(MarkerError, match=r"ds_repro on .*::test_x: unexpected argument\(s\) fixed; takes id, title"):
+        markers.check_repro(item)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from ..core.configs import PRESETS
+from ..core.errors import MarkerError
 from ..core.gates import FIXED, STOCK, VersionGate, common_fix, parse_gates
 from ..core.options import Settings
+from ..core.results import REPRO_PARAMETERS
 from ..core.worlds import world_spec
 from .stash import Marks
 
@@ -47,8 +49,23 @@ def variant(item: pytest.Item) -> str | None:
 def parse(item: pytest.Item, settings: Settings) -> Marks:
     """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
     found = gates(item)
+    check_repro(item)
     world = item.get_closest_marker("ds_world")
     spec = None
     if world is not None:
         spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
     return Marks(world=spec, gates=found, fix=common_fix(found), variant=variant(item))
+
+
+def check_repro(item: pytest.Item) -> None:
+    """A ``ds_repro`` marker names only the catalogue's fields: a misspelt one would silently vanish from reports."""
+    mark = item.get_closest_marker("ds_repro")
+    if mark is None:
+        return
+    unknown = sorted(set(mark.kwargs) - set(REPRO_PARAMETERS))
+    if unknown or len(mark.args) > len(REPRO_PARAMETERS):
+        extra = unknown or [repr(a) for a in mark.args[len(REPRO_PARAMETERS) :]]
+        raise MarkerError(
+            f"@pytest.mark.ds_repro on {item.nodeid}: unexpected argument(s) {', '.join(extra)}; "
+            f"takes {', '.join(REPRO_PARAMETERS)}"
+        )
