@@ -307,9 +307,9 @@ def test_a_misspelt_ds_repro_field_is_refused(pytester: pytest.Pytester) -> None
         import pytest
 
         @pytest.mark.ds_repro(id="x", fixed="0.16.4")
-        def test_x():
+        def test_func():
             pass
         """
     )
-    with pytest.raises(MarkerError, match=r"ds_repro on .*::test_x: unexpected argument\(s\) fixed; takes id, title"):
+    with pytest.raises(MarkerError, match=r"ds_repro on .*::test_func: unexpected argument\(s\) fixed; takes id, title"):
         markers.check_repro(item)
