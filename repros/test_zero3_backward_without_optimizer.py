@@ -79,5 +79,6 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
         grad = param.grad
         assert grad is not None, f"{name}: no gradient after engine.backward"
         assert tuple(grad.shape) == tuple(param.ds_shape), f"{name}: gradient {tuple(grad.shape)}"
-        assert all(math.isfinite(v) for v in grad.flatten().tolist()) and grad.abs().sum() > 0, name
+        assert all(math.isfinite(v) for v in grad.flatten().tolist()), f"{name}: gradient is not finite"
+        assert grad.abs().sum() > 0, f"{name}: gradient is all zeros"
         torch.testing.assert_close(grad, expected.grad, msg=f"{name}: gradient differs from plain autograd")

@@ -311,5 +311,7 @@ def test_a_misspelt_ds_repro_field_is_refused(pytester: pytest.Pytester) -> None
             pass
         """
     )
-    with pytest.raises(MarkerError, match=r"ds_repro on .*::test_func: unexpected argument\(s\) fixed; takes id, title"):
+    with pytest.raises(
+        MarkerError, match=r"ds_repro on .*::test_func: unexpected argument\(s\) fixed; takes id, title"
+    ):
         markers.check_repro(item)

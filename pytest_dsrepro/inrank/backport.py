@@ -82,7 +82,7 @@ def backport(monkeypatch: pytest.MonkeyPatch, module_name: str, edits: Sequence[
     if not changed:
         raise BackportError(f"{module_name}: the edits changed no function or method")
     namespace: dict[str, Any] = dict(vars(module))
-    exec(compile(source, module.__file__ or module_name, "exec"), namespace)  # noqa: S102 - that is a backport
+    exec(compile(source, module.__file__ or module_name, "exec"), namespace)  # that is what a backport is
     new_objects = {}
     for qualname in changed:
         owner, _, attr = qualname.rpartition(".")
