@@ -176,4 +176,3 @@ def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankRep
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
     return report
-

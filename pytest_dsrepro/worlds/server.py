@@ -227,14 +227,19 @@ def main() -> None:
     open_worlds: dict[int, Path] = {}
     try:
         try:
-            facts = preload()
-        except BaseException as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
-            facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
-        conn.send(Hello(facts))
-        if facts.fatal is None:
-            serve(conn, open_worlds)
+            try:
+                facts = preload()
+            except BaseException as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
+                facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
+            conn.send(Hello(facts))
+            if facts.fatal is None:
+                serve(conn, open_worlds)
+        finally:
+            # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
+            # may still land here, before it is ignored, and only the outer block is sure to run to the end.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # EOF and the parent-death signal can both come: finish
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         kill_descendants()
         for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
             layout.discard(directory)
