@@ -75,9 +75,7 @@ def pytest_runtest_makereport(
 
 def _world_only(request: pytest.FixtureRequest, name: str) -> None:
     if PREPARED_KEY not in request.node.stash:
-        pytest.fail(
-            f"{request.node.nodeid}: fixture {name!r} exists only in world tests (@pytest.mark.ds_world)", pytrace=False
-        )
+        markers.fail(f"{request.node.nodeid}: fixture {name!r} exists only in world tests (@pytest.mark.ds_world)")
 
 
 @pytest.fixture
@@ -105,16 +103,14 @@ def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The DeepSpeed config of this test id (from @pytest.mark.ds_config), resolved for its world."""
     param = getattr(request, "param", None)
     if param is None:
-        pytest.fail(
-            f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test", pytrace=False
-        )
+        markers.fail(f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test")
     name, spec = param
     prepared = request.node.stash.get(PREPARED_KEY, None)
     size = prepared.spec.size if prepared else request.config.stash[SETTINGS_KEY].world_size
     try:
         resolved = configs.resolve(spec, name, size, prepared.backend if prepared else "gloo")
     except configs.ConfigError as exc:
-        pytest.fail(f"@pytest.mark.ds_config on {request.node.nodeid}: {exc}", pytrace=False)
+        markers.fail(f"@pytest.mark.ds_config on {request.node.nodeid}: {exc}")
     request.node.stash[CONFIG_KEY] = resolved
     return resolved.config
 

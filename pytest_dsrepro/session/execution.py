@@ -51,7 +51,7 @@ def setup(item: pytest.Item) -> None:
     try:
         marks = markers.parse(item, item.config.stash[SETTINGS_KEY])
     except MarkerError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        markers.fail(str(exc))
     item.stash[MARKS_KEY] = marks
     spec = marks.world
     if spec is None:
@@ -65,7 +65,7 @@ def setup(item: pytest.Item) -> None:
         try:
             cuda_devices = item.config.stash[RUNNER_KEY].facts().cuda_devices
         except HarnessError as exc:
-            pytest.fail(f"pytest-dsrepro could not start its fork server: {exc}", pytrace=False)
+            markers.fail(f"pytest-dsrepro could not start its fork server: {exc}")
     backend, skip = settle_backend(spec.backend, spec.size, cuda_devices)
     if skip:
         pytest.skip(skip)
@@ -151,17 +151,17 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     if isinstance(exc, HarnessError):
         if marks.gates:
             item.stash[JUDGEMENT_KEY] = Judgement(Reason.HARNESS_ERROR, f"no world ran: {exc}")
-        raise pytest.fail.Exception(f"pytest-dsrepro could not run this test's world: {exc}", pytrace=False) from exc
+        markers.fail(f"pytest-dsrepro could not run this test's world: {exc}")
     if not marks.gates or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
         return
     where = f"@pytest.mark.ds_version on {item.nodeid}"
     version = installed_deepspeed()
     if version is None:
-        pytest.fail(f"{where}: DeepSpeed is not installed, so no release can be judged", pytrace=False)
+        markers.fail(f"{where}: DeepSpeed is not installed, so no release can be judged")
     try:
         judgement = judge(marks.gates, marks.variant, version, _failures(exc), where)
     except MarkerError as error:
-        pytest.fail(str(error), pytrace=False)
+        markers.fail(str(error))
     item.stash[JUDGEMENT_KEY] = judgement
     if judgement.verdict is Verdict.REPRODUCED:
         pytest.xfail(judgement.message)
@@ -169,4 +169,4 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
         if exc is not None and not story:
             story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        raise pytest.fail.Exception(f"{judgement.message}\n\n{story}".rstrip(), pytrace=False) from exc
+        markers.fail(f"{judgement.message}\n\n{story}".rstrip())

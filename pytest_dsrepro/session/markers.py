@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import pytest
 
 from ..core.configs import PRESETS
@@ -26,6 +28,11 @@ MARKERS = {
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
 }
 VARIANTS = (STOCK, FIXED)
+
+
+def fail(message: str) -> NoReturn:
+    """Fail the test (or its collection) with ``message`` alone: no traceback, no chained exception printed twice."""
+    raise pytest.fail.Exception(message, pytrace=False) from None
 
 
 def register(config: pytest.Config) -> None:

@@ -11,10 +11,6 @@ from . import markers
 _PARAM_TYPE = type(pytest.param(None))
 
 
-def _fail(message: str) -> None:
-    raise pytest.fail.Exception(message, pytrace=False)
-
-
 def config_entry(spec: object, index: int) -> tuple[str, object]:
     """``(test id, preset name or dict)`` for one ``ds_config`` argument: a preset is its own id, a dict is
     ``config<N>`` unless given as ``pytest.param(dict, id="name")``."""
@@ -30,12 +26,13 @@ def configs(metafunc: pytest.Metafunc) -> None:
         return
     where = f"@pytest.mark.ds_config on {metafunc.definition.nodeid}"
     if len(marks) > 1:
-        _fail(f"{where}: one ds_config marker per test; list every config in it")
+        markers.fail(f"{where}: one ds_config marker per test; list every config in it")
     specs = marks[0].args
     if not specs or marks[0].kwargs:
-        _fail(f"{where}: give presets and/or dicts as positional arguments, e.g. ds_config('zero3', {{...}})")
+        markers.fail(f"{where}: give presets and/or dicts as positional arguments, e.g. ds_config('zero3', {{...}})")
     if "ds_config" not in metafunc.fixturenames:
-        _fail(f"{where}: the test uses neither the ds_config nor the ds_engine fixture, so the configs would be unused")
+        unused = "the test uses neither the ds_config nor the ds_engine fixture, so the configs would be unused"
+        markers.fail(f"{where}: {unused}")
     named = [config_entry(spec, i) for i, spec in enumerate(specs)]
     metafunc.parametrize("ds_config", named, ids=[name for name, _ in named], indirect=True)
 
@@ -44,7 +41,7 @@ def variants(metafunc: pytest.Metafunc) -> None:
     try:
         fix = common_fix(markers.gates(metafunc.definition))
     except MarkerError as exc:
-        _fail(str(exc))
+        markers.fail(str(exc))
     if fix is None:
         return
     if "ds_variant" not in metafunc.fixturenames:
