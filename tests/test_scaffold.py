@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import RunPytest
-from pytest_dsrepro.tools import catalogue, cli
 from pytest_dsrepro.core.configs import PRESETS
+from pytest_dsrepro.tools import catalogue, cli
 from pytest_dsrepro.tools.scaffold import Names, ScaffoldError, create, names
 
 
