@@ -51,12 +51,17 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 
 
 def preload() -> ServerFacts:
-    """Import torch and DeepSpeed once, choose the accelerator, build DeepSpeed's comm op; report what is in play.
+    """Import what every rank imports, once: torch, DeepSpeed, pytest (a rank's fixes and skips use it) and the rank
+    code itself; choose the accelerator; build DeepSpeed's comm op; report what is in play. Each import made here
+    is one a forked rank does not pay again (pytest alone is ~80 ms per world).
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
     the pytest process imports nothing.
     """
+    import pytest  # noqa: F401
     import torch
+
+    from . import rank  # noqa: F401
 
     cuda_devices = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     facts = ServerFacts(
