@@ -1,0 +1,66 @@
+"""The fork server's preloading: found by a throwaway engine step, cached per install, and never a thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter (imports and threads must not touch the test process) with ``cwd`` importable."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+
+
+def test_preloading_stops_before_a_module_that_starts_a_thread(tmp_path: Path) -> None:
+    (tmp_path / "plain_a.py").write_text("VALUE = 1\n")
+    (tmp_path / "starts_thread.py").write_text(
+        "import threading\nstop = threading.Event()\nthreading.Thread(target=stop.wait, daemon=True).start()\n"
+    )
+    (tmp_path / "plain_c.py").write_text("VALUE = 3\n")
+    proc = _python(
+        """
+        import json, sys
+        from pytest_dsrepro.worlds.preload import import_ahead
+        result = import_ahead(["plain_a", "no_such_module", "starts_thread", "plain_c"])
+        print(json.dumps([result, "plain_c" in sys.modules]))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (imported, stopped), c_imported = json.loads(proc.stdout.splitlines()[-1])
+    assert (imported, stopped) == (1, "starts_thread")  # a missing module is skipped, not fatal
+    assert not c_imported
+
+
+@pytest.mark.usefixtures("process_tag")
+def test_discovery_finds_what_an_engine_step_imports_and_is_cached(tmp_path: Path) -> None:
+    """The real thing: a throwaway child runs ZeRO-1/2/3 steps; the server side imports the list without a thread."""
+    code = f"""
+        import json
+        import torch, deepspeed
+        from pathlib import Path
+        from pytest_dsrepro.worlds import preload
+        cache = Path({str(tmp_path / "cache")!r})
+        where = Path(deepspeed.__file__).parent
+        first = preload.warm(cache, deepspeed.__version__, torch.__version__, where)
+        listing = json.loads(preload.list_file(cache, deepspeed.__version__, torch.__version__, where).read_text())
+        second = preload.warm(cache, deepspeed.__version__, torch.__version__, where)
+        print(json.dumps([first.modules, first.note, second.note, listing, preload._threads()]))
+        """
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules, first_note, second_note, listing, threads = json.loads(proc.stdout.splitlines()[-1])
+    assert first_note == "list found by a throwaway engine step, now cached"
+    assert second_note == "list cached"
+    assert modules > 100
+    assert {"torch._dynamo", "sympy"} <= set(listing)  # what a first ZeRO step pulls in, per the runtime notes
+    assert threads <= 2, "preloading left the fork server with threads"
