@@ -223,7 +223,7 @@ def test_a_probe_with_unreadable_results_is_skipped(tmp_path: Path) -> None:
     probe = Prober("t.py::t", lambda v: dict(os.environ), python=str(fake))(Version("0.16.3"))
     assert probe.bug is None
     assert probe.detail.startswith("unreadable results: ")
-    assert "schema 1: this pytest-dsrepro reads results files of schema 2 only" in probe.detail
+    assert "schema 1: this pytest-dsrepro reads results files of schema 3 only" in probe.detail
 
 
 # --- one probe, with the installed release --------------------------------------------------------------------------

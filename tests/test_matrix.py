@@ -282,14 +282,14 @@ def test_load_warns_about_foreign_and_broken_json(tmp_path: Path) -> None:
     write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")])
     (tmp_path / "package.json").write_text('{"name": "x"}')
     (tmp_path / "half.json").write_text('{"schema": 2, "crea')
-    (tmp_path / "future.json").write_text('{"schema": 3, "environment": {}, "tests": []}')
+    (tmp_path / "future.json").write_text('{"schema": 4, "environment": {}, "tests": []}')
     (tmp_path / "old.json").write_text('{"schema": 1, "environment": {"platform": "Linux"}, "tests": []}')
     files, warnings = load([tmp_path])
     assert len(files) == 1
     assert sorted(Path(w.split(":")[0]).name for w in warnings) == ["future.json", "half.json", "old.json",
                                                                    "package.json"]  # fmt: skip
-    assert any("schema 3: this pytest-dsrepro reads results files of schema 2 only" in w for w in warnings)
-    assert any("schema 1: this pytest-dsrepro reads results files of schema 2 only" in w for w in warnings)
+    assert any("schema 4: this pytest-dsrepro reads results files of schema 3 only" in w for w in warnings)
+    assert any("schema 1: this pytest-dsrepro reads results files of schema 3 only" in w for w in warnings)
 
 
 def test_no_files_is_a_usage_error_naming_the_directory(tmp_path: Path) -> None:

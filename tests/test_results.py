@@ -16,7 +16,7 @@ from conftest import RunPytest, deepspeed_version
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status, WorldOutcome
-from pytest_dsrepro.core.results import Environment, RankStory, ReproMeta, RunRecord, TestRecord
+from pytest_dsrepro.core.results import Environment, RankStory, ReproMeta, RunRecord, Source, TestRecord
 
 ENV = Environment(deepspeed="0.18.3", torch="2.13.0", python="3.11.7", backend="gloo", world_size=2, os="Linux",
                   cpu="AMD EPYC", cpu_count=2, gpu=None, gpu_count=0)  # fmt: skip
@@ -25,7 +25,8 @@ STOCK = TestRecord(
     nodeid="t.py::test[stock]", repro=REPRO, variant="stock", verdict=Verdict.REPRODUCED, reason=Reason.REPRODUCED,
     outcome="xfailed", error="REPRODUCED on deepspeed 0.18.3: ranks 0-1: AttributeError: x", duration=1.25,
     config={"zero_optimization": {"stage": 3}}, config_notes=("fp16 -> fp32",),
-    ranks=(RankStory("ranks 0-1", "AttributeError: x", "Traceback ...", "out"),), longrepr=None,
+    ranks=(RankStory("ranks 0-1", "AttributeError: x", "Traceback ...", "out"),), longrepr=None, world_size=2,
+    attempts=2, source=Source("repros/t.py", "def patch(mp): ...\n\ndef test(): ...\n", "patch"),
 )  # fmt: skip
 PLAIN = TestRecord(nodeid="t.py::test_plain", repro=None, variant=None, verdict=None, reason=None, outcome="failed",
                    error="assert 1 == 2", duration=0.1, config=None, longrepr="E   assert 1 == 2")  # fmt: skip
@@ -40,7 +41,10 @@ def test_a_run_survives_json_text() -> None:
     assert data["tests"][0]["verdict"] == "REPRODUCED"
     assert data["tests"][0]["reason"] == "reproduced"
     assert list(data["environment"]) == ["deepspeed", "torch", "python", "backend", "world_size", "os", "cpu",
-                                         "cpu_count", "gpu", "gpu_count"]  # fmt: skip
+                                         "cpu_count", "gpu", "gpu_count", "pytest", "plugin", "accelerator",
+                                         "ds_report", "torch_env"]  # fmt: skip
+    assert data["tests"][0]["attempts"] == 2
+    assert data["tests"][0]["source"]["fix"] == "patch"
     assert RunRecord.from_json(data) == RUN
 
 
@@ -85,8 +89,8 @@ def _broken(change: Any) -> dict[str, Any]:
     ("change", "message"),
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
-        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 2 only"),
-        (lambda d: d.update(schema="2"), "schema '2': this pytest-dsrepro reads results files of schema 2 only"),
+        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 3 only"),
+        (lambda d: d.update(schema="3"), "schema '3': this pytest-dsrepro reads results files of schema 3 only"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),
@@ -112,6 +116,12 @@ def _broken(change: Any) -> dict[str, Any]:
          "tests[0] (t.py::test[stock]).ranks[0]: missing field 'traceback'"),
         (lambda d: d["tests"][0].update(repro="demo"),
          "tests[0] (t.py::test[stock]): 'repro' must be an object or null, not a string"),
+        (lambda d: d["tests"][0].update(attempts=0), "'attempts' must be a whole number >= 1, not 0"),
+        (lambda d: d["tests"][0].update(world_size=-2), "'world_size' must be a whole number >= 0 or null, not -2"),
+        (lambda d: d["tests"][0]["source"].pop("fix_code"),
+         "tests[0] (t.py::test[stock]).source: missing field 'fix_code'"),
+        (lambda d: d["tests"][0]["source"].update(code=None), ".source: 'code' must be a string, not null"),
+        (lambda d: d["environment"].update(ds_report=3), "environment: 'ds_report' must be a string, not 3"),
         (lambda d: d["tests"][0]["repro"].update(affected=">=0.1"),
          "tests[0] (t.py::test[stock]).repro: 'affected' must be a list of strings, not a string"),
     ],
@@ -124,7 +134,7 @@ def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> No
 def test_records_are_checked_when_built_too() -> None:
     with pytest.raises(ValueError, match=r"t.py::x: verdict UNEXPECTED without a reason"):
         dataclasses.replace(PLAIN, nodeid="t.py::x", verdict=Verdict.UNEXPECTED)
-    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 2 only"):
+    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 3 only"):
         RunRecord(schema=1, environment=ENV)
     skipped = dataclasses.replace(PLAIN, verdict=Verdict.SKIPPED, outcome="skipped")  # a gated test never judged
     assert skipped.reason is None
@@ -175,7 +185,7 @@ def test_summary_lines_put_the_verdict_first() -> None:
     plain_pass = dataclasses.replace(PLAIN, nodeid="t.py::ok", outcome="passed", error=None)
     run = Run([STOCK, harness, plain_pass])
     assert run.summary_lines() == [
-        "REPRODUCED  t.py::test[stock]",
+        "REPRODUCED  t.py::test[stock]  (2 attempts)",
         "UNEXPECTED  t.py::h  -- no world ran: server died",
     ]
     assert run.record(ENV).tests == (STOCK, harness, plain_pass)
@@ -236,6 +246,13 @@ def test_results_file(pytester: pytest.Pytester, run: RunPytest, xdist: list[str
     assert "fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world" in stock["config_notes"]
     assert stock["ranks"][0]["ranks"] == "ranks 0-1"
     assert "json.epilogue()" in stock["ranks"][0]["traceback"]
+    assert (stock["world_size"], stock["attempts"]) == (2, 1)
+    source = stock["source"]
+    assert (source["path"], source["fix"], source["fix_code"]) == ("test_demo.py", "patch", None)
+    assert source["code"].startswith("import pytest\n\npytestmark = [\n")  # as the file has it, from the top
+    assert "def patch(monkeypatch):" in source["code"]
+    assert "def test_demo(ds_config, ds_rank):\n    import json\n    json.epilogue()\n" in source["code"]
+    assert "test_plain_skip" not in source["code"]  # what the test does not use stays out
     fixed = tests["test_demo.py::test_demo[zero2-fixed]"]
     assert (fixed["verdict"], fixed["reason"], fixed["outcome"], fixed["error"]) == (
         "PASSES-WITH-FIX", "fix-holds", "passed", None)  # fmt: skip

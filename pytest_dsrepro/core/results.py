@@ -35,6 +35,7 @@ __all__ = [
     "ReproMeta",
     "ResultsFile",
     "RunRecord",
+    "Source",
     "TestRecord",
     "affected_specifiers",
     "environment",
@@ -47,8 +48,10 @@ __all__ = [
 ]
 
 #: The one schema version. 2: test records carry the gates' ``reason``; environments name ``os`` (install wrote
-#: ``platform``) and always have every field.
-SCHEMA = 2
+#: ``platform``) and always have every field. 3: test records carry their world's size, the attempts pytest made
+#: (reruns) and the repro's source; environments carry pytest's and the plugin's versions, the accelerator, and
+#: DeepSpeed's ``ds_report`` and torch's environment summary when a report asked for them.
+SCHEMA = 3
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -95,6 +98,12 @@ class _Fields:
 
     def optional_text(self, name: str) -> str | None:
         return None if self.data[name] is None else self.text(name)
+
+    def count(self, name: str, least: int = 0) -> int:
+        value = self.data[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise self._bad(name, f"a whole number >= {least}")
+        return value
 
     def optional_count(self, name: str) -> int | None:
         value = self.data[name]
@@ -160,6 +169,11 @@ class Environment:
     cpu_count: int | None
     gpu: str | None  # the distinct GPU models, joined
     gpu_count: int | None
+    pytest: str | None = None
+    plugin: str | None = None  # pytest-dsrepro's own version
+    accelerator: str | None = None  # DeepSpeed's accelerator (``cpu``, ``cuda``), as the ranks got it
+    ds_report: str | None = None  # DeepSpeed's own ``ds_report`` output, when a report asked for it
+    torch_env: str | None = None  # ``python -m torch.utils.collect_env``, when a report asked for it
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +192,11 @@ class Environment:
             cpu_count=f.optional_count("cpu_count"),
             gpu=f.optional_text("gpu"),
             gpu_count=f.optional_count("gpu_count"),
+            pytest=f.optional_text("pytest"),
+            plugin=f.optional_text("plugin"),
+            accelerator=f.optional_text("accelerator"),
+            ds_report=f.optional_text("ds_report"),
+            torch_env=f.optional_text("torch_env"),
         )
 
 
@@ -204,6 +223,8 @@ def environment(backend: str | None, world_size: int | None, gpus: Sequence[str]
         cpu_count=os.cpu_count(),
         gpu=", ".join(sorted(set(gpus))) if gpus else None,
         gpu_count=len(gpus or ()),
+        pytest=versions.installed_text("pytest"),
+        plugin=versions.installed_text("pytest-dsrepro"),
     )
 
 
@@ -282,6 +303,28 @@ def repro_meta(
 
 
 @dataclass(frozen=True)
+class Source:
+    """A repro's source as a reader needs it (``core.source.module_slice``): the test and what it uses from its file.
+
+    ``path`` is the file as the test's node id names it (relative to the run's root, never a local absolute path).
+    ``fix`` names the ``ds_version`` fix; ``fix_code`` is the fix's own source when it lives outside ``code``.
+    """
+
+    path: str
+    code: str
+    fix: str | None = None
+    fix_code: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "source") -> Source:
+        f = _Fields(data, where, _names(cls))
+        return cls(f.text("path"), f.text("code"), f.optional_text("fix"), f.optional_text("fix_code"))
+
+
+@dataclass(frozen=True)
 class RankStory:
     """Ranks that ended the same way, told once: their label (``ranks 0-1``), error line, traceback, output tail."""
 
@@ -335,6 +378,9 @@ class TestRecord:
     config_notes: tuple[str, ...] = ()
     ranks: tuple[RankStory, ...] = ()
     longrepr: str | None = None
+    world_size: int | None = None  # the ranks of the test's world; None: not a world test
+    attempts: int = 1  # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
+    source: Source | None = None
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
@@ -342,6 +388,8 @@ class TestRecord:
             raise ValueError(f"{self.nodeid}: {problem}")
         if self.outcome not in OUTCOMES:
             raise ValueError(f"{self.nodeid}: outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}")
+        if self.attempts < 1:
+            raise ValueError(f"{self.nodeid}: attempts is {self.attempts}, not a whole number >= 1")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -357,6 +405,9 @@ class TestRecord:
             "config_notes": list(self.config_notes),
             "ranks": [r.to_json() for r in self.ranks],
             "longrepr": self.longrepr,
+            "world_size": self.world_size,
+            "attempts": self.attempts,
+            "source": self.source.to_json() if self.source else None,
         }
 
     @classmethod
@@ -365,6 +416,7 @@ class TestRecord:
             where = f"{where} ({data['nodeid']})"
         f = _Fields(data, where, _names(cls))
         repro = f.optional_object("repro")
+        source = f.optional_object("source")
         verdict = f.optional_choice("verdict", [v.value for v in Verdict])
         reason = f.optional_choice("reason", [r.value for r in Reason])
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
@@ -383,6 +435,9 @@ class TestRecord:
             config_notes=f.texts("config_notes"),
             ranks=tuple(RankStory.from_json(item, at) for item, at in f.items("ranks", f"{where}.ranks")),
             longrepr=f.optional_text("longrepr"),
+            world_size=f.optional_count("world_size"),
+            attempts=f.count("attempts", least=1),
+            source=None if source is None else Source.from_json(source, f"{where}.source"),
         )
 
 

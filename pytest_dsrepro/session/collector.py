@@ -1,5 +1,6 @@
 """The run's collector: a plugin object that gathers every test's record where reports arrive (the controller under
-xdist) and writes the run's outputs: the terminal summary, ``--ds-results`` and ``--ds-report``."""
+xdist) and writes the run's outputs: the terminal summary, ``--ds-results``, ``--ds-report`` and the verdicts as
+JUnit ``<property>`` elements (``--junitxml``)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,13 @@ class RunCollector:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.run = recording.Run()
+        self.deepspeed = versions.installed_text("deepspeed")
 
+    @pytest.hookimpl(tryfirst=True)  # before junitxml, which writes a testcase's properties from its teardown report
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.run.add(report)
+        if not hasattr(self.config, "workerinput"):  # under xdist the controller adds them, once
+            report.user_properties.extend(self.run.junit_properties(report, self.deepspeed))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         lines = self.run.summary_lines()

@@ -1,26 +1,36 @@
 """Recording, the pytest side of the results file: a ``TestRecord`` per test report, a ``Run`` collecting them, and
-the run's outputs (``--ds-results``, ``--ds-report``, the terminal summary).
+the run's outputs (``--ds-results``, ``--ds-report``, the terminal summary, JUnit properties).
 
 The schema is ``core.results``'s; this module only reads the facts a test left on its stash (``session.stash``) and
 its report. Records travel inside ``report.user_properties`` as JSON data, so they reach the controller under xdist.
+
+Reruns (pytest-rerunfailures): an attempt that is run again is reported with the outcome ``rerun``; its records are
+dropped when that report arrives, so each test is recorded once, by its last attempt, with the number of attempts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ..core import results
 from ..core.gates import Judgement, Verdict
 from ..core.report import render_markdown
-from ..core.results import Environment, ReproMeta, RunRecord, TestRecord
+from ..core.results import Environment, ReproMeta, RunRecord, Source, TestRecord
+from ..core.source import module_slice
 from . import markers
-from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY
+from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY
 
 #: The ``user_properties`` name under which a report carries its record.
 PROPERTY = "dsrepro"
+#: The JUnit ``<property>`` names on a test's ``<testcase>`` (``PROPERTY`` + ``.`` + one of these).
+JUNIT_NAMES = ("verdict", "reason", "deepspeed", "repro", "variant", "ranks", "attempts")
 
 
 def repro_meta(item: pytest.Item) -> ReproMeta | None:
@@ -52,18 +62,54 @@ def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str |
     return None
 
 
+def _fix_name(fix: Callable[..., Any]) -> str:
+    return f"{getattr(fix, '__module__', '?')}.{getattr(fix, '__qualname__', repr(fix))}"
+
+
+def repro_source(item: pytest.Item, fix: Callable[..., Any] | None) -> Source | None:
+    """The test and what it uses from its file, and the fix (``core.source``); None when the file cannot be read."""
+    module = getattr(item, "module", None)
+    cls = getattr(item, "cls", None)
+    name = cls.__qualname__.split(".")[0] if cls is not None else getattr(item, "originalname", item.name)
+    try:
+        text = item.path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    in_file = (
+        fix is not None
+        and module is not None
+        and getattr(fix, "__module__", None) == module.__name__
+        and getattr(module, getattr(fix, "__qualname__", ""), None) is fix
+    )
+    names = [name, "pytestmark", *([fix.__qualname__] if in_file and fix is not None else [])]
+    try:
+        code = module_slice(text, names)
+    except SyntaxError:
+        return None
+    fix_code = None
+    if fix is not None and not in_file:
+        try:
+            fix_code = inspect.getsource(fix)
+        except (OSError, TypeError):
+            fix_code = None
+    fix_name = None if fix is None else (fix.__qualname__ if in_file else _fix_name(fix))
+    return Source(path=item.nodeid.split("::", 1)[0], code=code, fix=fix_name, fix_code=fix_code)
+
+
 def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     """The record of one report of ``item``, from what the test left on its stash."""
     judgement = item.stash.get(JUDGEMENT_KEY, None)
     marks = item.stash.get(MARKS_KEY, None)
+    prepared = item.stash.get(PREPARED_KEY, None)
     verdict, reason = (judgement.verdict, judgement.reason) if judgement else (None, None)
     gated = bool(marks.gates) if marks is not None else item.get_closest_marker("ds_version") is not None
     if report.skipped and not hasattr(report, "wasxfail") and gated:
         verdict, reason = Verdict.SKIPPED, None  # a gated test that never got judged: no reason to give
     config = item.stash.get(CONFIG_KEY, None)
+    meta = repro_meta(item)
     return TestRecord(
         nodeid=item.nodeid,
-        repro=repro_meta(item),
+        repro=meta,
         variant=marks.variant if marks is not None else markers.variant(item),  # markers that failed to parse
         verdict=verdict,
         reason=reason,
@@ -74,6 +120,8 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         config_notes=config.notes if config else (),
         ranks=results.rank_stories(item.stash.get(OUTCOME_KEY, None)),
         longrepr=(report.longreprtext or None) if report.failed else None,
+        world_size=prepared.spec.size if prepared is not None else None,
+        source=repro_source(item, marks.fix if marks is not None else None) if gated or meta else None,
     )
 
 
@@ -83,16 +131,65 @@ def attach(item: pytest.Item, report: pytest.TestReport) -> None:
         report.user_properties.append((PROPERTY, record(item, report).to_json()))
 
 
+def junit_properties(test: TestRecord, deepspeed: str | None) -> list[tuple[str, str]]:
+    """The ``<property>`` elements of a test's JUnit ``<testcase>``: what a CI reader filters on."""
+    values = {
+        "verdict": test.verdict.value if test.verdict else None,
+        "reason": test.reason.value if test.reason else None,
+        "deepspeed": deepspeed,
+        "repro": test.repro.id if test.repro else None,
+        "variant": test.variant,
+        "ranks": None if test.world_size is None else str(test.world_size),
+        "attempts": str(test.attempts),
+    }
+    return [(f"{PROPERTY}.{name}", value) for name in JUNIT_NAMES if (value := values[name]) is not None]
+
+
 @dataclass
 class Run:
-    """Collects the records of one pytest run, where reports arrive (the controller under xdist)."""
+    """Collects the records of one pytest run, where reports arrive (the controller under xdist).
+
+    ``attempt`` holds each test's records of its current attempt (since its setup report), so that a rerun can drop
+    them; ``rerun`` the tests whose current attempt is being run again.
+    """
 
     tests: list[TestRecord] = field(default_factory=list)
+    attempt: dict[str, list[TestRecord]] = field(default_factory=dict)
+    rerun: set[str] = field(default_factory=set)
 
     def add(self, report: pytest.TestReport) -> None:
+        nodeid = report.nodeid
+        if report.when == "setup":
+            self.attempt[nodeid] = []
+            self.rerun.discard(nodeid)
+        if str(report.outcome) == "rerun":  # pytest-rerunfailures' own outcome: the next attempt supersedes this one
+            dropped = self.attempt.pop(nodeid, [])
+            self.tests = [t for t in self.tests if not any(t is d for d in dropped)]
+            self.rerun.add(nodeid)
+            return
+        attempts = int(getattr(report, "rerun", 0)) + 1  # set by pytest-rerunfailures on every report it logs
         for name, value in report.user_properties:
             if name == PROPERTY:
-                self.tests.append(TestRecord.from_json(value))
+                test = dataclasses.replace(TestRecord.from_json(value), attempts=attempts)
+                self.tests.append(test)
+                self.attempt.setdefault(nodeid, []).append(test)
+
+    def junit_properties(self, report: pytest.TestReport, deepspeed: str | None) -> list[tuple[str, str]]:
+        """The properties for a teardown report, the one junitxml writes a ``<testcase>``'s properties from.
+
+        An attempt that is run again gets one property that says so (junitxml writes a ``<testcase>`` per attempt);
+        the last attempt gets the verdict's properties.
+        """
+        if report.when != "teardown":
+            return []
+        if report.nodeid in self.rerun:
+            attempt = int(getattr(report, "rerun", 0)) + 1
+            return [(f"{PROPERTY}.rerun", f"attempt {attempt} failed and was run again; the last attempt counts")]
+        tests = self.attempt.get(report.nodeid, [])
+        judged = [t for t in tests if t.verdict is not None] or tests
+        if not judged or not (judged[0].verdict or judged[0].repro or judged[0].world_size):
+            return []  # not this plugin's business
+        return junit_properties(judged[0], deepspeed)
 
     def record(self, environment: Environment) -> RunRecord:
         return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests))
@@ -105,7 +202,8 @@ class Run:
         lines = []
         for label, t in zip(labels, gated, strict=True):
             why = f"  -- {t.error}" if label in (Verdict.UNEXPECTED.value, Verdict.SKIPPED.value) else ""
-            lines.append(f"{label:<{width}}  {t.nodeid}{why}")
+            tries = f"  ({t.attempts} attempts)" if t.attempts > 1 else ""
+            lines.append(f"{label:<{width}}  {t.nodeid}{tries}{why}")
         return lines
 
 
