@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -89,3 +90,24 @@ def deepspeed_version() -> str:
     from importlib import metadata
 
     return metadata.version("deepspeed")
+
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def private_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """TMPDIR of the processes this test starts: their world directories and server logs land here, apart from
+    whatever else runs on the machine, so that a test can say nothing of its own was left behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+def leftovers(tmp: Path, ports: Iterable[str] = ()) -> list[str]:
+    """World directories and server logs under ``tmp``, and the /dev/shm buffers of the worlds on ``ports``."""
+    left = [str(p) for p in tmp.glob("dsrepro-*")]
+    for port in ports:
+        left += [str(p) for p in SHM.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+    return left

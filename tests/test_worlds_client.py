@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import textwrap
 import time
@@ -32,6 +33,7 @@ from pytest_dsrepro.worlds.protocol import (
     RankReport,
     RankValue,
     Reap,
+    Reaped,
     ServerMessage,
     Spawn,
     Spawned,
@@ -64,6 +66,8 @@ class ScriptedServer:
                 self.replies.append(Exited(message.world, rank, code))
         elif isinstance(message, Kill):
             self.replies += [Exited(message.world, rank, -9) for rank in message.ranks]
+        elif isinstance(message, Reap):
+            self.replies.append(Reaped(message.world))
 
     def receive(self, timeout: float) -> ServerMessage | None:
         if self.replies:
@@ -158,13 +162,15 @@ def test_a_server_that_does_not_start_is_a_harness_error(tmp_path: Path, monkeyp
 
 
 def test_sending_without_a_server_is_a_harness_error(tmp_path: Path) -> None:
-    with pytest.raises(HarnessError, match="fork server is not running"):
+    with pytest.raises(HarnessError, match=r"fork server is gone \(not running\)"):
         ForkServer(tmp_path, startup_timeout=60).send(Reap(WORLD))
 
 
 # ---- a real fork server ---------------------------------------------------------------------------------------
 
 BODIES = """
+import os
+import signal
 import time
 
 
@@ -176,6 +182,18 @@ def test_one_fails(rank):
 
 def test_passes(rank, world_size):
     assert world_size == 2
+
+
+def test_interrupts_pytest(rank, world_size):
+    if rank == 0:
+        os.kill(PYTEST_PID, signal.SIGUSR2)  # stands in for Ctrl-C, once every rank runs its body
+    time.sleep(3600)
+
+
+def test_kills_the_server(rank, world_size):
+    if rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(3600)
 """
 
 
@@ -193,7 +211,7 @@ def runner() -> Iterator[WorldRunner]:
 
 def _real_job(tmp_path: Path, name: str, timeout: float = 120.0) -> RankJob:
     module = tmp_path / "dsrepro_bodies.py"
-    module.write_text(textwrap.dedent(BODIES))
+    module.write_text(textwrap.dedent(BODIES) + f"\nPYTEST_PID = {os.getpid()}\n")
     kwargs = {"rank": RankValue("rank"), "world_size": RankValue("world_size")}
     if name == "test_one_fails":
         kwargs.pop("world_size")
@@ -245,3 +263,66 @@ def test_a_world_after_a_stopped_one_runs_clean(runner: WorldRunner, tmp_path: P
     outcome = runner.run(_real_job(tmp_path, "test_passes"), size=2)
     assert outcome.passed, outcome
     assert _server_children(runner) == []
+
+
+@pytest.mark.parametrize(
+    ("report", "code", "expected"),
+    [
+        (RankReport(Status.PASSED), -11, (Status.CRASHED, "killed by signal SIGSEGV after its body passed")),
+        (RankReport(Status.SKIPPED, detail="no GPU"), 3, (Status.CRASHED, "exit code 3 after its body skipped")),
+        (RankReport(Status.FAILED), -6, (Status.FAILED, "then killed by signal SIGABRT")),
+    ],
+    ids=["passed-then-segfault", "skipped-then-exit3", "failed-then-abort"],
+)
+def test_a_report_counts_only_with_a_clean_exit(report: RankReport, code: int, expected: tuple[Status, str]) -> None:
+    """A crash is never a pass: what the rank wrote is outweighed by how its process ended."""
+    outcome = _run(ScriptedServer({0: (RankReport(Status.PASSED), 0), 1: (report, code)}), failure_grace=0.1)
+    assert (outcome.ranks[1].status, outcome.ranks[1].detail) == expected
+    assert not outcome.passed
+    assert outcome.skip_reason is None
+
+
+@pytest.fixture
+def interrupt_on_sigusr2() -> Iterator[None]:
+    """SIGUSR2 raises KeyboardInterrupt here, as Ctrl-C does in pytest's main thread."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.usefixtures("interrupt_on_sigusr2")
+def test_an_interrupted_world_is_reaped_at_once(runner: WorldRunner, tmp_path: Path) -> None:
+    """Issue 11, item 3: Ctrl-C mid-world. The server kills the ranks and answers Reap; the client waits for that
+    answer, not for Exited messages a reaped world never sends (it used to wait 10 s for them)."""
+    world = WorldRun(runner.server, 1001, 2, "gloo", 120.0)
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_real_job(tmp_path, "test_interrupts_pytest"))
+    assert world.reaped, "the client stopped waiting before the server said the world was reaped"
+    assert not world.workdir.exists()
+    assert _server_children(runner, timeout=0) == []
+    assert runner.run(_real_job(tmp_path, "test_passes"), size=2).passed  # the server serves the next world
+
+
+def test_the_servers_death_mid_world_is_reported_as_such(runner: WorldRunner, tmp_path: Path) -> None:
+    """Issue 11, item 6: a harness error that names the server's death, not a hang at the world's timeout; the next
+    world gets a new server."""
+    assert runner.server.facts is not None
+    first = runner.server.facts.pid
+    world = WorldRun(runner.server, 1002, 2, "gloo", 120.0)
+    with pytest.raises(HarnessError) as failed:
+        world.run(_real_job(tmp_path, "test_kills_the_server"))
+    assert str(failed.value).startswith(
+        "the pytest-dsrepro fork server died while this test's world ran (killed by signal SIGKILL)"
+    )
+    assert not world.workdir.exists()
+    assert not runner.server.alive
+    outcome = runner.run(_real_job(tmp_path, "test_passes"), size=2)
+    assert outcome.passed, outcome
+    assert runner.server.facts is not None
+    assert runner.server.facts.pid != first

@@ -10,6 +10,8 @@ the ranks and reaps them, so only it knows a pid still names that rank. To stop 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import os
 import pickle
@@ -37,6 +39,7 @@ from .protocol import (
     RankJob,
     RankReport,
     Reap,
+    Reaped,
     ServerFacts,
     ServerMessage,
     Spawn,
@@ -47,8 +50,25 @@ from .protocol import (
 FAILURE_GRACE = 5.0
 #: How long ranks get to write their Python stacks before they are killed.
 STACK_DUMP_WAIT = 1.0
+#: How long the server may take to kill what is left of a world and answer ``Reaped`` (it takes milliseconds; this
+#: only bounds a wedged server).
+REAP_WAIT = 15.0
+#: After pytest asks the fork server to stop (SIGTERM), how long it gets to clean up before its whole process group
+#: is killed.
+STOP_WAIT = 10.0
+#: How long a server whose socket closed gets to finish dying, so that its exit status can be told.
+EXIT_WAIT = 5.0
 #: The fork server's module, run as ``python -m``.
 SERVER_MODULE = "pytest_dsrepro.worlds.server"
+
+
+class ServerGone(HarnessError):
+    """The fork server's socket closed: it died (or was never running). ``ending`` says how, when it is known."""
+
+    def __init__(self, ending: str, log: str) -> None:
+        super().__init__(f"the pytest-dsrepro fork server is gone ({ending}); its log:\n{log}")
+        self.ending = ending
+        self.log = log
 
 
 class ForkServer:
@@ -91,15 +111,12 @@ class ForkServer:
         self._conn = Connection(ours.detach())
         try:
             message = self.receive(self.startup_timeout)
-        except HarnessError:
-            message = None
+            detail = "no answer"
+        except ServerGone as exc:
+            message, detail = None, f"it ended with {exc.ending}"
         if not isinstance(message, Hello) or message.facts.fatal is not None:
             if isinstance(message, Hello):
-                detail = message.facts.fatal
-            elif self._proc is not None and self._proc.poll() is not None:
-                detail = f"it ended with {describe_exit(self._proc.returncode)}"
-            else:
-                detail = "no answer"
+                detail = message.facts.fatal or detail
             self._stop()
             log = self.log_tail()
             self.close()
@@ -116,30 +133,43 @@ class ForkServer:
         return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
 
     def send(self, message: ClientMessage) -> None:
+        """``ServerGone`` when the server is not running or died."""
         if self._conn is None:
-            raise HarnessError("the pytest-dsrepro fork server is not running")
+            raise ServerGone("not running", self.log_tail())
         try:
             self._conn.send(message)
-        except OSError as exc:
-            raise HarnessError(f"the pytest-dsrepro fork server is gone ({exc}); its log:\n{self.log_tail()}") from exc
+        except OSError:
+            raise self._lost() from None
 
     def receive(self, timeout: float) -> ServerMessage | None:
-        """The next message, or None on timeout or when the server is gone."""
+        """The next message, or None when none came within ``timeout``; ``ServerGone`` as soon as the server is gone
+        (end of file on its socket), never a busy wait on a closed socket."""
         if self._conn is None:
-            return None
+            raise ServerGone("not running", self.log_tail())
         try:
             if not self._conn.poll(max(timeout, 0.0)):
                 return None
             message = self._conn.recv()
         except (EOFError, OSError):
-            return None
+            raise self._lost() from None
         if not isinstance(message, SERVER_MESSAGES):
             raise HarnessError(f"the pytest-dsrepro fork server sent an unknown message: {message!r}")
         return message
 
+    def _lost(self) -> ServerGone:
+        """The socket closed under us: give the server a moment to finish dying, then say how it ended."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        ending = "its socket closed"
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                ending = describe_exit(self._proc.wait(timeout=EXIT_WAIT))
+        return ServerGone(ending, self.log_tail())
+
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._conn is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self) -> None:
         """Closing the socket makes the server kill whatever it started and exit."""
@@ -149,15 +179,21 @@ class ForkServer:
         self.facts = None
 
     def _stop(self) -> None:
+        """End of file and SIGTERM: the server kills its worlds (or a comm-op build in progress: the compilers, and
+        torch's build lock goes with the unwound build), discards their directories and exits. Only a server that
+        is still there after ``STOP_WAIT`` is killed, with its whole process group (it leads its own session)."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         if self._proc is not None:
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            if self._proc.poll() is None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=STOP_WAIT)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._proc.pid, signal.SIGKILL)  # unreaped, so the group id is still its own
+                    self._proc.wait()
             self._proc = None
 
 
@@ -193,6 +229,7 @@ class WorldRun:
     stack_dump_wait: float = STACK_DUMP_WAIT
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
+    reaped: bool = False  # the server answered Reap: nothing of the world is left
 
     def _failed(self, r: _Rank) -> bool:
         return r.returncode is not None and (r.returncode != 0 or r.report is None or r.report.status is Status.FAILED)
@@ -234,6 +271,11 @@ class WorldRun:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
             self._wait(started + self.timeout)
             return self._outcome(time.monotonic() - started)
+        except ServerGone as exc:
+            raise HarnessError(
+                f"the pytest-dsrepro fork server died while this test's world ran ({exc.ending}), "
+                f"{time.monotonic() - started:.1f}s in; its ranks died with it. Its log:\n{exc.log}"
+            ) from None
         finally:
             self._cleanup()
 
@@ -259,10 +301,12 @@ class WorldRun:
             self._collect_exits(live)
 
     def _collect_exits(self, ranks: list[_Rank]) -> None:
-        deadline = time.monotonic() + 10
-        while any(r.returncode is None for r in ranks) and time.monotonic() < deadline:
-            self._dispatch(self.server.receive(0.5))
-        for r in ranks:  # the server is gone or wedged: never report a rank as still alive
+        """The ``Exited`` of ranks the server was asked to kill (it answers at once; ``REAP_WAIT`` bounds a wedged
+        server, and a dead one raises ``ServerGone`` at once)."""
+        deadline = time.monotonic() + REAP_WAIT
+        while any(r.returncode is None for r in ranks) and (left := deadline - time.monotonic()) > 0:
+            self._dispatch(self.server.receive(left))
+        for r in ranks:  # the server is wedged: never report a rank as still alive
             if r.returncode is None:
                 r.returncode = -signal.SIGKILL
 
@@ -273,27 +317,51 @@ class WorldRun:
             if r.forced is not None:
                 stack = self._stack(r.rank)
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
-            elif r.report is None:
-                assert r.returncode is not None
-                detail = describe_exit(r.returncode)
-                if r.returncode == 0:
-                    detail += " without reporting that its body completed"
-                results.append(RankResult(r.rank, Status.CRASHED, detail=detail, output=output))
             else:
-                results.append(r.report.result(r.rank, output))
+                results.append(_judged(r, output))
         return WorldOutcome(self.size, self.backend, tuple(results), duration)
 
     def _cleanup(self) -> None:
-        """Ask the server to reap the world (it kills whatever is left of it), then discard its directory."""
-        live = self._live()
-        if self.server.alive:
-            try:
+        """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.
+
+        Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left
+        and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends.
+        A dead server's ranks died with it: then only the directory (and its ``/dev/shm`` buffers) is left to remove.
+        """
+        try:
+            if self.server.alive:
                 self.server.send(Reap(self.world_id))
-            except HarnessError:
-                pass
-            else:
-                self._collect_exits(live)
-        layout.discard(self.workdir)
+                deadline = time.monotonic() + REAP_WAIT
+                while (left := deadline - time.monotonic()) > 0:
+                    message = self.server.receive(left)
+                    if isinstance(message, Reaped) and message.world == self.world_id:
+                        self.reaped = True
+                        break
+                    self._dispatch(message)
+        except ServerGone:
+            pass
+        finally:
+            layout.discard(self.workdir)
+
+
+def _judged(r: _Rank, output: str) -> RankResult:
+    """A rank that ended on its own: its report counts only when it also exited cleanly.
+
+    A crash is never a pass: a rank that wrote PASSED (or SKIPPED) and then died by a signal or a non-zero exit code
+    crashed. A rank that reported a failure keeps it, with how it then ended.
+    """
+    assert r.returncode is not None
+    ending = describe_exit(r.returncode)
+    if r.report is None:
+        if r.returncode == 0:
+            ending += " without reporting that its body completed"
+        return RankResult(r.rank, Status.CRASHED, detail=ending, output=output)
+    result = r.report.result(r.rank, output)
+    if r.returncode == 0:
+        return result
+    if r.report.status is Status.FAILED:
+        return dataclasses.replace(result, detail=f"then {ending}")
+    return RankResult(r.rank, Status.CRASHED, detail=f"{ending} after its body {r.report.status.value}", output=output)
 
 
 def _user_frames(dump: str) -> str:

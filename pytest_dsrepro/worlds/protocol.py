@@ -6,7 +6,8 @@ it forks (``worlds.rank``).
 - **The socket between pytest and the fork server** carries the messages below, pickled in
   ``multiprocessing.connection`` framing, and each side dispatches on the message's class, never on a position:
 
-      server -> pytest   Hello(facts) once preloaded; Spawned(world, pids); Exited(world, rank, returncode)
+      server -> pytest   Hello(facts) once preloaded; Spawned(world, pids); Exited(world, rank, returncode);
+                         Reaped(world) once a Reap is done
       pytest -> server   Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
 
   The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
@@ -72,8 +73,16 @@ class Exited:
     returncode: int
 
 
-ServerMessage = Hello | Spawned | Exited
-SERVER_MESSAGES = (Hello, Spawned, Exited)
+@dataclass(frozen=True)
+class Reaped:
+    """Answer to ``Reap``: every process of ``world`` is dead (each rank told by ``Exited`` first) and its directory
+    and ``/dev/shm`` buffers are gone."""
+
+    world: int
+
+
+ServerMessage = Hello | Spawned | Exited | Reaped
+SERVER_MESSAGES = (Hello, Spawned, Exited, Reaped)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 
@@ -106,7 +115,8 @@ class Kill:
 
 @dataclass(frozen=True)
 class Reap:
-    """pytest has read the world's directory: kill whatever of it is left (its store, processes ranks started)."""
+    """pytest has read the world's directory (or was interrupted): kill whatever of the world is left (ranks, its
+    store, processes ranks started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``."""
 
     world: int
 

@@ -5,11 +5,13 @@ world still gets brand-new rank processes, so nothing a test does leaks into the
 
 Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG``.
 It speaks the typed messages of ``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
-    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode)
+    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode); Reaped(world)
     pytest -> server  Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
 The server forks every rank and is the only process that signals one (it alone knows which pids are still its
-unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kill ranks, then to reap the world.
-End of file on the socket (pytest exited, even by SIGKILL) makes the server kill every process it started and exit.
+unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kill ranks, then to reap the world,
+which the server answers with ``Reaped`` once every process of it is dead and its directory is gone.
+End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
+the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit.
 Each world is a store process (its TCPStore) and one process per rank. They die with the server
 (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
 start are its children and get killed.
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from . import comm_op as extensions
 from . import workdir as layout
-from .protocol import DumpStacks, Exited, Hello, Kill, Reap, ServerFacts, Spawn, Spawned
+from .protocol import DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -163,9 +165,8 @@ class Worlds:
                 self.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
                 self.signal(world, ranks, signal.SIGKILL)
-            case Reap(world=world):  # pytest has read the directory, and discards it itself
-                kill_descendants()
-                self.directories.pop(world, None)
+            case Reap(world=world):
+                self.reap_world(world)
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
 
@@ -176,6 +177,27 @@ class Worlds:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
+    def reap_world(self, world: int) -> None:
+        """Kill what is left of the world, tell pytest how each rank ended, discard the directory, say ``Reaped``.
+
+        The directory is discarded here, by the process that outlives the world, not left to pytest: a second Ctrl-C
+        may cut pytest's own cleanup short, and a directory forgotten here would never be removed.
+        """
+        for pid, returncode in kill_descendants():
+            self._report(pid, returncode)
+        self.reap()  # ranks that ended on their own before the kill
+        directory = self.directories.get(world)
+        if directory is not None:
+            layout.discard(directory)
+            del self.directories[world]
+        self.conn.send(Reaped(world))
+
+    def _report(self, pid: int, returncode: int | None) -> None:
+        ended = self._ranks.pop(pid, None)
+        if ended is not None:
+            world, rank = ended
+            self.conn.send(Exited(world, rank, -signal.SIGKILL if returncode is None else returncode))
+
     def reap(self) -> None:
         """Reap whatever ended: ranks are reported, orphans they left behind are just reaped."""
         while True:
@@ -185,10 +207,7 @@ class Worlds:
                 return
             if pid == 0:
                 return
-            ended = self._ranks.pop(pid, None)
-            if ended is not None:
-                world, rank = ended
-                self.conn.send(Exited(world, rank, os.waitstatus_to_exitcode(status)))
+            self._report(pid, os.waitstatus_to_exitcode(status))
 
 
 def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
@@ -208,14 +227,25 @@ def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
         worlds.reap()
 
 
-def kill_descendants() -> None:
+def kill_descendants(rounds: int = 5) -> list[tuple[int, int | None]]:
+    """SIGKILL every process below the server and wait for them; ``(pid, returncode)`` of those it reaped.
+
+    Several rounds: a process killed in one round may have started another (a compiler driver its next stage), and
+    the grandchildren of a killed process are re-parented to the server (a child subreaper) only as it dies.
+    """
     import psutil
 
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(procs, timeout=5)
+    reaped: list[tuple[int, int | None]] = []
+    for _ in range(rounds):
+        procs = psutil.Process().children(recursive=True)
+        if not procs:
+            break
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        gone, _alive = psutil.wait_procs(procs, timeout=5)
+        reaped += [(p.pid, getattr(p, "returncode", None)) for p in gone]  # psutil sets it on the processes gone
+    return reaped
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -234,7 +264,9 @@ def main() -> None:
         try:
             try:
                 facts = preload()
-            except BaseException as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
+            except Exception as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
+                # Not SystemExit: pytest's SIGTERM while the comm op builds must unwind the build (torch then
+                # removes its build lock) and reach the cleanup below, which kills the compilers.
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
