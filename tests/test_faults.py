@@ -8,11 +8,45 @@ to reach its verdict is measured by ``benchmarks/faults.py``, not asserted here.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, leftovers
+from conftest import RunPytest, leftovers, tagged_processes, wait_for_no_processes
+from pytest_dsrepro.core.options import CACHE_ENV
+
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+
+
+def start_pytest(pytester: pytest.Pytester, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([*PYTEST, *args], cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.1)
+
+
+SLEEPING_WORLD = """
+import os, time
+import pytest
+
+@pytest.mark.ds_world(timeout=600)
+def test_sleeps(ds_rank):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")  # creates this world's /dev/shm buffers
+    with open(f"ready-{ds_rank}", "w") as f:
+        f.write(os.environ["MASTER_PORT"])
+    time.sleep(3600)
+"""
 
 
 def test_a_rank_that_crashes_after_reporting_a_pass_fails(
@@ -67,3 +101,53 @@ def test_the_fork_servers_death_mid_world_is_told_at_once(
     )
     assert "hung" not in result.stdout.str()
     assert leftovers(private_tmp) == []
+
+
+def test_ctrl_c_during_the_first_build_leaves_no_compiler_and_no_lock(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 1: Ctrl-C while DeepSpeed's comm op builds (a cold cache: the first run of a release). pytest stops the
+    fork server with SIGTERM, the build unwinds (torch removes its lock) and the server kills the compilers."""
+    cache = pytester.path / "cold-cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    pytester.makepyfile("import pytest\n\n@pytest.mark.ds_world\ndef test_x(ds_rank):\n    pass\n")
+    proc = start_pytest(pytester)
+    try:
+        wait_until(lambda: any(p.name() == "cc1plus" for p in tagged_processes(process_tag)), "a compiler started")
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        proc.kill()  # only matters when an assertion above failed
+    assert "KeyboardInterrupt" in out
+    left = wait_for_no_processes(process_tag, timeout=5)
+    assert not left, f"left running after Ctrl-C: {[p.name() for p in left]}\n{out}"
+    assert list(cache.rglob("lock")) == [], "torch's build lock was left behind: the next build would wait forever"
+    assert leftovers(private_tmp) == []
+
+
+@pytest.mark.parametrize("gap", [0.05, 0.5], ids=lambda g: f"{g}s-apart")
+def test_ctrl_c_twice_mid_world_leaves_nothing(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path, gap: float
+) -> None:
+    """Item 2: a second Ctrl-C lands in the middle of the first one's cleanup (or of pytest's shutdown); the server,
+    which outlives both, still removes the world's /dev/shm buffers and its directory."""
+    pytester.makepyfile(SLEEPING_WORLD)
+    proc = start_pytest(pytester)
+    try:
+        ready = [pytester.path / f"ready-{rank}" for rank in range(2)]
+        wait_until(lambda: all(p.exists() and p.read_text() for p in ready), "both ranks ready")
+        port = ready[0].read_text()
+        world = leftovers(private_tmp, [port])
+        assert sum("dsrepro-world-" in x for x in world) == 1, world
+        assert sum("/dev/shm/" in x for x in world) == 2, world
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in out
+    left = wait_for_no_processes(process_tag, timeout=10)
+    assert not left, f"left running: {[p.cmdline() for p in left]}\n{out}"
+    assert leftovers(private_tmp, [port]) == []

@@ -172,11 +172,14 @@ class ForkServer:
         return self._conn is not None and self._proc is not None and self._proc.poll() is None
 
     def close(self) -> None:
-        """Closing the socket makes the server kill whatever it started and exit."""
-        self._stop()
-        if self._log is not None:
-            self._log.unlink(missing_ok=True)
-        self.facts = None
+        """Stop the server (it kills whatever it started and exits) and remove its log, even when a second Ctrl-C
+        cuts the wait for the server short: the server, already told to stop, finishes on its own."""
+        try:
+            self._stop()
+        finally:
+            if self._log is not None:
+                self._log.unlink(missing_ok=True)
+            self.facts = None
 
     def _stop(self) -> None:
         """End of file and SIGTERM: the server kills its worlds (or a comm-op build in progress: the compilers, and
