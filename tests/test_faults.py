@@ -151,3 +151,31 @@ def test_ctrl_c_twice_mid_world_leaves_nothing(
     left = wait_for_no_processes(process_tag, timeout=10)
     assert not left, f"left running: {[p.cmdline() for p in left]}\n{out}"
     assert leftovers(private_tmp, [port]) == []
+
+
+def test_a_world_too_big_for_the_machine_is_refused_at_startup(
+    pytester: pytest.Pytester, run: RunPytest, private_tmp: Path
+) -> None:
+    """Item 7: no fork bomb. The option is a usage error at start-up; the marker fails its test at setup, before
+    anything is spawned; both name the limit and how to raise it."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world(size=100000)
+        def test_huge(ds_rank):
+            pass
+        """
+    )
+    limit = "must be at most *, the largest world pytest-dsrepro forks on this machine (--ds-max-world-size; *"
+    result = run("--ds-world-size", "100000")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: pytest-dsrepro: --ds-world-size: invalid value '100000': {limit}"])
+    result.stderr.fnmatch_lines(["*raise it with --ds-max-world-size=N, DSREPRO_MAX_WORLD_SIZE=N or the ini option*"])
+    result = run()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*@pytest.mark.ds_world on *::test_huge: size=100000 {limit}"])
+    assert "Traceback" not in result.stdout.str()
+    assert leftovers(private_tmp) == []
+    raised = run("--ds-max-world-size", "100001", "--co")  # raised, the limit lets it through (collected only)
+    assert raised.ret == pytest.ExitCode.OK

@@ -12,7 +12,12 @@ from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.options import OPTIONS, Settings, SettingsError
 from pytest_dsrepro.core.worlds import WorldSpec, settle_backend, world_spec
 
-SETTINGS = Settings(2, "auto", 300.0, 1800.0, None, None, Path("/cache"))
+SETTINGS = Settings(2, "auto", 300.0, 1800.0, None, None, Path("/cache"), max_world_size=16)
+LIMIT_WORDS = (
+    "must be at most 16, the largest world pytest-dsrepro forks on this machine (--ds-max-world-size; default 8 "
+    "ranks per CPU core, one per 256 MiB of memory); raise it with --ds-max-world-size=N, DSREPRO_MAX_WORLD_SIZE=N "
+    "or the ini option ds_max_world_size"
+)
 OPTION = {opt.name: opt for opt in OPTIONS}
 
 
@@ -50,6 +55,7 @@ def test_good_option_text() -> None:
         ({"timeout": -1}, "timeout=-1 must be a number of seconds > 0"),
         ({"timeout": float("inf")}, "timeout=inf must be a number of seconds > 0"),
         ({"typo": 1}, "unexpected argument(s) typo; takes size=, backend=, timeout="),
+        ({"size": 100000}, "size=100000 " + LIMIT_WORDS),
     ],
 )
 def test_bad_world_marker_values_get_the_options_words(kwargs: dict[str, object], message: str) -> None:
@@ -109,3 +115,33 @@ def test_a_launcher_is_recognised_by_all_its_variables() -> None:
     torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     assert options.launched(torchrun) == options.Launched(rank=1, world_size=4, local_rank=0)
     assert options.launched({**torchrun, "MASTER_PORT": ""}) is None
+
+
+def test_the_machine_limit_counts_cores_and_memory() -> None:
+    assert options.machine_world_limit(cores=2, memory=24 * 2**30) == 16  # 8 per core
+    assert options.machine_world_limit(cores=128, memory=64 * 2**30) == 256  # one per 256 MiB
+    assert options.machine_world_limit(cores=1, memory=2**20) == 2  # never below a 2-rank world
+    assert options.machine_world_limit(cores=4, memory=0) == 32  # memory unknown: the cores alone
+
+
+def test_a_world_above_the_limit_is_refused_naming_option_limit_and_how_to_raise_it() -> None:
+    """Issue 11, item 7: refused at start-up, before anything forks; the same words for the option and the marker."""
+    too_big = [options.environment_source({"DSREPRO_WORLD_SIZE": "100000", "DSREPRO_MAX_WORLD_SIZE": "16"})]
+    with pytest.raises(SettingsError) as refused:
+        options.resolve(too_big, environ={})
+    assert str(refused.value) == (
+        f"pytest-dsrepro: environment variable DSREPRO_WORLD_SIZE: invalid value '100000': {LIMIT_WORDS}"
+    )
+    raised = options.resolve(
+        [options.environment_source({"DSREPRO_WORLD_SIZE": "100", "DSREPRO_MAX_WORLD_SIZE": "128"})], environ={}
+    )
+    assert (raised.world_size, raised.max_world_size) == (100, 128)
+    assert options.resolve([], environ={}).max_world_size == options.machine_world_limit()
+
+
+def test_under_a_launcher_no_limit_applies() -> None:
+    """Nothing is forked: the launcher's world, however big, is the world."""
+    torchrun = {"RANK": "0", "WORLD_SIZE": "4096", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    s = options.resolve([], environ=torchrun)
+    assert (s.world_size, s.max_world_size) == (4096, None)
+    assert world_spec((), {"size": 4096}, s, "here").size == 4096

@@ -29,6 +29,40 @@ def whole_number(value: object) -> int:
     return value
 
 
+#: The default limit on a world's size: this many ranks per CPU core, and no more than one per this many bytes of
+#: memory. Every rank is a process of its own; a world far beyond the machine only ends in ``fork()`` failing.
+RANKS_PER_CORE = 8
+BYTES_PER_RANK = 256 * 2**20
+
+
+def machine_world_limit(cores: int | None = None, memory: int | None = None) -> int:
+    """The largest world this machine is allowed to fork by default (at least 2)."""
+    cores = cores if cores is not None else os.cpu_count() or 1
+    if memory is None:
+        try:
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not POSIX: the cores alone decide
+            memory = 0
+    limit = RANKS_PER_CORE * cores
+    if memory > 0:
+        limit = min(limit, memory // BYTES_PER_RANK)
+    return max(2, limit)
+
+
+def world_size(value: object, limit: int | None) -> int:
+    """A whole number of ranks, at most ``limit`` (None: no limit, as under an external launcher that forks
+    nothing). The message names the limit and how to raise it, for the option and the marker alike."""
+    size = whole_number(value)
+    if limit is not None and size > limit:
+        raise OptionError(
+            f"must be at most {limit}, the largest world pytest-dsrepro forks on this machine "
+            f"(--ds-max-world-size; default {RANKS_PER_CORE} ranks per CPU core, one per "
+            f"{BYTES_PER_RANK // 2**20} MiB of memory); raise it with --ds-max-world-size=N, "
+            "DSREPRO_MAX_WORLD_SIZE=N or the ini option ds_max_world_size"
+        )
+    return size
+
+
 def seconds(value: object) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
         raise OptionError("must be a number of seconds > 0")
@@ -88,6 +122,15 @@ OPTIONS = (
         "N",
     ),
     Option(
+        "max_world_size",
+        "the largest world pytest-dsrepro forks: bigger --ds-world-size or ds_world(size=) values are refused "
+        f"(default {RANKS_PER_CORE} ranks per CPU core, at most one per {BYTES_PER_RANK // 2**20} MiB of memory; "
+        "not applied under torchrun, which forks nothing here)",
+        _number_text(int, whole_number),
+        None,
+        "N",
+    ),
+    Option(
         "backend",
         "process-group backend: auto (nccl when CUDA devices >= world size, else gloo), gloo or nccl (default auto)",
         backend,
@@ -130,6 +173,7 @@ class Settings:
     results: Path | None
     report: Path | None
     cache_dir: Path
+    max_world_size: int | None  # None under an external launcher: nothing is forked
 
 
 class SettingsError(Exception):
@@ -171,16 +215,27 @@ def resolve(sources: Iterable[Source], environ: Mapping[str, str]) -> Settings:
     ordered = list(sources)
     world = launched(environ)
     values: dict[str, Any] = {}
+    origins: dict[str, tuple[object, str]] = {}
     for opt in OPTIONS:
         default = str(world.world_size) if world and opt.name == "world_size" else opt.default
         given = (source(opt) for source in ordered)
         raw, where = next(((v, w) for v, w in given if v is not None), (default, "default"))
+        origins[opt.name] = (raw, where)
         try:
             values[opt.name] = None if raw is None else opt.parse(str(raw))
         except ValueError as exc:
             raise SettingsError(f"pytest-dsrepro: {where}: invalid value {raw!r}: {exc}") from None
     if values["cache_dir"] is None:
         values["cache_dir"] = default_cache_dir(environ)
+    if world is not None:
+        values["max_world_size"] = None  # the launcher's world already exists; nothing is forked
+    elif values["max_world_size"] is None:
+        values["max_world_size"] = machine_world_limit()
+    try:
+        world_size(values["world_size"], values["max_world_size"])
+    except OptionError as exc:
+        raw, where = origins["world_size"]
+        raise SettingsError(f"pytest-dsrepro: {where}: invalid value {raw!r}: {exc}") from None
     return Settings(**values)
 
 

@@ -28,10 +28,14 @@ def world_spec(args: tuple[object, ...], kwargs: Mapping[str, object], settings:
     if unexpected:
         raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes size=, backend=, timeout=")
     return WorldSpec(
-        size=_argument(kwargs, "size", options.whole_number, settings.world_size, where),
+        size=_argument(kwargs, "size", _size_within(settings.max_world_size), settings.world_size, where),
         backend=_argument(kwargs, "backend", options.backend, settings.backend, where),
         timeout=_argument(kwargs, "timeout", options.seconds, settings.timeout, where),
     )
+
+
+def _size_within(limit: int | None) -> Callable[[object], int]:
+    return lambda value: options.world_size(value, limit)
 
 
 def _argument(kwargs: Mapping[str, object], name: str, check: Callable[[object], T], default: T, where: str) -> T:
