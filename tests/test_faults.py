@@ -8,6 +8,7 @@ to reach its verdict is measured by ``benchmarks/faults.py``, not asserted here.
 
 from __future__ import annotations
 
+import fnmatch
 import signal
 import subprocess
 import sys
@@ -179,3 +180,50 @@ def test_a_world_too_big_for_the_machine_is_refused_at_startup(
     assert leftovers(private_tmp) == []
     raised = run("--ds-max-world-size", "100001", "--co")  # raised, the limit lets it through (collected only)
     assert raised.ret == pytest.ExitCode.OK
+
+
+def test_input_errors_come_before_anything_is_spawned(
+    pytester: pytest.Pytester, run: RunPytest, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 11 (and 9): a preset typo, an unpicklable fixture and a bad marker argument are each told once, at
+    once: the fork server, which would take minutes to build on a cold cache, is never started. Proved by making
+    its start fail loudly: a ``torch`` that cannot be imported, seen only by a process that imports torch."""
+    sentinel = pytester.mkdir("no-torch")
+    (sentinel / "torch.py").write_text("raise ImportError('sentinel: the fork server was started')\n")
+    monkeypatch.setenv("PYTHONPATH", str(sentinel))
+    pytester.makepyfile(
+        """
+        import threading
+        import pytest
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ds_world
+        def test_unpicklable(lock):
+            pass
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_config("zero9")
+        def test_typo(ds_config):
+            pass
+
+        @pytest.mark.ds_world(size=0)
+        def test_bad_marker():
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(failed=1, errors=2)
+    out = result.stdout.str()
+    assert "sentinel" not in out, "the fork server was started before the inputs were checked"
+    for message in [
+        "*::test_unpicklable: fixture or parameter 'lock' cannot be sent to the ranks (TypeError: *",
+        "*@pytest.mark.ds_config on *::test_typo[[]zero9[]]: unknown preset 'zero9'; presets: zero0, *",
+        "*@pytest.mark.ds_world on *::test_bad_marker: size=0 must be a whole number >= 1",
+    ]:
+        result.stdout.fnmatch_lines([message])
+        assert sum(fnmatch.fnmatch(line, message) for line in out.splitlines()) == 1, f"told more than once: {message}"
+    assert "During handling of the above exception" not in out
+    assert leftovers(private_tmp) == []

@@ -326,3 +326,14 @@ def test_the_servers_death_mid_world_is_reported_as_such(runner: WorldRunner, tm
     assert outcome.passed, outcome
     assert runner.server.facts is not None
     assert runner.server.facts.pid != first
+
+
+def test_without_gpu_device_nodes_no_server_is_needed_to_count_devices(tmp_path: Path) -> None:
+    """Issue 11, item 11: a CPU machine settles its backend without starting the fork server."""
+    assert client.gpu_device_nodes(tmp_path) == []
+    (tmp_path / "nvidiactl").touch()
+    assert client.gpu_device_nodes(tmp_path) == [tmp_path / "nvidiactl"]
+    runner = WorldRunner(tmp_path, startup_timeout=60)
+    if not client.gpu_device_nodes():
+        assert runner.cuda_devices() == 0
+        assert runner.server.facts is None  # nothing was started

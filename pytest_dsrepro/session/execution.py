@@ -47,9 +47,14 @@ class WorldFailed(_Failed):  # type: ignore[misc,valid-type]
 
 
 def setup(item: pytest.Item) -> None:
-    """Parse the markers once, and for a world test settle its backend before any fixture runs."""
+    """Parse the markers once, and for a world test settle its backend before any fixture runs.
+
+    Every input a test gives is checked before anything is spawned (a marker's arguments, a ``ds_config`` preset
+    here; fixture values when the body is sent): on a cold cache the fork server's first start takes minutes.
+    """
     try:
         marks = markers.parse(item, item.config.stash[SETTINGS_KEY])
+        markers.check_config(item)
     except MarkerError as exc:
         markers.fail(str(exc))
     item.stash[MARKS_KEY] = marks
@@ -63,7 +68,7 @@ def setup(item: pytest.Item) -> None:
         cuda_devices = launcher.cuda_devices()
     else:
         try:
-            cuda_devices = item.config.stash[RUNNER_KEY].facts().cuda_devices
+            cuda_devices = item.config.stash[RUNNER_KEY].cuda_devices()
         except HarnessError as exc:
             markers.fail(f"pytest-dsrepro could not start its fork server: {exc}")
     backend, skip = settle_backend(spec.backend, spec.size, cuda_devices)

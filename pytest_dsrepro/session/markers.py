@@ -6,6 +6,7 @@ from typing import NoReturn
 
 import pytest
 
+from ..core import configs
 from ..core.configs import PRESETS
 from ..core.errors import MarkerError
 from ..core.gates import FIXED, STOCK, VersionGate, common_fix, parse_gates
@@ -62,6 +63,20 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     if world is not None:
         spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
     return Marks(world=spec, gates=found, fix=common_fix(found), variant=variant(item))
+
+
+def check_config(item: pytest.Item) -> None:
+    """This test id's ``ds_config`` entry is a known preset or a dict (what the ``ds_config`` fixture would refuse,
+    refused before the fork server starts)."""
+    callspec = getattr(item, "callspec", None)
+    param = callspec.params.get("ds_config") if callspec is not None else None
+    if not isinstance(param, tuple) or len(param) != 2:
+        return
+    name, spec = param
+    try:
+        configs.resolve(spec, name, 1, "gloo")
+    except configs.ConfigError as exc:
+        raise MarkerError(f"@pytest.mark.ds_config on {item.nodeid}: {exc}") from None
 
 
 def check_repro(item: pytest.Item) -> None:

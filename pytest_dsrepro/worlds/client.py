@@ -374,6 +374,14 @@ def _user_frames(dump: str) -> str:
     return "\n".join(line for line in dump.splitlines() if not any(h in line for h in harness))
 
 
+#: Device nodes through which any CUDA (or ROCm, or WSL's) GPU is reached; torch sees no device without one.
+GPU_DEVICE_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd")
+
+
+def gpu_device_nodes(dev: Path = Path("/dev")) -> list[Path]:
+    return [dev / name for name in GPU_DEVICE_NODES if (dev / name).exists()]
+
+
 class WorldRunner:
     """Runs worlds for one pytest process; owns its fork server.
 
@@ -396,6 +404,14 @@ class WorldRunner:
 
     def facts(self) -> ServerFacts:
         return self.server.start()
+
+    def cuda_devices(self) -> int:
+        """CUDA devices the ranks will see. A machine without a GPU device node has none, and saying so costs no
+        fork server: it then starts only when a world runs, after the test's inputs have been checked. Elsewhere the
+        server (torch) counts them."""
+        if not gpu_device_nodes():
+            return 0
+        return self.facts().cuda_devices
 
     def run(self, job: RankJob, size: int) -> WorldOutcome:
         self.server.start()
