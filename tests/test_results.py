@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import re
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,9 @@ def test_results_file(pytester: pytest.Pytester, run: RunPytest, xdist: list[str
     assert env["cpu_count"] >= 1
     assert env["gpu_count"] == 0
     assert env["os"]
+    assert env["accelerator"] == "cpu"  # the fork server's choice on a machine without CUDA
+    assert (env["ds_report"], env["torch_env"]) == (None, None)  # gathered for a --ds-report only
+    assert env["plugin"] == metadata.version("pytest-dsrepro")
     tests = {t["nodeid"]: t for t in run_record["tests"]}
     stock = tests["test_demo.py::test_demo[zero2-stock]"]
     assert stock["verdict"] == "REPRODUCED"

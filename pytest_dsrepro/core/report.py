@@ -1,8 +1,11 @@
 """``--ds-report``: a run record rendered as Markdown that can be pasted into a GitHub issue as it is.
 
 ``render_markdown`` is a pure function of a ``core.results.RunRecord`` (the record ``--ds-results`` writes, or
-its JSON), so it is tested on hand-built records. Long parts (configs, tracebacks, rank output) are
-folded in ``<details>`` so the issue reads top-down: environment, a summary table, then one section per test.
+its JSON), so it is tested on hand-built records. The report stands alone for a maintainer who has never heard of
+the plugin: per test the repro's source and its fix, the commands that run it again (every version pinned),
+DeepSpeed's own ``ds_report`` and torch's environment summary, the accelerator, and each rank's story. Long parts
+are folded in ``<details>`` so the issue reads top-down; DeepSpeed's config and memory dumps are folded away from
+the output tails they crowd; local paths are replaced by neutral names (:class:`Neutral`).
 """
 
 from __future__ import annotations
@@ -10,13 +13,19 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import os
 import re
+import shlex
+import sys
+import sysconfig
+import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .gates import oldest_first
 from .outcome import rank_ranges
-from .results import Environment, RankStory, ReproMeta, RunRecord, TestRecord
+from .results import Environment, RankStory, ReproMeta, RunRecord, Source, TestRecord
 
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000
@@ -25,10 +34,57 @@ _ENV_ROWS = (
     ("DeepSpeed", "deepspeed"),
     ("torch", "torch"),
     ("Python", "python"),
+    ("Accelerator", "accelerator"),
     ("Backend", "backend"),
     ("World size", "world_size"),
     ("OS", "os"),
+    ("pytest", "pytest"),
+    ("pytest-dsrepro", "plugin"),
 )
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+# --- local paths -----------------------------------------------------------------------------------------------
+
+#: What ends a path component: a path is replaced only where it ends there (``/work/main`` not in ``/work/mainline``).
+_PATH_END = r"(?![\w.-])"
+#: Any environment's packages (a rank's traceback names the same interpreter's; ds_report names torch's and its own).
+_SITE_PACKAGES = re.compile(r"(?:/[\w.+@-]+)+/(?:site|dist)-packages" + _PATH_END)
+_HOME = re.compile(r"/(?:home|Users)/[\w.-]+" + _PATH_END)
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """Local paths and the neutral names a report gives them (``/work/me/proj`` -> ``<rootdir>``, longest first),
+    after any ``.../site-packages`` -> ``<site-packages>``; then any home directory -> ``~``."""
+
+    pairs: tuple[tuple[str, str], ...] = ()
+
+    def apply(self, text: str) -> str:
+        text = _SITE_PACKAGES.sub("<site-packages>", text)  # first: inside the environment or the run's root
+        for local, name in sorted(self.pairs, key=lambda pair: -len(pair[0])):
+            if len(local) > 1:
+                text = re.sub(re.escape(local) + _PATH_END, name.replace("\\", "\\\\"), text)
+        return _HOME.sub("~", text)
+
+    @classmethod
+    def here(cls, root: str | os.PathLike[str] | None = None) -> Neutral:
+        """This machine's paths: the run's root, this interpreter's packages, standard library and environment, the
+        home and temporary directories (each also as its real path, when a link leads there)."""
+        paths = sysconfig.get_paths()
+        named: list[tuple[str, str]] = [
+            (paths["purelib"], "<site-packages>"),
+            (paths["platlib"], "<site-packages>"),
+            (paths["stdlib"], "<stdlib>"),
+            (tempfile.gettempdir(), "<tmp>"),
+            (os.path.expanduser("~"), "~"),
+        ]
+        if sys.prefix != sys.base_prefix:
+            named.append((sys.prefix, "<venv>"))
+        if root is not None:
+            named.append((os.fspath(root), "<rootdir>"))
+        pairs = {(p, n) for path, n in named for p in {os.path.abspath(path), os.path.realpath(path)}}
+        return cls(tuple(sorted(pairs)))
 
 
 def _fence(text: str, lang: str = "") -> str:
@@ -36,6 +92,11 @@ def _fence(text: str, lang: str = "") -> str:
     longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=2)
     fence = "`" * (longest + 1)
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def _plain(text: str) -> str:
+    """Terminal colours out (DeepSpeed colours its warnings and ds_report)."""
+    return _ANSI.sub("", text)
 
 
 def _clip(text: str, limit: int = BLOCK_LIMIT) -> str:
@@ -48,6 +109,55 @@ def _clip(text: str, limit: int = BLOCK_LIMIT) -> str:
 
 def _details(summary: str, body: str) -> str:
     return f"<details><summary>{html.escape(summary)}</summary>\n\n{body}\n\n</details>"
+
+
+# --- DeepSpeed's dumps in output tails ---------------------------------------------------------------------------
+
+#: DeepSpeed's logger format is ``[time] [LEVEL] [file.py:line:function] message``: the config dump comes from
+#: ``DeepSpeedConfig.print``/``print_user_config`` (``config.py``) and ``print_configuration`` (``logging.py``).
+_CONFIG_DUMP = re.compile(r"\[(?:config|logging)\.py:\d+:(?:print|print_user_config|print_configuration)\]")
+#: A dumped value printed as indented JSON (the user's config, sub-configs): from ``{`` to ``}`` at column 0.
+_BLOCK_START = re.compile(r"\{\s*$")
+#: ``see_memory_usage``: its message, then ``MA .. GB Max_MA .. CA .. Max_CA ..`` and ``CPU Virtual Memory: ...``
+#: (printed since 0.15; logged through the logger, with the function's name, before).
+_MEMORY_LINE = re.compile(r"^\s*MA [\d.]+ GB\s+Max_MA|^\s*CPU Virtual Memory:\s+used =|:see_memory_usage\]")
+_MA_LINE = re.compile(r"^\s*MA [\d.]+ GB\s+Max_MA")
+
+
+def split_dumps(output: str) -> tuple[str, str]:
+    """``(what the rank said, DeepSpeed's config and memory dumps)`` of one output tail, each in its order."""
+    lines = output.splitlines()
+    dump = [False] * len(lines)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _CONFIG_DUMP.search(line) and _BLOCK_START.search(line):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "}"), len(lines) - 1)
+            dump[i : end + 1] = [True] * (end + 1 - i)
+            i = end + 1
+            continue
+        if _CONFIG_DUMP.search(line) or _MEMORY_LINE.search(line):
+            dump[i] = True
+        elif i + 1 < len(lines) and _MA_LINE.search(lines[i + 1]):
+            dump[i] = True  # see_memory_usage's own message, printed right before its numbers
+        i += 1
+    kept = "\n".join(line for line, d in zip(lines, dump, strict=True) if not d)
+    folded = "\n".join(line for line, d in zip(lines, dump, strict=True) if d)
+    return kept, folded
+
+
+def _output(label: str, output: str) -> list[str]:
+    """A rank group's output tail; DeepSpeed's dumps folded apart unless they are all there is."""
+    kept, folded = split_dumps(_plain(output))
+    if not kept.strip() or not folded:
+        return ["", _details(f"Output of {label} (tail)", _fence(_clip(_plain(output))))]
+    n = folded.count("\n") + 1
+    body = (
+        _fence(_clip(kept))
+        + "\n\n"
+        + _details(f"DeepSpeed's config and memory dumps ({n} lines)", _fence(_clip(folded)))
+    )
+    return ["", _details(f"Output of {label} (tail, {n} lines of DeepSpeed's config and memory dumps folded)", body)]
 
 
 def _cell(value: object) -> str:
@@ -102,17 +212,25 @@ def dedupe_ranks(stories: Sequence[RankStory]) -> list[RankStory]:
 # --- sections --------------------------------------------------------------------------------------------------
 
 
+_UNSET = {"accelerator": "not recorded", "backend": "none (no world ran)", "world_size": "none (no world ran)"}
+
+
 def _environment(env: Environment) -> list[str]:
     lines = ["### Environment", "", "| | |", "|---|---|"]
     for title, key in _ENV_ROWS:
         value = getattr(env, key)
-        lines.append(f"| {title} | {_cell(value if value is not None else 'not installed')} |")
+        lines.append(f"| {title} | {_cell(value if value is not None else _UNSET.get(key, 'not installed'))} |")
     cpu = env.cpu or "unknown"
     if env.cpu_count:
         cpu = f"{cpu} ({env.cpu_count} cores)"
     lines.append(f"| CPU | {_cell(cpu)} |")
     gpu = f"{env.gpu_count} x {env.gpu}" if env.gpu_count else "none"
     lines.append(f"| GPU | {_cell(gpu)} |")
+    if env.ds_report:
+        lines += ["", _details("ds_report (DeepSpeed's own environment report)", _fence(_clip(_plain(env.ds_report))))]
+    if env.torch_env:
+        summary = "python -m torch.utils.collect_env (torch's environment summary)"
+        lines += ["", _details(summary, _fence(_clip(_plain(env.torch_env))))]
     return lines
 
 
@@ -143,6 +261,70 @@ def _repro(repro: ReproMeta | None) -> list[str]:
     return lines
 
 
+def _fix(test: TestRecord) -> list[str]:
+    source = test.source
+    if source is None or source.fix is None:
+        return []
+    where = "in the source below" if source.fix_code is None else "its source below"
+    applied = "applied in every rank of this `[fixed]` variant" if test.variant == "fixed" else (
+        "applied in every rank of the `[fixed]` variant"
+    )  # fmt: skip
+    return [f"- **Fix:** `{source.fix}` ({applied}; {where})"]
+
+
+def install_commands(env: Environment) -> list[str]:
+    """The pip lines that rebuild this run's environment, every version pinned (torch first: DeepSpeed's build
+    imports it, hence ``--no-build-isolation``; ``DS_BUILD_OPS=0``: its ops are JIT-built when first used)."""
+    lines = []
+    if env.torch:
+        version, _, local = env.torch.partition("+")
+        index = f" --index-url https://download.pytorch.org/whl/{local}" if local else ""
+        lines.append(f"python -m pip install {shlex.quote('torch==' + version)}{index}")
+    plugin = f"pytest-dsrepro=={env.plugin}" if env.plugin else "pytest-dsrepro"
+    pytest = f" {shlex.quote('pytest==' + env.pytest)}" if env.pytest else ""
+    lines.append(f"python -m pip install setuptools wheel {shlex.quote(plugin)}{pytest}")
+    if env.deepspeed:
+        ds = shlex.quote(f"deepspeed=={env.deepspeed}")
+        lines.append(f"DS_BUILD_OPS=0 python -m pip install --no-build-isolation {ds}")
+    return lines
+
+
+def rerun_command(env: Environment, test: TestRecord) -> str:
+    """The pytest line that runs ``test`` again in the same world."""
+    args = ["python", "-m", "pytest"]
+    size = test.world_size or env.world_size
+    if size:
+        args += ["--ds-world-size", str(size)]
+    if env.backend:
+        args += ["--ds-backend", env.backend]
+    return " ".join([*args, shlex.quote(test.nodeid)])
+
+
+def _run_again(env: Environment, test: TestRecord) -> list[str]:
+    lines = [f"# Python {env.python}" if env.python else "# Python", *install_commands(env)]
+    if test.source is not None:
+        lines.append(f"# save the repro's source (below) as {test.source.path}, then:")
+    lines.append(rerun_command(env, test))
+    return ["", "**Run it again:**", "", _fence("\n".join(lines), "bash")]
+
+
+def _source(test: TestRecord, shown: dict[Source, str]) -> list[str]:
+    source = test.source
+    if source is None:
+        return []
+    if source in shown:
+        return ["", f"The repro's source: as for {_code(shown[source])} above."]
+    shown[source] = test.nodeid
+    lines = ["", _details(f"Source: {source.path} (the test and what it uses from its file)",
+                          _fence(source.code, "python"))]  # fmt: skip
+    if source.fix_code:
+        lines += ["", _details(f"The fix: {source.fix}", _fence(source.fix_code, "python"))]
+    if source.world_elsewhere:
+        lines += ["", "Its `ds_world` marker comes from a conftest.py (the catalogue's runs every test under `repros/` "
+                  "in a world); saved on its own, add `pytest.mark.ds_world` to its `pytestmark`."]  # fmt: skip
+    return lines
+
+
 def _config(test: TestRecord) -> list[str]:
     lines: list[str] = []
     if test.config_notes:
@@ -162,22 +344,28 @@ def _failures(test: TestRecord) -> list[str]:
         label = story.ranks or "ranks"
         lines += ["", f"**{label}:** {_code(story.error or 'no error recorded')}"]
         if story.traceback:
-            lines += ["", _details(f"Traceback ({label})", _fence(_clip(story.traceback), "pytb"))]
-        if story.output:
-            lines += ["", _details(f"Output of {label} (tail)", _fence(_clip(story.output)))]
+            lines += ["", _details(f"Traceback ({label})", _fence(_clip(_plain(story.traceback)), "pytb"))]
+        if story.output.strip():
+            lines += _output(label, story.output)
     if not stories and test.longrepr:
         lines += ["", _details("Failure", _fence(_clip(test.longrepr)))]
     return lines
 
 
-def _test(test: TestRecord) -> list[str]:
-    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro)]
+def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[str]:
+    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test)]
     outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
     if test.variant:
         outcome += f" ({test.variant} variant)"
+    if test.world_size:
+        outcome += f", {test.world_size} ranks"
+    if test.attempts > 1:
+        outcome += f"; attempt {test.attempts} of {test.attempts} (the earlier ones were run again)"
     lines.append(outcome)
     if test.error:
         lines.append(f"- **Result:** {_code(test.error)}")
+    lines += _run_again(env, test)
+    lines += _source(test, shown)
     lines += _config(test)
     lines += _failures(test)
     return lines
@@ -190,12 +378,18 @@ def _counts(tests: Sequence[TestRecord]) -> str:
     return ", ".join(f"{n} {label.lower()}" for label, n in counts.items()) or "no tests"
 
 
-def render_markdown(run: RunRecord | Mapping[str, Any]) -> str:
-    """The whole report of a run record (or of its JSON, validated: ``ValueError``); paste it into an issue as it is."""
+def render_markdown(run: RunRecord | Mapping[str, Any], *, neutral: Neutral | None = None) -> str:
+    """The whole report of a run record (or of its JSON, validated: ``ValueError``); paste it into an issue as it is.
+
+    ``neutral`` replaces local paths (``Neutral.here(rootdir)`` for this machine's); any ``site-packages`` and home
+    directory are made neutral in any case.
+    """
     if not isinstance(run, RunRecord):
         run = RunRecord.from_json(run)
     env, tests = run.environment, run.tests
     world = f"{env.world_size or '?'} ranks, {env.backend or '?'}"
+    if env.accelerator:
+        world += f", DeepSpeed accelerator {env.accelerator}"
     created = f" Run at {run.created.isoformat(timespec='seconds')}." if run.created else ""
     lines = [
         "## pytest-dsrepro report",
@@ -208,7 +402,10 @@ def render_markdown(run: RunRecord | Mapping[str, Any]) -> str:
     lines += ["", *_environment(env)]
     if tests:
         lines += ["", *_summary(tests)]
+    shown: dict[Source, str] = {}
     for test in tests:
-        lines += ["", *_test(test)]
-    lines += ["", "<sub>Generated by pytest-dsrepro (`pytest --ds-report`).</sub>", ""]
-    return "\n".join(lines)
+        lines += ["", *_test(env, test, shown)]
+    plugin = f"pytest-dsrepro {env.plugin}" if env.plugin else "pytest-dsrepro"
+    lines += ["", f"<sub>Generated by {plugin} (`pytest --ds-report`); `dsrepro export NODEID` writes a test as one "
+              "script for `torchrun`.</sub>", ""]  # fmt: skip
+    return (neutral or Neutral()).apply("\n".join(lines))

@@ -308,12 +308,14 @@ class Source:
 
     ``path`` is the file as the test's node id names it (relative to the run's root, never a local absolute path).
     ``fix`` names the ``ds_version`` fix; ``fix_code`` is the fix's own source when it lives outside ``code``.
+    ``world_elsewhere``: the test runs in a world by a ``ds_world`` marker from outside its file (a conftest.py).
     """
 
     path: str
     code: str
     fix: str | None = None
     fix_code: str | None = None
+    world_elsewhere: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -321,7 +323,10 @@ class Source:
     @classmethod
     def from_json(cls, data: object, where: str = "source") -> Source:
         f = _Fields(data, where, _names(cls))
-        return cls(f.text("path"), f.text("code"), f.optional_text("fix"), f.optional_text("fix_code"))
+        world = f.data["world_elsewhere"]
+        if not isinstance(world, bool):
+            raise f._bad("world_elsewhere", "true or false")
+        return cls(f.text("path"), f.text("code"), f.optional_text("fix"), f.optional_text("fix_code"), world)
 
 
 @dataclass(frozen=True)
@@ -351,8 +356,16 @@ def rank_stories(outcome: WorldOutcome | None) -> tuple[RankStory, ...]:
     for group in group_ranks(bad):
         first = group.ranks[0]
         trace = first.error.traceback if first.error else first.stack
-        stories.append(RankStory(group.label, group.headline, trace, first.output[-OUTPUT_KEPT:]))
+        stories.append(RankStory(group.label, group.headline, trace, _tail(first.output)))
     return tuple(stories)
+
+
+def _tail(output: str) -> str:
+    """The last ``OUTPUT_KEPT`` characters, from the start of a line (a cut line reads as someone else's words)."""
+    if len(output) <= OUTPUT_KEPT:
+        return output
+    kept = output[-OUTPUT_KEPT:]
+    return kept.partition("\n")[2] if "\n" in kept[:-1] else kept
 
 
 @dataclass(frozen=True, kw_only=True)

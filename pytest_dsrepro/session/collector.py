@@ -4,6 +4,7 @@ JUnit ``<property>`` elements (``--junitxml``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from ..core import results, versions
 from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
+from ..core.report import Neutral
 from ..core.worlds import settle_backend
-from . import recording
+from . import diagnostics, recording
 from .execution import RUNNER_KEY
 from .stash import SETTINGS_KEY
 
@@ -54,6 +56,11 @@ class RunCollector:
             return  # the controller writes; a mere collection writes nothing
         s = self.config.stash[SETTINGS_KEY]
         facts = self.config.stash[RUNNER_KEY].server.facts
-        backend, _ = settle_backend(s.backend, s.world_size, facts.cuda_devices if facts else 0)
+        cuda_devices = facts.cuda_devices if facts else 0
+        backend, _ = settle_backend(s.backend, s.world_size, cuda_devices)
         env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)
-        recording.write_outputs(self.run.record(env), s.results, s.report)
+        env = dataclasses.replace(env, accelerator=diagnostics.known_accelerator(cuda_devices))
+        if s.report is not None:  # what a maintainer asks for: only for a report, and only now
+            env = diagnostics.gather(env, cuda_devices)
+        neutral = Neutral.here(self.config.rootpath)
+        recording.write_outputs(self.run.record(env), s.results, s.report, neutral)

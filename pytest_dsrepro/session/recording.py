@@ -21,7 +21,7 @@ import pytest
 
 from ..core import results
 from ..core.gates import Judgement, Verdict
-from ..core.report import render_markdown
+from ..core.report import Neutral, render_markdown
 from ..core.results import Environment, ReproMeta, RunRecord, Source, TestRecord
 from ..core.source import module_slice
 from . import markers
@@ -93,7 +93,8 @@ def repro_source(item: pytest.Item, fix: Callable[..., Any] | None) -> Source | 
         except (OSError, TypeError):
             fix_code = None
     fix_name = None if fix is None else (fix.__qualname__ if in_file else _fix_name(fix))
-    return Source(path=item.nodeid.split("::", 1)[0], code=code, fix=fix_name, fix_code=fix_code)
+    elsewhere = item.get_closest_marker("ds_world") is not None and "ds_world" not in code
+    return Source(item.nodeid.split("::", 1)[0], code, fix_name, fix_code, world_elsewhere=elsewhere)
 
 
 def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
@@ -207,10 +208,13 @@ class Run:
         return lines
 
 
-def write_outputs(run: RunRecord, results_dir: Path | None, report: Path | None) -> None:
-    """``--ds-results DIR`` (a new file in it) and ``--ds-report PATH`` (Markdown), each when asked for."""
+def write_outputs(
+    run: RunRecord, results_dir: Path | None, report: Path | None, neutral: Neutral | None = None
+) -> None:
+    """``--ds-results DIR`` (a new file in it) and ``--ds-report PATH`` (Markdown, local paths made neutral), each
+    when asked for."""
     if results_dir is not None:
         results.write(run, results_dir)
     if report is not None:
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(render_markdown(run))
+        report.write_text(render_markdown(run, neutral=neutral))

@@ -1,0 +1,96 @@
+"""What a maintainer asks for besides the repro: DeepSpeed's own ``ds_report``, torch's environment summary, and the
+accelerator DeepSpeed runs on. Gathered for ``--ds-report`` only, when the report is written (never at plugin load,
+never for a plain run): each in a subprocess of this interpreter, both at once, so the pytest process itself still
+imports neither torch nor DeepSpeed.
+
+The subprocesses get the environment the fork server gives its ranks: ``DS_ACCELERATOR=cpu`` when there is no CUDA
+device and the user chose no accelerator, as ``worlds.server`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from ..core.results import Environment
+
+#: Seconds each may take (importing DeepSpeed and probing its ops takes ~3 s here; a cold machine more).
+TIMEOUT = 180.0
+ACCELERATOR_LINE = "dsrepro-accelerator:"
+#: DeepSpeed's accelerator as the ranks get it, then ``ds_report`` exactly as its own command prints it.
+DS_SCRIPT = f"""
+import runpy, sys
+from deepspeed.accelerator import get_accelerator
+accelerator = get_accelerator()
+print("{ACCELERATOR_LINE}", accelerator.device_name(), accelerator.communication_backend_name(), flush=True)
+sys.argv = ["ds_report"]
+runpy.run_module("deepspeed.env_report", run_name="__main__")
+"""
+TORCH_COMMAND = ("-W", "ignore::RuntimeWarning", "-m", "torch.utils.collect_env")  # not runpy's import warning
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def rank_environment(cuda_devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment DeepSpeed sees in a rank: the fork server's choice of accelerator on a CPU machine."""
+    env = dict(os.environ if base is None else base)
+    if not cuda_devices:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def _finish(proc: subprocess.Popen[str], what: str) -> str:
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return f"({what} did not finish within {TIMEOUT:.0f} s)\n{_ANSI.sub('', out or '')[-2000:]}"
+    text = _ANSI.sub("", out or "").rstrip()
+    if proc.returncode:
+        return f"({what} exited with {proc.returncode})\n{text[-4000:]}"
+    return text
+
+
+def _start(args: tuple[str, ...], env: Mapping[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env)
+    )
+
+
+def split_accelerator(output: str) -> tuple[str | None, str]:
+    """``(accelerator, ds_report's own output)`` from what ``DS_SCRIPT`` printed; ``cpu (ccl)``-style text."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(ACCELERATOR_LINE):
+            name, _, backend = line.removeprefix(ACCELERATOR_LINE).strip().partition(" ")
+            accelerator = f"{name} (communication backend {backend})" if backend else name
+            return accelerator, "\n".join(lines[:i] + lines[i + 1 :]).strip()
+    return None, output
+
+
+def gather(environment: Environment, cuda_devices: int) -> Environment:
+    """``environment`` with ``ds_report``, torch's ``collect_env`` and the accelerator filled in (what failed says
+    so in its place). Without DeepSpeed installed, only torch's summary."""
+    env = rank_environment(cuda_devices)
+    ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
+    torch = _start(TORCH_COMMAND, env) if environment.torch else None
+    torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
+    accelerator, ds_report = (None, None)
+    if ds is not None:
+        accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
+    return dataclasses.replace(
+        environment,
+        accelerator=accelerator or environment.accelerator,
+        ds_report=ds_report,
+        torch_env=torch_env,
+    )
+
+
+def known_accelerator(cuda_devices: int) -> str | None:
+    """The accelerator without asking DeepSpeed: the user's ``DS_ACCELERATOR``, or ``cpu`` where the fork server
+    chooses it (no CUDA device); None when DeepSpeed detects it itself."""
+    return rank_environment(cuda_devices).get("DS_ACCELERATOR")
