@@ -227,3 +227,50 @@ def test_input_errors_come_before_anything_is_spawned(
         assert sum(fnmatch.fnmatch(line, message) for line in out.splitlines()) == 1, f"told more than once: {message}"
     assert "During handling of the above exception" not in out
     assert leftovers(private_tmp) == []
+
+
+def test_a_flood_of_rank_output_is_cut_to_its_ends_everywhere(
+    pytester: pytest.Pytester, run: RunPytest, private_tmp: Path
+) -> None:
+    """Item 8: one rank prints a 10 MB line, the other 20 MB in a loop. The terminal, the results file and the JUnit
+    XML each get their first and last lines and how much was cut, a few KiB per rank."""
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_floods(ds_rank):
+            print("FIRST LINE")
+            if ds_rank == 0:
+                print("x" * 10_000_000)
+            else:
+                for i in range(400_000):
+                    print(f"line {i:>12} of a rank that prints in a loop")
+            print("LAST LINE")
+            raise RuntimeError("flooded")
+        """
+    )
+    result = run(f"--junitxml={pytester.path / 'junit.xml'}", f"--ds-results={pytester.path / 'results'}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "---- rank 0: output (first 2 and last 2 lines of what was kept) ----",
+            "FIRST LINE",
+            "xxxxxxxx*",
+            "[[]... pytest-dsrepro cut 9,99*,*** bytes of this rank's output (10,000,*** in all; *",
+            "xxxxxxxx*",
+            "LAST LINE",
+            "---- rank 1: output (first * and last 25 lines of what was kept) ----",
+            "FIRST LINE",
+            "line            0 of a rank that prints in a loop",
+            "[[]... pytest-dsrepro cut *",
+            "line       399999 of a rank that prints in a loop",
+            "LAST LINE",
+        ]
+    )
+    assert len(result.stdout.str()) < 64_000
+    assert (pytester.path / "junit.xml").stat().st_size < 64_000
+    (results,) = (pytester.path / "results").glob("*.json")
+    assert results.stat().st_size < 64_000
+    assert leftovers(private_tmp) == []

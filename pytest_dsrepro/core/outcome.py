@@ -13,6 +13,14 @@ from dataclasses import dataclass
 
 #: Lines of a rank's own stdout/stderr shown under its failure.
 OUTPUT_TAIL_LINES = 25
+#: Lines of the start of an output shown when its middle was cut.
+OUTPUT_HEAD_LINES = 5
+#: How much of a rank's own output is ever read, kept and reported: its first and its last bytes. A rank printing
+#: in a loop, or one 10 MB line, costs the pytest process, the results file and the JUnit XML no more than this.
+OUTPUT_HEAD_BYTES = 2048
+OUTPUT_TAIL_BYTES = 6144
+#: The line that stands for the middle of an output that was cut.
+CUT_PREFIX = "[... pytest-dsrepro cut "
 
 
 class Status(enum.Enum):
@@ -133,9 +141,39 @@ def group_ranks(results: Sequence[RankResult]) -> list[RankGroup]:
     return [RankGroup(tuple(g)) for g in groups.values()]
 
 
+def bounded_output(head: bytes, tail: bytes, total: int) -> str:
+    """A rank's output from its first and last bytes: whole when they cover all ``total`` bytes, else the head, a
+    line saying how much of the middle was cut, and the tail."""
+    if len(head) + len(tail) >= total:
+        return (head + tail[len(head) + len(tail) - total :]).decode(errors="replace")
+    cut = total - len(head) - len(tail)
+    first = head.decode(errors="replace")
+    joint = "" if first.endswith("\n") else "\n"
+    return (
+        f"{first}{joint}{CUT_PREFIX}{cut:,} bytes of this rank's output "
+        f"({total:,} in all; the first {len(head):,} and the last {len(tail):,} are kept) ...]\n"
+        f"{tail.decode(errors='replace')}"
+    )
+
+
 def _tail(text: str, lines: int = OUTPUT_TAIL_LINES) -> str:
     kept = text.rstrip().splitlines()[-lines:]
     return "\n".join(kept)
+
+
+def _output_section(rank: int, text: str) -> list[str]:
+    """A rank's output under its failure: its last lines; when it was cut, its first lines and the cut too."""
+    every = text.rstrip().splitlines()
+    cut = next((i for i, line in enumerate(every) if line.startswith(CUT_PREFIX)), None)
+    if cut is None:
+        return [f"---- rank {rank}: output (last {OUTPUT_TAIL_LINES} lines) ----", _tail(text)]
+    head, tail = every[:cut][:OUTPUT_HEAD_LINES], every[cut + 1 :][-OUTPUT_TAIL_LINES:]
+    return [
+        f"---- rank {rank}: output (first {len(head)} and last {len(tail)} lines of what was kept) ----",
+        *head,
+        every[cut],
+        *tail,
+    ]
 
 
 def describe_failure(outcome: WorldOutcome) -> str:
@@ -152,5 +190,5 @@ def describe_failure(outcome: WorldOutcome) -> str:
             if r.stack:
                 lines += ["", f"---- rank {r.rank}: Python stacks when {r.status.value} ----", _tail(r.stack, 60)]
             if r.output.strip() and r.status is not Status.STOPPED:
-                lines += ["", f"---- rank {r.rank}: output (last {OUTPUT_TAIL_LINES} lines) ----", _tail(r.output)]
+                lines += ["", *_output_section(r.rank, r.output)]
     return "\n".join(lines)

@@ -316,7 +316,7 @@ class WorldRun:
     def _outcome(self, duration: float) -> WorldOutcome:
         results = []
         for r in self.ranks:
-            output = layout.read_text(layout.output_file(self.workdir, r.rank))
+            output = layout.read_output(self.workdir, r.rank)
             if r.forced is not None:
                 stack = self._stack(r.rank)
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))

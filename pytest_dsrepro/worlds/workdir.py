@@ -7,10 +7,12 @@ discards it. A rank's report file is written and read only through ``write_repor
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
 
+from ..core.outcome import OUTPUT_HEAD_BYTES, OUTPUT_TAIL_BYTES, bounded_output
 from . import shm
 from .protocol import RankReport
 
@@ -54,6 +56,21 @@ def read_report(workdir: Path, rank: int) -> RankReport | None:
 
 def read_text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def read_output(workdir: Path, rank: int) -> str:
+    """The rank's own stdout and stderr, bounded: never more than its first ``OUTPUT_HEAD_BYTES`` and its last
+    ``OUTPUT_TAIL_BYTES`` are read, however much it wrote (``core.outcome.bounded_output`` says what was cut)."""
+    try:
+        f = open(output_file(workdir, rank), "rb")  # noqa: SIM115 - closed below; the size is read from the open file
+    except FileNotFoundError:
+        return ""
+    with f:
+        total = os.fstat(f.fileno()).st_size
+        head = f.read(min(total, OUTPUT_HEAD_BYTES))
+        f.seek(max(len(head), total - OUTPUT_TAIL_BYTES))
+        tail = f.read(total - f.tell())
+    return bounded_output(head, tail, total)
 
 
 def discard(workdir: Path) -> None:
