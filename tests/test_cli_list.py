@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,14 +65,41 @@ def repros(pytester: pytest.Pytester) -> pytest.Pytester:
 def test_table(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["ID", "TITLE", "UPSTREAM", "AFFECTED", "FIXED", "IN"]
-    assert lines[1].startswith("zero3-no-optimizer-backward  ZeRO-3 backward without optimizer  ")
-    assert lines[1].endswith("https://example.invalid/issues/1     <0.18.3 | >=0.18.3,<0.19.5 | >=0.19.5  unfixed")
-    assert lines[2].split() == ["zero3-module-id", "ZeRO-3", "overwrites", "module.id",
-                                "https://example.invalid/issues/6772", "<0.16.4", "0.16.4"]  # fmt: skip
+    assert lines[0].split() == ["ID", "AFFECTED", "FIXED", "IN", "TITLE"]
+    assert lines[1].split() == ["zero3-no-optimizer-backward", "<0.18.3", "unfixed", "ZeRO-3", "backward", "without",
+                                "optimizer"]  # fmt: skip
+    assert lines[2].split() == [">=0.18.3,<0.19.5"]  # the ranges are alternatives: one a line
+    assert lines[3].split() == [">=0.19.5"]
+    assert lines[4] == "  https://example.invalid/issues/1"
+    assert lines[5].split() == ["zero3-module-id", "<0.16.4", "0.16.4", "ZeRO-3", "overwrites", "module.id"]
+    assert lines[6] == "  https://example.invalid/issues/6772"
     # Aligned: every column starts at the same offset on every line.
-    assert len({line.index("https") for line in lines[1:]}) == 1
-    assert len(lines) == 3
+    assert len({line.index("<0.") for line in (lines[1], lines[5])}) == 1
+    assert lines[2].index(">=") == lines[1].index("<0.")
+    assert len(lines) == 7
+
+
+def test_the_catalogue_fits_120_columns(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real catalogue (titles and upstream links as long as they come), in a wide and a narrow terminal."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    for columns, limit in (("300", 120), ("80", 80)):
+        monkeypatch.setenv("COLUMNS", columns)
+        assert cli.main(["list"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        too_wide = [line for line in lines if len(line) > limit and not line.startswith("  https://")]
+        assert not too_wide
+        assert max(map(len, lines)) <= 120
+    assert "zero3-backward-without-optimizer" in lines[1]
+    assert any("DeepSpeedZeRoOffload" in line for line in lines)  # wrapped, not cut
+
+
+def test_a_long_title_wraps_under_its_column() -> None:
+    entry = Entry("x", "word " * 60, "https://u", None, None, "", ("<1", ">=2"), "p")
+    lines = format_table([entry], width=60).splitlines()
+    assert max(map(len, lines)) <= 60
+    column = lines[0].index("TITLE")
+    assert all(line[column - 2 : column] == "  " and line[column] == "w" for line in lines[1:-1])
+    assert "".join(line[column:] for line in lines[1:-1]).replace(" ", "") == "word" * 60
 
 
 def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
@@ -145,4 +173,4 @@ def test_rows_merge_without_pytest() -> None:
     assert entry.fixed_text == "unfixed"
     assert len(entry.tests) == 2
     empty = Entry("x", "", None, None, None, "", (), "p")
-    assert format_table([empty]).splitlines()[1].split() == ["x", "-", "-", "unfixed"]
+    assert format_table([empty]).splitlines()[1:] == ["x   -         unfixed   -", "  upstream: -"]

@@ -43,3 +43,16 @@ def test_help_is_fast_and_light() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (
+        f"pytest-dsrepro {metadata.version('pytest-dsrepro')} "
+        f"(deepspeed {metadata.version('deepspeed')}, torch {metadata.version('torch')})"
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -134,12 +135,38 @@ def _cells(entry: Entry) -> dict[str, str]:
     }
 
 
-def format_table(entries: Sequence[Entry]) -> str:
-    """Aligned columns for a terminal; the last column is not padded."""
-    rows = [dict(COLUMNS)] + [_cells(e) for e in entries]
-    keys = [k for k, _ in COLUMNS]
-    widths = {k: max(len(r[k]) for r in rows) for k in keys}
-    lines = ["  ".join(r[k].ljust(widths[k]) for k in keys).rstrip() for r in rows]
+#: ``dsrepro list`` fits a terminal this wide (or a narrower one). A title narrower than ``MIN_TITLE`` would be
+#: unreadable: then it goes below its row, like the upstream link.
+WIDTH = 120
+MIN_TITLE = 24
+
+
+def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
+    """Aligned columns within ``width``: ID, AFFECTED (one range a line: they are alternatives), FIXED IN, and the
+    TITLE wrapped in what is left; each repro's upstream link on a line of its own below, indented (a URL is never
+    broken, so only a URL longer than the whole width can pass it)."""
+    heads = dict(COLUMNS)
+    ids = max([len(heads["id"]), *(len(e.id) for e in entries)])
+    affected = max([len(heads["affected"]), *(len(a) for e in entries for a in e.affected or ("-",))])
+    fixed = max([len(heads["fixed"]), *(len(e.fixed_text) for e in entries)])
+    room = width - ids - affected - fixed - 6
+    inline = room >= MIN_TITLE
+
+    def line(*cells: str) -> str:
+        return "  ".join([cells[0].ljust(ids), cells[1].ljust(affected), cells[2].ljust(fixed), cells[3]]).rstrip()
+
+    lines = [line(heads["id"], heads["affected"], heads["fixed"], heads["title"] if inline else "")]
+    for e in entries:
+        ranges = list(e.affected) or ["-"]
+        titles = textwrap.wrap(e.title, room if inline else width - 2, break_on_hyphens=False) or ["-"]
+        rows = max(len(ranges), len(titles)) if inline else len(ranges)
+        for i in range(rows):
+            title = titles[i] if inline and i < len(titles) else ""
+            lines.append(line(e.id if i == 0 else "", ranges[i] if i < len(ranges) else "",
+                              e.fixed_text if i == 0 else "", title))  # fmt: skip
+        if not inline:
+            lines += [f"  {t}" for t in titles]
+        lines.append(f"  {e.upstream or 'upstream: -'}")
     return "\n".join(lines) + "\n"
 
 
@@ -163,11 +190,11 @@ def format_json(entries: Sequence[Entry]) -> str:
     return json.dumps([asdict(e) for e in entries], indent=2) + "\n"
 
 
-def render(entries: Sequence[Entry], fmt: str = "table") -> str:
+def render(entries: Sequence[Entry], fmt: str = "table", width: int = WIDTH) -> str:
     if fmt == "markdown":
         return format_markdown(entries)
     if fmt == "json":
         return format_json(entries)
     if fmt == "table":
-        return format_table(entries)
+        return format_table(entries, width)
     raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")

@@ -8,6 +8,7 @@ each a thin layer over a module of plain, tested functions. Nothing heavy is imp
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,19 @@ def _err(message: str) -> None:
     print(f"dsrepro: {message}", file=sys.stderr, flush=True)
 
 
+def terminal_width(limit: int = 120) -> int:
+    """The terminal's width (``COLUMNS`` when set), never over ``limit``: tables stay readable when pasted."""
+    return min(limit, shutil.get_terminal_size((limit, 24)).columns)
+
+
+def version_line() -> str:
+    """``dsrepro --version``: this plugin's version, and the DeepSpeed and torch it would run (package metadata)."""
+    from ..core.versions import installed_text
+
+    found = [f"{name} {installed_text(name) or 'not installed'}" for name in ("deepspeed", "torch")]
+    return f"pytest-dsrepro {installed_text('pytest-dsrepro') or 'unknown'} ({', '.join(found)})"
+
+
 # --- list --------------------------------------------------------------------------------------------------------
 
 
@@ -51,7 +65,7 @@ def _list(args: argparse.Namespace) -> int:
     if not entries:
         _err(f"no repros (tests with a ds_repro marker) under {' '.join(paths)}")
         return 1
-    sys.stdout.write(catalogue.render(entries, args.format))
+    sys.stdout.write(catalogue.render(entries, args.format, terminal_width()))
     return 0
 
 
@@ -207,6 +221,7 @@ COMMANDS = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsrepro", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.description or command.help)

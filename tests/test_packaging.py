@@ -1,0 +1,85 @@
+"""The distributions as the ecosystem expects them: built from a copy of this tree (no download: no build
+isolation), checked by ``twine check --strict``, PEP 639 license metadata, and an sdist holding what its own tests and
+docs need."""
+
+from __future__ import annotations
+
+import email.parser
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+#: Never copied: environments, build outputs, caches and results of this checkout.
+LOCAL = shutil.ignore_patterns(".tox", ".venv", ".git", "build", "dist", "*.egg-info", "results", "__pycache__",
+                               ".pytest_cache", ".mypy_cache", ".ruff_cache")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    pytest.importorskip("build")
+    tree = tmp_path_factory.mktemp("tree") / "pytest-dsrepro"
+    shutil.copytree(ROOT, tree, ignore=LOCAL)
+    out = tree / "dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(tree)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return sdist, wheel
+
+
+def test_twine_check_strict(dists: tuple[Path, Path]) -> None:
+    pytest.importorskip("twine")
+    proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dists)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASSED") == 2
+
+
+def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
+    _, wheel = dists
+    with zipfile.ZipFile(wheel) as z:
+        meta = email.parser.Parser().parsestr(z.read("pytest_dsrepro-0.1.0.dist-info/METADATA").decode())
+        names = z.namelist()
+    assert meta["Metadata-Version"] == "2.4"
+    assert meta["License-Expression"] == "Apache-2.0"  # PEP 639, not the deprecated table
+    assert meta.get_all("License-File") == ["LICENSE"]
+    assert "pytest_dsrepro-0.1.0.dist-info/licenses/LICENSE" in names
+    assert not [c for c in meta.get_all("Classifier") if c.startswith("License ::")]  # PEP 639 forbids both
+    classifiers = meta.get_all("Classifier")
+    for wanted in ("Framework :: Pytest", "Operating System :: POSIX :: Linux", "Programming Language :: Python :: 3.11",
+                   "Typing :: Typed"):  # fmt: skip
+        assert wanted in classifiers
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert urls["Homepage"] == "https://pypi.org/project/pytest-dsrepro/"
+    assert "pytest_dsrepro/py.typed" in names
+    assert "pytest_dsrepro/tools/templates/repro.py.tmpl" in names
+    with zipfile.ZipFile(wheel) as z:
+        entry_points = z.read("pytest_dsrepro-0.1.0.dist-info/entry_points.txt").decode()
+    assert "dsrepro = pytest_dsrepro.plugin" in entry_points
+    assert "dsrepro = pytest_dsrepro.tools.cli:main" in entry_points
+
+
+def test_sdist_holds_what_its_tests_and_docs_need(dists: tuple[Path, Path]) -> None:
+    sdist, _ = dists
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "conftest.py", "tests/conftest.py",
+                   "docs/design.md", "docs/matrix.md", "repros/test_zero3_backward_without_optimizer.py",
+                   "benchmarks/world_overhead.py", "pytest_dsrepro/tools/templates/repro.py.tmpl"):  # fmt: skip
+        assert wanted in names, wanted
+    tracked = {p.relative_to(ROOT).as_posix() for d in ("tests", "docs", "repros") for p in (ROOT / d).glob("*.*")}
+    assert tracked <= names | {t for t in tracked if "__pycache__" in t or t.endswith(".pyc")}
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+def test_license_is_the_apache_license() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text
