@@ -274,3 +274,46 @@ def test_a_flood_of_rank_output_is_cut_to_its_ends_everywhere(
     (results,) = (pytester.path / "results").glob("*.json")
     assert results.stat().st_size < 64_000
     assert leftovers(private_tmp) == []
+
+
+def test_a_crash_report_names_the_cause_first(pytester: pytest.Pytester, run: RunPytest, private_tmp: Path) -> None:
+    """Item 10: a rank segfaults while its peer waits in a collective; another world's rank skips the collective.
+    The rank that ended first is named first (in the short summary too), with the segfaulting rank's Python stack;
+    the peer's 'connection closed' comes after it, marked as such."""
+    pytester.makepyfile(
+        """
+        import ctypes, time
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_segfaults(ds_rank):
+            import torch, torch.distributed as dist
+            if ds_rank == 1:
+                time.sleep(0.3)  # rank 0 is waiting in the all_reduce
+                ctypes.string_at(0)
+            dist.all_reduce(torch.ones(1))
+
+        @pytest.mark.ds_world
+        def test_skips_a_collective(ds_rank):
+            import torch.distributed as dist
+            if ds_rank == 0:
+                dist.barrier()
+        """
+    )
+    result = run("-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "rank 1: crashed: killed by signal SIGSEGV; rank 0 (lost a peer): RuntimeError: *Connection closed by peer*",
+            "(2-rank gloo world, *s; rank 1 failed first, at *s)",
+            "---- rank 1: Python stacks when crashed ----",
+            "Fatal Python error: Segmentation fault",
+            "*line 9 in test_segfaults",
+            "---- rank 0: traceback (it lost a peer: a consequence of the ranks above) ----",
+            "rank 1: passed, but exited at *s while rank 0 still waited on it (a skipped collective?); "
+            "rank 0 (lost a peer): RuntimeError: *",
+            "FAILED *::test_segfaults - WorldFailed: rank 1: crashed: killed by signal SIGSEGV; *",
+            "FAILED *::test_skips_a_collective - WorldFailed: rank 1: passed, but exited at *",
+        ]
+    )
+    assert leftovers(private_tmp) == []

@@ -8,6 +8,7 @@ from pathlib import Path
 from pytest_dsrepro.core.outcome import (
     OUTPUT_HEAD_BYTES,
     OUTPUT_TAIL_BYTES,
+    ErrorInfo,
     RankResult,
     Status,
     WorldOutcome,
@@ -64,3 +65,54 @@ def test_a_cut_output_shows_its_first_lines_the_cut_and_its_last_lines() -> None
     assert text[at + 1 : at + 6] == [f"head {i}" for i in range(5)]
     assert text[at + 6].startswith("[... pytest-dsrepro cut ")
     assert text[at + 7 :] == [f"tail {i}" for i in range(15, 40)]
+
+
+GLOO_LOST = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:61164. This is "
+    "typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error. GLHF!"
+)
+
+
+def _raised(rank: int, text: str, at: float | None, kind: type[BaseException] = RuntimeError) -> RankResult:
+    return RankResult(rank, Status.FAILED, error=ErrorInfo.from_exception(kind(text), f"tb {rank}"), at=at)
+
+
+def test_errors_that_only_say_a_peer_went_away_are_recognised() -> None:
+    assert _raised(0, GLOO_LOST, 0.3).lost_peer
+    assert _raised(0, "NCCL communicator was aborted on rank 0", 0.3).lost_peer
+    assert not _raised(0, "the real cause", 0.3).lost_peer
+    assert not RankResult(0, Status.CRASHED, detail="killed by signal SIGSEGV").lost_peer
+
+
+def test_the_root_cause_comes_first_by_time_then_what_lost_a_peer() -> None:
+    """Item 10: the crashed rank, reaped after its peer already raised 'connection closed', still comes first."""
+    lost = _raised(0, GLOO_LOST, 0.30)
+    crashed = RankResult(1, Status.CRASHED, detail="killed by signal SIGSEGV", stack="Fatal Python error", at=0.31)
+    late, early = _raised(2, "late", 0.9, KeyError), _raised(3, "early", 0.2, ValueError)
+    stopped = RankResult(4, Status.STOPPED, detail="still running")
+    outcome = WorldOutcome(5, "gloo", (lost, crashed, late, early, stopped), 1.0)
+    assert [r.rank for r in outcome.failures] == [3, 1, 2, 0]
+    text = describe_failure(outcome)
+    first, second = text.splitlines()[:2]
+    assert first.startswith(
+        "rank 3: ValueError: early; rank 1: crashed: killed by signal SIGSEGV; rank 2: KeyError: 'late'; "
+        "rank 0 (lost a peer): RuntimeError: [../third_party/gloo/"
+    )
+    assert first.endswith("; rank 4: stopped: still running")
+    assert second == "(5-rank gloo world, 1.0s; rank 3 failed first, at 0.20s)"
+    assert "---- rank 1: Python stacks when crashed ----\nFatal Python error" in text
+    assert "---- rank 0: traceback (it lost a peer: a consequence of the ranks above) ----" in text
+    assert text.index("---- rank 1: Python stacks") < text.index("---- rank 0: traceback")
+
+
+def test_a_rank_that_exited_while_the_others_waited_on_it_is_named_first() -> None:
+    """Item 10: one rank skips a collective and exits; only the rank left waiting failed, with a peer-lost error."""
+    waiting = _raised(0, GLOO_LOST, 0.06)
+    outcome = WorldOutcome(2, "gloo", (waiting, RankResult(1, Status.PASSED, at=0.05)), 0.1)
+    first = describe_failure(outcome).splitlines()[0]
+    assert first.startswith(
+        "rank 1: passed, but exited at 0.05s while rank 0 still waited on it (a skipped collective?); "
+        "rank 0 (lost a peer): RuntimeError: "
+    )
+    not_only_lost = WorldOutcome(2, "gloo", (_raised(0, "real", 0.06), RankResult(1, Status.PASSED, at=0.05)), 0.1)
+    assert describe_failure(not_only_lost).splitlines()[0] == "rank 0: RuntimeError: real"

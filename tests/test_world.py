@@ -120,7 +120,7 @@ def test_marker_on_module_and_class(pytester: pytest.Pytester, run: RunPytest) -
 def test_failures_are_deduplicated_by_rank_with_output(pytester: pytest.Pytester, run: RunPytest) -> None:
     pytester.makepyfile(
         """
-        import os
+        import os, time
         import pytest
 
         @pytest.mark.ds_world
@@ -133,6 +133,7 @@ def test_failures_are_deduplicated_by_rank_with_output(pytester: pytest.Pytester
         def test_different(ds_rank):
             if ds_rank == 0:
                 raise KeyError("zero")
+            time.sleep(0.5)  # the first to fail is told first: rank 0
             raise ValueError("one")
         """
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,19 @@ OUTPUT_HEAD_BYTES = 2048
 OUTPUT_TAIL_BYTES = 6144
 #: The line that stands for the middle of an output that was cut.
 CUT_PREFIX = "[... pytest-dsrepro cut "
+
+
+#: What an error says when its rank only lost a peer: gloo's pair.cc ("Connection closed by peer ... typically caused
+#: by a remote worker crashing"), a reset or broken socket, NCCL's abort after another rank failed. Such an error
+#: follows another rank's end, so it is told after the ranks that ended on their own.
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
 
 
 class Status(enum.Enum):
@@ -68,8 +82,18 @@ class RankResult:
     status: Status
     error: ErrorInfo | None = None
     detail: str = ""  # skip reason, exit code/signal, or why it was stopped
-    output: str = ""  # tail of the rank's captured stdout+stderr (fd level)
-    stack: str = ""  # Python stacks dumped by faulthandler when it hung or was stopped
+    output: str = ""  # the rank's captured stdout+stderr (fd level), bounded: its first and last bytes
+    stack: str = ""  # Python stacks dumped by faulthandler when it hung, was stopped or crashed
+    at: float | None = None  # seconds into the world when it failed or ended on its own (None: not known)
+
+    @property
+    def lost_peer(self) -> bool:
+        """Its error only says a peer went away: a consequence of another rank's end, not a cause."""
+        return (
+            self.status is Status.FAILED
+            and self.error is not None
+            and any(words in self.error.text for words in PEER_LOST)
+        )
 
     @property
     def headline(self) -> str:
@@ -101,11 +125,23 @@ class WorldOutcome:
 
     @property
     def failures(self) -> tuple[RankResult, ...]:
-        return tuple(r for r in self.ranks if r.status not in (Status.PASSED, Status.SKIPPED, Status.STOPPED))
+        """The ranks that went wrong, root causes first (``by_cause``)."""
+        return tuple(by_cause(r for r in self.ranks if r.status not in (Status.PASSED, Status.SKIPPED, Status.STOPPED)))
 
     @property
     def errors(self) -> tuple[ErrorInfo, ...]:
         return tuple(r.error for r in self.failures if r.error is not None)
+
+
+def by_cause(results: Iterable[RankResult]) -> list[RankResult]:
+    """Root causes first, earliest failure first: ranks that raised, crashed or hung on their own; then ranks whose
+    error only says they lost a peer; then the rest (stopped, skipped, passed). Rank order breaks ties."""
+
+    def key(r: RankResult) -> tuple[int, float, int]:
+        role = 1 if r.lost_peer else 0 if r.status in (Status.FAILED, Status.CRASHED, Status.HUNG) else 2
+        return role, math.inf if r.at is None else r.at, r.rank
+
+    return sorted(results, key=key)
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -134,11 +170,12 @@ class RankGroup:
 
 
 def group_ranks(results: Sequence[RankResult]) -> list[RankGroup]:
+    """Ranks that ended alike, one group each, in rank order; groups in ``by_cause`` order of their first cause."""
     groups: dict[tuple[str, str], list[RankResult]] = {}
-    for r in results:
+    for r in by_cause(results):
         key = (r.headline, r.error.traceback if r.error else "")
         groups.setdefault(key, []).append(r)
-    return [RankGroup(tuple(g)) for g in groups.values()]
+    return [RankGroup(tuple(sorted(g, key=lambda r: r.rank))) for g in groups.values()]
 
 
 def bounded_output(head: bytes, tail: bytes, total: int) -> str:
@@ -176,16 +213,48 @@ def _output_section(rank: int, text: str) -> list[str]:
     ]
 
 
+def left_early(outcome: WorldOutcome) -> list[RankResult]:
+    """Ranks that passed and exited before anything failed, when every failure only lost a peer: the likely cause
+    (a rank that skipped a collective leaves the others waiting on it until its exit closes their connections)."""
+    failures = outcome.failures
+    if not failures or not all(r.lost_peer for r in failures):
+        return []
+    first = min((r.at for r in failures if r.at is not None), default=None)
+    if first is None:
+        return []
+    return [r for r in outcome.ranks if r.status is Status.PASSED and r.at is not None and r.at <= first]
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
 def describe_failure(outcome: WorldOutcome) -> str:
-    """The text a user reads when a world fails: one line per distinct ending, then each story in full."""
+    """The text a user reads when a world fails: one line per distinct ending, the root cause first (it is what the
+    short summary shows), then each story in full."""
     bad = [r for r in outcome.ranks if r.status is not Status.PASSED]
     groups = group_ranks(bad)
-    lines = ["; ".join(f"{g.label}: {g.headline}" for g in groups)]
-    lines.append(f"({outcome.size}-rank {outcome.backend} world, {outcome.duration:.1f}s)")
+    early = left_early(outcome)
+    waiting = rank_ranges(r.rank for r in outcome.failures)
+    endings = [
+        f"rank {r.rank}: passed, but exited at {r.at:.2f}s while {waiting} still waited on it (a skipped collective?)"
+        for r in early
+        if r.at is not None
+    ]
     for g in groups:
-        first = g.ranks[0]
-        if first.error is not None:
-            lines += ["", f"---- {g.label}: traceback ----", first.error.traceback.rstrip()]
+        lost = " (lost a peer)" if g.ranks[0].lost_peer else ""
+        endings.append(f"{g.label}{lost}: {_first_line(g.headline)}")
+    lines = ["; ".join(endings)]
+    causes = [r for r in outcome.failures if not r.lost_peer and r.at is not None]
+    first = ""
+    if len(group_ranks(outcome.failures)) > 1 and causes:
+        first = f"; rank {causes[0].rank} failed first, at {causes[0].at:.2f}s"
+    lines.append(f"({outcome.size}-rank {outcome.backend} world, {outcome.duration:.1f}s{first})")
+    for g in groups:
+        head = g.ranks[0]
+        if head.error is not None:
+            lost = " (it lost a peer: a consequence of the ranks above)" if head.lost_peer else ""
+            lines += ["", f"---- {g.label}: traceback{lost} ----", head.error.traceback.rstrip()]
         for r in g.ranks:
             if r.stack:
                 lines += ["", f"---- rank {r.rank}: Python stacks when {r.status.value} ----", _tail(r.stack, 60)]

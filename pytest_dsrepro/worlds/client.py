@@ -217,6 +217,7 @@ class _Rank:
     report: RankReport | None = None  # what the rank wrote before exiting
     forced: Status | None = None  # HUNG or STOPPED when we ended it
     forced_detail: str = ""
+    exited_at: float | None = None  # when the server reaped it (time.monotonic()'s clock)
 
 
 @dataclass
@@ -244,6 +245,7 @@ class WorldRun:
         if isinstance(message, Exited) and message.world == self.world_id:
             r = self.ranks[message.rank]
             r.returncode = message.returncode
+            r.exited_at = message.at if message.at is not None else time.monotonic()
             r.report = layout.read_report(self.workdir, r.rank)
 
     def _force_end(self, ranks: list[_Rank], status: Status, detail: str) -> None:
@@ -273,7 +275,7 @@ class WorldRun:
                 if isinstance(message, Spawned) and message.world == self.world_id:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
             self._wait(started + self.timeout)
-            return self._outcome(time.monotonic() - started)
+            return self._outcome(started)
         except ServerGone as exc:
             raise HarnessError(
                 f"the pytest-dsrepro fork server died while this test's world ran ({exc.ending}), "
@@ -313,7 +315,7 @@ class WorldRun:
             if r.returncode is None:
                 r.returncode = -signal.SIGKILL
 
-    def _outcome(self, duration: float) -> WorldOutcome:
+    def _outcome(self, started: float) -> WorldOutcome:
         results = []
         for r in self.ranks:
             output = layout.read_output(self.workdir, r.rank)
@@ -321,8 +323,8 @@ class WorldRun:
                 stack = self._stack(r.rank)
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
             else:
-                results.append(_judged(r, output))
-        return WorldOutcome(self.size, self.backend, tuple(results), duration)
+                results.append(_judged(r, output, started, self._stack(r.rank)))
+        return WorldOutcome(self.size, self.backend, tuple(results), time.monotonic() - started)
 
     def _cleanup(self) -> None:
         """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.
@@ -347,31 +349,38 @@ class WorldRun:
             layout.discard(self.workdir)
 
 
-def _judged(r: _Rank, output: str) -> RankResult:
+def _judged(r: _Rank, output: str, started: float, stack: str) -> RankResult:
     """A rank that ended on its own: its report counts only when it also exited cleanly.
 
     A crash is never a pass: a rank that wrote PASSED (or SKIPPED) and then died by a signal or a non-zero exit code
-    crashed. A rank that reported a failure keeps it, with how it then ended.
+    crashed. A rank that reported a failure keeps it, with how it then ended. A crashed rank's Python stack is what
+    faulthandler wrote on the fatal signal; its time is when the server reaped it.
     """
     assert r.returncode is not None
     ending = describe_exit(r.returncode)
+    exited = None if r.exited_at is None else max(0.0, r.exited_at - started)
     if r.report is None:
         if r.returncode == 0:
             ending += " without reporting that its body completed"
-        return RankResult(r.rank, Status.CRASHED, detail=ending, output=output)
-    result = r.report.result(r.rank, output)
+        return RankResult(r.rank, Status.CRASHED, detail=ending, output=output, stack=stack, at=exited)
+    result = r.report.result(r.rank, output, started)
     if r.returncode == 0:
         return result
     if r.report.status is Status.FAILED:
-        return dataclasses.replace(result, detail=f"then {ending}")
-    return RankResult(r.rank, Status.CRASHED, detail=f"{ending} after its body {r.report.status.value}", output=output)
+        return dataclasses.replace(result, detail=f"then {ending}", stack=stack)
+    detail = f"{ending} after its body {r.report.status.value}"
+    return RankResult(r.rank, Status.CRASHED, detail=detail, output=output, stack=stack, at=exited)
 
 
 def _user_frames(dump: str) -> str:
     """faulthandler's dump without the harness frames under the test body (innermost frames come first)."""
     here = os.sep + "pytest_dsrepro" + os.sep + "worlds" + os.sep
     harness = (here + "rank.py", here + "server.py", "<frozen runpy>")
-    return "\n".join(line for line in dump.splitlines() if not any(h in line for h in harness))
+    return "\n".join(
+        line
+        for line in dump.splitlines()
+        if not any(h in line for h in harness) and not line.startswith("Extension modules:")  # a fatal error's list
+    )
 
 
 #: Device nodes through which any CUDA (or ROCm, or WSL's) GPU is reached; torch sees no device without one.

@@ -53,4 +53,5 @@ def run_here(
     ctx = RankContext(world.rank, world.world_size, world.local_rank, backend)
     started = time.monotonic()
     report = run_body(fn, kwargs, fixes, ctx)
-    return WorldOutcome(world.world_size, backend, (report.result(world.rank),), time.monotonic() - started)
+    result = report.result(world.rank, started=started)
+    return WorldOutcome(world.world_size, backend, (result,), time.monotonic() - started)

@@ -66,11 +66,13 @@ class Spawned:
 
 @dataclass(frozen=True)
 class Exited:
-    """A rank ended; ``returncode`` as ``subprocess`` writes it (negative: killed by that signal)."""
+    """A rank ended; ``returncode`` as ``subprocess`` writes it (negative: killed by that signal). ``at``: when the
+    server reaped it, on ``time.monotonic()``'s clock (one clock for every process of the machine)."""
 
     world: int
     rank: int
     returncode: int
+    at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,9 @@ class RankReport:
     status: Status
     error: ErrorInfo | None = None
     detail: str = ""  # the skip reason
+    at: float | None = None  # when the body (or the world's setup) ended, on time.monotonic()'s clock
 
-    def result(self, rank: int, output: str = "") -> RankResult:
-        return RankResult(rank, self.status, error=self.error, detail=self.detail, output=output)
+    def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
+        """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
+        at = None if self.at is None or started is None else max(0.0, self.at - started)
+        return RankResult(rank, self.status, error=self.error, detail=self.detail, output=output, at=at)

@@ -135,7 +135,8 @@ def _substitute(kwargs: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
 
 
 def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport:
-    return RankReport(Status.FAILED, error=ErrorInfo.from_exception(exc, heading + traceback_text))
+    error = ErrorInfo.from_exception(exc, heading + traceback_text)
+    return RankReport(Status.FAILED, error=error, at=time.monotonic())
 
 
 def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext) -> RankReport:
@@ -148,11 +149,11 @@ def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix
                 fix(monkeypatch)
             fn(**_substitute(kwargs, ctx))
     except pytest.skip.Exception as exc:
-        return RankReport(Status.SKIPPED, detail=str(exc.msg))
+        return RankReport(Status.SKIPPED, detail=str(exc.msg), at=time.monotonic())
     except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
         return _failed(exc, "", "".join(traceback.format_exception(type(exc), exc, tb)))
-    return RankReport(Status.PASSED)
+    return RankReport(Status.PASSED, at=time.monotonic())
 
 
 def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankReport:

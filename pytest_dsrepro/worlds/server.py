@@ -124,6 +124,7 @@ def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
         stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
+    faulthandler.enable(file=stack_file, all_threads=True)  # a segfault or abort leaves the Python stack too
     from . import rank as rank_mod
 
     layout.write_report(workdir, rank, rank_mod.run_rank(pickle.loads(job), rank, size, workdir))
@@ -196,7 +197,8 @@ class Worlds:
         ended = self._ranks.pop(pid, None)
         if ended is not None:
             world, rank = ended
-            self.conn.send(Exited(world, rank, -signal.SIGKILL if returncode is None else returncode))
+            code = -signal.SIGKILL if returncode is None else returncode
+            self.conn.send(Exited(world, rank, code, at=time.monotonic()))
 
     def reap(self) -> None:
         """Reap whatever ended: ranks are reported, orphans they left behind are just reaped."""
