@@ -25,14 +25,21 @@ REASONS = {Verdict.REPRODUCED: Reason.REPRODUCED, Verdict.FIXED: Reason.NOT_AFFE
            Verdict.PASSES_WITH_FIX: Reason.FIX_HOLDS, Verdict.UNEXPECTED: Reason.FAILED_DIFFERENTLY}  # fmt: skip
 
 
+#: The affected ranges each repro declares (its ds_version markers).
+DECLARED = {MODULE_ID: ("<0.16.4",), EPILOGUE: ("<0.18.3",)}
+
+
 def rec(
     nodeid: str, verdict: str | None, *, repro: str | None = MODULE_ID, variant: str | None = "stock",
-    outcome: str = "passed", error: str | None = None,
+    outcome: str = "passed", error: str | None = None, reason: Reason | None = None,
+    affected: tuple[str, ...] | None = None,
 ) -> TestRecord:  # fmt: skip
     """A test record as the plugin writes it."""
-    meta = None if repro is None else ReproMeta(repro, f"title of {repro}", f"https://x.invalid/{repro}")
+    declared = DECLARED.get(repro or "", ()) if affected is None else affected
+    meta = None if repro is None else ReproMeta(repro, f"title of {repro}", f"https://x.invalid/{repro}",
+                                                affected=declared)  # fmt: skip
     judged = Verdict(verdict) if verdict else None
-    reason = REASONS.get(judged) if judged else None
+    reason = reason or (REASONS.get(judged) if judged else None)
     return TestRecord(nodeid=nodeid, repro=meta, variant=variant, verdict=judged, reason=reason, outcome=outcome,
                       error=error, duration=1.0, config=None)  # fmt: skip
 
@@ -119,7 +126,7 @@ def test_only_unavailable_releases_still_render(tmp_path: Path) -> None:
     assert matrix.exit_code(m, fail_on_unavailable=True) == 1
 
 
-def test_latest_file_wins_per_version(tmp_path: Path) -> None:
+def test_the_newest_file_that_ran_a_test_gives_its_cell(tmp_path: Path) -> None:
     old = write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="old")],
                 created="2026-11-22T09:00:00+00:00", name="b-old.json")  # fmt: skip
     new = write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed")],
@@ -127,12 +134,33 @@ def test_latest_file_wins_per_version(tmp_path: Path) -> None:
     m = build([tmp_path])
     (col,) = m.columns
     assert col.source == new
-    assert col.superseded == (old,)
+    assert col.sources == (new, old)
     cell = m.cell(m.rows[0], col)
     assert cell is not None
     assert cell.verdict is Verdict.REPRODUCED
+    assert cell.source == new
     assert matrix.exit_code(m) == 0
-    assert "1 older results file(s) set aside" in render_terminal(m)
+    assert "Merged: 0.16.3 from 2 results files (per test, the newest file that ran it)" in render_terminal(m)
+
+
+def test_a_partial_rerun_never_empties_cells(tmp_path: Path) -> None:
+    """``tox -e ds0163 -- -k module_id`` after a full run: its tests change, the others keep their cells."""
+    full = write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="flaky gloo"),
+                                      rec(FIXED, "PASSES-WITH-FIX", variant="fixed"),
+                                      rec(EPI, "REPRODUCED", repro=EPILOGUE, outcome="xfailed")],
+                 created="2026-11-22T09:00:00+00:00")  # fmt: skip
+    partial = write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed")],
+                    created="2026-11-22T10:00:00+00:00")  # fmt: skip
+    m = build([tmp_path])
+    (col,) = m.columns
+    by_label = {r.label: m.cell(r, col) for r in m.rows}
+    assert {label: (c.verdict.value, c.source) for label, c in by_label.items() if c} == {
+        EPILOGUE: ("REPRODUCED", full),
+        f"{MODULE_ID} [zero3-stock]": ("REPRODUCED", partial),
+        f"{MODULE_ID} [zero3-fixed]": ("PASSES-WITH-FIX", full),
+    }
+    assert matrix.exit_code(m) == 0  # the UNEXPECTED of the full run is history: the re-run replaced it
+    assert "not run" not in render_terminal(m)
 
 
 def test_latest_file_wins_even_when_it_says_unavailable(tmp_path: Path) -> None:
@@ -168,7 +196,7 @@ def test_failing_test_without_verdict_is_unexpected(tmp_path: Path) -> None:
     m = build([tmp_path])
     assert [r.label for r in m.rows] == ["(not a repro)", MODULE_ID]  # the passing plain test is not a row
     assert {c.verdict for c in m.cells.values()} == {Verdict.UNEXPECTED}
-    assert "no verdict, pytest outcome error: world did not start" in render_terminal(m)
+    assert "no verdict, pytest outcome error: world did not start" in " ".join(render_terminal(m).split())
     assert matrix.exit_code(m) == 1
 
 
@@ -193,7 +221,14 @@ def test_markdown_table_and_footnotes(catalogue: Path) -> None:
     md = render_markdown(build([catalogue]))
     lines = md.splitlines()
     header = next(ln for ln in lines if ln.startswith("| repro"))
-    assert header == "| repro | 0.14.1 | 0.16.3 | 0.16.4 | 0.18.3 |"
+    assert header == "| repro | declared affected | 0.14.1 | 0.16.3 | 0.16.4 | 0.18.3 |"
+    stock = next(ln for ln in lines if ln.startswith(f"| [{MODULE_ID} [zero3-stock]]"))
+    assert "| `<0.16.4` | n/a | REPRODUCED [^" in stock
+    fixed = next(ln for ln in lines if ln.startswith(f"| [{MODULE_ID} [zero3-fixed]]"))
+    assert "| _with fix_ |" in fixed
+    epilogue = next(ln for ln in lines if ln.startswith(f"| [{EPILOGUE}]"))
+    note = epilogue.rsplit("_not run_", 1)[1].split(" |")[0]  # every cell without a verdict has its footnote
+    assert f"{note}: not run: no results file of 0.18.3 ran this test" in lines
     table = [ln for ln in lines if ln.startswith("|")]
     assert len({ln.count(" | ") - ln.count("\\|") for ln in table if not ln.startswith("|---")}) == 1, table
     assert "_torch 2.13.0+cpu, gloo, 2 ranks_" in md
@@ -250,10 +285,12 @@ def test_terminal_table(catalogue: Path) -> None:
     lines = text.splitlines()
     assert lines[0].startswith("DeepSpeed repro matrix: 3 rows x 4 releases (")
     assert "all releases: torch 2.13.0+cpu, gloo, 2 ranks" in text  # the unavailable column has the same torch
-    assert lines[3].split() == ["repro", "0.14.1", "0.16.3", "0.16.4", "0.18.3"]
-    assert lines[4].split() == ["UNAVAILABLE"]
+    assert lines[4].split() == ["repro", "declared", "0.14.1", "0.16.3", "0.16.4", "0.18.3"]
+    assert lines[5].split() == ["UNAVAILABLE"]
     row = next(ln for ln in lines if ln.startswith(f"{MODULE_ID} [zero3-fixed]"))
-    assert row.split()[2:] == ["n/a", "PASSES-WITH-FIX", "PASSES-WITH-FIX", "UNEXPECTED"]
+    assert row.split()[2:] == ["(with", "fix)", "n/a", "PASSES-WITH-FIX", "PASSES-WITH-FIX", "UNEXPECTED"]
+    stock = next(ln for ln in lines if ln.startswith(f"{MODULE_ID} [zero3-stock]"))
+    assert stock.split()[2:] == ["<0.16.4", "n/a", "REPRODUCED", "FIXED", "FIXED"]
     assert "\033[" not in text
     assert "0.18.3  " + FIXED + ": RuntimeError: patch no longer applies" in text
     coloured = render_terminal(build([catalogue]), color=True)
@@ -273,7 +310,7 @@ def test_terminal_heads_each_column_when_environments_differ(tmp_path: Path) -> 
     write(tmp_path, "0.14.1", [], unavailable="import failed")
     lines = render_terminal(build([tmp_path])).splitlines()
     assert "all releases" not in "\n".join(lines)
-    assert lines[2].split() == ["repro", "0.14.1", "0.16.3", "0.16.4"]
+    assert lines[2].split() == ["repro", "declared", "0.14.1", "0.16.3", "0.16.4"]
     assert lines[3].split() == ["torch", "2.13.0+cpu", "torch", "2.12.0+cpu", "torch", "2.13.0+cpu"]
     assert lines[4].split() == ["UNAVAILABLE", "gloo,", "2", "ranks", "gloo,", "2", "ranks"]
 
@@ -338,3 +375,114 @@ def test_importing_matrix_needs_no_torch() -> None:
 
     code = "import sys, pytest_dsrepro.tools.matrix, pytest_dsrepro.tools.install; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+# --- a matrix that tells the truth at a glance ------------------------------------------------------------------------
+
+RELEASES = ["0.14.4", "0.15.4", "0.16.3", "0.16.4", "0.17.6", "0.18.3", "0.18.9", "0.19.8"]
+LONG = "repros/test_zero3_backward_without_optimizer.py::test_backward_on_zero3_engine_without_optimizer"
+
+
+def _eight_releases(d: Path) -> None:
+    """The catalogue's shape on tox's eight releases: long labels, stock and fixed rows, a skip, a hole."""
+    for v in RELEASES:
+        tests = [
+            rec(f"{LONG}[zero3-stock]", "REPRODUCED", repro=EPILOGUE, outcome="xfailed", affected=("<99",)),
+            rec(f"{LONG}[zero3-fixed]", "PASSES-WITH-FIX", repro=EPILOGUE, variant="fixed", affected=("<99",)),
+        ]
+        if v != "0.17.6":
+            tests.append(rec(STOCK, "REPRODUCED" if v < "0.16.4" else "FIXED"))
+        if v == "0.19.8":
+            tests.append(rec(FIXED, "SKIPPED", variant="fixed", outcome="skipped", error="no fix needed past 0.16.4"))
+        write(d, v, tests)  # fmt: skip
+
+
+def test_the_terminal_table_fits_120_columns(tmp_path: Path) -> None:
+    _eight_releases(tmp_path)
+    m = build([tmp_path])
+    text = render_terminal(m)
+    assert max(len(line) for line in text.splitlines()) <= 120, text
+    assert "REPRO" in text
+    assert "Legend: REPRO REPRODUCED, W/FIX PASSES-WITH-FIX, UNEXP UNEXPECTED, SKIP SKIPPED, - not run" in text
+    assert all(v in text for v in RELEASES)  # every release, in one table or several
+    narrow = render_terminal(m, width=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80, narrow
+    assert [line.split()[:2] for line in narrow.splitlines() if line.startswith("repro ")] == [
+        ["repro", "declared"]
+    ] * 2
+    roomy = render_terminal(m, width=400)
+    assert "PASSES-WITH-FIX" in roomy  # full names when they fit
+    assert "Legend" not in roomy
+
+
+def test_every_cell_without_a_verdict_says_why(tmp_path: Path) -> None:
+    _eight_releases(tmp_path)
+    text = render_terminal(build([tmp_path]), width=400)
+    notes = text.split("Cells without a verdict:")[1]
+    assert f"{MODULE_ID} [zero3-stock]: not run: no results file of the release ran this test (on 0.17.6)" in notes
+    assert (f"{MODULE_ID} [zero3-fixed]: not run: no results file of the release ran this test (on 0.14.4, 0.15.4, "
+            "0.16.3, 0.16.4, 0.17.6, 0.18.3, 0.18.9)") in notes  # fmt: skip
+    assert f"{MODULE_ID} [zero3-fixed]: SKIPPED: no fix needed past 0.16.4 (on 0.19.8)" in notes
+    md = render_markdown(build([tmp_path]))
+    assert "no fix needed past 0.16.4" in md
+    assert "not run: no results file of 0.17.6 ran this test" in md
+
+
+def test_cells_against_the_declared_range_are_marked(tmp_path: Path) -> None:
+    write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="did not reproduce: passed",
+                                   reason=Reason.DID_NOT_REPRODUCE)])  # fmt: skip
+    write(tmp_path, "0.18.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="regression",
+                                   reason=Reason.REGRESSION)])  # fmt: skip
+    # judged under an older declaration (affected <0.17): the newest record now declares <0.16.4
+    write(tmp_path, "0.16.9", [rec(STOCK, "REPRODUCED", outcome="xfailed", affected=("<0.17",))],
+          created="2026-11-21T10:00:00+00:00")  # fmt: skip
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED"), rec(FIXED, "UNEXPECTED", variant="fixed", outcome="failed",
+                                                        reason=Reason.FIX_DOES_NOT_HOLD)])  # fmt: skip
+    m = build([tmp_path])
+    stock, fixed = m.rows
+    assert stock.declared == ("<0.16.4",)
+    marked = {c.version: cell.contradicts for c in m.columns if (cell := m.cell(stock, c))}
+    assert marked == {"0.16.3": True, "0.16.4": False, "0.16.9": True, "0.18.3": True}
+    fix_cells = [m.cell(fixed, c) for c in m.columns]
+    assert not any(cell.contradicts for cell in fix_cells if cell)  # a fix row says nothing of the range
+    text = render_terminal(m)
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"{MODULE_ID} [zero3-stock]"))
+    assert row.split()[2:] == ["<0.16.4", "UNEXPECTED!", "FIXED", "REPRODUCED!", "UNEXPECTED!"]
+    against = text.split("Against the declared range (!):")[1]
+    assert (
+        "0.16.3  zero3-module-id-clobbered [zero3-stock]: the body passed inside the declared range (<0.16.4)"
+        in against
+    )
+    assert "0.16.9  zero3-module-id-clobbered [zero3-stock]: the body failed outside the declared range" in against
+    assert "3 against the declared range" in text.splitlines()[0] + text.splitlines()[1]
+    md = render_markdown(m)
+    assert "REPRODUCED [^" in md
+    assert "against the declared range (<0.16.4): reproduced" in md
+    assert 'class="REPRODUCED contradicts"' in render_html(m)
+
+
+def test_since_marks_the_cells_that_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    write(old, "0.16.3", [rec(STOCK, "FIXED"), rec(EPI, "REPRODUCED", repro=EPILOGUE, outcome="xfailed")])
+    write(old, "0.16.4", [rec(STOCK, "FIXED")])
+    write(new, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed"), rec(FIXED, "PASSES-WITH-FIX", variant="fixed")])
+    write(new, "0.16.4", [rec(STOCK, "FIXED")])
+    m = matrix.since(build([new]), build([old]), [old])
+    assert [(r.label, c.version, before, now) for r, c, before, now in m.changes()] == [
+        (f"{MODULE_ID} [zero3-stock]", "0.16.3", "FIXED", "REPRODUCED"),
+        (f"{MODULE_ID} [zero3-fixed]", "0.16.3", "not run", "PASSES-WITH-FIX"),
+    ]
+    assert m.gone == ((EPILOGUE, "0.16.3", "REPRODUCED"),)
+    text = render_terminal(m)
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"{MODULE_ID} [zero3-stock]"))
+    assert row.split()[2:] == ["<0.16.4", "REPRODUCED~", "FIXED"]
+    assert "Changed since the older results: 2 cells" in text
+    assert f"0.16.3  {EPILOGUE}: REPRODUCED -> no longer in the results" in text
+    assert f"~ changed since {old}" in text
+    assert "REPRODUCED (was FIXED)" in render_markdown(m)
+    assert 'class="REPRODUCED changed" title="was FIXED"' in render_html(m)
+    # the command: --since DIR
+    assert matrix.run(_args(str(new), "--since", str(old), "--no-write", "--color", "never")) == 0
+    assert "REPRODUCED~" in capsys.readouterr().out
+    assert matrix.run(_args(str(new), "--since", str(tmp_path / "nope"), "--no-write")) == 2
+    assert "--since: no such file or directory" in capsys.readouterr().err

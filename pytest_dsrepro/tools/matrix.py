@@ -1,30 +1,43 @@
-"""``dsrepro matrix``: the results files of many runs (one per DeepSpeed release) as one table.
+"""``dsrepro matrix``: the results files of many runs (one or more per DeepSpeed release) as one table.
 
-Rows are repros (one row per test id where a repro has several: variant, config, other parameters), columns are
-DeepSpeed releases in version order (``packaging.version``), cells are verdicts: REPRODUCED, FIXED,
-PASSES-WITH-FIX, UNEXPECTED, SKIPPED. A release that could not run at all (``"unavailable"`` in its results file,
-written by ``dsrepro install``) is a column of its own that says why; it is never dropped. When several files
-cover one release, the newest (``created``, then file time) wins, and the report says which files it set aside.
+Rows are repros (one row per test id where a repro has several: variant, config, other parameters), each with the
+range of releases its ``ds_version`` markers declare affected; columns are DeepSpeed releases in version order
+(``packaging.version``); cells are verdicts: REPRODUCED, FIXED, PASSES-WITH-FIX, UNEXPECTED, SKIPPED.
 
-Everything here is a pure function of the files' contents (:func:`load`, :func:`merge`, the ``render_*``
-functions), so the whole of it is tested without torch; :func:`run` is the command. The files are read, and
-checked, by ``core.results``; the verdicts are the gates' own ``Verdict``.
+- **Several files of one release merge**: per test, the newest file that ran it gives its cell (``created``, then
+  the file's time), so a partial re-run (``-k``) updates its cells and leaves the others as they were.
+- **Every cell that is not a verdict says why**: SKIPPED cells their skip reason, ``not run`` cells that no file of
+  the release ran the test, ``n/a`` columns why the release could not run (``unavailable`` in its results file,
+  written by ``dsrepro install``); such a release is a column of its own, never dropped.
+- **Declared against observed**: a stock cell whose outcome contradicts the row's declared range (the body passed
+  inside it, or failed outside it, as the gates' ``Reason`` says) is marked ``!``.
+- **What changed**: with ``--since OLD_DIR``, cells that differ from the matrix of those older files are marked ``~``.
+- **120 columns**: the terminal table uses the verdicts' names when they fit, else short names (with a legend), and
+  splits the releases into several tables when even those do not fit; long labels wrap.
+
+Everything here is a pure function of the files' contents (:func:`load`, :func:`merge`, :func:`since`, the
+``render_*`` functions), so the whole of it is tested without torch; :func:`run` is the command. The files are
+read, and checked, by ``core.results``; verdicts and reasons are the gates' own ``Verdict`` and ``Reason``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import html
 import os
+import shutil
 import sys
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..core import results
-from ..core.gates import Verdict
+from ..core.gates import Reason, Verdict, oldest_first
 from ..core.results import ResultsFile, TestRecord
 
 __all__ = [
@@ -41,10 +54,27 @@ __all__ = [
     "render_markdown",
     "render_terminal",
     "run",
+    "since",
 ]
 
 NOT_RUN = "not run"
 UNAVAILABLE = "n/a"
+CONTRADICTS = "!"  # the cell contradicts the row's declared range
+CHANGED = "~"  # the cell differs from the --since matrix
+#: The width the terminal table keeps within (or the terminal's, when narrower).
+WIDTH = 120
+#: A row label longer than this wraps.
+LABEL_WIDTH = 36
+#: Short names, used when the full ones would not fit (a legend says so).
+SHORT = {
+    Verdict.REPRODUCED.value: "REPRO",
+    Verdict.FIXED.value: "FIXED",
+    Verdict.PASSES_WITH_FIX.value: "W/FIX",
+    Verdict.UNEXPECTED.value: "UNEXP",
+    Verdict.SKIPPED.value: "SKIP",
+    NOT_RUN: "-",
+    UNAVAILABLE: "n/a",
+}
 
 
 class MatrixError(Exception):
@@ -58,8 +88,8 @@ class Column:
     backend: str | None
     world_size: int | None
     unavailable: str | None
-    source: Path
-    superseded: tuple[Path, ...] = ()
+    source: Path  # the newest file of the release
+    sources: tuple[Path, ...] = ()  # every file of the release, newest first
 
     @property
     def environment_line(self) -> str:
@@ -84,6 +114,21 @@ class Row:
     label: str  # the repro id, plus what tells this row from the repro's other rows
     title: str | None = None
     upstream: str | None = None
+    variant: str | None = None
+    declared: tuple[str, ...] = ()  # the affected ranges its ds_version markers declare (the newest record's)
+
+    @property
+    def judged_by_range(self) -> bool:
+        """A stock (or fix-less) row: its cells say whether the bug shows, which the declared range predicts."""
+        return self.variant in (None, "stock") and bool(self.declared)
+
+    def declares_affected(self, version: str) -> bool | None:
+        """Does the declared range include ``version``? None when that cannot be said."""
+        try:
+            v = Version(version)
+            return any(SpecifierSet(d).contains(v, prereleases=True) for d in self.declared)
+        except (InvalidVersion, InvalidSpecifier):
+            return None
 
 
 @dataclass(frozen=True)
@@ -91,11 +136,19 @@ class Cell:
     verdict: Verdict
     outcome: str | None = None
     error: str | None = None
+    reason: Reason | None = None
+    source: Path | None = None  # the results file it comes from
+    contradicts: bool = False  # the outcome contradicts the row's declared range
+    before: str | None = None  # with --since: what the cell was (a verdict, "not run"), when it changed
 
     @property
     def note(self) -> str | None:
         """The line worth a footnote or a tooltip: the failure seen, or why there was no verdict."""
         return self.error or None
+
+    @property
+    def marks(self) -> str:
+        return (CONTRADICTS if self.contradicts else "") + (CHANGED if self.before is not None else "")
 
 
 @dataclass(frozen=True)
@@ -105,6 +158,8 @@ class Matrix:
     cells: Mapping[tuple[str, str], Cell]  # (row nodeid, column version) -> cell
     sources: tuple[Path, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    since: tuple[Path, ...] | None = None  # the older files compared with (--since), if any
+    gone: tuple[tuple[str, str, str], ...] = ()  # (label, version, verdict) cells of the older matrix missing here
 
     def cell(self, row: Row, column: Column) -> Cell | None:
         return self.cells.get((row.nodeid, column.version))
@@ -113,12 +168,55 @@ class Matrix:
         return sum(1 for c in self.cells.values() if c.verdict == verdict)
 
     def unexpected(self) -> list[tuple[Row, Column, Cell]]:
+        return self._where(lambda cell: cell.verdict is Verdict.UNEXPECTED)
+
+    def contradictions(self) -> list[tuple[Row, Column, Cell]]:
+        return self._where(lambda cell: cell.contradicts)
+
+    def changes(self) -> list[tuple[Row, Column, str, str]]:
+        """``(row, column, before, now)`` for every cell that differs from the ``--since`` matrix."""
+        found = []
+        for c in self.columns:
+            for r in self.rows:
+                cell = self.cell(r, c)
+                if cell is not None and cell.before is not None:
+                    found.append((r, c, cell.before, cell.verdict.value))
+        return found
+
+    def _where(self, keep: object) -> list[tuple[Row, Column, Cell]]:
+        assert callable(keep)
         return [
             (r, c, cell)
             for c in self.columns
             for r in self.rows
-            if (cell := self.cell(r, c)) is not None and cell.verdict is Verdict.UNEXPECTED
+            if not c.unavailable and (cell := self.cell(r, c)) is not None and keep(cell)
         ]
+
+    def text(self, row: Row, column: Column) -> str:
+        """What a cell says: a verdict, ``not run`` or ``n/a``."""
+        if column.unavailable:
+            return UNAVAILABLE
+        cell = self.cell(row, column)
+        return cell.verdict.value if cell else NOT_RUN
+
+    def not_verdicts(self) -> list[tuple[str, Row, list[str]]]:
+        """Why each cell that is not a verdict (SKIPPED, not run) is what it is: ``(why, row, releases)``, one entry
+        per row and reason. Unavailable releases say why in their own notes."""
+        grouped: dict[tuple[str, str], list[str]] = {}
+        rows = {r.nodeid: r for r in self.rows}
+        for r in self.rows:
+            for c in self.columns:
+                if c.unavailable:
+                    continue
+                cell = self.cell(r, c)
+                if cell is None:
+                    why = "not run: no results file of the release ran this test"
+                elif cell.verdict is Verdict.SKIPPED:
+                    why = f"SKIPPED: {_one_line(cell.error or 'no reason recorded')}"
+                else:
+                    continue
+                grouped.setdefault((r.nodeid, why), []).append(c.version)
+        return [(why, rows[nodeid], versions) for (nodeid, why), versions in grouped.items()]
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -148,15 +246,15 @@ def version_key(version: str) -> tuple[int, Version | str]:
         return (1, version)
 
 
-def _cell_of(record: TestRecord) -> Cell | None:
+def _cell_of(record: TestRecord, source: Path) -> Cell | None:
     """A record's cell, or None for a test outside the catalogue's business (ungated and not failing)."""
     if record.verdict is not None:
-        return Cell(record.verdict, record.outcome, record.error)
+        return Cell(record.verdict, record.outcome, record.error, record.reason, source)
     if record.outcome in ("failed", "error", "xpassed"):
         why = f"no verdict, pytest outcome {record.outcome}: {record.error or 'no error recorded'}"
-        return Cell(Verdict.UNEXPECTED, record.outcome, why)
+        return Cell(Verdict.UNEXPECTED, record.outcome, why, None, source)
     if record.outcome == "skipped":
-        return Cell(Verdict.SKIPPED, record.outcome, record.error)
+        return Cell(Verdict.SKIPPED, record.outcome, record.error, None, source)
     return None
 
 
@@ -178,69 +276,145 @@ def _labels(repro: str, nodeids: Iterable[str]) -> dict[str, str]:
     return {n: f"{repro} {_test_part(n)}" for n in ids}
 
 
-def _row_order(row: Row, variant: str | None) -> tuple[str, str, int]:
+def _row_order(row: Row) -> tuple[str, str, int]:
     params = _test_part(row.nodeid).partition("[")[2].rstrip("]")
+    variant = row.variant
     rest = "-".join(p for p in params.split("-") if p != variant) if variant else params
     base = _test_part(row.nodeid).split("[", 1)[0]
     return (row.repro, f"{base}[{rest}]", 0 if variant in (None, "stock") else 1)
 
 
-def merge(files: Sequence[ResultsFile], warnings: Sequence[str] = ()) -> Matrix:
-    """One column per DeepSpeed version (the newest file wins), one row per test of a repro."""
-    by_version: dict[str, list[ResultsFile]] = {}
-    for f in files:
-        by_version.setdefault(f.run.version, []).append(f)
-    columns: list[Column] = []
-    winners: list[ResultsFile] = []
-    for version in sorted(by_version, key=version_key):
-        candidates = sorted(by_version[version], key=lambda f: (f.created, f.path.stat().st_mtime, str(f.path)))
-        win = candidates[-1]
-        winners.append(win)
-        env = win.run.environment
-        columns.append(
-            Column(
-                version=version,
-                torch=env.torch,
-                backend=env.backend,
-                world_size=env.world_size,
-                unavailable=win.run.unavailable,
-                source=win.path,
-                superseded=tuple(f.path for f in candidates[:-1]),
-            )
-        )
-    cells: dict[tuple[str, str], Cell] = {}
-    meta: dict[str, tuple[str, str | None, str | None, str | None]] = {}  # nodeid -> repro, title, upstream, variant
-    for win in winners:
-        for record in win.run.tests:
-            nodeid = record.nodeid
-            cell = _cell_of(record)
-            if not nodeid or cell is None:
-                continue
-            about = record.repro
-            old = meta.get(nodeid)
-            meta[nodeid] = (
-                (about.id if about else None) or (old[0] if old else "(not a repro)"),
-                (about.title if about else None) or (old[1] if old else None),
-                (about.upstream if about else None) or (old[2] if old else None),
-                record.variant or (old[3] if old else None),
-            )
-            cells[(nodeid, win.run.version)] = cell
-    per_repro: dict[str, list[str]] = {}
-    for nodeid, (repro, *_rest) in meta.items():
-        per_repro.setdefault(repro, []).append(nodeid)
-    rows: list[tuple[tuple[str, str, int], Row]] = []
-    for repro, nodeids in per_repro.items():
-        for nodeid, label in _labels(repro, nodeids).items():
-            _, title, upstream, variant = meta[nodeid]
-            row = Row(repro, nodeid, label, title, upstream)
-            rows.append((_row_order(row, variant), row))
-    return Matrix(
-        columns=tuple(columns),
-        rows=tuple(r for _, r in sorted(rows, key=lambda kr: (kr[0], kr[1].nodeid))),
-        cells=cells,
-        sources=tuple(f.path for f in files),
-        warnings=tuple(warnings),
+def _age(f: ResultsFile) -> tuple[object, float, str]:
+    return (f.created, f.path.stat().st_mtime, str(f.path))
+
+
+def _column(version: str, files: Sequence[ResultsFile]) -> Column:
+    """A release's column from its files (oldest first): the newest file's environment; unavailable only when the
+    newest file says so (a later run that worked makes an older unavailability history)."""
+    newest = files[-1]
+    runs = [f for f in files if not f.run.unavailable]
+    env = (runs[-1] if runs and not newest.run.unavailable else newest).run.environment
+    return Column(
+        version=version,
+        torch=env.torch,
+        backend=env.backend,
+        world_size=env.world_size,
+        unavailable=newest.run.unavailable,
+        source=newest.path,
+        sources=tuple(f.path for f in reversed(files)),
     )
+
+
+@dataclass(frozen=True)
+class _About:
+    """What a test's newest record says about it (older records fill what a newer one leaves empty)."""
+
+    repro: str
+    title: str | None
+    upstream: str | None
+    variant: str | None
+    declared: tuple[str, ...]
+
+    def updated(self, record: TestRecord) -> _About:
+        about = record.repro
+        return _About(
+            repro=(about.id if about else None) or self.repro,
+            title=(about.title if about else None) or self.title,
+            upstream=(about.upstream if about else None) or self.upstream,
+            variant=record.variant or self.variant,
+            declared=tuple(oldest_first(about.affected)) if about and about.affected else self.declared,
+        )
+
+
+_NOBODY = _About("(not a repro)", None, None, None, ())
+
+
+def _collect(files: Sequence[ResultsFile]) -> tuple[dict[tuple[str, str], Cell], dict[str, _About]]:
+    """Every cell, the newest file that ran its test on its release giving it, and what each test is."""
+    cells: dict[tuple[str, str], Cell] = {}
+    about: dict[str, _About] = {}
+    for f in sorted(files, key=_age):  # oldest first: newer records overwrite
+        if f.run.unavailable:
+            continue
+        for record in f.run.tests:
+            cell = _cell_of(record, f.path)
+            if record.nodeid and cell is not None:
+                about[record.nodeid] = about.get(record.nodeid, _NOBODY).updated(record)
+                cells[(record.nodeid, f.run.version)] = cell
+    return cells, about
+
+
+def _rows(about: Mapping[str, _About]) -> tuple[Row, ...]:
+    per_repro: dict[str, list[str]] = {}
+    for nodeid, a in about.items():
+        per_repro.setdefault(a.repro, []).append(nodeid)
+    rows = [
+        Row(repro, nodeid, label, about[nodeid].title, about[nodeid].upstream, about[nodeid].variant,
+            about[nodeid].declared)
+        for repro, nodeids in per_repro.items()
+        for nodeid, label in _labels(repro, nodeids).items()
+    ]  # fmt: skip
+    return tuple(sorted(rows, key=lambda r: (_row_order(r), r.nodeid)))
+
+
+def merge(files: Sequence[ResultsFile], warnings: Sequence[str] = ()) -> Matrix:
+    """One column per DeepSpeed release, one row per test of a repro; per test and release the newest file that ran
+    it gives the cell, so several files of one release (a partial re-run among them) merge."""
+    by_version: dict[str, list[ResultsFile]] = {}
+    for f in sorted(files, key=_age):
+        by_version.setdefault(f.run.version, []).append(f)
+    columns = tuple(_column(v, by_version[v]) for v in sorted(by_version, key=version_key))
+    cells, about = _collect(files)
+    unavailable = {c.version for c in columns if c.unavailable}
+    # What older runs of a release that cannot run now said is history, not a cell.
+    cells = {k: cell for k, cell in cells.items() if k[1] not in unavailable}
+    rows = _rows(about)
+    return Matrix(columns, rows, _judge_ranges(rows, cells), tuple(f.path for f in files), tuple(warnings))
+
+
+def _opt(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _judge_ranges(rows: Sequence[Row], cells: Mapping[tuple[str, str], Cell]) -> dict[tuple[str, str], Cell]:
+    """Mark the cells whose outcome contradicts their row's declared range (``Reason.body_failed`` against it)."""
+    by_id = {r.nodeid: r for r in rows}
+    judged: dict[tuple[str, str], Cell] = {}
+    for (nodeid, version), cell in cells.items():
+        row = by_id[nodeid]
+        failed = cell.reason.body_failed if cell.reason is not None else None
+        affected = row.declares_affected(version) if row.judged_by_range else None
+        contradicts = failed is not None and affected is not None and failed != affected
+        judged[(nodeid, version)] = dataclasses.replace(cell, contradicts=contradicts)
+    return judged
+
+
+def since(matrix: Matrix, old: Matrix, paths: Sequence[Path] = ()) -> Matrix:
+    """``matrix`` with each cell that differs from ``old`` marked (its ``before``), and the cells ``old`` had that
+    ``matrix`` has not listed (``gone``)."""
+    old_rows = {r.nodeid: r for r in old.rows}
+    old_columns = {c.version: c for c in old.columns}
+
+    def before(nodeid: str, version: str) -> str:
+        column, row = old_columns.get(version), old_rows.get(nodeid)
+        if column is None or row is None:
+            return NOT_RUN
+        return old.text(row, column)
+
+    cells = dict(matrix.cells)
+    columns = {c.version: c for c in matrix.columns}
+    for (nodeid, version), cell in matrix.cells.items():
+        was = before(nodeid, version)
+        if was != cell.verdict.value and not columns[version].unavailable:
+            cells[(nodeid, version)] = dataclasses.replace(cell, before=was)
+    new_rows = {r.nodeid for r in matrix.rows}
+    gone = tuple(
+        (r.label, c.version, cell.verdict.value)
+        for (nodeid, version), cell in old.cells.items()
+        if (r := old_rows[nodeid]) and (c := old_columns[version])
+        and (nodeid not in new_rows or (nodeid, version) not in matrix.cells)
+    )  # fmt: skip
+    return dataclasses.replace(matrix, cells=cells, since=tuple(paths), gone=gone)
 
 
 def exit_code(matrix: Matrix, *, fail_on_unavailable: bool = False) -> int:
@@ -264,10 +438,15 @@ def _summary(matrix: Matrix) -> str:
     unavailable = sum(1 for c in matrix.columns if c.unavailable)
     if unavailable:
         counts.append(f"{unavailable} release{'s' * (unavailable != 1)} unavailable")
+    contradictions = len(matrix.contradictions())
+    if contradictions:
+        counts.append(f"{contradictions} against the declared range")
+    if matrix.since is not None:
+        counts.append(f"{len(matrix.changes())} changed")
     return ", ".join(counts) or "no verdicts"
 
 
-_ANSI = {  # by the text shown in a cell
+_ANSI = {
     Verdict.REPRODUCED.value: "\033[33m",
     Verdict.FIXED.value: "\033[32m",
     Verdict.PASSES_WITH_FIX.value: "\033[36m",
@@ -276,13 +455,6 @@ _ANSI = {  # by the text shown in a cell
     UNAVAILABLE: "\033[2m",
     NOT_RUN: "\033[2m",
 }
-
-
-def _terminal_text(matrix: Matrix, row: Row, column: Column) -> str:
-    if column.unavailable:
-        return UNAVAILABLE
-    cell = matrix.cell(row, column)
-    return cell.verdict.value if cell else NOT_RUN
 
 
 def _column_heads(matrix: Matrix) -> tuple[str | None, list[list[str]]]:
@@ -302,52 +474,169 @@ def _column_heads(matrix: Matrix) -> tuple[str | None, list[list[str]]]:
     return common, head
 
 
-def _terminal_notes(matrix: Matrix) -> list[str]:
-    """Below the table: the unexpected cells with their errors, the unavailable releases, the files set aside."""
-    lines: list[str] = []
-    unexpected = matrix.unexpected()
-    if unexpected:
-        lines += ["", "UNEXPECTED:"]
-        lines += [
-            f"  {c.version}  {r.nodeid}: {_one_line(cell.error or cell.outcome or '?')}" for r, c, cell in unexpected
-        ]
-    unavailable = [c for c in matrix.columns if c.unavailable_line]
-    if unavailable:
-        lines += ["", "Unavailable releases:"]
-        lines += [f"  {c.version}: {c.unavailable_line}" for c in unavailable]
-    superseded = sum(len(c.superseded) for c in matrix.columns)
-    if superseded:
-        lines += ["", f"{superseded} older results file(s) set aside: the newest file per release wins."]
+def _declared_lines(row: Row) -> list[str]:
+    if row.variant not in (None, "stock"):
+        return ["(with fix)"]
+    return list(row.declared) or ["-"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    short: bool
+    label_width: int
+    declared_width: int
+    blocks: tuple[tuple[int, ...], ...]  # column indexes of each table
+
+
+def _layout(matrix: Matrix, head: Sequence[Sequence[str]], width: int) -> _Layout:
+    """The first that fits: full names and labels, wrapped labels, short names, then short names in several tables."""
+    longest = max([len("repro"), *(len(r.label) for r in matrix.rows)])
+    declared = max([len("declared"), *(len(d) for r in matrix.rows for d in _declared_lines(r))])
+    widths: list[int] = []
+    for short, label in ((False, longest), (False, min(longest, LABEL_WIDTH)), (True, longest),
+                         (True, min(longest, LABEL_WIDTH))):  # fmt: skip
+        widths = [_column_width(matrix, i, h, short) for i, h in enumerate(head)]
+        if label + 2 + declared + sum(w + 2 for w in widths) <= width:
+            return _Layout(short, label, declared, (tuple(range(len(widths))),))
+    label = min(longest, LABEL_WIDTH)
+    blocks: list[list[int]] = [[]]
+    used = label + 2 + declared
+    for i, w in enumerate(widths):  # the short names, split into tables that fit
+        if blocks[-1] and used + w + 2 > width:
+            blocks.append([])
+            used = label + 2 + declared
+        blocks[-1].append(i)
+        used += w + 2
+    return _Layout(True, label, declared, tuple(tuple(b) for b in blocks))
+
+
+def _shown(matrix: Matrix, row: Row, column: Column, short: bool) -> str:
+    text = matrix.text(row, column)
+    cell = matrix.cell(row, column)
+    return (SHORT[text] if short else text) + (cell.marks if cell and not column.unavailable else "")
+
+
+def _column_width(matrix: Matrix, index: int, head: Sequence[str], short: bool) -> int:
+    column = matrix.columns[index]
+    return max([*(len(h) for h in head), *(len(_shown(matrix, r, column, short)) for r in matrix.rows)])
+
+
+def _table(
+    matrix: Matrix, head: Sequence[Sequence[str]], layout: _Layout, block: Sequence[int], color: bool
+) -> list[str]:
+    columns = [matrix.columns[i] for i in block]
+    heads = [head[i] for i in block]
+    widths = [_column_width(matrix, i, head[i], layout.short) for i in block]
+    lw, dw = layout.label_width, layout.declared_width
+    depth = max((len(h) for h in heads), default=1)
+
+    def paint(row: Row, column: Column, w: int) -> str:
+        shown = _shown(matrix, row, column, layout.short)
+        padded = f"{shown:<{w}}"
+        key = matrix.text(row, column)
+        return f"{_ANSI[key]}{padded}\033[0m" if color and key in _ANSI else padded
+
+    lines = []
+    for i in range(depth):
+        cells = [f"{(h[i] if i < len(h) else ''):<{w}}" for h, w in zip(heads, widths, strict=True)]
+        first = ("repro", "declared") if i == 0 else ("", "")
+        lines.append("  ".join([f"{first[0]:<{lw}}", f"{first[1]:<{dw}}", *cells]).rstrip())
+    lines.append("  ".join(["-" * lw, "-" * dw, *("-" * w for w in widths)]))
+    for r in matrix.rows:
+        labels = textwrap.wrap(r.label, lw, break_on_hyphens=False) or [""]
+        declared = _declared_lines(r)
+        for i in range(max(len(labels), len(declared))):
+            label = labels[i] if i < len(labels) else ""
+            ranges = declared[i] if i < len(declared) else ""
+            cells = [paint(r, c, w) if i == 0 else " " * w for c, w in zip(columns, widths, strict=True)]
+            lines.append("  ".join([f"{label:<{lw}}", f"{ranges:<{dw}}", *cells]).rstrip())
     return lines
 
 
-def render_terminal(matrix: Matrix, *, color: bool = False) -> str:
-    """A fixed-width table; below it the unexpected cells with their errors and the unavailable releases."""
+def _wrapped(prefix: str, text: str, width: int) -> list[str]:
+    """``prefix`` then ``text``, wrapped within ``width`` (under the prefix; on lines of its own when the prefix leaves
+    it less than 30 columns). Only a word longer than the width (a node id, a path) can pass it."""
+    text = _one_line(text)
+    if len(prefix) > width - 30:
+        rest = textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                             break_on_hyphens=False, break_long_words=False)  # fmt: skip
+        return [prefix.rstrip(), *rest]
+    return textwrap.wrap(text, width, initial_indent=prefix, subsequent_indent=" " * (len(prefix) + 2),
+                         break_on_hyphens=False, break_long_words=False) or [prefix]  # fmt: skip
+
+
+def _legend(matrix: Matrix, layout: _Layout, width: int) -> list[str]:
+    legend = []
+    if layout.short:
+        legend.append(", ".join(f"{short} {full}" for full, short in SHORT.items() if short != full))
+    if matrix.contradictions():
+        legend.append(f"{CONTRADICTS} against the declared range")
+    if matrix.since is not None:
+        legend.append(f"{CHANGED} changed since {', '.join(str(p) for p in matrix.since) or 'the older results'}")
+    return ["", *_wrapped("Legend: ", "; ".join(legend), width)] if legend else []
+
+
+def _against(matrix: Matrix, width: int) -> list[str]:
+    found = matrix.contradictions()
+    lines = ["", f"Against the declared range ({CONTRADICTS}):"] if found else []
+    for r, c, cell in found:
+        side = "inside" if r.declares_affected(c.version) else "outside"
+        what = "passed" if cell.reason is not None and cell.reason.body_failed is False else "failed"
+        reason = cell.reason.value if cell.reason else ""
+        why = f"the body {what} {side} the declared range ({' or '.join(r.declared)}): {cell.verdict.value}, {reason}"
+        lines += _wrapped(f"  {c.version}  {r.label}: ", why, width)
+    return lines
+
+
+def _changes(matrix: Matrix, width: int) -> list[str]:
+    if matrix.since is None:
+        return []
+    changes = matrix.changes()
+    lines = ["", f"Changed since the older results: {len(changes)} cell{'s' * (len(changes) != 1)}"]
+    for r, c, before, now in changes:
+        lines += _wrapped(f"  {c.version}  {r.label}: ", f"{before} -> {now}", width)
+    for label, version, was in matrix.gone:
+        lines += _wrapped(f"  {version}  {label}: ", f"{was} -> no longer in the results", width)
+    return lines
+
+
+def _terminal_notes(matrix: Matrix, layout: _Layout, width: int) -> list[str]:
+    """Below the tables: the legend, the cells against the declared range, the unexpected cells with their errors,
+    why each cell without a verdict has none, the unavailable releases, the changes since --since, the merges."""
+    lines = _legend(matrix, layout, width) + _against(matrix, width)
+    unexpected = matrix.unexpected()
+    lines += ["", "UNEXPECTED:"] if unexpected else []
+    for r, c, cell in unexpected:  # the node id: what to run again
+        lines += _wrapped(f"  {c.version}  {r.nodeid}: ", cell.error or cell.outcome or "?", width)
+    not_verdicts = matrix.not_verdicts()
+    lines += ["", "Cells without a verdict:"] if not_verdicts else []
+    for why, r, versions in not_verdicts:
+        lines += _wrapped(f"  {r.label}: ", f"{why} (on {', '.join(versions)})", width)
+    unavailable = [c for c in matrix.columns if c.unavailable_line]
+    lines += ["", "Unavailable releases:"] if unavailable else []
+    for c in unavailable:
+        lines += _wrapped(f"  {c.version}: ", c.unavailable_line or "", width)
+    lines += _changes(matrix, width)
+    merged = "; ".join(f"{c.version} from {len(c.sources)} results files" for c in matrix.columns if len(c.sources) > 1)
+    if merged:
+        lines += ["", *_wrapped("Merged: ", f"{merged} (per test, the newest file that ran it)", width)]
+    return lines
+
+
+def render_terminal(matrix: Matrix, *, color: bool = False, width: int = WIDTH) -> str:
+    """Fixed-width tables within ``width``; below them what the marks, short names and verdict-less cells mean, the
+    unexpected cells with their errors and the unavailable releases. Only an upstream-free text line that cannot be
+    broken (a long path or error word) can pass the width."""
     common, head = _column_heads(matrix)
-    depth = max((len(h) for h in head), default=1)
-    texts = {(r.nodeid, c.version): _terminal_text(matrix, r, c) for r in matrix.rows for c in matrix.columns}
-    label_w = max([len("repro"), *(len(r.label) for r in matrix.rows)])
-    widths = [
-        max([*(len(x) for x in h), *(len(texts[(r.nodeid, c.version)]) for r in matrix.rows)])
-        for h, c in zip(head, matrix.columns, strict=True)
-    ]
-
-    def paint(text: str, width: int) -> str:
-        padded = f"{text:<{width}}"
-        return f"{_ANSI[text]}{padded}\033[0m" if color and text in _ANSI else padded
-
+    layout = _layout(matrix, head, width)
     lines = [f"DeepSpeed repro matrix: {len(matrix.rows)} rows x {len(matrix.columns)} releases ({_summary(matrix)})"]
+    lines = _wrapped("", lines[0], width)
     if common:
         lines.append(f"all releases: {common}")
-    lines.append("")
-    for i in range(depth):
-        cells = [f"{(h[i] if i < len(h) else ''):<{w}}" for h, w in zip(head, widths, strict=True)]
-        lines.append("  ".join([f"{'repro' if i == 0 else '':<{label_w}}", *cells]).rstrip())
-    lines.append("  ".join(["-" * label_w, *("-" * w for w in widths)]))
-    for r in matrix.rows:
-        cells = [paint(texts[(r.nodeid, c.version)], w) for c, w in zip(matrix.columns, widths, strict=True)]
-        lines.append("  ".join([f"{r.label:<{label_w}}", *cells]).rstrip())
-    lines += _terminal_notes(matrix)
+    for block in layout.blocks:
+        lines.append("")
+        lines += _table(matrix, head, layout, block, color)
+    lines += _terminal_notes(matrix, layout, width)
     return "\n".join(lines) + "\n"
 
 
@@ -366,8 +655,32 @@ class _Notes:
         return f"[^{number}]"
 
 
+def _md_cell(matrix: Matrix, row: Row, column: Column, notes: _Notes) -> str:
+    if column.unavailable:
+        return UNAVAILABLE
+    cell = matrix.cell(row, column)
+    if cell is None:
+        return f"_{NOT_RUN}_" + notes.ref(f"not run: no results file of {column.version} ran this test")
+    text = f"**{cell.verdict.value}**" if cell.verdict is Verdict.UNEXPECTED else cell.verdict.value
+    refs = []
+    if cell.note:
+        refs.append(notes.ref(cell.note))
+    elif cell.verdict is Verdict.SKIPPED:
+        refs.append(notes.ref("skipped: no reason recorded"))
+    if cell.contradicts:
+        refs.append(
+            notes.ref(
+                f"against the declared range ({' or '.join(row.declared)}): {cell.reason.value if cell.reason else ''}"
+            )
+        )
+    if cell.before is not None:
+        text += f" (was {cell.before})"
+    return f"{text} {''.join(refs)}".rstrip() + (f" {CONTRADICTS}" if cell.contradicts else "")
+
+
 def render_markdown(matrix: Matrix) -> str:
-    """A GitHub-flavoured Markdown table; error lines and unavailability reasons as footnotes."""
+    """A GitHub-flavoured Markdown table; error lines, skip reasons, not-run cells, unavailability reasons and
+    contradictions of the declared range as footnotes."""
     notes = _Notes()
     out = [
         "# DeepSpeed repro matrix",
@@ -375,7 +688,7 @@ def render_markdown(matrix: Matrix) -> str:
         f"{len(matrix.rows)} rows x {len(matrix.columns)} DeepSpeed releases: {_summary(matrix)}.",
         "",
     ]
-    header = ["repro", *(c.version for c in matrix.columns)]
+    header = ["repro", "declared affected", *(c.version for c in matrix.columns)]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "---|" * len(header))
     env_cells = [
@@ -383,20 +696,18 @@ def render_markdown(matrix: Matrix) -> str:
         + (f" **unavailable**{notes.ref(c.unavailable_line)}" if c.unavailable_line else "")
         for c in matrix.columns
     ]
-    out.append("| _environment_ | " + " | ".join(env_cells) + " |")
+    out.append("| _environment_ | - | " + " | ".join(env_cells) + " |")
     for r in matrix.rows:
         label = f"[{_md(r.label)}]({r.upstream})" if r.upstream else _md(r.label)
-        cells = []
-        for c in matrix.columns:
-            cell = matrix.cell(r, c)
-            if c.unavailable:
-                cells.append(UNAVAILABLE)
-            elif cell is None:
-                cells.append(f"_{NOT_RUN}_")
-            else:
-                text = f"**{cell.verdict.value}**" if cell.verdict is Verdict.UNEXPECTED else cell.verdict.value
-                cells.append(text + (f" {notes.ref(cell.note)}" if cell.note else ""))
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        declared = " or ".join(f"`{d}`" for d in r.declared) if r.variant in (None, "stock") else "_with fix_"
+        cells = [_md_cell(matrix, r, c, notes) for c in matrix.columns]
+        out.append(f"| {label} | {declared or '-'} | " + " | ".join(cells) + " |")
+    if matrix.contradictions() or matrix.since is not None:
+        out += [""]
+        if matrix.contradictions():
+            out.append(f"{CONTRADICTS}: the outcome contradicts the declared range.")
+        if matrix.since is not None:
+            out.append(f"(was ...): changed since {', '.join(f'`{p}`' for p in matrix.since)}.")
     titled = [r for r in matrix.rows if r.title]
     seen: set[str] = set()
     if titled:
@@ -408,7 +719,7 @@ def render_markdown(matrix: Matrix) -> str:
     if notes.texts:
         out.append("")
         out += [f"[^{n}]: {text}" for text, n in notes.texts.items()]
-    out += ["", "Sources: " + ", ".join(f"`{c.source.name}`" for c in matrix.columns), ""]
+    out += ["", "Sources: " + ", ".join(f"`{p.name}`" for c in matrix.columns for p in c.sources or (c.source,)), ""]
     return "\n".join(out)
 
 
@@ -426,6 +737,8 @@ td.SKIPPED, td.not-run { background: #eee; color: #777; }
 td.unavailable { background: repeating-linear-gradient(45deg, #eee, #eee 6px, #ddd 6px, #ddd 12px);
   color: #555; font-size: 12px; max-width: 14em; }
 td[title] { cursor: help; text-decoration: underline dotted; }
+td.contradicts { outline: 3px solid #c00; outline-offset: -3px; }
+td.changed { box-shadow: inset 0 0 0 3px #36c; }
 """
 
 _LEGEND = {
@@ -435,6 +748,27 @@ _LEGEND = {
     Verdict.UNEXPECTED: "anything else: look at it",
     Verdict.SKIPPED: "skipped (reason on hover)",
 }
+_MARKS = {
+    "contradicts": f"{CONTRADICTS} the outcome contradicts the declared range",
+    "changed": f"{CHANGED} changed since the older results (--since)",
+}
+
+
+def _html_cell(matrix: Matrix, row: Row, column: Column) -> str:
+    e = html.escape
+    cell = matrix.cell(row, column)
+    if cell is None:
+        return f'<td class="not-run" title="no results file of {e(column.version)} ran this test">{NOT_RUN}</td>'
+    tips = [_one_line(cell.note)] if cell.note else []
+    classes = [cell.verdict.value]
+    if cell.contradicts:
+        classes.append("contradicts")
+        tips.append(f"against the declared range ({' or '.join(row.declared)})")
+    if cell.before is not None:
+        classes.append("changed")
+        tips.append(f"was {cell.before}")
+    tip = f' title="{e("; ".join(tips))}"' if tips else ""
+    return f'<td class="{e(" ".join(classes))}"{tip}>{e(cell.verdict.value)}{e(cell.marks)}</td>'
 
 
 def render_html(matrix: Matrix) -> str:
@@ -447,7 +781,9 @@ def render_html(matrix: Matrix) -> str:
     for i, r in enumerate(matrix.rows):
         label = f'<a href="{e(r.upstream)}">{e(r.label)}</a>' if r.upstream else e(r.label)
         title = f' title="{e(r.title)}"' if r.title else ""
-        tds = [f'<td class="row"{title}>{label}</td>']
+        declared = "<br>".join(f"<code>{e(d)}</code>" for d in r.declared) if r.variant in (None, "stock") else (
+            "<i>with fix</i>")  # fmt: skip
+        tds = [f'<td class="row"{title}>{label}</td>', f'<td class="row">{declared or "-"}</td>']
         for c in matrix.columns:
             if c.unavailable:
                 if i == 0:
@@ -455,16 +791,11 @@ def render_html(matrix: Matrix) -> str:
                         f'<td class="unavailable" rowspan="{len(matrix.rows)}">{e(c.unavailable_line or "")}</td>'
                     )
                 continue
-            cell = matrix.cell(r, c)
-            if cell is None:
-                tds.append(f'<td class="not-run">{NOT_RUN}</td>')
-            else:
-                tip = f' title="{e(_one_line(cell.note))}"' if cell.note else ""
-                tds.append(f'<td class="{e(cell.verdict.value)}"{tip}>{e(cell.verdict.value)}</td>')
+            tds.append(_html_cell(matrix, r, c))
         body.append("<tr>" + "".join(tds) + "</tr>")
     if not matrix.rows:
         body.append(
-            '<tr><td class="row">(no tests)</td>'
+            '<tr><td class="row">(no tests)</td><td class="row"></td>'
             + "".join(
                 f'<td class="unavailable">{e(c.unavailable_line or "")}</td>' if c.unavailable else "<td></td>"
                 for c in matrix.columns
@@ -478,15 +809,28 @@ def render_html(matrix: Matrix) -> str:
     unavailable_items = [
         f"<li><b>{e(c.version)}</b>: {e(c.unavailable_line or '')}</li>" for c in matrix.columns if c.unavailable
     ]
+    against = [
+        f"<li><b>{e(c.version)}</b> <code>{e(r.nodeid)}</code>: {e(cell.verdict.value)} "
+        f"({e(cell.reason.value if cell.reason else '')}) against the declared range {e(' or '.join(r.declared))}</li>"
+        for r, c, cell in matrix.contradictions()
+    ]
+    changes = [
+        f"<li><b>{e(c.version)}</b> <code>{e(r.nodeid)}</code>: {e(before)} &rarr; {e(now)}</li>"
+        for r, c, before, now in matrix.changes()
+    ]
     sections = []
     if details:
         sections.append(f"<h2>UNEXPECTED</h2><ul>{''.join(details)}</ul>")
+    if against:
+        sections.append(f"<h2>Against the declared range</h2><ul>{''.join(against)}</ul>")
+    if matrix.since is not None:
+        sections.append(f"<h2>Changed since the older results</h2><ul>{''.join(changes) or '<li>nothing</li>'}</ul>")
     if unavailable_items:
         sections.append(f"<h2>Unavailable releases</h2><ul>{''.join(unavailable_items)}</ul>")
-    sources = "".join(f"<li><code>{e(str(c.source))}</code></li>" for c in matrix.columns)
+    sources = "".join(f"<li><code>{e(str(p))}</code></li>" for c in matrix.columns for p in c.sources or (c.source,))
     legend_cells = "".join(
         f'<td class="{v.value}">{v.value}</td><td class="row">{e(t)}</td>' for v, t in _LEGEND.items()
-    )
+    ) + "".join(f'<td class="{k}"></td><td class="row">{e(t)}</td>' for k, t in _MARKS.items())
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>DeepSpeed repro matrix</title>
 <style>{_CSS}</style></head>
@@ -494,7 +838,7 @@ def render_html(matrix: Matrix) -> str:
 <h1>DeepSpeed repro matrix</h1>
 <p>{len(matrix.rows)} rows x {len(matrix.columns)} DeepSpeed releases: {e(_summary(matrix))}.</p>
 <table>
-<thead><tr><th class="row">repro</th>{head}</tr></thead>
+<thead><tr><th class="row">repro</th><th class="row">declared affected</th>{head}</tr></thead>
 <tbody>
 {chr(10).join(body)}
 </tbody></table>
@@ -521,6 +865,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fail-on-unavailable", action="store_true", help="exit 1 also when a release could not run at all"
     )
+    parser.add_argument(
+        "--since", type=Path, action="append", default=None, metavar="OLD",
+        help="older results files or directories (repeatable): mark the cells that changed since them",
+    )  # fmt: skip
 
 
 def _use_color(choice: str) -> bool:
@@ -539,7 +887,17 @@ def run(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"dsrepro matrix: warning: {warning}", file=sys.stderr)
     matrix = merge(files, warnings)
-    sys.stdout.write(render_terminal(matrix, color=_use_color(args.color)))
+    if args.since:
+        try:
+            old, old_warnings = load(args.since)
+        except MatrixError as exc:
+            print(f"dsrepro matrix: --since: {exc}", file=sys.stderr)
+            return 2
+        for warning in old_warnings:
+            print(f"dsrepro matrix: warning: --since: {warning}", file=sys.stderr)
+        matrix = since(matrix, merge(old), args.since)
+    width = min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
+    sys.stdout.write(render_terminal(matrix, color=_use_color(args.color), width=width))
     if not args.no_write:
         base = paths[0] if paths[0].is_dir() else paths[0].parent
         for path, text in ((args.markdown or base / "matrix.md", render_markdown(matrix)),
