@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
+
+import pytest
 
 from pytest_dsrepro.core.outcome import (
     OUTPUT_HEAD_BYTES,
@@ -116,3 +120,62 @@ def test_a_rank_that_exited_while_the_others_waited_on_it_is_named_first() -> No
     )
     not_only_lost = WorldOutcome(2, "gloo", (_raised(0, "real", 0.06), RankResult(1, Status.PASSED, at=0.05)), 0.1)
     assert describe_failure(not_only_lost).splitlines()[0] == "rank 0: RuntimeError: real"
+
+
+STORE = (
+    "from pathlib import Path; from pytest_dsrepro.worlds.rank import serve_store; serve_store(Path(sys.argv[1]), 2)"
+)
+SLOW_RANK = """
+import pickle, sys, time
+from pathlib import Path
+from pytest_dsrepro.worlds import rank as R
+from pytest_dsrepro.worlds.protocol import RankJob, RankValue, TestRef
+
+workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
+connect = R.init_default_group
+
+def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up its world after the mesh is up
+    connect(*args, **kwargs)
+    if rank == 1:
+        time.sleep(1.0)
+        (workdir / "rank1-connected").touch()
+
+R.init_default_group = slow_to_connect
+ref = TestRef("bodies", str(workdir / "bodies.py"), "test_body", (str(workdir), *sys.path), str(workdir))
+job = RankJob(ref, pickle.dumps(({"rank": RankValue("rank")}, [])), "gloo", 60.0)
+report = R.run_rank(job, rank, 2, workdir)
+print(report.status.value, report.error.summary if report.error else "")
+"""
+
+BODY = """
+from pathlib import Path
+
+def test_body(rank):
+    if rank == 0:  # the fast rank: were it to exit here, rank 1 would still be connecting
+        assert Path("rank1-connected").exists(), "rank 0 could exit before rank 1 was connected"
+"""
+
+
+@pytest.mark.usefixtures("process_tag")
+def test_no_rank_may_leave_before_every_rank_is_connected(tmp_path: Path) -> None:
+    """Item 5: ``run_rank`` starts the body (after which a rank may exit) only once every rank has its process group.
+
+    Real ranks (``run_rank`` in two processes, real gloo, the world's own store process); the fault is a rank 1 that
+    is slow to finish setting up. Before the agreement, rank 0 ran its body (and a body without a collective exits)
+    while rank 1 was still setting up: the 0.3% flake, here every time.
+    """
+    (tmp_path / "bodies.py").write_text(BODY)
+    python = [sys.executable, "-c"]
+    store = subprocess.Popen([*python, f"import sys; {STORE}", str(tmp_path)], cwd=tmp_path)
+    try:
+        ranks = [
+            subprocess.Popen(
+                [*python, SLOW_RANK, str(tmp_path), str(r)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+            )
+            for r in range(2)
+        ]
+        outputs = [p.communicate(timeout=120)[0].strip() for p in ranks]
+    finally:
+        store.kill()
+        store.wait()
+    assert outputs == ["passed", "passed"]
