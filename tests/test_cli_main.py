@@ -15,7 +15,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("list", "new", "bisect", "install", "matrix"):
+    for command in ("list", "new", "bisect", "install", "matrix", "export"):
         assert f"    {command} " in out
     assert "docs/contributing.md" in out
 

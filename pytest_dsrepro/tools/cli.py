@@ -180,6 +180,21 @@ def _bisect_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(pytest_args=[])
 
 
+# --- export ------------------------------------------------------------------------------------------------------
+
+
+def _export(args: argparse.Namespace) -> int:
+    from . import export
+
+    return export.run(args)
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    """As ``export.add_arguments`` declares them, without importing it (and pytest) for ``dsrepro --help``."""
+    p.add_argument("nodeid", metavar="NODEID", help="e.g. repros/test_x.py::test_y[zero3-stock]")
+    p.add_argument("-o", "--output", metavar="FILE", default="-", help="where to write it (default: stdout)")
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -212,6 +227,14 @@ COMMANDS = (
         "merge results files of several DeepSpeed releases into the bug x version table",
         matrix.add_arguments,
         matrix.run,
+    ),
+    Command(
+        "export",
+        "write one test as a standalone script for torchrun (torch and DeepSpeed only)",
+        _export_arguments,
+        _export,
+        "Write one test of the catalogue as a standalone script (torch, DeepSpeed and the standard library only) "
+        "that reproduces its stock variant under `torchrun --standalone --nproc-per-node N FILE`.",
     ),
 )
 

@@ -1,0 +1,346 @@
+"""``dsrepro export NODEID``: one test of the catalogue as one standalone script for ``torchrun``.
+
+A maintainer runs a script, not a plugin. The script holds the test function and what it uses from its file
+(``core.source``), the helpers it imports from pytest-dsrepro inlined (their source, read from the installed
+package's files, never imported here), the DeepSpeed config the test's world gets (for CPU/gloo and for CUDA/NCCL),
+the ``ds_engine`` fixture written out, and a ``main`` that does what a rank of a world does: picks the accelerator,
+sets up the default process group, calls the test, and says whether the error is the one declared. It reproduces
+the stock variant (no fix); the fix, when the repro has one, is appended as a comment for reference.
+
+The test is found by collecting it with pytest in this process (as ``dsrepro list`` does): its markers and
+parameters are read from the collected item through pytest's public API; nothing of it runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import inspect
+import io
+import json
+import re
+import string
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..core import configs, source, versions
+from ..core.gates import oldest_first
+from ..core.results import ReproMeta, repro_meta
+
+__all__ = ["Collected", "ExportError", "collect", "describe", "render", "run"]
+
+#: The fixtures a body may take, and what the script passes in their place (names of the script's ``main``).
+FIXTURES = {
+    "ds_engine": "ds_engine",
+    "ds_config": "_config",
+    "ds_rank": "rank",
+    "ds_world_size": "world_size",
+    "ds_variant": '"stock"',
+}
+#: What the script may import: the standard library, torch and DeepSpeed.
+ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "deepspeed", "__future__"}
+PACKAGE = "pytest_dsrepro"
+
+
+class ExportError(Exception):
+    """The test cannot be written as a standalone script; the message says which test and why."""
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What export needs of one collected test (read from its item; nothing of it ran)."""
+
+    nodeid: str
+    path: Path
+    function: str  # the test function's name
+    arguments: tuple[str, ...]  # the body's parameters, in order
+    repro: ReproMeta
+    gates: tuple[tuple[str, str, str | None], ...]  # (affected, exception class name, match) per ds_version
+    fix: Callable[..., Any] | None
+    config_name: str | None
+    config_spec: object
+    world_size: int
+    variant: str | None
+    others: tuple[str, ...] = field(default=())  # node ids of the test's other parametrizations
+
+
+# ---------------------------------------------------------------------------------------------------- collecting
+
+
+def _function_id(nodeid: str) -> str:
+    return nodeid.split("[", 1)[0]
+
+
+@dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
+class _Grab:
+    """A pytest plugin object: keeps the collected items of one test function."""
+
+    function: str
+    items: list[pytest.Item] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.errors.append(f"{report.nodeid or '<session>'}: {report.longreprtext.strip()}")
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.items = [i for i in items if _function_id(i.nodeid) == self.function]
+
+
+def _params(item: pytest.Item) -> dict[str, Any]:
+    callspec = getattr(item, "callspec", None)
+    return dict(callspec.params) if callspec is not None else {}
+
+
+def _pick(items: Sequence[pytest.Item], nodeid: str) -> pytest.Item:
+    """The stock variant of ``nodeid`` (the test itself when it has no variants)."""
+    if "[" in nodeid:
+        wanted = nodeid.replace("-fixed]", "-stock]").replace("[fixed]", "[stock]")
+        found = [i for i in items if i.nodeid == wanted]
+    else:
+        found = [i for i in items if _params(i).get("ds_variant") in (None, "stock")]
+    if len(found) == 1:
+        return found[0]
+    ids = ", ".join(i.nodeid for i in items) or "none"
+    if not found:
+        raise ExportError(f"no test {nodeid} (its collected tests: {ids})")
+    raise ExportError(f"{nodeid} names {len(found)} tests; give one of: {', '.join(i.nodeid for i in found)}")
+
+
+def _world_size(item: pytest.Item, default: int) -> int:
+    mark = item.get_closest_marker("ds_world")
+    if mark is None:
+        raise ExportError(f"{item.nodeid} is not a world test (no ds_world marker): there is no world to write out")
+    size = mark.kwargs.get("size")
+    return int(size) if isinstance(size, int) and size > 0 else default
+
+
+def _gate(args: Sequence[object], kwargs: dict[str, object]) -> tuple[str, str, str | None]:
+    affected = kwargs.get("affected", args[0] if args else None)
+    raises = kwargs.get("raises")
+    match = kwargs.get("match")
+    name = raises.__name__ if isinstance(raises, type) else str(raises)
+    return str(affected), name, None if match is None else str(match)
+
+
+def _fix(item: pytest.Item) -> Callable[..., Any] | None:
+    for mark in item.iter_markers("ds_version"):
+        fix = mark.kwargs.get("fix")
+        if callable(fix):
+            return fix  # type: ignore[no-any-return]
+    return None
+
+
+def describe(item: pytest.Item, world_size: int) -> Collected:
+    """The facts of a collected item export needs; ``ExportError`` when it is no catalogued world test."""
+    mark = item.get_closest_marker("ds_repro")
+    ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
+    if mark is None or not ds_versions:
+        raise ExportError(f"{item.nodeid} is not a catalogued repro (it needs ds_repro and ds_version markers)")
+    function = getattr(item, "function", None)
+    if function is None or getattr(item, "cls", None) is not None:
+        raise ExportError(f"{item.nodeid}: only module-level test functions can be exported")
+    arguments = tuple(inspect.signature(function).parameters)
+    unknown = [a for a in arguments if a not in FIXTURES]
+    if unknown:
+        raise ExportError(
+            f"{item.nodeid} takes {', '.join(map(repr, unknown))}: a standalone script provides only "
+            f"{', '.join(FIXTURES)}"
+        )
+    params = _params(item)
+    config = params.get("ds_config")
+    name, spec = config if isinstance(config, tuple) else (None, None)
+    return Collected(
+        nodeid=item.nodeid,
+        path=Path(str(item.path)),
+        function=function.__name__,
+        arguments=arguments,
+        repro=repro_meta(mark.args, mark.kwargs, item.path, ds_versions),
+        gates=tuple(_gate(args, dict(kwargs)) for args, kwargs in ds_versions),
+        fix=_fix(item),
+        config_name=name,
+        config_spec=spec,
+        world_size=_world_size(item, world_size),
+        variant=params.get("ds_variant"),
+    )
+
+
+def collect(nodeid: str, world_size: int = 2, extra_args: Sequence[str] = ()) -> Collected:
+    """Collect ``nodeid``'s test function with pytest in this process and describe its stock variant."""
+    function = _function_id(nodeid)
+    grab = _Grab(function)
+    out = io.StringIO()
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, function]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = pytest.main(args, plugins=[grab])
+    if grab.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        detail = "\n".join(grab.errors) or out.getvalue().strip()
+        raise ExportError(f"pytest could not collect {function} (exit code {int(code)}):\n{detail}")
+    return describe(_pick(grab.items, nodeid), world_size)
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+
+
+def _package_file(module: str) -> Path:
+    """The source file of one of this package's modules, found beside this one (never imported)."""
+    root = Path(__file__).resolve().parents[1]
+    parts = module.split(".")[1:]
+    candidate = root.joinpath(*parts).with_suffix(".py")
+    return candidate if candidate.is_file() else root.joinpath(*parts, "__init__.py")
+
+
+def _inline(code: str) -> tuple[str, list[str]]:
+    """``code`` with each ``from pytest_dsrepro... import a, b`` replaced by the source of ``a`` and ``b`` (and what
+    they use from their module); the modules inlined."""
+    tree = ast.parse(code)
+    lines = code.splitlines()
+    inlined: list[str] = []
+    for node in reversed(tree.body):  # bottom up: line numbers above stay valid
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE):
+            continue
+        module = node.module or PACKAGE
+        names = [a.name for a in node.names]
+        text = source.module_slice(_package_file(module).read_text(), names, docstring=False)
+        text = "\n".join(line for line in text.splitlines() if line.strip() != "from __future__ import annotations")
+        header = f"# from {module} (pytest-dsrepro), inlined: {', '.join(names)}"
+        lines[node.lineno - 1 : node.end_lineno] = [header, *text.strip("\n").splitlines(), ""]
+        inlined.append(module)
+    return "\n".join(lines) + "\n", sorted(set(inlined))
+
+
+def _foreign(script: str) -> list[str]:
+    """Every module the script imports (anywhere) that is neither the standard library, torch nor DeepSpeed."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(script)):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add((node.module or "").split(".")[0])
+    return sorted(found - ALLOWED)
+
+
+def _json(value: object) -> str:
+    """A config as DeepSpeed users read it: its JSON, loaded by the script."""
+    text = json.dumps(value, indent=4, sort_keys=True, default=str)
+    return f'json.loads(\n    r"""\n{text}\n"""\n)' if '"""' not in text else repr(json.loads(text))
+
+
+def _config(test: Collected, backend: str) -> configs.ResolvedConfig | None:
+    if test.config_name is None:
+        return None
+    try:
+        return configs.resolve(test.config_spec, test.config_name, test.world_size, backend)
+    except configs.ConfigError as exc:
+        raise ExportError(f"{test.nodeid}: its ds_config cannot be resolved: {exc}") from None
+
+
+def _oldest_first(gates: Sequence[tuple[str, str, str | None]]) -> list[tuple[str, str, str | None]]:
+    order = oldest_first([g[0] for g in gates])
+    return sorted(gates, key=lambda g: order.index(g[0]))
+
+
+def _affected_lines(test: Collected) -> str:
+    gates = _oldest_first(test.gates)
+    width = max(len(f"deepspeed{g[0]}") for g in gates)
+    lines = []
+    for affected, name, match in gates:
+        what = name + (f" matching {match!r}" if match else "")
+        lines.append(f"    {f'deepspeed{affected}':<{width}}  {what}")
+    return "\n".join(lines)
+
+
+def _fix_comment(test: Collected) -> str:
+    if test.fix is None:
+        return ""
+    try:
+        text = inspect.getsource(test.fix)
+    except (OSError, TypeError):
+        return f"\n# The fix pytest-dsrepro's [fixed] variant applies: {test.fix!r} (its source is not available).\n"
+    head = textwrap.wrap(
+        "The fix pytest-dsrepro's [fixed] variant applies in every rank (with a pytest MonkeyPatch, undone after "
+        "the test), for reference: this script does not run it.",
+        110,
+    )
+    return "\n\n" + "\n".join(f"# {line}".rstrip() for line in [*head, "", *text.splitlines()]) + "\n"
+
+
+def render(test: Collected, file_name: str = "repro.py") -> str:
+    """The standalone script of ``test``'s stock variant; ``ExportError`` when it would need more than torch,
+    DeepSpeed and the standard library."""
+    text = test.path.read_text()
+    _, found = source.statements(text)
+    chosen = source.select(found, [test.function], drop=["pytestmark"], bare=[test.function])
+    code, inlined = _inline(source.render(text, chosen))
+    cpu, cuda = _config(test, "gloo"), _config(test, "nccl")
+    notes = f" ({'; '.join(cpu.notes)})" if cpu is not None and cpu.notes else ""
+    call_args = ", ".join(f"{a}={FIXTURES[a]}" for a in test.arguments)
+    meta = test.repro
+    fixed = meta.fixed_in or "no release yet"
+    values = {
+        "title": meta.title or meta.id,
+        "repro_id": meta.id,
+        "plugin": versions.installed_text("pytest-dsrepro") or "(unknown version)",
+        "nodeid": test.nodeid + (" (the stock variant)" if test.variant else ""),
+        "upstream": meta.upstream or "-",
+        "root_cause": "\n    ".join(_wrap(meta.root_cause or "-", 112)),
+        "affected": _affected_lines(test),
+        "fixed_in": fixed + (f" ({meta.fix_ref})" if meta.fix_ref else ""),
+        "world_size": str(test.world_size),
+        "deepspeed": versions.installed_text("deepspeed") or "X.Y.Z",
+        "file": file_name,
+        "path": test.path.name,
+        "inlined": f" (helpers inlined from {', '.join(inlined)})" if inlined else "",
+        "code": re.sub(r"\n{4,}", "\n\n\n", code).strip("\n") + "\n",
+        "config_name": test.config_name or "none",
+        "cpu_notes": notes,
+        "config_cpu": _json(cpu.config if cpu else {}),
+        "config_cuda": "DS_CONFIG_CPU  # the same"
+        if cpu == cuda or cuda is None or cpu is None or cpu.config == cuda.config
+        else _json(cuda.config),
+        "expected": "[\n" + "".join(f"    {g!r},\n" for g in _oldest_first(test.gates)) + "]",
+        "call": f"{test.function}({call_args})",
+        "fix": _fix_comment(test),
+    }
+    template = resources.files("pytest_dsrepro.tools").joinpath("templates/export.py.tmpl").read_text()
+    script = string.Template(template).substitute(values)
+    foreign = _foreign(script)
+    if foreign:
+        raise ExportError(
+            f"{test.nodeid} needs {', '.join(foreign)}: a standalone script has torch, DeepSpeed and the standard "
+            "library only"
+        )
+    compile(script, file_name, "exec")  # a script that does not even compile is never written
+    return script
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), width) or ["-"]
+
+
+# ----------------------------------------------------------------------------------------------------- command
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        test = collect(args.nodeid)
+        name = Path(args.output).name if args.output != "-" else f"repro_{re.sub(r'[^a-z0-9]+', '_', test.repro.id)}.py"
+        script = render(test, name)
+    except ExportError as exc:
+        print(f"dsrepro export: {exc}", file=sys.stderr)
+        return 1
+    if args.output == "-":
+        sys.stdout.write(script)
+    else:
+        Path(args.output).write_text(script)
+        print(f"wrote {args.output}: torchrun --standalone --nproc-per-node {test.world_size} {args.output}",
+              file=sys.stderr)  # fmt: skip
+    return 0

@@ -1,0 +1,159 @@
+"""dsrepro export: a test of the catalogue as one standalone script (torch, DeepSpeed and the standard library only),
+run here under torchrun as a maintainer would run it: CPU, gloo, DeepSpeed's CPU accelerator."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from pytest_dsrepro.tools import cli, export
+
+ROOT = Path(__file__).parents[1]
+SEED_A = "repros/test_zero3_backward_without_optimizer.py::test_backward_on_zero3_engine_without_optimizer"
+SEED_B = "repros/test_zero3_module_id_clobbered.py::test_expert_ids_survive_zero3_initialize"
+ERROR_A = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'set_gradient_accumulation_boundary'"
+
+
+@pytest.fixture
+def in_root(monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(ROOT)
+    return ROOT
+
+
+def _imports(script: str) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(script)):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add((node.module or "").split(".")[0])
+    return found
+
+
+def test_the_script_of_seed_a(in_root: Path) -> None:
+    test = export.collect(f"{SEED_A}[zero3-fixed]")  # the fixed variant's id: the stock variant is what is written
+    assert test.nodeid == f"{SEED_A}[zero3-stock]"
+    script = export.render(test, "repro_a.py")
+    assert _imports(script) <= set(sys.stdlib_module_names) | {"torch", "deepspeed"}
+    assert (
+        '"""ZeRO-3 engine without optimizer: engine.backward raises AttributeError on DeepSpeedZeRoOffload\n' in script
+    )
+    for line in (
+        "    deepspeed<0.18.3           AttributeError matching \"'DeepSpeedZeRoOffload' object has no attribute 'backward'\"",
+        "    deepspeed>=0.19.5          AttributeError matching \"'DeepSpeedZeRoOffload' object has no attribute "
+        "'set_gradient_accumulation_boundary'\"",
+        "Fixed in: no release yet",
+        "    torchrun --standalone --nproc-per-node 2 repro_a.py",
+    ):
+        assert line in script
+    # The body as written, its helpers inlined, its decorators and the plugin's imports gone.
+    assert "def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_rank):" in script
+    assert "# from pytest_dsrepro.inrank.models (pytest-dsrepro), inlined: make_batch, tiny_mlp" in script
+    assert "def tiny_mlp(hidden: int = 16, seed: int = 0) -> Any:" in script
+    assert "@pytest" not in script
+    assert "pytestmark" not in script
+    assert '"zero_optimization": {\n        "stage": 3\n    }' in script
+    assert (
+        "test_backward_on_zero3_engine_without_optimizer(ds_engine=ds_engine, ds_config=_config, ds_rank=rank)"
+        in script
+    )
+    # The fix, for reference only: every line a comment.
+    fix = script.split("# The fix pytest-dsrepro's [fixed] variant applies")[1]
+    assert "# def guard_optimizer_hooks(monkeypatch):" in fix
+    assert all(line.startswith("#") for line in fix.strip().splitlines()[1:])
+
+
+def test_what_cannot_be_exported_says_why(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_x="""
+        import pytest
+
+        pytestmark = [pytest.mark.ds_repro(id="x"), pytest.mark.ds_world]
+
+        @pytest.mark.ds_version(affected=">=0.1", raises=KeyError)
+        def test_uses_tmp(ds_rank, tmp_path):
+            pass
+
+        @pytest.mark.ds_version(affected=">=0.1", raises=KeyError)
+        def test_skips(ds_rank):
+            pytest.skip("no")
+
+        def test_not_gated(ds_rank):
+            pass
+    """)  # fmt: skip
+    pytester.chdir()
+    with pytest.raises(
+        export.ExportError,
+        match=r"test_x.py::test_uses_tmp takes 'tmp_path': a standalone script provides only ds_engine",
+    ):
+        export.collect("test_x.py::test_uses_tmp")
+    with pytest.raises(
+        export.ExportError, match=r"test_x.py::test_skips needs pytest: a standalone script has torch, DeepSpeed"
+    ):
+        export.render(export.collect("test_x.py::test_skips"))
+    with pytest.raises(export.ExportError, match=r"test_x.py::test_not_gated is not a catalogued repro"):
+        export.collect("test_x.py::test_not_gated")
+    with pytest.raises(export.ExportError, match=r"pytest could not collect test_x.py::test_missing (.|\n)*not found"):
+        export.collect("test_x.py::test_missing")
+
+
+def test_the_command(in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["export", SEED_B]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith('#!/usr/bin/env python3\n"""ZeRO-3 initialize overwrites user-set module.id attributes')
+    assert 'deepspeed<0.16.4  AssertionError matching "ZeRO-3 initialize replaced the user\'s expert ids"' in out
+    assert "Fixed in: 0.16.4 (https://github.com/deepspeedai/DeepSpeed/pull/6847)" in out
+    target = tmp_path / "b.py"
+    assert cli.main(["export", SEED_B, "-o", str(target)]) == 0
+    assert target.read_text() == out.replace("repro_zero3_module_id_clobbered.py", "b.py")  # its own name in it
+    assert f"torchrun --standalone --nproc-per-node 2 {target}" in capsys.readouterr().err
+    assert cli.main(["export", "repros/test_nothing.py::test_x"]) == 1
+    assert "dsrepro export: pytest could not collect" in capsys.readouterr().err
+
+
+def _torchrun(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """torchrun as a maintainer starts it, in a directory of its own, with DeepSpeed's comm op from the plugin's cache
+    when it was built there (else the ranks build it, as they would on the maintainer's machine)."""
+    from pytest_dsrepro.core.options import default_cache_dir
+    from pytest_dsrepro.worlds.comm_op import extensions_dir
+
+    spec = importlib.util.find_spec("deepspeed")
+    assert spec is not None
+    assert spec.origin is not None
+    built = extensions_dir(default_cache_dir(), metadata.version("deepspeed"), metadata.version("torch"),
+                           Path(spec.origin).parent)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSREPRO_", "PYTEST_"))}
+    env.pop("DS_ACCELERATOR", None)  # the script chooses it, as it would on the maintainer's machine
+    if built.is_dir():
+        env["TORCH_EXTENSIONS_DIR"] = str(built)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize(("nodeid", "reproduces"), [(SEED_A, True), (SEED_B, False)], ids=["seed-a", "seed-b"])
+def test_exported_seed_repros_run_under_torchrun(in_root: Path, tmp_path: Path, nodeid: str, reproduces: bool) -> None:
+    """Seed A reproduces on every release (unfixed upstream): non-zero, with the bug's error on every rank. Seed B is
+    fixed in 0.16.4: on a later release the script says so and exits 0."""
+    script = tmp_path / "repro.py"
+    script.write_text(export.render(export.collect(nodeid)))
+    proc = _torchrun(script, tmp_path)
+    output = proc.stdout + proc.stderr
+    ds = metadata.version("deepspeed")
+    newest_range = reproduces and Version(ds) >= Version("0.19.5")  # seed A's error depends on the release
+    if reproduces:
+        assert proc.returncode != 0, output
+        for rank in (0, 1):
+            assert f"[rank {rank}] deepspeed {ds}, torch {metadata.version('torch')}, gloo: REPRODUCED" in output
+        if newest_range:
+            assert f"REPRODUCED (as declared for deepspeed>=0.19.5): {ERROR_A}" in output
+        assert "Traceback (most recent call last)" in output
+    else:
+        assert proc.returncode == 0, output
+        assert output.count("did not reproduce: the test passed") == 2
