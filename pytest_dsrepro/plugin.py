@@ -28,7 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     markers.register(config)
     resolved = settings.resolve(config)
     config.stash[SETTINGS_KEY] = resolved
-    config.stash[RUNNER_KEY] = WorldRunner(resolved.cache_dir, resolved.startup_timeout)
+    progress = execution.progress_line(config)
+    config.stash[RUNNER_KEY] = WorldRunner(resolved.cache_dir, resolved.startup_timeout, progress=progress)
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 

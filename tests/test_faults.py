@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, leftovers, tagged_processes, wait_for_no_processes
+from conftest import RunPytest, deepspeed_version, leftovers, tagged_processes, wait_for_no_processes
 from pytest_dsrepro.core.options import CACHE_ENV
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
@@ -104,11 +104,12 @@ def test_the_fork_servers_death_mid_world_is_told_at_once(
     assert leftovers(private_tmp) == []
 
 
-def test_ctrl_c_during_the_first_build_leaves_no_compiler_and_no_lock(
+def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     pytester: pytest.Pytester, process_tag: str, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Item 1: Ctrl-C while DeepSpeed's comm op builds (a cold cache: the first run of a release). pytest stops the
-    fork server with SIGTERM, the build unwinds (torch removes its lock) and the server kills the compilers."""
+    """Items 1 and 12: Ctrl-C while DeepSpeed's comm op builds (a cold cache: the first run of a release). The build
+    was announced on the terminal; pytest stops the fork server with SIGTERM, the build unwinds (torch removes its
+    lock) and the server kills the compilers."""
     cache = pytester.path / "cold-cache"
     monkeypatch.setenv(CACHE_ENV, str(cache))
     pytester.makepyfile("import pytest\n\n@pytest.mark.ds_world\ndef test_x(ds_rank):\n    pass\n")
@@ -120,6 +121,8 @@ def test_ctrl_c_during_the_first_build_leaves_no_compiler_and_no_lock(
     finally:
         proc.kill()  # only matters when an assertion above failed
     assert "KeyboardInterrupt" in out
+    progress = f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only"
+    assert progress in out, out
     left = wait_for_no_processes(process_tag, timeout=5)
     assert not left, f"left running after Ctrl-C: {[p.name() for p in left]}\n{out}"
     assert list(cache.rglob("lock")) == [], "torch's build lock was left behind: the next build would wait forever"

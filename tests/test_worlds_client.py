@@ -25,15 +25,18 @@ from pytest_dsrepro.core.outcome import Status, WorldOutcome
 from pytest_dsrepro.worlds import client, workdir
 from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
 from pytest_dsrepro.worlds.protocol import (
+    Building,
     ClientMessage,
     DumpStacks,
     Exited,
+    Hello,
     Kill,
     RankJob,
     RankReport,
     RankValue,
     Reap,
     Reaped,
+    ServerFacts,
     ServerMessage,
     Spawn,
     Spawned,
@@ -337,3 +340,23 @@ def test_without_gpu_device_nodes_no_server_is_needed_to_count_devices(tmp_path:
     if not client.gpu_device_nodes():
         assert runner.cuda_devices() == 0
         assert runner.server.facts is None  # nothing was started
+
+
+def test_a_first_build_is_told_while_it_runs_and_when_it_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 11, item 12, the client's side: Building is passed on at once, then every PROGRESS_EVERY seconds
+    without news, then how long it took (the server's side is end to end, in test_faults.py)."""
+    told: list[str] = []
+    server = ForkServer(tmp_path, startup_timeout=60, progress=told.append)
+    script: list[ServerMessage | None] = [
+        Building("building DeepSpeed's CPU comm op for 0.19.8, first time only"),
+        None,
+        Hello(ServerFacts(pid=1, torch="2.13.0")),
+    ]
+    monkeypatch.setattr(server, "receive", lambda timeout: script.pop(0))
+    assert isinstance(server._hello(), Hello)
+    assert told[0] == "building DeepSpeed's CPU comm op for 0.19.8, first time only"
+    assert told[1].startswith("... still building (")
+    assert told[2].startswith("DeepSpeed's CPU comm op ready after ")
+    assert told[2].endswith("s; later runs load it from the cache")

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..core.outcome import RankResult, Status, WorldOutcome, rank_ranges
 from . import workdir as layout
 from .protocol import (
     SERVER_MESSAGES,
+    Building,
     ClientMessage,
     DumpStacks,
     Exited,
@@ -71,12 +73,26 @@ class ServerGone(HarnessError):
         self.log = log
 
 
-class ForkServer:
-    """One preloaded interpreter (``worlds.server``) per pytest process, started on first use."""
+#: While DeepSpeed's comm op builds, how often the user is told it still does.
+PROGRESS_EVERY = 30.0
 
-    def __init__(self, cache_dir: Path, startup_timeout: float) -> None:
+Progress = Callable[[str], None]
+
+
+def _silent(text: str) -> None:
+    pass
+
+
+class ForkServer:
+    """One preloaded interpreter (``worlds.server``) per pytest process, started on first use.
+
+    ``progress`` is told, in words, what a slow start is doing (a first comm-op build takes minutes).
+    """
+
+    def __init__(self, cache_dir: Path, startup_timeout: float, progress: Progress = _silent) -> None:
         self.cache_dir = cache_dir
         self.startup_timeout = startup_timeout
+        self.progress = progress
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._log: Path | None = None
@@ -110,7 +126,7 @@ class ForkServer:
             theirs.close()
         self._conn = Connection(ours.detach())
         try:
-            message = self.receive(self.startup_timeout)
+            message = self._hello()
             detail = "no answer"
         except ServerGone as exc:
             message, detail = None, f"it ended with {exc.ending}"
@@ -126,6 +142,27 @@ class ForkServer:
             )
         self.facts = message.facts
         return self.facts
+
+    def _hello(self) -> ServerMessage | None:
+        """Wait for ``Hello``, telling ``progress`` what a comm-op build is doing meanwhile, and when it is done."""
+        started = time.monotonic()
+        deadline = started + self.startup_timeout
+        building: float | None = None
+        while (left := deadline - time.monotonic()) > 0:
+            message = self.receive(left if building is None else min(left, PROGRESS_EVERY))
+            if isinstance(message, Building):
+                building = time.monotonic()
+                self.progress(message.what)
+            elif message is None and building is not None:
+                self.progress(f"... still building ({time.monotonic() - building:.0f}s)")
+            else:
+                if isinstance(message, Hello) and building is not None and message.facts.fatal is None:
+                    self.progress(
+                        f"DeepSpeed's CPU comm op ready after {time.monotonic() - building:.0f}s; "
+                        "later runs load it from the cache"
+                    )
+                return message
+        return None
 
     def log_tail(self, lines: int = 30) -> str:
         if self._log is None or not self._log.exists():
@@ -395,7 +432,8 @@ class WorldRunner:
     """Runs worlds for one pytest process; owns its fork server.
 
     ``failure_grace``: after one rank fails, how long the others get before they are stopped; ``stack_dump_wait``:
-    how long ranks get to write their Python stacks before they are killed.
+    how long ranks get to write their Python stacks before they are killed; ``progress``: told what a slow fork
+    server start is doing.
     """
 
     def __init__(
@@ -405,8 +443,9 @@ class WorldRunner:
         *,
         failure_grace: float = FAILURE_GRACE,
         stack_dump_wait: float = STACK_DUMP_WAIT,
+        progress: Progress = _silent,
     ) -> None:
-        self.server = ForkServer(cache_dir, startup_timeout)
+        self.server = ForkServer(cache_dir, startup_timeout, progress)
         self.failure_grace = failure_grace
         self.stack_dump_wait = stack_dump_wait
         self._ids = itertools.count(1)

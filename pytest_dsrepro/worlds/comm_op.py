@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..core.options import default_cache_dir
@@ -33,14 +34,24 @@ def remove_stale_locks(directory: Path) -> list[Path]:
     return stale
 
 
-def warm_up() -> str:
+#: The op's name (DeepSpeed's ``ShareMemCommBuilder.NAME``, 0.14-0.19): torch builds it into ``<dir>/<name>/<name>.so``.
+OP_NAME = "deepspeed_shm_comm"
+
+
+def built(directory: Path) -> bool:
+    return (directory / OP_NAME / f"{OP_NAME}.so").exists()
+
+
+def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     """Build (or load from cache) DeepSpeed's shm comm op in this process, so forked ranks inherit it loaded.
 
-    Runs in the fork server after ``import deepspeed``. Returns a short description for the report header.
+    Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
+    (minutes, the first time a release is used) or a wait for another process's build. Returns a short description
+    for the report header.
     """
     import deepspeed
     import torch
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         cache = default_cache_dir()
@@ -51,10 +62,21 @@ def warm_up() -> str:
     directory.mkdir(parents=True, exist_ok=True)
     from deepspeed.comm.torch import build_shm_op
 
-    with FileLock(directory / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT):
+    release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
+    lock = FileLock(directory / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        announce(f"waiting for another pytest-dsrepro process to build {release} (first time only)")
+        lock.acquire()
+    try:
         remove_stale_locks(directory)
+        if not built(directory):
+            announce(f"building {release}, first time only (a minute or more; cached in {directory})")
         try:
             op = build_shm_op()
         except Exception as exc:  # noqa: BLE001 - ranks build it again and report the error where it matters
             return f"build failed ({type(exc).__name__}: {exc}); ranks will build it themselves"
+    finally:
+        lock.release()
     return f"loaded from {directory}" if op is not None else "not used by this accelerator"

@@ -6,7 +6,8 @@ it forks (``worlds.rank``).
 - **The socket between pytest and the fork server** carries the messages below, pickled in
   ``multiprocessing.connection`` framing, and each side dispatches on the message's class, never on a position:
 
-      server -> pytest   Hello(facts) once preloaded; Spawned(world, pids); Exited(world, rank, returncode);
+      server -> pytest   Building(what) while a first comm-op build runs, then Hello(facts) once preloaded;
+                         Spawned(world, pids); Exited(world, rank, returncode);
                          Reaped(world) once a Reap is done
       pytest -> server   Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
 
@@ -57,6 +58,14 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class Building:
+    """Before ``Hello``: the server is building (or waiting for another process to build) DeepSpeed's comm op, which
+    takes minutes the first time; ``what`` says so in words for the user."""
+
+    what: str
+
+
+@dataclass(frozen=True)
 class Spawned:
     """The ranks of ``world`` are running; ``pids[rank]`` for diagnostics (pytest never signals them)."""
 
@@ -83,8 +92,8 @@ class Reaped:
     world: int
 
 
-ServerMessage = Hello | Spawned | Exited | Reaped
-SERVER_MESSAGES = (Hello, Spawned, Exited, Reaped)
+ServerMessage = Hello | Building | Spawned | Exited | Reaped
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Reaped)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from . import comm_op as extensions
 from . import workdir as layout
-from .protocol import DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
+from .protocol import Building, DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -52,7 +52,7 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def preload() -> ServerFacts:
+def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     """Import what every rank imports, once: torch, DeepSpeed, pytest (a rank's fixes and skips use it) and the rank
     code itself; choose the accelerator; build DeepSpeed's comm op; report what is in play. Each import made here
     is one a forked rank does not pay again (pytest alone is ~80 ms per world).
@@ -80,7 +80,7 @@ def preload() -> ServerFacts:
     except ImportError as exc:
         return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}")
     started = time.monotonic()
-    comm_op = extensions.warm_up()
+    comm_op = extensions.warm_up(announce)
     return dataclasses.replace(
         facts,
         deepspeed=str(deepspeed.__version__),
@@ -265,7 +265,7 @@ def main() -> None:
     try:
         try:
             try:
-                facts = preload()
+                facts = preload(lambda what: conn.send(Building(what)))
             except Exception as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
                 # Not SystemExit: pytest's SIGTERM while the comm op builds must unwind the build (torch then
                 # removes its build lock) and reach the cleanup below, which kills the compilers.
