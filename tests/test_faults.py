@@ -9,6 +9,7 @@ to reach its verdict is measured by ``benchmarks/faults.py``, not asserted here.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -319,4 +320,44 @@ def test_a_crash_report_names_the_cause_first(pytester: pytest.Pytester, run: Ru
             "FAILED *::test_skips_a_collective - WorldFailed: rank 1: passed, but exited at *",
         ]
     )
+    assert leftovers(private_tmp) == []
+
+
+def test_pytest_timeout_firing_shows_every_ranks_stack(
+    pytester: pytest.Pytester, run: RunPytest, private_tmp: Path
+) -> None:
+    """Item 3 under pytest-timeout: its failure comes with the world's story (every rank's stack), not a traceback
+    through the plugin, and the world is reaped at once."""
+    if importlib.util.find_spec("pytest_timeout") is None:
+        pytest.skip("pytest-timeout is not installed")
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.timeout(5)
+        @pytest.mark.ds_world(timeout=600)
+        def test_hangs(ds_rank):
+            import torch.distributed as dist
+            if ds_rank == 0:
+                dist.barrier()
+            else:
+                time.sleep(3600)
+        """
+    )
+    result = run("-p", "timeout")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Timeout (>5.0s) from pytest-timeout.",
+            "ranks 0-1: hung: still running when the test was interrupted (Failed: Timeout (>5.0s) from pytest-timeout.)",
+            "---- rank 0: Python stacks when hung ----",
+            "*in barrier",
+            "*line 9 in test_hangs",
+            "---- rank 1: Python stacks when hung ----",
+            "*line 11 in test_hangs",
+            "FAILED *::test_hangs - WorldFailed: Timeout (>5.0s) from pytest-timeout.",
+        ]
+    )
+    assert "pytest_dsrepro" not in result.stdout.str().split("short test summary")[0]
     assert leftovers(private_tmp) == []

@@ -360,3 +360,37 @@ def test_a_first_build_is_told_while_it_runs_and_when_it_is_done(
     assert told[1].startswith("... still building (")
     assert told[2].startswith("DeepSpeed's CPU comm op ready after ")
     assert told[2].endswith("s; later runs load it from the cache")
+
+
+class Interruption(Exception):
+    """Stands in for pytest-timeout's failure, raised in the main thread by a signal handler."""
+
+
+@pytest.fixture
+def interrupt_otherwise_on_sigusr2() -> Iterator[None]:
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interruption("Timeout (>5.0s) from pytest-timeout.")
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+@pytest.mark.usefixtures("interrupt_otherwise_on_sigusr2")
+def test_a_world_interrupted_by_a_timeout_keeps_every_ranks_stack(runner: WorldRunner, tmp_path: Path) -> None:
+    """Issue 11, item 3: an interruption other than Ctrl-C (pytest-timeout's failure) gets the live ranks' stacks
+    before they are killed, and the world is reaped at once."""
+    world = WorldRun(runner.server, 1003, 2, "gloo", 120.0)
+    with pytest.raises(client.WorldInterrupted) as interrupted:
+        world.run(_real_job(tmp_path, "test_interrupts_pytest"))
+    assert isinstance(interrupted.value.cause, Interruption)
+    ranks = interrupted.value.outcome.ranks
+    assert {r.status for r in ranks} == {Status.HUNG}
+    assert ranks[0].detail == (
+        "still running when the test was interrupted (Interruption: Timeout (>5.0s) from pytest-timeout.)"
+    )
+    assert all("in test_interrupts_pytest" in r.stack for r in ranks)
+    assert world.reaped
+    assert not world.workdir.exists()

@@ -23,7 +23,7 @@ from ..core.gates import FIXED, Judgement, Reason, Verdict, installed_deepspeed,
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
 from ..worlds import launcher
-from ..worlds.client import WorldRunner
+from ..worlds.client import WorldInterrupted, WorldRunner
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
 from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, Marks, Prepared
@@ -42,8 +42,9 @@ class WorldFailed(_Failed):  # type: ignore[misc,valid-type]
 
     __module__ = "builtins"  # as pytest's own Failed: the short summary reads "WorldFailed: ranks 0-1: ..."
 
-    def __init__(self, outcome: WorldOutcome) -> None:
-        super().__init__(describe_failure(outcome), pytrace=False)
+    def __init__(self, outcome: WorldOutcome, heading: str = "") -> None:
+        story = describe_failure(outcome)
+        super().__init__(f"{heading}\n{story}" if heading else story, pytrace=False)
         self.outcome = outcome
 
 
@@ -128,7 +129,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout,
         )  # fmt: skip
-        outcome = item.config.stash[RUNNER_KEY].run(job, prepared.spec.size)
+        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         return
@@ -136,6 +137,18 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     if reason is not None:
         pytest.skip(reason)
     raise WorldFailed(outcome)
+
+
+def _run_spawned(runner: WorldRunner, job: RankJob, size: int) -> WorldOutcome:
+    """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
+    followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
+    try:
+        return runner.run(job, size)
+    except WorldInterrupted as interrupted:
+        cause = interrupted.cause
+        if isinstance(cause, pytest.fail.Exception):
+            raise WorldFailed(interrupted.outcome, heading=str(cause.msg)) from None
+        raise cause from None
 
 
 def _reference(item: pytest.Function) -> TestRef:

@@ -246,6 +246,17 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+class WorldInterrupted(BaseException):
+    """Something other than Ctrl-C interrupted a running world (pytest-timeout's failure, another plugin's exit):
+    ``outcome`` holds every live rank's Python stack, taken before they were killed; ``cause`` is the interruption,
+    which the pytest side re-raises as it sees fit."""
+
+    def __init__(self, outcome: WorldOutcome, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.outcome = outcome
+        self.cause = cause
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -318,8 +329,28 @@ class WorldRun:
                 f"the pytest-dsrepro fork server died while this test's world ran ({exc.ending}), "
                 f"{time.monotonic() - started:.1f}s in; its ranks died with it. Its log:\n{exc.log}"
             ) from None
+        except (KeyboardInterrupt, HarnessError):
+            raise  # Ctrl-C ends at once: the cleanup below kills the ranks without waiting for their stacks
+        except BaseException as exc:
+            interrupted = self._interrupted(exc, started)
+            if interrupted is None:
+                raise
+            raise WorldInterrupted(interrupted, exc) from exc
         finally:
             self._cleanup()
+
+    def _interrupted(self, exc: BaseException, started: float) -> WorldOutcome | None:
+        """Something else interrupted the wait (pytest-timeout's failure): the live ranks' stacks, then the world."""
+        live = self._live()
+        if not live:
+            return None
+        reason = ": ".join(filter(None, [type(exc).__name__, (str(exc).strip().splitlines() or [""])[0]]))
+        try:
+            self._force_end(live, Status.HUNG, f"still running when the test was interrupted ({reason})")
+            self._collect_exits(live)
+        except HarnessError:
+            return None
+        return self._outcome(started)
 
     def _wait(self, deadline: float) -> None:
         first_failure: float | None = None
