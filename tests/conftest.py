@@ -49,8 +49,24 @@ def hermetic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(option.env, raising=False)
 
 
+@pytest.fixture(scope="session")
+def warm_comm_op() -> None:
+    """The test environment's first world JIT-builds DeepSpeed's CPU comm op: 45-200 s, far more on a busy machine.
+    Done once, here, with no time limit of its own, so that no subprocess run's time limit has to include it."""
+    from pytest_dsrepro.core.errors import HarnessError
+    from pytest_dsrepro.worlds.client import WorldRunner
+
+    runner = WorldRunner(Path(os.environ.get(CACHE_ENV, REAL_CACHE)), startup_timeout=3600)
+    try:
+        runner.facts()
+    except HarnessError:
+        pass  # the tests that need a world say why none runs
+    finally:
+        runner.close()
+
+
 @pytest.fixture
-def process_tag(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def process_tag(monkeypatch: pytest.MonkeyPatch, warm_comm_op: None) -> Iterator[str]:
     """Tags every process this test starts; fails the test if any of them outlives it."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG, tag)

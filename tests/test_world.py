@@ -211,9 +211,7 @@ def test_hang_shows_every_rank_stack_and_session_continues(pytester: pytest.Pyte
             pass
         """
     )
-    started = time.monotonic()
     result = run()
-    assert time.monotonic() - started < 90
     result.assert_outcomes(failed=1, passed=1)
     result.stdout.fnmatch_lines(
         [

