@@ -1,0 +1,410 @@
+"""Faults injected for real (issue 11): how long each takes to reach its verdict, what is left after it, and how
+many worlds in a row run without a flake. Numbers to compare release to release; tests/test_faults.py holds the
+assertions on what the user reads.
+
+Each fault runs pytest in a subprocess, in a directory of its own, with its own TMPDIR (world directories and
+server logs land there) and a tag in the environment that every process it starts inherits. "Leftovers" counts,
+after pytest has exited (and 2 s more): tagged processes still running, DeepSpeed /dev/shm buffers that appeared,
+world directories and server logs in its TMPDIR, torch build locks in its cache.
+
+    python benchmarks/faults.py [--worlds 700] [--only NAME ...] [--json PATH]
+
+Run the plugin of another tree by putting it first on PYTHONPATH (the fork server follows the plugin's own tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+TAG = "DSREPRO_BENCH_TAG"
+SHM = Path("/dev/shm")
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+@dataclass
+class Figure:
+    fault: str
+    seconds: float | None  # to the verdict (or to pytest's exit after the interruption)
+    sees: str  # what the user sees, in one line
+    leftovers: list[str] = field(default_factory=list)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Run:
+    """One pytest in a subprocess, in its own directory, TMPDIR and process tag; its output read as it comes."""
+
+    def __init__(self, workdir: Path, body: str, *args: str, cache: Path | None = None) -> None:
+        self.dir = workdir
+        self.tmp = workdir / "tmp"
+        self.tmp.mkdir(parents=True)
+        (workdir / "test_fault.py").write_text(textwrap.dedent(body))
+        self.tag = uuid.uuid4().hex
+        env = dict(os.environ, TMPDIR=str(self.tmp), COLUMNS="200")
+        env[TAG] = self.tag
+        if cache is not None:
+            env["DSREPRO_CACHE_DIR"] = str(cache)
+        self.shm_before = set(SHM.glob("deepspeed_allreduce_buffer_*"))
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [*PYTEST, *args], cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.peak_rss = 0
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def out(self) -> str:
+        return "\n".join(self.lines)
+
+    def processes(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get(TAG) == self.tag and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 240) -> bool:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                return condition()
+            time.sleep(0.05)
+        return True
+
+    def finish(self, timeout: float = 600, watch_rss: bool = False) -> float:
+        """Wait for pytest to exit; seconds since ``started``."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if watch_rss:
+                try:
+                    self.peak_rss = max(self.peak_rss, psutil.Process(self.proc.pid).memory_info().rss)
+                except psutil.NoSuchProcess:
+                    break
+            time.sleep(0.02)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        elapsed = time.monotonic() - self.started
+        self.reader.join(5)
+        return elapsed
+
+    def leftovers(self, cache: Path | None = None) -> list[str]:
+        time.sleep(2)  # what is still going away is not a leftover
+        left = [f"process {p.name()}" for p in self.processes()]
+        for p in self.processes():
+            p.kill()  # leave the machine clean for the next fault
+        left += [f"shm {p.name}" for p in set(SHM.glob("deepspeed_allreduce_buffer_*")) - self.shm_before]
+        left += [f"tmp {p.name}" for p in self.tmp.glob("dsrepro-*")]
+        if cache is not None:
+            left += [f"torch lock {p.relative_to(cache)}" for p in cache.rglob("lock")]
+        return left
+
+    def first(self, *prefixes: str) -> str:
+        return next((line for line in self.lines if line.startswith(prefixes)), "")
+
+
+ONE_WORLD = "import pytest\n\n@pytest.mark.ds_world\ndef test_x(ds_rank):\n    pass\n"
+SLEEPING_WORLD = """
+    import os, time
+    import pytest
+
+    @pytest.mark.ds_world(timeout=600)
+    def test_sleeps(ds_rank):
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+        with open(f"ready-{ds_rank}", "w") as f:
+            f.write(os.environ["MASTER_PORT"])
+        time.sleep(3600)
+"""
+
+
+def ready(run: Run) -> Callable[[], bool]:
+    return lambda: all((run.dir / f"ready-{r}").exists() for r in range(2))
+
+
+def ctrl_c_during_build(base: Path) -> Figure:
+    cache = base / "cold-cache"
+    run = Run(base, ONE_WORLD, cache=cache)
+    building = run.wait_for(lambda: any(p.name() == "cc1plus" for p in run.processes()))
+    announced = any("building DeepSpeed's CPU comm op" in line for line in run.lines)
+    pressed = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    run.finish()
+    seconds = time.monotonic() - pressed
+    sees = f"compilers running: {building}; build announced: {announced}; exit {run.proc.returncode}"
+    return Figure("1 ctrl-c during the first build", seconds, sees, run.leftovers(cache))
+
+
+def ctrl_c_mid_world(base: Path, presses: int) -> Figure:
+    run = Run(base, SLEEPING_WORLD)
+    run.wait_for(ready(run))
+    pressed = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    for _ in range(presses - 1):
+        time.sleep(0.5)
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGINT)
+    run.finish()
+    seconds = time.monotonic() - pressed
+    name = "2 ctrl-c twice (0.5 s apart) mid-world" if presses > 1 else "3 ctrl-c once mid-world"
+    return Figure(name, seconds, f"exit {run.proc.returncode}", run.leftovers())
+
+
+def crash_after_result(base: Path) -> Figure:
+    run = Run(
+        base,
+        """
+        import os, signal
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_dies_on_exit(ds_rank):
+            if ds_rank == 1:
+                os._exit = lambda code: os.kill(os.getpid(), signal.SIGSEGV)
+        """,
+    )
+    seconds = run.finish()
+    sees = run.first("rank ", "ranks ") or next((line for line in run.lines if " passed" in line), "?")
+    return Figure("4 rank crashes after writing PASSED", seconds, sees, run.leftovers())
+
+
+def server_death(base: Path) -> Figure:
+    run = Run(
+        base,
+        """
+        import os, signal, time
+        import pytest
+
+        @pytest.mark.ds_world(timeout=30)
+        def test_server_dies(ds_rank):
+            if ds_rank == 0:
+                os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(3600)
+        """,
+    )
+    started = time.monotonic()
+    cpu = 0.0
+    me = psutil.Process(run.proc.pid)
+    while run.proc.poll() is None:
+        try:
+            cpu = sum(me.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.1)
+    seconds = run.finish()
+    sees = run.first("pytest-dsrepro could not run", "ranks ", "rank ")[:150]
+    return Figure(
+        "6 fork server dies mid-world",
+        seconds,
+        sees,
+        run.leftovers(),
+        {"pytest_cpu_seconds": round(cpu, 1), "wall": round(time.monotonic() - started, 1)},
+    )
+
+
+def timeout_plugin(base: Path) -> Figure:
+    try:
+        import pytest_timeout  # noqa: F401
+    except ImportError:
+        return Figure("3 pytest-timeout fires (5 s)", None, "pytest-timeout not installed: not measured")
+    run = Run(
+        base,
+        """
+        import time
+        import pytest
+
+        @pytest.mark.timeout(5)
+        @pytest.mark.ds_world(timeout=600)
+        def test_hangs(ds_rank):
+            import torch.distributed as dist
+            if ds_rank == 0:
+                dist.barrier()
+            else:
+                time.sleep(3600)
+        """,
+        "-p",
+        "timeout",
+    )
+    seconds = run.finish()
+    failures = run.out.split("= FAILURES =")[-1].split("short test summary")[0]
+    stacks = failures.count("Python stacks when hung")
+    return Figure(
+        "3 pytest-timeout fires (5 s)",
+        seconds,
+        f"rank stacks shown: {stacks}; failure text: {len(failures.splitlines())} lines",
+        run.leftovers(),
+    )
+
+
+def world_too_big(base: Path) -> Figure:
+    base.mkdir(parents=True)
+    helptext = subprocess.run([*PYTEST, "--help"], capture_output=True, text=True, cwd=base).stdout
+    if "--ds-max-world-size" not in helptext:
+        return Figure("7 --ds-world-size 100000", None, "no limit: not run (it forks until fork() fails)")
+    run = Run(base / "run", ONE_WORLD, "--ds-world-size", "100000")
+    seconds = run.finish()
+    return Figure("7 --ds-world-size 100000", seconds, run.first("ERROR:")[:150], run.leftovers())
+
+
+def output_flood(base: Path) -> Figure:
+    run = Run(
+        base,
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_floods(ds_rank):
+            if ds_rank == 0:
+                print("x" * 10_000_000)
+            else:
+                for i in range(2_000_000):
+                    print(f"line {i:>12} of a rank that prints in a loop")
+            raise RuntimeError("flooded")
+        """,
+        "--junitxml=junit.xml",
+        "--ds-results=results",
+    )
+    seconds = run.finish(watch_rss=True)
+    results = sum(p.stat().st_size for p in (base / "results").glob("*.json"))
+    junit = (base / "junit.xml").stat().st_size if (base / "junit.xml").exists() else 0
+    rss = run.peak_rss >> 20
+    sees = f"terminal {len(run.out):,} B, results {results:,} B, junit {junit:,} B, pytest peak RSS {rss} MiB"
+    return Figure("8 ranks print 10 MB + 100 MB", seconds, sees, run.leftovers())
+
+
+def input_errors(base: Path) -> Figure:
+    run = Run(
+        base,
+        """
+        import threading
+        import pytest
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ds_world
+        def test_unpicklable(lock):
+            pass
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_config("zero9")
+        def test_typo(ds_config):
+            pass
+        """,
+    )
+    seconds = run.finish()
+    told = sum(("unknown preset 'zero9'" in line or "cannot be sent to the ranks" in line) for line in run.lines)
+    return Figure("11 preset typo + unpicklable fixture (warm cache)", seconds, f"{told} error lines", run.leftovers())
+
+
+def cause_first(base: Path) -> Figure:
+    run = Run(
+        base,
+        """
+        import ctypes, time
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_segfaults(ds_rank):
+            import torch, torch.distributed as dist
+            if ds_rank == 1:
+                time.sleep(0.3)
+                ctypes.string_at(0)
+            dist.all_reduce(torch.ones(1))
+        """,
+    )
+    seconds = run.finish()
+    summary = run.first("FAILED")
+    stack = "Fatal Python error: Segmentation fault" in run.out
+    sees = f"summary: {summary.split(' - ', 1)[-1][:90]}; crashed rank's stack shown: {stack}"
+    return Figure("10 rank segfaults while its peer waits", seconds, sees, run.leftovers())
+
+
+def flakes(base: Path, worlds: int) -> Figure:
+    run = Run(
+        base,
+        f"""
+        import pytest
+
+        @pytest.mark.ds_world
+        @pytest.mark.parametrize("i", range({worlds}))
+        def test_empty(ds_rank, i):
+            pass
+        """,
+        "-q",
+    )
+    seconds = run.finish(timeout=3600)
+    counted = (line for line in reversed(run.lines) if " in " in line and ("passed" in line or "failed" in line))
+    summary = next(counted, "")
+    failed = sum(line.startswith("FAILED") for line in run.lines)
+    return Figure(
+        f"5 {worlds} worlds whose body runs no collective",
+        seconds,
+        f"{failed} failed ({summary.strip('= ')})",
+        run.leftovers(),
+        {"flakes": failed, "worlds": worlds},
+    )
+
+
+FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
+    "build": lambda d, a: ctrl_c_during_build(d),
+    "ctrl-c": lambda d, a: ctrl_c_mid_world(d, 1),
+    "ctrl-c-twice": lambda d, a: ctrl_c_mid_world(d, 2),
+    "crash-after-result": lambda d, a: crash_after_result(d),
+    "server-death": lambda d, a: server_death(d),
+    "pytest-timeout": lambda d, a: timeout_plugin(d),
+    "too-big": lambda d, a: world_too_big(d),
+    "flood": lambda d, a: output_flood(d),
+    "input-errors": lambda d, a: input_errors(d),
+    "cause-first": lambda d, a: cause_first(d),
+    "flakes": lambda d, a: flakes(d, a.worlds),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, default=700, help="empty worlds in a row for the flake count")
+    parser.add_argument("--only", nargs="*", choices=sorted(FAULTS), help="run only these faults")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="faults-bench-") as tmp:
+        for i, name in enumerate(args.only or FAULTS):
+            figure = FAULTS[name](Path(tmp) / f"{i}-{name}", args)
+            figures.append(figure)
+            seconds = "-" if figure.seconds is None else f"{figure.seconds:.1f}"
+            left = ", ".join(figure.leftovers) or "none"
+            extra = "".join(f"; {k} {v}" for k, v in figure.extra.items())
+            print(f"{figure.fault:<52} {seconds:>6} s  leftovers: {left}", flush=True)
+            print(f"{'':<52}          {figure.sees}{extra}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(f) for f in figures], indent=2))
+
+
+if __name__ == "__main__":
+    main()
