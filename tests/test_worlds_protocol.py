@@ -16,6 +16,7 @@ from pytest_dsrepro.worlds.client import _user_frames
 from pytest_dsrepro.worlds.protocol import (
     CLIENT_MESSAGES,
     SERVER_MESSAGES,
+    Building,
     DumpStacks,
     Exited,
     Hello,
@@ -24,6 +25,7 @@ from pytest_dsrepro.worlds.protocol import (
     RankReport,
     RankValue,
     Reap,
+    Reaped,
     ServerFacts,
     Spawn,
     Spawned,
@@ -36,8 +38,10 @@ FACTS = ServerFacts(
 REF = TestRef("test_mod", "/tmp/test_mod.py", "TestGroup.test_x", ("/tmp",), "/tmp")
 MESSAGES = [
     Hello(FACTS),
+    Building("building DeepSpeed's CPU comm op for 0.19.8, first time only"),
     Spawned(1, (101, 102)),
-    Exited(1, 0, -9),
+    Exited(1, 0, -9, at=12.5),
+    Reaped(1),
     Spawn(1, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world"),
     DumpStacks(1, (0, 1)),
     Kill(1, (1,)),
