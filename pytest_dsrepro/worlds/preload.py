@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import shm
 from .comm_op import extensions_dir
 
 #: The ZeRO stages whose first step the discovery runs (each imports its own optimizer code).
@@ -69,13 +70,16 @@ def _engine_steps() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
-    with context.running(context.RankContext(rank=0, world_size=1, local_rank=0, backend="gloo")):
-        for preset in PRESETS:
-            config = configs.resolve(preset, preset, 1, "gloo").config
-            engine = EngineFactory(config, preset)(model=tiny_mlp(), optimizer="adam")
-            x, y = make_batch(config["train_micro_batch_size_per_gpu"])
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-            engine.step()
+    try:
+        with context.running(context.RankContext(rank=0, world_size=1, local_rank=0, backend="gloo")):
+            for preset in PRESETS:
+                config = configs.resolve(preset, preset, 1, "gloo").config
+                engine = EngineFactory(config, preset)(model=tiny_mlp(), optimizer="adam")
+                x, y = make_batch(config["train_micro_batch_size_per_gpu"])
+                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+                engine.step()
+    finally:  # DeepSpeed's CPU allreduce left a 66 MiB buffer for this 1-rank world (port 0) in /dev/shm
+        shm.remove_world_buffers("127.0.0.1", 0)
 
 
 def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
