@@ -390,3 +390,26 @@ def test_a_world_interrupted_by_a_timeout_keeps_every_ranks_stack(runner: WorldR
     assert all("in test_interrupts_pytest" in r.stack for r in ranks)
     assert world.reaped
     assert not world.workdir.exists()
+
+
+def test_a_world_interrupted_before_its_ranks_were_announced_is_still_reaped(tmp_path: Path) -> None:
+    """Ctrl-C between Spawn and Spawned: the server reaps ranks the client never heard of; nothing breaks."""
+
+    class InterruptedAtSpawned(ScriptedServer):
+        def receive(self, timeout: float) -> ServerMessage | None:
+            message = super().receive(timeout)
+            if isinstance(message, Spawned):
+                raise KeyboardInterrupt
+            return message
+
+        def send(self, message: ClientMessage) -> None:
+            super().send(message)
+            if isinstance(message, Reap):  # the server reports the ranks it killed, then Reaped
+                self.replies[-1:-1] = [Exited(message.world, rank, -9) for rank in range(2)]
+
+    server = InterruptedAtSpawned()
+    world = WorldRun(server, WORLD, 2, "gloo", 30.0)  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        world.run(_job())
+    assert world.reaped
+    assert not world.workdir.exists()

@@ -290,7 +290,8 @@ class WorldRun:
         return [r for r in self.ranks if r.returncode is None]
 
     def _dispatch(self, message: ServerMessage | None) -> None:
-        if isinstance(message, Exited) and message.world == self.world_id:
+        # A world interrupted before its Spawned arrived knows no ranks yet: their ends only matter to the server.
+        if isinstance(message, Exited) and message.world == self.world_id and message.rank < len(self.ranks):
             r = self.ranks[message.rank]
             r.returncode = message.returncode
             r.exited_at = message.at if message.at is not None else time.monotonic()
