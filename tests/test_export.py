@@ -143,8 +143,11 @@ def test_exported_seed_repros_run_under_torchrun(in_root: Path, tmp_path: Path, 
     fixed in 0.16.4: on a later release the script says so and exits 0."""
     script = tmp_path / "repro.py"
     script.write_text(export.render(export.collect(nodeid)))
+    buffers = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     proc = _torchrun(script, tmp_path)
     output = proc.stdout + proc.stderr
+    left = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - buffers
+    assert not left, f"the exported script left DeepSpeed's shm buffers behind: {sorted(map(str, left))}"
     ds = metadata.version("deepspeed")
     newest_range = reproduces and Version(ds) >= Version("0.19.5")  # seed A's error depends on the release
     if reproduces:
