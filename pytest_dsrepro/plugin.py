@@ -55,6 +55,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    __tracebackhide__ = True  # users read their test's frames, not the plugin's
     with execution.in_world(pyfuncitem):
         try:
             result = yield

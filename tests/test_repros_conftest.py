@@ -1,4 +1,4 @@
-"""The project's top-level conftest.py: what every repro in repros/ shares."""
+"""What a user of the project sees around their tests: the repros directory's shared rule, and tracebacks."""
 
 from __future__ import annotations
 
@@ -28,3 +28,19 @@ def test_every_repro_runs_in_a_world(pytester: pytest.Pytester, run: RunPytest) 
     result.stdout.fnmatch_lines_random(
         ["*repros/test_in_repros.py::test_where PASSED*", "*test_elsewhere.py::test_where FAILED*"]
     )
+
+
+def test_user_tracebacks_show_no_plugin_frames(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        def helper():
+            raise KeyError("the user's own failure")
+
+        def test_plain():
+            helper()
+        """
+    )
+    result = run("--tb=long")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*def test_plain():*", "*KeyError*"])
+    assert "pytest_dsrepro" not in result.stdout.str()

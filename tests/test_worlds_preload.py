@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RunPytest
+
 
 def _python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter (imports and threads must not touch the test process) with ``cwd`` importable."""
@@ -64,3 +66,29 @@ def test_discovery_finds_what_an_engine_step_imports_and_is_cached(tmp_path: Pat
     assert modules > 100
     assert {"torch._dynamo", "sympy"} <= set(listing)  # what a first ZeRO step pulls in, per the runtime notes
     assert threads <= 2, "preloading left the fork server with threads"
+
+
+def test_engine_worlds_start_with_their_imports_done_and_trivial_worlds_never_pay(
+    pytester: pytest.Pytester, run: RunPytest
+) -> None:
+    """The first world whose test builds engines makes the server preload; a trivial world before it does not."""
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_1_trivial(ds_rank):
+            assert "torch._dynamo" not in sys.modules
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_config("zero3")
+        def test_2_engine(ds_engine, ds_rank):
+            assert "torch._dynamo" in sys.modules  # an engine step needs it; nothing here imported it yet
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["worlds ran on: DeepSpeed *, accelerator cpu (communication backend gloo)*preloaded *"]
+    )

@@ -50,6 +50,9 @@ class RunCollector:
             terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {installed_deepspeed()})")
             for line in lines:
                 terminalreporter.write_line(line)
+        facts = self.config.stash[RUNNER_KEY].server.facts
+        if facts is not None and (lines or self.config.option.verbose > 0):
+            terminalreporter.write_line(f"worlds ran on: {facts.describe()}")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput") or self.config.option.collectonly:
@@ -59,7 +62,8 @@ class RunCollector:
         cuda_devices = facts.cuda_devices if facts else 0
         backend, _ = settle_backend(s.backend, s.world_size, cuda_devices)
         env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)
-        env = dataclasses.replace(env, accelerator=diagnostics.known_accelerator(cuda_devices))
+        accelerator = facts.accelerator if facts and facts.accelerator else diagnostics.known_accelerator(cuda_devices)
+        env = dataclasses.replace(env, accelerator=accelerator)
         if s.report is not None:  # what a maintainer asks for: only for a report, and only now
             env = diagnostics.gather(env, cuda_devices)
         neutral = Neutral.here(self.config.rootpath)

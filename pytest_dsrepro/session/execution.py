@@ -107,6 +107,7 @@ def in_world(item: pytest.Function) -> Iterator[None]:
 
     pytest's own ``pytest_pyfunc_call`` still picks the arguments, so the body gets exactly what pytest would pass.
     """
+    __tracebackhide__ = True
     prepared = item.stash.get(PREPARED_KEY, None)
     if prepared is None:
         yield
@@ -120,6 +121,7 @@ def in_world(item: pytest.Function) -> Iterator[None]:
 
 
 def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared, **kwargs: Any) -> None:
+    __tracebackhide__ = True
     marks = item.stash[MARKS_KEY]
     fixes = [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     if launcher.launched() is not None:
@@ -129,7 +131,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout,
         )  # fmt: skip
-        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size)
+        engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
+        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size, engines)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         return
@@ -139,11 +142,11 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     raise WorldFailed(outcome)
 
 
-def _run_spawned(runner: WorldRunner, job: RankJob, size: int) -> WorldOutcome:
+def _run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
     """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
-        return runner.run(job, size)
+        return runner.run(job, size, preload=engines)
     except WorldInterrupted as interrupted:
         cause = interrupted.cause
         if isinstance(cause, pytest.fail.Exception):
@@ -188,6 +191,7 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
 
     A harness error (no world ran) fails the test as such and is never judged against the gates.
     """
+    __tracebackhide__ = True
     marks = item.stash.get(MARKS_KEY, Marks(None, (), None, None))
     if isinstance(exc, HarnessError):
         if marks.gates:

@@ -164,6 +164,11 @@ class ForkServer:
                 return message
         return None
 
+    def noted_preload(self, preloaded: str | None) -> None:
+        """Keep what the server imported ahead of its ranks with its facts, once it has (``Spawned.preloaded``)."""
+        if preloaded is not None and self.facts is not None and self.facts.preloaded != preloaded:
+            self.facts = dataclasses.replace(self.facts, preloaded=preloaded)
+
     def log_tail(self, lines: int = 30) -> str:
         if self._log is None or not self._log.exists():
             return ""
@@ -279,6 +284,8 @@ class WorldRun:
     timeout: float
     failure_grace: float = FAILURE_GRACE
     stack_dump_wait: float = STACK_DUMP_WAIT
+    preload: bool = False
+    preloaded: str | None = None  # what the server said it had imported ahead of its ranks
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # the server answered Reap: nothing of the world is left
@@ -314,7 +321,7 @@ class WorldRun:
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
         try:
-            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir)))
+            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.preload))
             while not self.ranks:
                 message = self.server.receive(self.timeout)
                 if message is None:
@@ -323,6 +330,7 @@ class WorldRun:
                     )
                 if isinstance(message, Spawned) and message.world == self.world_id:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
+                    self.preloaded = message.preloaded
             self._wait(started + self.timeout)
             return self._outcome(started)
         except ServerGone as exc:
@@ -493,7 +501,8 @@ class WorldRunner:
             return 0
         return self.facts().cuda_devices
 
-    def run(self, job: RankJob, size: int) -> WorldOutcome:
+    def run(self, job: RankJob, size: int, *, preload: bool = False) -> WorldOutcome:
+        """Run one world of ``size`` ranks; ``preload``: its test builds engines (see ``Spawn.preload``)."""
         self.server.start()
         if not self.server.alive:
             self.server.close()
@@ -506,8 +515,12 @@ class WorldRunner:
             job.timeout,
             failure_grace=self.failure_grace,
             stack_dump_wait=self.stack_dump_wait,
+            preload=preload,
         )
-        return world.run(job)
+        try:
+            return world.run(job)
+        finally:
+            self.server.noted_preload(world.preloaded)
 
     def close(self) -> None:
         self.server.close()

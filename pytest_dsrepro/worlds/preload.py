@@ -68,7 +68,9 @@ def _engine_steps() -> None:
     from ..inrank.models import make_batch, tiny_mlp
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    # Only a name here (the group's store is in-process): DeepSpeed names its /dev/shm buffer after it, so this
+    # child's buffer is its own even when another discovery runs at the same time.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getpid()))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
         with context.running(context.RankContext(rank=0, world_size=1, local_rank=0, backend="gloo")):
@@ -78,8 +80,8 @@ def _engine_steps() -> None:
                 x, y = make_batch(config["train_micro_batch_size_per_gpu"])
                 engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                 engine.step()
-    finally:  # DeepSpeed's CPU allreduce left a 66 MiB buffer for this 1-rank world (port 0) in /dev/shm
-        shm.remove_world_buffers("127.0.0.1", 0)
+    finally:  # DeepSpeed's CPU allreduce left a 66 MiB buffer for this 1-rank world in /dev/shm
+        shm.remove_world_buffers("127.0.0.1", os.getpid())
 
 
 def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:

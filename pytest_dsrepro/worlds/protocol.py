@@ -44,7 +44,19 @@ class ServerFacts:
     gpus: tuple[str, ...] = ()
     comm_op: str | None = None  # how DeepSpeed's CPU comm op was built or loaded (see ``comm_op.warm_up``)
     comm_op_seconds: float | None = None
+    accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu (communication backend gloo)"
+    preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
     fatal: str | None = None  # the server could not preload and will not run worlds
+
+    def describe(self) -> str:
+        """One line for the terminal: what the worlds of this run ran on."""
+        parts = [f"DeepSpeed {self.deepspeed}, accelerator {self.accelerator}" if self.deepspeed else
+                 f"DeepSpeed not importable ({self.deepspeed_error})"]  # fmt: skip
+        if self.comm_op:
+            parts.append(f"comm op {self.comm_op}")
+        if self.preloaded:
+            parts.append(f"preloaded {self.preloaded}")
+        return "; ".join(parts)
 
 
 # ---- server -> pytest -----------------------------------------------------------------------------------------
@@ -71,6 +83,7 @@ class Spawned:
 
     world: int
     pids: tuple[int, ...]
+    preloaded: str | None = None  # what the server has imported ahead of its ranks, once it has (``Spawn.preload``)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,7 @@ class Spawn:
     job: bytes
     size: int
     workdir: str
+    preload: bool = False  # the test builds DeepSpeed engines: import what their first step needs before forking
 
 
 @dataclass(frozen=True)

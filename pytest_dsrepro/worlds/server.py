@@ -32,8 +32,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from ..core.options import default_cache_dir
 from . import comm_op as extensions
 from . import workdir as layout
+from .preload import warm as preload_rank_imports
 from .protocol import Building, DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
 
 PR_SET_PDEATHSIG = 1
@@ -79,6 +81,9 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         import deepspeed
     except ImportError as exc:
         return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}")
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
     started = time.monotonic()
     comm_op = extensions.warm_up(announce)
     return dataclasses.replace(
@@ -86,7 +91,20 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         deepspeed=str(deepspeed.__version__),
         comm_op=comm_op,
         comm_op_seconds=round(time.monotonic() - started, 2),
+        accelerator=f"{accelerator.device_name()} (communication backend {accelerator.communication_backend_name()})",
     )
+
+
+def preload_for_engines() -> str:
+    """Import what a rank's first DeepSpeed engine step needs (``worlds.preload``), once, before the first world that
+    builds engines: worlds that do not never pay for it."""
+    import deepspeed
+    import torch
+
+    where = Path(deepspeed.__file__).parent
+    return preload_rank_imports(
+        default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where
+    ).describe()
 
 
 def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
@@ -154,14 +172,17 @@ class Worlds:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
         self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks not reaped yet
+        self.preloaded: str | None = None  # set by the first Spawn that asks for preloading
 
     def handle(self, message: object) -> None:
         match message:
-            case Spawn(world=world, job=job, size=size, workdir=workdir):
+            case Spawn(world=world, job=job, size=size, workdir=workdir, preload=preload):
                 self.directories[world] = Path(workdir)
+                if preload and self.preloaded is None and "deepspeed" in sys.modules:
+                    self.preloaded = preload_for_engines()
                 pids = start_world(job, size, Path(workdir), os.getpid(), self.conn)
                 self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
-                self.conn.send(Spawned(world, tuple(pids)))
+                self.conn.send(Spawned(world, tuple(pids), self.preloaded))
             case DumpStacks(world=world, ranks=ranks):
                 self.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
