@@ -233,7 +233,7 @@ def test_results_file(pytester: pytest.Pytester, run: RunPytest, xdist: list[str
     assert env["cpu_count"] >= 1
     assert env["gpu_count"] == 0
     assert env["os"]
-    assert env["accelerator"] == "cpu"  # the fork server's choice on a machine without CUDA
+    assert env["accelerator"] == "cpu"  # as the fork server's DeepSpeed names it (under xdist: its rule for it)
     assert (env["ds_report"], env["torch_env"]) == (None, None)  # gathered for a --ds-report only
     assert env["plugin"] == metadata.version("pytest-dsrepro")
     tests = {t["nodeid"]: t for t in run_record["tests"]}

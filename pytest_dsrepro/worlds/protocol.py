@@ -44,13 +44,15 @@ class ServerFacts:
     gpus: tuple[str, ...] = ()
     comm_op: str | None = None  # how DeepSpeed's CPU comm op was built or loaded (see ``comm_op.warm_up``)
     comm_op_seconds: float | None = None
-    accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu (communication backend gloo)"
+    accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu", "cuda"
+    accelerator_backend: str | None = None  # its communication backend: "gloo", "ccl", "nccl"
     preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
     fatal: str | None = None  # the server could not preload and will not run worlds
 
     def describe(self) -> str:
         """One line for the terminal: what the worlds of this run ran on."""
-        parts = [f"DeepSpeed {self.deepspeed}, accelerator {self.accelerator}" if self.deepspeed else
+        accelerator = f"{self.accelerator} (communication backend {self.accelerator_backend})"
+        parts = [f"DeepSpeed {self.deepspeed}, accelerator {accelerator}" if self.deepspeed else
                  f"DeepSpeed not importable ({self.deepspeed_error})"]  # fmt: skip
         if self.comm_op:
             parts.append(f"comm op {self.comm_op}")

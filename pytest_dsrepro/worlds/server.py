@@ -91,7 +91,8 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         deepspeed=str(deepspeed.__version__),
         comm_op=comm_op,
         comm_op_seconds=round(time.monotonic() - started, 2),
-        accelerator=f"{accelerator.device_name()} (communication backend {accelerator.communication_backend_name()})",
+        accelerator=str(accelerator.device_name()),
+        accelerator_backend=str(accelerator.communication_backend_name()),
     )
 
 
