@@ -10,7 +10,7 @@ import pytest
 from pytest_dsrepro.core import options
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.options import OPTIONS, Settings, SettingsError
-from pytest_dsrepro.core.worlds import WorldSpec, settle_backend, world_spec
+from pytest_dsrepro.core.worlds import WorldSpec, ds_accelerator, settle_backend, world_spec
 
 SETTINGS = Settings(2, "auto", 300.0, 1800.0, None, None, Path("/cache"), max_world_size=16)
 LIMIT_WORDS = (
@@ -145,3 +145,9 @@ def test_under_a_launcher_no_limit_applies() -> None:
     s = options.resolve([], environ=torchrun)
     assert (s.world_size, s.max_world_size) == (4096, None)
     assert world_spec((), {"size": 4096}, s, "here").size == 4096
+
+
+def test_deepspeed_gets_the_cpu_accelerator_only_where_nobody_chose_and_no_gpu_is_there() -> None:
+    assert ds_accelerator({}, cuda_devices=0) == "cpu"
+    assert ds_accelerator({}, cuda_devices=2) is None  # DeepSpeed detects CUDA itself
+    assert ds_accelerator({"DS_ACCELERATOR": "xpu"}, cuda_devices=0) == "xpu"

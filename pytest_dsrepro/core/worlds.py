@@ -48,6 +48,15 @@ def _argument(kwargs: Mapping[str, object], name: str, check: Callable[[object],
         raise MarkerError(f"{where}: {name}={value!r} {exc}") from None
 
 
+def ds_accelerator(environ: Mapping[str, str], cuda_devices: int) -> str | None:
+    """DeepSpeed's accelerator as the ranks get it: the user's ``DS_ACCELERATOR``, else ``cpu`` on a machine without
+    CUDA devices (where DeepSpeed would probe for CUDA/XPU/... accelerators); None where DeepSpeed detects it itself.
+
+    The one rule: the fork server applies it before importing DeepSpeed, and reports describe by it.
+    """
+    return environ.get("DS_ACCELERATOR") or (None if cuda_devices else "cpu")
+
+
 def settle_backend(requested: str, size: int, cuda_devices: int) -> tuple[str, str | None]:
     """``(backend, skip_reason)``: auto picks NCCL only when every rank can have its own GPU."""
     if requested == "auto":

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 
 from ..core.results import Environment
+from ..core.worlds import ds_accelerator
 
 #: Seconds each may take (importing DeepSpeed and probing its ops takes ~3 s here; a cold machine more).
 TIMEOUT = 180.0
@@ -37,8 +38,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def rank_environment(cuda_devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment DeepSpeed sees in a rank: the fork server's choice of accelerator on a CPU machine."""
     env = dict(os.environ if base is None else base)
-    if not cuda_devices:
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    chosen = ds_accelerator(env, cuda_devices)
+    if chosen is not None:
+        env["DS_ACCELERATOR"] = chosen
     return env
 
 
@@ -93,4 +95,4 @@ def gather(environment: Environment, cuda_devices: int) -> Environment:
 def known_accelerator(cuda_devices: int) -> str | None:
     """The accelerator without asking DeepSpeed: the user's ``DS_ACCELERATOR``, or ``cpu`` where the fork server
     chooses it (no CUDA device); None when DeepSpeed detects it itself."""
-    return rank_environment(cuda_devices).get("DS_ACCELERATOR")
+    return ds_accelerator(os.environ, cuda_devices)

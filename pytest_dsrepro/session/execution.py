@@ -165,16 +165,22 @@ def _reference(item: pytest.Function) -> TestRef:
 
 
 def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) -> bytes:
-    """Pickle what the ranks need, naming the fixture that cannot travel instead of failing deep in pickle."""
-    for name, value in kwargs.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - whatever pickle raises, the fixture is named
-            raise HarnessError(
-                f"{item.nodeid}: fixture or parameter {name!r} cannot be sent to the ranks "
-                f"({type(exc).__name__}: {exc}); world tests receive only picklable values"
-            ) from None
-    return pickle.dumps((kwargs, fixes))
+    """Pickle what the ranks need, naming the fixture that cannot travel instead of failing deep in pickle.
+
+    Pickled once; each value is tried on its own only when that fails, to name the culprit.
+    """
+    try:
+        return pickle.dumps((kwargs, fixes))
+    except Exception:  # whatever pickle raises (it re-raises), the fixture is named below
+        for name, value in kwargs.items():
+            try:
+                pickle.dumps(value)
+            except Exception as exc:  # noqa: BLE001
+                raise HarnessError(
+                    f"{item.nodeid}: fixture or parameter {name!r} cannot be sent to the ranks "
+                    f"({type(exc).__name__}: {exc}); world tests receive only picklable values"
+                ) from None
+        raise
 
 
 def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from ..core.options import default_cache_dir
+from ..core.worlds import ds_accelerator
 from . import comm_op as extensions
 from . import workdir as layout
 from .preload import warm as preload_rank_imports
@@ -74,9 +75,9 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         cuda_devices=cuda_devices,
         gpus=tuple(str(torch.cuda.get_device_name(i)) for i in range(cuda_devices)),
     )
-    if not cuda_devices:
-        # Without it DeepSpeed probes for CUDA/XPU/... accelerators; on a CPU machine the CPU one is the truth.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    chosen = ds_accelerator(os.environ, cuda_devices)
+    if chosen is not None:
+        os.environ["DS_ACCELERATOR"] = chosen
     try:
         import deepspeed
     except ImportError as exc:
