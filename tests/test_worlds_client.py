@@ -186,8 +186,11 @@ def test_passes(rank, world_size):
 
 
 def test_interrupts_pytest(rank, world_size):
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank is in its body (and its stack shows this function) before pytest is interrupted
     if rank == 0:
-        os.kill(PYTEST_PID, signal.SIGUSR2)  # stands in for Ctrl-C, once every rank runs its body
+        os.kill(PYTEST_PID, signal.SIGUSR2)  # stands in for Ctrl-C
     time.sleep(3600)
 
 
