@@ -161,7 +161,8 @@ def _reference(item: pytest.Function) -> TestRef:
     assert module.__file__ is not None
     cls = getattr(item, "cls", None)
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
-    return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd())
+    rewrite = item.config.getoption("assertmode") == "rewrite"
+    return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd(), rewrite)
 
 
 def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) -> bytes:

@@ -175,6 +175,7 @@ class TestRef:
     qualname: str  # "test_x" or "TestClass.test_x"
     sys_path: tuple[str, ...]
     cwd: str
+    rewrite_asserts: bool = True  # as pytest does (``--assert=plain`` turns it off)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ one ``RankReport`` out.
 from __future__ import annotations
 
 import datetime
-import importlib
-import importlib.util
 import os
 import pickle
 import sys
@@ -22,6 +20,7 @@ from typing import Any
 from ..core.outcome import ErrorInfo, Status
 from ..inrank import context
 from ..inrank.context import RankContext
+from . import testmodule
 from . import workdir as layout
 from .protocol import RankJob, RankReport, RankValue, TestRef
 from .workdir import LOOPBACK
@@ -29,29 +28,10 @@ from .workdir import LOOPBACK
 Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
 
 
-def _import_test_module(ref: TestRef) -> Any:
+def resolve_test(ref: TestRef) -> Callable[..., Any]:
     sys.path[:] = list(ref.sys_path)
     os.chdir(ref.cwd)
-    if ref.module_name in sys.modules:
-        return sys.modules[ref.module_name]
-    try:
-        module = importlib.import_module(ref.module_name)
-        if Path(module.__file__ or "").resolve() == Path(ref.module_file).resolve():
-            return module
-    except ImportError:
-        pass
-    # Modules imported by pytest's importlib mode are not importable by name: load the same file under that name.
-    spec = importlib.util.spec_from_file_location(ref.module_name, ref.module_file)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the test module {ref.module_name} from {ref.module_file}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[ref.module_name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def resolve_test(ref: TestRef) -> Callable[..., Any]:
-    obj: Any = _import_test_module(ref)
+    obj: Any = testmodule.load(ref.module_name, ref.module_file, rewrite=ref.rewrite_asserts)
     parts = ref.qualname.split(".")
     for i, part in enumerate(parts):
         obj = getattr(obj, part)

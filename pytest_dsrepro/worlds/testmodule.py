@@ -1,0 +1,60 @@
+"""The test module as a rank imports it: the file pytest collected, its asserts rewritten as pytest rewrites them.
+
+A rank is forked from the fork server, which never imports tests, so the rank imports the test module itself. pytest
+rewrites ``assert`` statements only in modules its own import hook loads, and that hook needs the pytest process's
+``Config``; a rank has none. So the rank compiles the file with pytest's rewriter (``rewrite_asserts``, the function
+the hook itself calls): a plain ``assert xs == [1, 2, 3]`` then fails with ``assert [1, 2, 0] == [1, 2, 3]`` and
+the values of its sub-expressions, as in pytest. pytest offers no public API for this, so this module is the one
+place that imports ``_pytest`` (an ``ignore_imports`` entry of the import contract names it). Comparison details
+that pytest's ``pytest_assertrepr_compare`` hook adds (``At index 2 diff``) need the pytest process's config and
+plugins, so ranks do not show them.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
+import sys
+from types import CodeType, ModuleType
+
+
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    """A source loader that always compiles from source, with pytest's assertion rewriting (never a cached pyc)."""
+
+    def get_code(self, fullname: str) -> CodeType:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        path = self.get_filename(fullname)
+        source = self.get_data(path)
+        tree = ast.parse(source, filename=path)
+        rewrite_asserts(tree, source, path)
+        return compile(tree, path, "exec", dont_inherit=True)
+
+
+def load(name: str, path: str, *, rewrite: bool) -> ModuleType:
+    """Import the file at ``path`` as module ``name`` (its package first, so relative imports work).
+
+    Loaded from the file, never by name from ``sys.path``: under pytest's importlib mode the name is not importable,
+    and a same-named module elsewhere on the path must not stand in for the test.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    package = name.rpartition(".")[0]
+    if package:
+        with contextlib.suppress(ImportError):  # a rootdir-relative name whose package is not importable
+            importlib.import_module(package)
+    loader_type = _RewritingLoader if rewrite else importlib.machinery.SourceFileLoader
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader_type(name, path))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the test module {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
