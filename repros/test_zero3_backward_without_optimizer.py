@@ -8,8 +8,6 @@ only ``None``/``DummyOptim``, then calls optimizer-only hooks on it: ``optimizer
 unfixed upstream at the time of writing. Every rank raises the same error; offloading is not needed to trigger it.
 """
 
-import math
-
 import pytest
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
@@ -72,13 +70,14 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=2, rank=ds_rank)
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
 
-    # Backward really ran: every parameter has this rank's full gradient, equal to plain autograd's on the same data.
+    # Backward really ran: every parameter has this rank's full gradient, equal to plain autograd's on the same data
+    # (plain asserts: pytest shows their values from the ranks too; the message names the parameter).
     reference = tiny_mlp(seed=3)
     torch.nn.functional.mse_loss(reference(x), y).backward()
     for (name, param), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         grad = param.grad
-        assert grad is not None, f"{name}: no gradient after engine.backward"
-        assert tuple(grad.shape) == tuple(param.ds_shape), f"{name}: gradient {tuple(grad.shape)}"
-        assert all(math.isfinite(v) for v in grad.flatten().tolist()), f"{name}: gradient is not finite"
-        assert grad.abs().sum() > 0, f"{name}: gradient is all zeros"
+        assert grad is not None, name
+        assert grad.shape == param.ds_shape, name
+        assert grad.isfinite().all(), name
+        assert grad.abs().sum() > 0, name
         torch.testing.assert_close(grad, expected.grad, msg=f"{name}: gradient differs from plain autograd")
