@@ -35,6 +35,7 @@ from .protocol import (
     Building,
     ClientMessage,
     DumpStacks,
+    EnvironChanges,
     Exited,
     Hello,
     Kill,
@@ -97,6 +98,7 @@ class ForkServer:
         self._conn: Connection | None = None
         self._log: Path | None = None
         self.facts: ServerFacts | None = None
+        self.environ: dict[str, str] = {}  # the pytest process's environment when the server started: its baseline
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -111,6 +113,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         fd, log = tempfile.mkstemp(prefix="dsrepro-server-", suffix=".log")
         self._log = Path(log)
+        self.environ = dict(os.environ)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
@@ -517,6 +520,7 @@ class WorldRunner:
             stack_dump_wait=self.stack_dump_wait,
             preload=preload,
         )
+        job = dataclasses.replace(job, environ=EnvironChanges.between(self.server.environ, os.environ))
         try:
             return world.run(job)
         finally:

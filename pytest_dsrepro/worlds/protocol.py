@@ -25,6 +25,7 @@ imports neither torch nor pytest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from ..core.outcome import ErrorInfo, RankResult, Status
@@ -179,6 +180,26 @@ class TestRef:
 
 
 @dataclass(frozen=True)
+class EnvironChanges:
+    """How the pytest process's environment differs from the one the fork server started with: what fixtures did
+    (``monkeypatch.setenv``/``delenv``). Every rank applies it before anything else, so ranks see what the test sees.
+    """
+
+    set: tuple[tuple[str, str], ...] = ()
+    unset: tuple[str, ...] = ()
+
+    @classmethod
+    def between(cls, before: Mapping[str, str], after: Mapping[str, str]) -> EnvironChanges:
+        changed = tuple(sorted((k, v) for k, v in after.items() if before.get(k) != v))
+        return cls(changed, tuple(sorted(k for k in before if k not in after)))
+
+    def apply(self, environ: MutableMapping[str, str]) -> None:
+        environ.update(self.set)
+        for name in self.unset:
+            environ.pop(name, None)
+
+
+@dataclass(frozen=True)
 class RankJob:
     """What every rank of one world runs. ``payload`` is pickled apart so that it is unpickled only after the test's
     module is imported (parametrize values and fixes may be defined in it)."""
@@ -187,6 +208,7 @@ class RankJob:
     payload: bytes  # pickle of (kwargs, fixes)
     backend: str
     timeout: float
+    environ: EnvironChanges = EnvironChanges()  # filled in by the client, which knows the server's environment
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

@@ -156,6 +156,7 @@ def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix
 
 def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankReport:
     """The whole life of a spawned rank, except process plumbing (see ``server``)."""
+    job.environ.apply(os.environ)
     try:
         store = rendezvous(world_size, workdir, job.timeout)
         set_rank_environment(rank, world_size, store.port)
