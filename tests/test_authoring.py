@@ -86,3 +86,52 @@ def test_environ_changes_between_two_environments() -> None:
     environ = {"A": "1", "B": "2", "C": "3", "RANK": "0"}
     changes.apply(environ)
     assert environ == {"A": "1", "B": "20", "D": "4", "RANK": "0"}
+
+
+def test_deepspeed_comm_is_bound_to_the_world_before_the_body(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """zero.Init with a config dict validates the batch size against the real world, with no init_distributed call."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_config("zero3")
+        def test_zero_init(ds_config, ds_world_size):
+            import deepspeed, torch
+            assert deepspeed.comm.is_initialized()
+            assert deepspeed.comm.get_world_size() == ds_world_size == 2
+            with deepspeed.zero.Init(config_dict_or_path=ds_config):
+                layer = torch.nn.Linear(4, 4)
+            assert layer.weight.ds_numel == 16
+
+        @pytest.mark.ds_world
+        def test_module_imports_deepspeed(ds_rank):
+            import deepspeed.comm as comm
+            assert comm.get_world_size() == 2
+        """
+    )
+    run().assert_outcomes(passed=2)
+
+
+def test_worlds_of_tests_without_deepspeed_do_not_bind_it(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_plain(ds_rank):
+            comm = sys.modules["deepspeed.comm.comm"]  # loaded by the fork server, never bound here
+            assert comm.cdb is None
+        """
+    )
+    run().assert_outcomes(passed=1)
+
+
+def test_imports_finds_a_package_anywhere_in_a_module() -> None:
+    from pytest_dsrepro.core.source import imports
+
+    assert imports("def test_x():\n    import deepspeed.comm as c\n", "deepspeed")
+    assert imports("from deepspeed.runtime import engine\n", "deepspeed")
+    assert not imports("import deepspeedish\nfrom . import deepspeed\n", "deepspeed")
+    assert not imports("def broken(:\n", "deepspeed")

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Statement", "defined_names", "module_slice", "render", "select", "statements", "used_names"]
+__all__ = ["Statement", "defined_names", "imports", "module_slice", "render", "select", "statements", "used_names"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,24 @@ def defined_names(node: ast.stmt) -> set[str]:
 def used_names(node: ast.AST) -> set[str]:
     """Every name a statement reads, anywhere inside it (a local that shadows a module name counts: harmless)."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def imports(text: str, package: str) -> bool:
+    """Does the module import ``package`` (or one of its modules) anywhere, at the top or inside a function?"""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(name == package or name.startswith(package + ".") for name in names):
+            return True
+    return False
 
 
 def _first_line(node: ast.stmt, lines: Sequence[str]) -> int:

@@ -14,10 +14,12 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ..core import source
 from ..core.errors import HarnessError, MarkerError
 from ..core.gates import FIXED, Judgement, Reason, Verdict, installed_deepspeed, judge
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
@@ -124,14 +126,15 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     __tracebackhide__ = True
     marks = item.stash[MARKS_KEY]
     fixes = [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
+    engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
+    deepspeed = engines or _imports_deepspeed(item)
     if launcher.launched() is not None:
-        outcome = launcher.run_here(function, kwargs, fixes, prepared.spec, prepared.backend)
+        outcome = launcher.run_here(function, kwargs, fixes, prepared.spec, prepared.backend, deepspeed=deepspeed)
     else:
         job = RankJob(
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
-            timeout=prepared.spec.timeout,
+            timeout=prepared.spec.timeout, deepspeed=deepspeed,
         )  # fmt: skip
-        engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
         outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size, engines)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
@@ -163,6 +166,15 @@ def _reference(item: pytest.Function) -> TestRef:
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
     rewrite = item.config.getoption("assertmode") == "rewrite"
     return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd(), rewrite)
+
+
+def _imports_deepspeed(item: pytest.Function) -> bool:
+    """Does the test's module import DeepSpeed (anywhere in it)? Its ranks then get DeepSpeed's comm layer bound."""
+    path = getattr(item.module, "__file__", None)
+    try:
+        return path is not None and source.imports(Path(path).read_text(), "deepspeed")
+    except OSError:
+        return False
 
 
 def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) -> bytes:

@@ -34,9 +34,15 @@ def cuda_devices() -> int:
 
 
 def run_here(
-    fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], spec: WorldSpec, backend: str
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    fixes: Sequence[Fix],
+    spec: WorldSpec,
+    backend: str,
+    *,
+    deepspeed: bool = False,
 ) -> WorldOutcome:
-    """Run one body in the launcher's world, joining it on first use."""
+    """Run one body in the launcher's world, joining it on first use; ``deepspeed`` as in ``rank.run_body``."""
     import torch.distributed as dist
 
     world = launched()
@@ -52,6 +58,6 @@ def run_here(
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=spec.timeout))
     ctx = RankContext(world.rank, world.world_size, world.local_rank, backend)
     started = time.monotonic()
-    report = run_body(fn, kwargs, fixes, ctx)
+    report = run_body(fn, kwargs, fixes, ctx, deepspeed=deepspeed)
     result = report.result(world.rank, started=started)
     return WorldOutcome(world.world_size, backend, (result,), time.monotonic() - started)

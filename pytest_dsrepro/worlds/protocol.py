@@ -209,6 +209,7 @@ class RankJob:
     backend: str
     timeout: float
     environ: EnvironChanges = EnvironChanges()  # filled in by the client, which knows the server's environment
+    deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

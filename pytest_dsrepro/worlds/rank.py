@@ -137,14 +137,30 @@ def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport
     return RankReport(Status.FAILED, error=error, at=time.monotonic())
 
 
-def run_body(fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext) -> RankReport:
-    """Apply the fixes (through a MonkeyPatch, undone afterwards) and run the body; report how it ended."""
+def bind_deepspeed(backend: str) -> None:
+    """Bind DeepSpeed's comm layer to the world's default process group, as ``deepspeed.initialize`` does on its first
+    call, so that ``deepspeed.zero.Init``, ``deepspeed.comm`` and config validation see the real world before any
+    engine exists. DeepSpeed takes the group that is already there (its "user initialized torch.dist" path, the same
+    in 0.14 to 0.19); on the CPU accelerator it also maps its shm allreduce buffer (~0.09 s a world, hence only for
+    tests that use DeepSpeed)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def run_body(
+    fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext, *, deepspeed: bool = False
+) -> RankReport:
+    """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
+    DeepSpeed (after the fixes: a fix may patch that layer), and run the body; report how it ended."""
     import pytest
 
     try:
         with context.running(ctx), pytest.MonkeyPatch.context() as monkeypatch:
             for fix in fixes:
                 fix(monkeypatch)
+            if deepspeed:
+                bind_deepspeed(ctx.backend)
             fn(**_substitute(kwargs, ctx))
     except pytest.skip.Exception as exc:
         return RankReport(Status.SKIPPED, detail=str(exc.msg), at=time.monotonic())
@@ -170,7 +186,7 @@ def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankRep
         kwargs, fixes = pickle.loads(job.payload)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "loading the test failed:\n", traceback.format_exc())
-    report = run_body(fn, kwargs, fixes, ctx)
+    report = run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed)
     import torch.distributed as dist
 
     if dist.is_initialized() and report.status is Status.PASSED:
