@@ -6,7 +6,11 @@ processes and handle signals, which an in-process run must not share with the te
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -102,6 +106,19 @@ def assert_clear_error(result: pytest.RunResult, marker: str, message: str) -> N
     assert "Traceback" not in result.stdout.str()
 
 
+@functools.cache
+def comm_op_directory() -> Path | None:
+    """Where this environment's DeepSpeed keeps its comm op in the real cache (``comm_op.op_directory``).
+
+    Asked in a child: importing torch here, where pytester restores ``sys.modules`` between tests, breaks torch.
+    """
+    code = "from pytest_dsrepro.worlds.comm_op import op_directory; print(op_directory() or '')"
+    env = {**os.environ, CACHE_ENV: REAL_CACHE, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return Path(line) if line else None
+
+
 def deepspeed_version() -> str:
     from importlib import metadata
 
@@ -127,3 +144,23 @@ def leftovers(tmp: Path, ports: Iterable[str] = ()) -> list[str]:
     for port in ports:
         left += [str(p) for p in SHM.glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
     return left
+
+
+ROOT = Path(__file__).parents[1]
+#: Never copied: environments, build outputs, caches and results of this checkout.
+LOCAL = shutil.ignore_patterns(".tox", ".venv", ".git", "build", "dist", "*.egg-info", "results", "__pycache__",
+                               ".pytest_cache", ".mypy_cache", ".ruff_cache")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def plugin_dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """This tree's sdist and wheel, built from a copy of it (no isolation: no download)."""
+    tree = tmp_path_factory.mktemp("tree") / "pytest-dsrepro"
+    shutil.copytree(ROOT, tree, ignore=LOCAL)
+    out = tree / "dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(tree)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return sdist, wheel

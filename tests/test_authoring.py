@@ -135,3 +135,57 @@ def test_imports_finds_a_package_anywhere_in_a_module() -> None:
     assert imports("from deepspeed.runtime import engine\n", "deepspeed")
     assert not imports("import deepspeedish\nfrom . import deepspeed\n", "deepspeed")
     assert not imports("def broken(:\n", "deepspeed")
+
+
+def test_xfail_skip_and_return_values_in_ranks_behave_as_in_pytest(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_xfails(ds_rank):
+            pytest.xfail("known upstream")
+
+        @pytest.mark.ds_world
+        def test_skips(ds_rank):
+            if ds_rank == 1:
+                pytest.skip("rank 1 has no use for it")
+
+        @pytest.mark.ds_world
+        def test_returns(ds_rank):
+            return ds_rank
+        """
+    )
+    result = run("-rsx")
+    result.assert_outcomes(xfailed=1, skipped=1, passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["XFAIL *::test_xfails - known upstream"])
+    # at the body's own line, not the plugin's
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_xfail_skip_*.py:10: rank 1 has no use for it"])
+    result.stdout.fnmatch_lines(
+        ["*PytestReturnNotNoneWarning: Test functions should return None, but *::test_returns returned <class 'int'>*"]
+    )
+    strict = run("-W", "error::pytest.PytestReturnNotNoneWarning", "-k", "test_returns")
+    strict.assert_outcomes(failed=1)
+
+
+def test_xunit_setup_in_a_world_test_is_refused_clearly(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ds_world
+        class TestState:
+            def setup_method(self, method):
+                self.ready = True
+
+            def test_ready(self, ds_rank):
+                assert self.ready
+        """
+    )
+    result = run()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*::TestState::test_ready: TestState.setup_method runs in the pytest process, not in the ranks, *use a fixture*"
+        ]
+    )

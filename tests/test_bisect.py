@@ -1,18 +1,19 @@
-"""dsrepro bisect: the pure search over releases with fake oracles, reading probe results, the command's output, and
-(slow, opt-in) a real bisect over PyPI releases.
+"""dsrepro bisect: the pure search over releases with fake oracles, reading probe results, the command's output, a
+real bisect across the module.id fix from a wheel install, and (slow, opt-in) a wider one over PyPI releases.
 
-The real bisect installs and JIT-builds several DeepSpeed releases (2-4 minutes each the first time on 2 cores; 18.5
-minutes for its 7 probes cold, about 7 warm), so it does not run by default. Run it with:
+The wide bisect installs and JIT-builds several DeepSpeed releases (minutes each the first time on 2 cores), so it
+does not run by default. Run it with:
 
-    DSREPRO_SLOW=1 python -m pytest tests/test_bisect.py -k real -v
+    DSREPRO_SLOW=1 python -m pytest tests/test_bisect.py -k wide -v
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,27 +22,28 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from conftest import REAL_CACHE, deepspeed_version
+from conftest import REAL_CACHE, ROOT, deepspeed_version
 from pytest_dsrepro.core.gates import Reason, Verdict
+from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.core.results import RankStory, TestRecord
 from pytest_dsrepro.tools import bisect, cli
 from pytest_dsrepro.tools.bisect import (
     BisectError,
     Probe,
     Prober,
+    ReleaseEnv,
     Result,
     bug_present,
     estimated_steps,
-    parse_index_versions,
+    parse_project_page,
     releases_between,
     search,
     specifier,
 )
 
-PIP_OUTPUT = """WARNING: pip index is currently an experimental command.
-deepspeed (0.19.8)
-Available versions: 0.19.8, 0.18.3, 0.17.0, 0.16.4, 0.16.3, 0.16.0, 0.15.4, 0.15.3, 0.14.4
-"""
+INDEXED = [
+    Version(v) for v in ["0.14.4", "0.15.3", "0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3", "0.19.8"]
+]
 RELEASES = [Version(v) for v in ["0.15.4", *(f"0.16.{i}" for i in range(10)), *(f"0.17.{i}" for i in range(7)),
                                  "0.18.0", "0.18.1", "0.18.2", "0.18.3"]]  # fmt: skip
 
@@ -63,19 +65,41 @@ def fake(flip: str, *, bug_below: bool = True, skip: Iterable[str] = ()) -> tupl
 # --- pure functions ----------------------------------------------------------------------------------------------
 
 
-def test_pip_index_output() -> None:
-    assert parse_index_versions(PIP_OUTPUT)[:2] == [Version("0.14.4"), Version("0.15.3")]
-    assert len(parse_index_versions(PIP_OUTPUT)) == 9
-    with pytest.raises(BisectError, match="cannot read the release list"):
-        parse_index_versions("ERROR: No matching distribution found for deepspeed")
+def test_the_release_list_is_read_from_the_simple_api_json_or_html() -> None:
+    """PEP 691 JSON, or PEP 503 HTML where a mirror serves only that; yanked files and non-installables left out."""
+    files = [
+        {"filename": "deepspeed-0.16.3.tar.gz"},
+        {"filename": "deepspeed-0.16.4.tar.gz", "yanked": False},
+        {"filename": "deepspeed-0.16.5.tar.gz", "yanked": "broken metadata"},
+        {"filename": "deepspeed-0.17.0rc1-py3-none-any.whl"},
+        {"filename": "deepspeed-0.3.0-py3.6.egg"},
+    ]
+    releases = [Version("0.16.3"), Version("0.16.4"), Version("0.17.0rc1")]
+    assert parse_project_page({"meta": {"api-version": "1.1"}, "name": "deepspeed", "files": files}) == releases
+    anchors = bisect._Anchors()
+    anchors.feed(
+        "<html><body><h1>Links for deepspeed</h1>"
+        '<a href="https://files/deepspeed-0.16.3.tar.gz#sha256=00">deepspeed-0.16.3.tar.gz</a><br/>'
+        '<a href="https://files/deepspeed-0.16.5.tar.gz" data-yanked="">deepspeed-0.16.5.tar.gz</a><br/>'
+        '<a href="https://files/deepspeed-0.16.4.tar.gz">deepspeed-0.16.4.tar.gz</a></body></html>'
+    )
+    assert parse_project_page({"files": anchors.files}) == releases[:2]
+    assert bisect.index_url({"PIP_INDEX_URL": "https://mirror/simple/"}) == "https://mirror/simple"
+    assert (
+        bisect.index_url({"UV_DEFAULT_INDEX": "https://uv/simple", "PIP_INDEX_URL": "https://pip"})
+        == "https://uv/simple"
+    )
+    assert bisect.index_url({}) == "https://pypi.org/simple"
 
 
 def test_releases_between_either_order_and_inclusive() -> None:
-    available = [*parse_index_versions(PIP_OUTPUT), Version("0.17.0rc1")]
+    available = [*INDEXED, Version("0.17.0rc1")]
     expected = [Version(v) for v in ["0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3"]]
     assert releases_between(available, "0.15.4", "0.18.3") == expected
     assert releases_between(available, "0.18.3", "0.15.4") == expected  # pre-releases are left out
-    with pytest.raises(BisectError, match=r"deepspeed 0.16.5 is not a release on the index \(nearest: 0.16.4"):
+    with pytest.raises(
+        BisectError, match=r"deepspeed 0.16.5 is not a release on the index \(nearest: 0.16.4, 0.17.0\)"
+    ):
         releases_between(available, "0.16.5", "0.18.3")
     with pytest.raises(BisectError, match="the same release"):
         releases_between(available, "0.16.4", "0.16.4.0")
@@ -220,7 +244,7 @@ def test_a_probe_with_unreadable_results_is_skipped(tmp_path: Path) -> None:
     old = '{"schema": 1, "environment": {}, "tests": []}'
     fake.write_text(f'#!/bin/sh\nfor a; do [ "$prev" = --ds-results ] && echo \'{old}\' > "$a/r.json"; prev=$a; done\n')
     fake.chmod(0o755)
-    probe = Prober("t.py::t", lambda v: dict(os.environ), python=str(fake))(Version("0.16.3"))
+    probe = Prober("t.py::t", lambda v: ReleaseEnv(str(fake), dict(os.environ)))(Version("0.16.3"))
     assert probe.bug is None
     assert probe.detail.startswith("unreadable results: ")
     assert "schema 1: this pytest-dsrepro reads results files of schema 3 only" in probe.detail
@@ -242,9 +266,9 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
     here = Version(deepspeed_version())
 
     def prepare(bug: str) -> Any:
-        def environment(version: Version) -> Mapping[str, str]:
+        def environment(version: Version) -> ReleaseEnv:
             time.sleep(0.01)  # an install, however quick, is timed
-            return {**os.environ, "BUG": bug}
+            return ReleaseEnv(sys.executable, {**os.environ, "BUG": bug})
 
         return environment
 
@@ -262,7 +286,7 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
     assert other.bug is None
     assert other.detail == f"ran deepspeed {here} instead of 0.1.0"
 
-    def cannot(version: Version) -> Mapping[str, str]:
+    def cannot(version: Version) -> ReleaseEnv:
         raise BisectError("import failed: RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch")
 
     skipped = Prober("test_flag.py::test_flag", cannot)(here)
@@ -274,18 +298,20 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
 
 
 def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each release's directory is guarded by a file lock: same release, one at a time; other releases in parallel."""
+    """Each release's environment is guarded by a file lock: same release, one at a time; others in parallel."""
     from pytest_dsrepro.tools import install
 
     spans: dict[str, list[tuple[float, float]]] = {}
 
-    def slow_install(version: str, *, target: Path, **kwargs: Any) -> Any:
+    def slow_install(version: str, **kwargs: Any) -> Any:
         start = time.monotonic()
         time.sleep(0.3)
         spans.setdefault(version, []).append((start, time.monotonic()))
         return SimpleNamespace(ok=True, reason=None)
 
     monkeypatch.setattr(install, "install_deepspeed", slow_install)
+    monkeypatch.setattr(install, "environment_python", lambda directory, python: str(directory / "bin" / "python"))
+    monkeypatch.setattr(install, "add_this_plugin", lambda python, constraints, log: None)
     prepares = [bisect.release_environment(tmp_path, tmp_path / "constraints.txt") for _ in range(2)]
     jobs = [(prepare, Version(v)) for prepare in prepares for v in ("0.16.3", "0.16.4")]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -294,7 +320,8 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
     assert first[1] <= second[0]  # the same release: strictly one after the other
     assert other[0] < first[1]
     assert first[0] < other[1]
-    assert envs[0]["PYTHONPATH"].split(os.pathsep)[0] == str(bisect.release_dir(tmp_path, Version("0.16.3")))
+    assert envs[0].python == str(bisect.environment_dir(tmp_path, Version("0.16.3")) / "bin" / "python")
+    assert envs[0].environ["VIRTUAL_ENV"] == str(bisect.environment_dir(tmp_path, Version("0.16.3")))
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
@@ -364,15 +391,38 @@ def test_user_ids_survive(ds_engine):
 """
 
 
+def test_bisect_from_a_wheel_install_tests_the_release_it_names(
+    plugin_dists: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13: from an environment where the plugin is a wheel and DeepSpeed 0.19.8 is installed (as tox gives it),
+    each probe runs the release it names (this once said 0.16.4 has no bug: every rank ran the environment's 0.19.8).
+    Probes run in one uv environment per release, cached (``DSREPRO_CACHE_DIR``) and reused across runs."""
+    from pytest_dsrepro.tools import install
+
+    monkeypatch.setenv(CACHE_ENV, os.environ.get(CACHE_ENV, REAL_CACHE))
+    constraints = ROOT / "constraints.txt"
+    user = install.environment_python(tmp_path / "venv")
+    _, wheel = plugin_dists
+    runner = install._Runner(user, tmp_path / "install.log", echo=False)
+    runner.install("installing the plugin's wheel", ["-c", str(constraints), "torch", str(wheel)])
+    assert install.install_deepspeed("0.19.8", python=user, constraints=constraints).ok
+    (tmp_path / "test_module_id.py").write_text(MODULE_ID)
+    command = [str(tmp_path / "venv" / "bin" / "dsrepro"), "bisect", "test_module_id.py::test_user_ids_survive",
+               "--good", "0.16.4", "--bad", "0.16.3", "--constraints", str(constraints)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deepspeed 0.16.3: bug (FAILED" in proc.stderr
+    assert "deepspeed 0.16.4: no bug (PASSED)" in proc.stderr
+    assert "first release where the outcome flips: deepspeed 0.16.4" in proc.stdout
+    assert '@pytest.mark.ds_version(affected="<0.16.4", ...)' in proc.stdout
+
+
 @pytest.mark.skipif(not os.environ.get("DSREPRO_SLOW"), reason="installs DeepSpeed releases; set DSREPRO_SLOW=1")
-def test_real_bisect_finds_the_module_id_fix(
+def test_wide_bisect_finds_the_module_id_fix(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """ZeRO-3 overwrote user ``module.id`` until PR #6847, first released in 0.16.4.
-
-    Installs into this interpreter's environment what each release needs (its requirements, torch pinned), and each
-    release alone into the shared per-release cache: run it in a throwaway environment, not a precious one.
-    """
+    """ZeRO-3 overwrote user ``module.id`` until PR #6847, first released in 0.16.4: found among 23 releases."""
     monkeypatch.setenv("DSREPRO_CACHE_DIR", os.environ.get("DSREPRO_CACHE_DIR", REAL_CACHE))
     pytester.makepyfile(test_module_id=MODULE_ID)
     pytester.chdir()

@@ -4,7 +4,6 @@ run here under torchrun as a maintainer would run it: CPU, gloo, DeepSpeed's CPU
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from conftest import comm_op_directory
 from pytest_dsrepro.tools import cli, export
 
 ROOT = Path(__file__).parents[1]
@@ -121,17 +121,10 @@ def test_the_command(in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
 def _torchrun(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     """torchrun as a maintainer starts it, in a directory of its own, with DeepSpeed's comm op from the plugin's cache
     when it was built there (else the ranks build it, as they would on the maintainer's machine)."""
-    from pytest_dsrepro.core.options import default_cache_dir
-    from pytest_dsrepro.worlds.comm_op import extensions_dir
-
-    spec = importlib.util.find_spec("deepspeed")
-    assert spec is not None
-    assert spec.origin is not None
-    built = extensions_dir(default_cache_dir(), metadata.version("deepspeed"), metadata.version("torch"),
-                           Path(spec.origin).parent)  # fmt: skip
+    built = comm_op_directory()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSREPRO_", "PYTEST_"))}
     env.pop("DS_ACCELERATOR", None)  # the script chooses it, as it would on the maintainer's machine
-    if built.is_dir():
+    if built is not None and built.is_dir():
         env["TORCH_EXTENSIONS_DIR"] = str(built)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)

@@ -1,17 +1,16 @@
 """dsrepro install: the recipe's decisions as pure functions, and its failure path with a stand-in interpreter.
 
-Real installs (pip, an sdist build, torch) are proved by tox itself (``tox -e ds0163``); here nothing touches the
-network or the environment running the tests: stand-in ``torch``/``deepspeed`` modules live in a target directory.
+Real installs (uv, an sdist build, torch) are proved by tox itself (``tox -e ds0163``) and by the bisect from a
+wheel install (test_bisect.py); here nothing touches the network or the environment running the tests: stand-in
+``torch``/``deepspeed`` modules live in a directory put first on ``PYTHONPATH``, and a stand-in ``uv`` fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import stat
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -67,21 +66,6 @@ def test_reason_is_the_line_that_says_what_went_wrong(output: str, reason: str) 
     assert install._reason(output, "exit code 1") == reason
 
 
-def test_runtime_requirements_leave_extras_out(tmp_path: Path) -> None:
-    wheel = tmp_path / "deepspeed-0.16.3-py3-none-any.whl"
-    meta = (
-        "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.16.3\nRequires-Dist: hjson\n"
-        'Requires-Dist: pydantic>=2.0.0\nRequires-Dist: torch\nRequires-Dist: triton; extra == "inf"\n'
-        'Requires-Dist: pywin32; sys_platform == "win32"\n\n'
-    )
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr("deepspeed-0.16.3.dist-info/METADATA", meta)
-    assert install.runtime_requirements(wheel) == [
-        "hjson", "pydantic>=2.0.0", "torch", 'pywin32; sys_platform == "win32"']  # fmt: skip
-    assert install._cached_wheel(tmp_path, "0.16.3") == wheel
-    assert install._cached_wheel(tmp_path, "0.16.4") is None
-
-
 def stub_release(root: Path, *, deepspeed: str = "0.16.3", import_error: str | None = None) -> Path:
     """Stand-in torch and deepspeed in a target directory, with dist-info so importlib.metadata finds them."""
     (root / "torch").mkdir(parents=True)
@@ -105,13 +89,15 @@ def stub_release(root: Path, *, deepspeed: str = "0.16.3", import_error: str | N
 
 def test_probe_imports_with_cpu_accelerator_when_no_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    probe = install.probe_import(sys.executable, target=stub_release(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(stub_release(tmp_path)))
+    probe = install.probe_import(sys.executable)
     assert probe == Probe(ok=True, python=probe.python, torch="2.13.0+cpu", deepspeed="0.16.3", accelerator="cpu")
 
 
-def test_probe_reports_the_import_error(tmp_path: Path) -> None:
+def test_probe_reports_the_import_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = stub_release(tmp_path, import_error="CPU_Accelerator requires intel_extension_for_pytorch")
-    probe = install.probe_import(sys.executable, target=target)
+    monkeypatch.setenv("PYTHONPATH", str(target))
+    probe = install.probe_import(sys.executable)
     assert not probe.ok
     assert probe.torch == "2.13.0+cpu"
     assert probe.deepspeed is None
@@ -130,57 +116,58 @@ def test_probe_of_an_interpreter_that_dies(tmp_path: Path) -> None:
     assert probe.error.startswith("import probe died (killed by signal 11)")
 
 
-def test_already_installed_release_needs_no_pip_and_is_remembered(tmp_path: Path) -> None:
+def test_already_installed_release_needs_no_install_and_is_remembered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
     target = stub_release(tmp_path / "site")
+    monkeypatch.setenv("PYTHONPATH", str(target))
     first = install.install_deepspeed(
-        "0.16.3", python=sys.executable, constraints=constraints, target=target, cache_dir=tmp_path / "cache"
+        "0.16.3", python=sys.executable, constraints=constraints, cache_dir=tmp_path / "cache"
     )
     assert (first.ok, first.action, first.steps, first.torch) == (True, "already installed", (), "2.13.0+cpu")
     assert len(list((tmp_path / "cache" / "probes").iterdir())) == 1
     # the same files again: the remembered probe answers; a reinstall (new METADATA time) would probe afresh
     (target / "deepspeed" / "__init__.py").write_text("raise SystemExit('would have been imported')\n")
     again = install.install_deepspeed(
-        "0.16.3", python=sys.executable, constraints=constraints, target=target, cache_dir=tmp_path / "cache"
+        "0.16.3", python=sys.executable, constraints=constraints, cache_dir=tmp_path / "cache"
     )
     assert again.ok
     assert again.probe == first.probe
 
 
 @pytest.fixture
-def failing_pip(tmp_path: Path) -> Path:
-    """An interpreter that runs Python normally but whose pip cannot find anything."""
-    fake = tmp_path / "python"
+def failing_uv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A uv that resolves nothing, as uv says it."""
+    fake = tmp_path / "uv"
     fake.write_text(
         "#!/bin/sh\n"
-        'if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then\n'
-        "  echo 'Looking in links: /opt/wheels'\n"
-        "  echo 'ERROR: Could not find a version that satisfies the requirement deepspeed==0.0.1' >&2\n"
-        "  exit 1\n"
-        "fi\n"
-        f'exec {sys.executable} "$@"\n'
+        "echo '  x No solution found when resolving dependencies:' >&2\n"
+        "echo 'error: Because there is no version of deepspeed==0.0.1, we can conclude that your requirements are "
+        "unsatisfiable.' >&2\n"
+        "exit 1\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(install, "uv_binary", lambda: str(fake))
     return fake
 
 
-def test_failed_install_is_a_result_not_an_exception(tmp_path: Path, failing_pip: Path) -> None:
+def test_failed_install_is_a_result_not_an_exception(tmp_path: Path, failing_uv: Path) -> None:
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
     result = install.install_deepspeed(
-        "0.0.1", python=str(failing_pip), constraints=constraints, target=tmp_path / "t", cache_dir=tmp_path / "cache",
-        log=tmp_path / "log.txt",
-    )  # fmt: skip
+        "0.0.1", python=sys.executable, constraints=constraints, cache_dir=tmp_path / "cache", log=tmp_path / "log.txt"
+    )
     assert not result.ok
     assert result.action == "failed"
     assert result.reason == (
-        "installing torch and build tools failed: Could not find a version that satisfies the requirement "
-        "deepspeed==0.0.1"
+        "installing torch and build tools failed: Because there is no version of deepspeed==0.0.1, we can conclude "
+        "that your requirements are unsatisfiable."
     )
     assert result.steps
-    assert "-c " + str(constraints) in result.steps[0]
-    assert "ERROR: Could not find" in (tmp_path / "log.txt").read_text()
+    assert result.steps[0].startswith(f"{failing_uv} pip install --python {sys.executable} -c {constraints} torch")
+    assert "No solution found" in (tmp_path / "log.txt").read_text()
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -190,14 +177,14 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_run_records_an_unavailable_release_that_the_matrix_shows(
-    tmp_path: Path, failing_pip: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, failing_uv: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
     results_dir = tmp_path / "results"
     code = install.run(
-        _args("0.0.1", "--python", str(failing_pip), "--constraints", str(constraints), "--results", str(results_dir),
-              "--target", str(tmp_path / "t"), "--cache-dir", str(tmp_path / "cache"))
+        _args("0.0.1", "--constraints", str(constraints), "--results", str(results_dir),
+              "--cache-dir", str(tmp_path / "cache"))
     )  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
@@ -213,13 +200,13 @@ def test_run_records_an_unavailable_release_that_the_matrix_shows(
     assert col.version == "0.0.1"
     assert col.unavailable_line is not None
     assert col.unavailable_line.startswith("cannot run with torch ")
-    assert "Could not find a version" in col.unavailable_line
+    assert "no version of deepspeed==0.0.1" in col.unavailable_line
 
 
 def test_unavailable_file_names_the_pinned_torch_when_torch_never_arrived(tmp_path: Path) -> None:
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
-    result = InstallResult("0.14.1", sys.executable, None, False, "failed", "pip failed", None, 1.0)
+    result = InstallResult("0.14.1", sys.executable, False, "failed", "pip failed", None, 1.0)
     path = install.write_unavailable(tmp_path, result, constraints)
     data = json.loads(path.read_text())
     assert data["environment"]["torch"] == "2.13.0"
@@ -249,11 +236,14 @@ def test_version_argument_is_checked() -> None:
     assert exc.value.code == 2
 
 
-def test_recipe_environment_builds_no_ops_and_puts_the_target_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every pip and probe command runs with DS_BUILD_OPS=0 whatever the caller set, and sees the target first."""
+def test_recipe_environment_builds_no_ops_and_gives_uv_pips_find_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every install and probe runs with DS_BUILD_OPS=0 whatever the caller set; uv, which reads no pip
+    configuration, looks where pip would for a local torch build, unless it was told otherwise."""
     monkeypatch.setenv("DS_BUILD_OPS", "1")
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    assert install._env(None)["DS_BUILD_OPS"] == "0"
-    assert install._env(None)["PYTHONPATH"] == "/elsewhere"  # no target: the caller's path as it was
-    assert install._env(Path("/t"))["PYTHONPATH"].split(os.pathsep) == ["/t", "/elsewhere"]
-    assert install._env(None, {"DS_ACCELERATOR": "cpu"})["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /more/wheels")
+    monkeypatch.delenv("UV_FIND_LINKS", raising=False)
+    assert install._env()["DS_BUILD_OPS"] == "0"
+    assert install._env()["UV_FIND_LINKS"] == "/opt/wheels,/more/wheels"
+    monkeypatch.setenv("UV_FIND_LINKS", "/uv/own")
+    assert install._env()["UV_FIND_LINKS"] == "/uv/own"
+    assert install._env({"DS_ACCELERATOR": "cpu"})["DS_ACCELERATOR"] == "cpu"

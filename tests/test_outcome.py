@@ -53,5 +53,5 @@ def test_exception_types_match_by_mro_without_importing() -> None:
 
 def test_skip_only_when_nothing_else_went_wrong() -> None:
     skipped = RankResult(0, Status.SKIPPED, detail="no GPU")
-    assert WorldOutcome(2, "gloo", (skipped, RankResult(1, Status.PASSED)), 0).skip_reason == "no GPU"
-    assert WorldOutcome(2, "gloo", (skipped, _failed(1, KeyError())), 0).skip_reason is None
+    assert WorldOutcome(2, "gloo", (skipped, RankResult(1, Status.PASSED)), 0).declared == skipped
+    assert WorldOutcome(2, "gloo", (skipped, _failed(1, KeyError())), 0).declared is None

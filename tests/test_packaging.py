@@ -5,7 +5,6 @@ docs need."""
 from __future__ import annotations
 
 import email.parser
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,24 +13,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-#: Never copied: environments, build outputs, caches and results of this checkout.
-LOCAL = shutil.ignore_patterns(".tox", ".venv", ".git", "build", "dist", "*.egg-info", "results", "__pycache__",
-                               ".pytest_cache", ".mypy_cache", ".ruff_cache")  # fmt: skip
+from conftest import ROOT
 
 
-@pytest.fixture(scope="module")
-def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    pytest.importorskip("build")
-    tree = tmp_path_factory.mktemp("tree") / "pytest-dsrepro"
-    shutil.copytree(ROOT, tree, ignore=LOCAL)
-    out = tree / "dist"
-    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(tree)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (sdist,) = out.glob("*.tar.gz")
-    (wheel,) = out.glob("*.whl")
-    return sdist, wheel
+@pytest.fixture
+def dists(plugin_dists: tuple[Path, Path]) -> tuple[Path, Path]:
+    return plugin_dists
 
 
 def test_twine_check_strict(dists: tuple[Path, Path]) -> None:

@@ -131,7 +131,7 @@ def test_reports_are_read_from_the_world_directory() -> None:
     server = ScriptedServer({0: (RankReport(Status.PASSED), 0), 1: (RankReport(Status.SKIPPED, detail="no GPU"), 0)})
     outcome = _run(server)
     assert [(r.status, r.detail) for r in outcome.ranks] == [(Status.PASSED, ""), (Status.SKIPPED, "no GPU")]
-    assert outcome.skip_reason == "no GPU"
+    assert outcome.declared == outcome.ranks[1]
     assert server.sent[1:] == [Reap(WORLD)]
     assert server.workdir is not None
     assert not server.workdir.exists()  # discarded after the world
@@ -281,7 +281,7 @@ def test_a_report_counts_only_with_a_clean_exit(report: RankReport, code: int, e
     outcome = _run(ScriptedServer({0: (RankReport(Status.PASSED), 0), 1: (report, code)}), failure_grace=0.1)
     assert (outcome.ranks[1].status, outcome.ranks[1].detail) == expected
     assert not outcome.passed
-    assert outcome.skip_reason is None
+    assert outcome.declared is None
 
 
 @pytest.fixture

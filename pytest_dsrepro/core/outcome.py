@@ -41,9 +41,14 @@ class Status(enum.Enum):
     PASSED = "passed"
     FAILED = "failed"  # the body raised
     SKIPPED = "skipped"  # the body called pytest.skip()
+    XFAILED = "xfailed"  # the body called pytest.xfail()
     CRASHED = "crashed"  # the process died, or exited without saying its body completed
     HUNG = "hung"  # still running when the world's timeout expired
     STOPPED = "stopped"  # healthy, but stopped because another rank failed
+
+
+#: Endings a body declares itself, as pytest.skip() and pytest.xfail() do: never a failure of the rank.
+DECLARED = (Status.SKIPPED, Status.XFAILED)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class RankResult:
     output: str = ""  # the rank's captured stdout+stderr (fd level), bounded: its first and last bytes
     stack: str = ""  # Python stacks dumped by faulthandler when it hung, was stopped or crashed
     at: float | None = None  # seconds into the world when it failed or ended on its own (None: not known)
+    where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
+    returned: str = ""  # the type the body returned when it was not None, as pytest names it ("<class 'int'>")
 
     @property
     def lost_peer(self) -> bool:
@@ -99,8 +106,8 @@ class RankResult:
     def headline(self) -> str:
         if self.status is Status.FAILED and self.error is not None:
             return self.error.summary
-        if self.status is Status.SKIPPED:
-            return f"skipped: {self.detail}"
+        if self.status in (Status.SKIPPED, Status.XFAILED):
+            return f"{self.status.value}: {self.detail}"
         return f"{self.status.value}: {self.detail}" if self.detail else self.status.value
 
 
@@ -116,17 +123,18 @@ class WorldOutcome:
         return all(r.status is Status.PASSED for r in self.ranks)
 
     @property
-    def skip_reason(self) -> str | None:
-        """A skip in any rank skips the test, unless another rank went wrong."""
-        skipped = [r for r in self.ranks if r.status is Status.SKIPPED]
-        if skipped and all(r.status in (Status.PASSED, Status.SKIPPED) for r in self.ranks):
-            return skipped[0].detail
+    def declared(self) -> RankResult | None:
+        """The rank whose body declared the test's outcome (``pytest.skip()``, ``pytest.xfail()``), unless another rank
+        went wrong: a skip or xfail in any rank is the test's, as in plain pytest."""
+        declared = [r for r in self.ranks if r.status in DECLARED]
+        if declared and all(r.status is Status.PASSED or r.status in DECLARED for r in self.ranks):
+            return declared[0]
         return None
 
     @property
     def failures(self) -> tuple[RankResult, ...]:
         """The ranks that went wrong, root causes first (``by_cause``)."""
-        return tuple(by_cause(r for r in self.ranks if r.status not in (Status.PASSED, Status.SKIPPED, Status.STOPPED)))
+        return tuple(by_cause(r for r in self.ranks if r.status not in (Status.PASSED, *DECLARED, Status.STOPPED)))
 
     @property
     def errors(self) -> tuple[ErrorInfo, ...]:

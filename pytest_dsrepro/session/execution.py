@@ -12,10 +12,11 @@ import os
 import pickle
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -25,7 +26,7 @@ from ..core.gates import FIXED, Judgement, Reason, Verdict, installed_deepspeed,
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
 from ..worlds import launcher
-from ..worlds.client import WorldInterrupted, WorldRunner
+from ..worlds.client import WorldInterrupted, WorldRunner, WrongRelease
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
 from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, Marks, Prepared
@@ -87,6 +88,7 @@ def setup(item: pytest.Item) -> None:
     spec = marks.world
     if spec is None:
         return
+    _refuse_xunit_setup(item)
     world = launcher.launched()
     if world is not None:
         if spec.size != world.world_size:
@@ -101,6 +103,21 @@ def setup(item: pytest.Item) -> None:
     if skip:
         pytest.skip(skip)
     item.stash[PREPARED_KEY] = Prepared(spec, backend)
+
+
+#: pytest's xunit-style methods of a test class: they run in the pytest process, so what they set never reaches ranks.
+XUNIT_METHODS = ("setup_method", "teardown_method", "setup_class", "teardown_class")
+
+
+def _refuse_xunit_setup(item: pytest.Item) -> None:
+    cls = getattr(item, "cls", None)
+    found = [name for name in XUNIT_METHODS if callable(getattr(cls, name, None))]
+    if cls is not None and found:
+        markers.fail(
+            f"{item.nodeid}: {cls.__qualname__}.{found[0]} runs in the pytest process, not in the ranks, so what it "
+            "sets on the instance or class never reaches them; in a world test use a fixture (its value is sent to "
+            "every rank) or set up in the body"
+        )
 
 
 @contextmanager
@@ -138,11 +155,41 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size, engines)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
+        _warn_returned(item.nodeid, function, outcome)
         return
-    reason = outcome.skip_reason
-    if reason is not None:
-        pytest.skip(reason)
+    declared = outcome.declared
+    if declared is not None:
+        _declare(declared)
     raise WorldFailed(outcome)
+
+
+def _declare(result: RankResult) -> NoReturn:
+    """Skip or xfail the test as the body did in its rank, reported at the body's line: pytest reports a skip where
+    its traceback ends, so the exception is raised from a one-line code object compiled with that file and line."""
+    __tracebackhide__ = True
+    reason = result.detail
+    exc = pytest.xfail.Exception(reason) if result.status is Status.XFAILED else pytest.skip.Exception(reason)
+    if result.where is None:
+        raise exc
+    path, line = result.where
+    exec(compile("\n" * (line - 1) + "raise exc", path, "exec"), {"exc": exc})
+    raise AssertionError("unreachable")  # pragma: no cover - the exec above always raises
+
+
+def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutcome) -> None:
+    """pytest's warning for a test that returns a value (its ranks' bodies return nothing to pytest), at the test."""
+    returned = next((r.returned for r in outcome.ranks if r.returned), "")
+    if returned:
+        code = function.__code__
+        warnings.warn_explicit(
+            pytest.PytestReturnNotNoneWarning(
+                f"Test functions should return None, but {nodeid} returned {returned} in its ranks.\n"
+                "Did you mean to use `assert` instead of `return`?"
+            ),
+            None,
+            code.co_filename,
+            code.co_firstlineno,
+        )
 
 
 def _run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
@@ -212,6 +259,8 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     """
     __tracebackhide__ = True
     marks = item.stash.get(MARKS_KEY, Marks(None, (), None, None))
+    if isinstance(exc, WrongRelease):
+        pytest.exit(f"pytest-dsrepro: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
     if isinstance(exc, HarnessError):
         if marks.gates:
             item.stash[JUDGEMENT_KEY] = Judgement(Reason.HARNESS_ERROR, f"no world ran: {exc}")

@@ -12,18 +12,23 @@ Three layers, the first two pure and tested directly:
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.utils import InvalidSdistFilename, InvalidWheelFilename, parse_sdist_filename, parse_wheel_filename
+from packaging.version import Version
 
 from ..core import results, versions
 from ..core.gates import FIXED, Verdict
@@ -101,13 +106,11 @@ def releases_between(available: Iterable[Version | str], low: Version | str, hig
         raise BisectError(f"--good and --bad are the same release ({a}); give two different releases")
     for end in (a, b):
         if end not in versions:
-            near = ", ".join(str(v) for v in sorted(versions, key=lambda v: abs(_ordinal(v) - _ordinal(end)))[:3])
+            finals = [v for v in versions if not v.is_prerelease]
+            at = bisect_left(finals, end)
+            near = ", ".join(str(v) for v in finals[max(at - 1, 0) : at + 1])
             raise BisectError(f"deepspeed {end} is not a release on the index (nearest: {near})")
     return [v for v in versions if a <= v <= b and (not v.is_prerelease or v in (a, b))]
-
-
-def _ordinal(v: Version) -> float:
-    return float(sum(part / 1000**i for i, part in enumerate(v.release)))
 
 
 def estimated_steps(candidates: int) -> int:
@@ -209,31 +212,65 @@ def describe(records: Iterable[TestRecord]) -> str:
 # --- real releases -----------------------------------------------------------------------------------------------
 
 
-def parse_index_versions(text: str) -> list[Version]:
-    """The versions in ``pip index versions deepspeed`` output."""
-    match = re.search(r"^Available versions:\s*(.+)$", text, re.MULTILINE)
-    if not match:
-        raise BisectError(f"cannot read the release list from pip's output:\n{text.strip()}")
-    versions = []
-    for word in match.group(1).split(","):
-        try:
-            versions.append(Version(word.strip()))
-        except InvalidVersion:
+#: The index asked for the release list: uv's setting, else pip's, else PyPI.
+INDEX_SETTINGS = ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "PIP_INDEX_URL")
+DEFAULT_INDEX = "https://pypi.org/simple"
+#: The simple repository API, JSON (PEP 691) preferred, HTML (PEP 503) where a proxy or mirror serves only that.
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+SIMPLE_ACCEPT = f"{SIMPLE_JSON}, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.01"
+
+
+def index_url(environ: Mapping[str, str]) -> str:
+    return next((environ[k] for k in INDEX_SETTINGS if environ.get(k)), DEFAULT_INDEX).rstrip("/")
+
+
+class _Anchors(HTMLParser):
+    """A PEP 503 project page's files, in the PEP 691 shape: ``{"filename": ..., "yanked": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: list[dict[str, Any]] = []
+        self._yanked: bool | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._yanked = "data-yanked" in dict(attrs)
+
+    def handle_data(self, data: str) -> None:
+        if self._yanked is not None and data.strip():
+            self.files.append({"filename": data.strip(), "yanked": self._yanked})
+            self._yanked = None
+
+
+def parse_project_page(page: Mapping[str, Any]) -> list[Version]:
+    """The releases on a project page (PEP 691's shape): versions of its files' names, yanked files left out."""
+    found = set()
+    for file in page.get("files", []):
+        if file.get("yanked"):
             continue
-    return sorted(versions)
+        name = file["filename"]
+        try:
+            found.add(parse_wheel_filename(name)[1] if name.endswith(".whl") else parse_sdist_filename(name)[1])
+        except (InvalidSdistFilename, InvalidWheelFilename):
+            continue  # another kind of file (an .egg, a .zip of old): not installable by uv anyway
+    return sorted(found)
 
 
-def available_releases(python: str = sys.executable) -> list[Version]:
-    """DeepSpeed's releases on the configured package index (pip's own index settings apply)."""
-    proc = subprocess.run(
-        [python, "-m", "pip", "index", "versions", PACKAGE, "--disable-pip-version-check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode != 0:
-        raise BisectError(f"pip index versions {PACKAGE} failed:\n{proc.stderr.strip() or proc.stdout.strip()}")
-    return parse_index_versions(proc.stdout)
+def available_releases(environ: Mapping[str, str] | None = None, timeout: float = 60.0) -> list[Version]:
+    """DeepSpeed's releases on the configured package index (its simple repository API, never pip's output)."""
+    url = f"{index_url(os.environ if environ is None else environ)}/{PACKAGE}/"
+    request = urllib.request.Request(url, headers={"Accept": SIMPLE_ACCEPT})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            kind = response.headers.get_content_type()
+            body = response.read().decode(response.headers.get_content_charset() or "utf-8")
+    except OSError as exc:
+        raise BisectError(f"cannot read the release list from {url}: {exc}") from None
+    if kind == SIMPLE_JSON:
+        return parse_project_page(json.loads(body))
+    anchors = _Anchors()
+    anchors.feed(body)
+    return parse_project_page({"files": anchors.files})
 
 
 def _tail(text: str, lines: int = 3) -> str:
@@ -241,12 +278,19 @@ def _tail(text: str, lines: int = 3) -> str:
 
 
 @dataclass(frozen=True)
+class ReleaseEnv:
+    """An environment that holds one release: its interpreter, and the variables to run it with."""
+
+    python: str
+    environ: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class Prober:
     """Runs one test on one release: the real oracle of ``search``."""
 
     nodeid: str
-    prepare: Callable[[Version], Mapping[str, str]]  # installs a release; returns the environment that imports it
-    python: str = sys.executable
+    prepare: Callable[[Version], ReleaseEnv]  # installs a release; returns the environment that runs it
     pytest_args: tuple[str, ...] = ()
     log_dir: Path | None = None  # each probe's full pytest output, one file per release
     timeout: float = 3600.0
@@ -259,15 +303,15 @@ class Prober:
             return Probe(version, bug, detail, time.monotonic() - start, installed - start)
 
         try:
-            env = dict(self.prepare(version))
+            env = self.prepare(version)
         except Exception as exc:  # noqa: BLE001 - any install failure skips the release, with its reason
             installed = time.monotonic()
             return done(None, f"cannot install or import: {' '.join(str(exc).split())[:400]}")
         installed = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"dsrepro-bisect-{version}-") as tmp:
-            args = [self.python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", tmp]
+            args = [env.python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", tmp]
             proc = subprocess.run(
-                [*args, *self.pytest_args], capture_output=True, text=True, env=env, timeout=self.timeout
+                [*args, *self.pytest_args], capture_output=True, text=True, env=dict(env.environ), timeout=self.timeout
             )
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -284,22 +328,14 @@ class Prober:
         return done(bug_present(records), describe(records))
 
 
-def probe_environment(site: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment in which ``site`` (a ``pip install --target`` directory) shadows the installed DeepSpeed."""
-    env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
+# --- one environment per release ----------------------------------------------------------------------------------
 
 
-# --- the per-release cache ----------------------------------------------------------------------------------------
-
-
-def release_dir(cache_dir: Path, version: Version) -> Path:
-    """Where one release is installed: per DeepSpeed release, Python and torch (a build depends on all three)."""
+def environment_dir(cache_dir: Path, version: Version) -> Path:
+    """Where one release's environment lives: per DeepSpeed release, Python and torch (a build depends on all)."""
     torch = versions.installed_text("torch") or "none"
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_dir / "releases" / f"deepspeed-{version}-{py}-torch-{torch}"
+    return cache_dir / "envs" / f"deepspeed-{version}-{py}-torch-{torch}"
 
 
 def _torch_pin(cache_dir: Path) -> Path:
@@ -307,7 +343,7 @@ def _torch_pin(cache_dir: Path) -> Path:
     torch = versions.installed_text("torch")
     if torch is None:
         raise BisectError("torch is not installed in this environment; install the torch to test with first")
-    path = cache_dir / "releases" / f"constraints-torch-{torch}.txt"
+    path = cache_dir / "envs" / f"constraints-torch-{torch}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"torch=={torch}\n")
     return path
@@ -318,13 +354,12 @@ def release_environment(
     constraints: Path | None = None,
     python: str = sys.executable,
     log_dir: Path | None = None,
-) -> Callable[[Version], Mapping[str, str]]:
-    """The ``prepare`` step of a ``Prober``: install (or reuse) one release with ``install.install_deepspeed`` into
-    its own cache directory and return the environment that imports it (``PYTHONPATH``).
-
-    The wheel cache is the one tox's recipe uses; each release's directory is guarded by a ``filelock``, so two
-    bisects (or a bisect and tox) never install into it at once. ``constraints`` defaults to
-    ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here.
+) -> Callable[[Version], ReleaseEnv]:
+    """The ``prepare`` step of a ``Prober``: one uv environment per release, kept in the cache and reused, holding
+    torch (pinned), that release (``install.install_deepspeed``) and this plugin as installed here
+    (``install.add_this_plugin``). A ``filelock`` per environment: two bisects (or a bisect and a benchmark) never
+    fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above,
+    else to a pin of the torch installed here.
     """
     from filelock import FileLock
 
@@ -334,17 +369,24 @@ def release_environment(
     root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or _torch_pin(root)
 
-    def prepare(version: Version) -> Mapping[str, str]:
-        target = release_dir(root, version)
-        target.parent.mkdir(parents=True, exist_ok=True)
+    def prepare(version: Version) -> ReleaseEnv:
+        directory = environment_dir(root, version)
+        directory.parent.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"install-deepspeed-{version}.log" if log_dir else None
-        with FileLock(str(target) + ".lock", timeout=install.PIP_TIMEOUT):
+        with FileLock(str(directory) + ".lock", timeout=install.INSTALL_TIMEOUT):
+            try:
+                env_python = install.environment_python(directory, python)
+                install.add_this_plugin(env_python, pins, log)
+            except install.InstallError as exc:
+                raise BisectError(exc.reason) from None
             result = install.install_deepspeed(
-                str(version), python=python, constraints=pins, target=target, cache_dir=root, log=log
+                str(version), python=env_python, constraints=pins, cache_dir=root, log=log
             )
         if not result.ok:
             raise BisectError(result.reason or "unavailable")
-        return probe_environment(target)
+        environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
+        environ.setdefault("DS_ACCELERATOR", "cpu")
+        return ReleaseEnv(env_python, environ)
 
     return prepare
 

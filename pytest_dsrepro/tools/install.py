@@ -1,15 +1,14 @@
 """The one recipe for putting a DeepSpeed release into a Python environment (``dsrepro install``).
 
-Used by tox (``commands_pre``) and by ``dsrepro bisect``. The rules, each learnt the hard way:
+Used by tox (``commands_pre``), by ``dsrepro bisect`` and by the benchmarks. Every environment is made and filled
+by ``uv`` (its shared cache makes a warm install a hard-link away). The rules, each learnt the hard way:
 
-* torch is pinned through the repository's ``constraints.txt`` (``pip -c``) on every pip call: an unpinned torch
-  pulls a multi-GB CUDA build, and a DeepSpeed requirement of plain ``torch`` would otherwise upgrade it.
+* torch is pinned through the repository's ``constraints.txt`` (``-c``) on every install: an unpinned torch pulls a
+  multi-GB CUDA build, and a DeepSpeed requirement of plain ``torch`` would otherwise upgrade it. uv does not read
+  pip's configuration, so pip's ``find-links`` (where a local CPU build of torch may lie) is passed on to it.
 * DeepSpeed ships sdists only; its ``setup.py`` imports torch, so it is built ``--no-build-isolation`` in an
   environment that already holds torch (and setuptools/wheel), with ``DS_BUILD_OPS=0`` (ops are JIT-built on first
-  use, per release, by the plugin). The built wheel is kept in ``<cache>/wheels/torch-<torch>/``: a release is built
-  once per torch, whichever environment asks for it next.
-* DeepSpeed's runtime requirements (read from the wheel, extras left out) go in *before* DeepSpeed itself, under
-  the same constraints, so none of them can move torch; DeepSpeed then goes in with ``--no-deps``.
+  use by the plugin, once per distinct source). uv keeps the built wheel in its cache: a release is built once.
 * Installed is not usable: the result is proved by importing DeepSpeed in the target interpreter, with
   ``DS_ACCELERATOR=cpu`` when torch sees no GPU (releases <= 0.14.0 fail exactly there on CPU).
 
@@ -23,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import email.parser
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +51,15 @@ __all__ = [
     "InstallResult",
     "Probe",
     "add_arguments",
-    "build_wheel",
+    "add_this_plugin",
+    "environment_python",
     "find_constraints",
     "install_deepspeed",
     "pinned",
     "probe_import",
     "run",
-    "runtime_requirements",
     "unavailable_results",
+    "uv_binary",
     "write_unavailable",
 ]
 
@@ -69,7 +69,7 @@ CONSTRAINTS_ENV = "DSREPRO_CONSTRAINTS"
 BUILD_PREREQUISITES = ("torch", "setuptools", "wheel")
 BUILD_ENV = {"DS_BUILD_OPS": "0"}
 PROBE_MARK = "DSREPRO-PROBE "
-PIP_TIMEOUT = 1800.0  # building an sdist on a loaded 2-core machine takes minutes; never forever
+INSTALL_TIMEOUT = 1800.0  # building an sdist on a loaded 2-core machine takes minutes; never forever
 PROBE_TIMEOUT = 600.0
 
 # Runs in the target interpreter. DeepSpeed prints while importing, so the answer is one marked line.
@@ -143,7 +143,6 @@ class InstallResult:
 
     version: str
     python: str
-    target: Path | None
     ok: bool
     action: str  # "installed", "already installed" or "failed"
     reason: str | None
@@ -151,7 +150,6 @@ class InstallResult:
     seconds: float
     torch: str | None = None  # the torch in the environment, when it got that far
     steps: tuple[str, ...] = field(default=())
-    wheel: Path | None = None
 
 
 def find_constraints(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> Path | None:
@@ -199,11 +197,26 @@ def _same_version(a: str | None, b: str) -> bool:
         return a == b
 
 
-def _env(target: Path | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def uv_binary() -> str:
+    """uv from its PyPI package (a dependency of this one), else from ``PATH``."""
+    try:
+        from uv import find_uv_bin
+
+        return str(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("uv")
+    if found is None:
+        raise InstallError("uv is not installed (pip install uv)")
+    return found
+
+
+def _env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every install and probe: no ops built, and pip's find-links passed on to uv."""
     env = dict(os.environ)
     env.update(BUILD_ENV)
-    if target is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
+    if "UV_FIND_LINKS" not in env and env.get("PIP_FIND_LINKS"):
+        env["UV_FIND_LINKS"] = ",".join(env["PIP_FIND_LINKS"].split())
     env.update(extra or {})
     return env
 
@@ -214,38 +227,32 @@ def _reason(output: str, fallback: str) -> str:
     exception = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", ln)]
     if exception:
         return exception[-1]
-    errors = [ln.removeprefix("ERROR:").strip() for ln in lines if ln.startswith("ERROR:")]
+    errors = [ln.removeprefix("ERROR:").removeprefix("error:").strip() for ln in lines
+              if ln.startswith(("ERROR:", "error:"))]  # fmt: skip
     if errors:
         return errors[0]
     return lines[-1] if lines else fallback
 
 
 class _Runner:
-    """Runs the recipe's commands, keeps their transcript, and turns a failure into an :class:`InstallError`."""
+    """Runs the recipe's uv commands, keeps their transcript, and turns a failure into an :class:`InstallError`."""
 
-    def __init__(self, python: str, target: Path | None, log: Path | None, echo: bool) -> None:
+    def __init__(self, python: str, log: Path | None, echo: bool) -> None:
         self.python = python
-        self.target = target
         self.log = log
         self.echo = echo
         self.steps: list[str] = []
 
-    def __call__(self, what: str, args: Sequence[str], timeout: float = PIP_TIMEOUT) -> str:
-        cmd = [self.python, *args]
+    def __call__(self, what: str, args: Sequence[str], timeout: float = INSTALL_TIMEOUT) -> str:
+        cmd = [uv_binary(), *args]
         self.steps.append(" ".join(cmd))
-        # never PYTHONPATH=target here: pip must see (and change) only the base environment
         if self.echo:
             print(f"dsrepro install: {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             proc = subprocess.run(
-                cmd,
-                env=_env(None),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=timeout,
+                cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                 check=False,
-            )
+            )  # fmt: skip
             output, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -256,8 +263,8 @@ class _Runner:
             raise InstallError(f"{what} failed: {_reason(output, f'exit code {code}')}", output)
         return output
 
-    def pip(self, what: str, args: Sequence[str]) -> str:
-        return self(what, ["-m", "pip", "--disable-pip-version-check", *args])
+    def install(self, what: str, args: Sequence[str]) -> str:
+        return self(what, ["pip", "install", "--python", self.python, *args])
 
     def _keep(self, cmd: Sequence[str], output: str) -> None:
         if self.log is not None:
@@ -266,15 +273,58 @@ class _Runner:
                 fh.write(f"$ {' '.join(cmd)}\n{output}\n")
 
 
-def installed_versions(python: str, names: Sequence[str], target: Path | None = None) -> dict[str, str | None]:
+def environment_python(directory: Path, python: str = sys.executable) -> str:
+    """The interpreter of the virtual environment at ``directory``, made with uv (for ``python``'s version) unless
+    it is there already."""
+    interpreter = directory / "bin" / "python"
+    if not interpreter.exists():
+        _Runner(python, None, echo=False)("creating an environment", ["venv", "-q", "--python", python, str(directory)])
+    return str(interpreter)
+
+
+PLUGIN = "pytest-dsrepro"
+_PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+
+
+def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> None:
+    """Make this plugin, as it is installed here, run in ``python``'s environment too: pytest and every pytest plugin
+    at the versions here, the plugin's own requirements, and a copy of the plugin's code and metadata (entry point
+    included) in a directory of its own on that environment's path. Nothing else of this environment, DeepSpeed
+    least of all.
+    """
+    try:
+        dist = metadata.distribution(PLUGIN)
+    except metadata.PackageNotFoundError:
+        raise InstallError(f"{PLUGIN} is not installed here (pip install -e . in its checkout)") from None
+    requirements = [r for r in dist.requires or [] if "extra" not in str(Requirement(r).marker or "")]
+    plugins = {
+        f"{ep.dist.name}=={ep.dist.version}" for ep in metadata.entry_points(group="pytest11")
+        if ep.dist is not None and canonicalize_name(ep.dist.name) != PLUGIN
+    }  # fmt: skip
+    run = _Runner(python, log, echo=False)
+    run.install("installing pytest and its plugins", ["-c", str(constraints), f"pytest=={metadata.version('pytest')}",
+                                                       *requirements, *sorted(plugins)])  # fmt: skip
+    site = Path(subprocess.run([python, "-c", _PURELIB], capture_output=True, text=True, check=True).stdout.strip())
+    overlay = site.parent / "dsrepro-plugin"
+    shutil.rmtree(overlay, ignore_errors=True)
+    info = overlay / f"{dist.name.replace('-', '_')}-{dist.version}.dist-info"
+    info.mkdir(parents=True)
+    for name in ("METADATA", "entry_points.txt"):
+        (info / name).write_text(dist.read_text(name) or "")
+    shutil.copytree(Path(__file__).resolve().parents[1], overlay / "pytest_dsrepro",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    (site / "dsrepro-plugin.pth").write_text(f"{overlay}\n")
+
+
+def installed_versions(python: str, names: Sequence[str]) -> dict[str, str | None]:
     """Distribution versions as the target interpreter sees them (no heavy import)."""
-    return {name: version for name, (version, _) in _installed(python, names, target).items()}
+    return {name: version for name, (version, _) in _installed(python, names).items()}
 
 
-def _installed(python: str, names: Sequence[str], target: Path | None) -> dict[str, tuple[str | None, int | None]]:
+def _installed(python: str, names: Sequence[str]) -> dict[str, tuple[str | None, int | None]]:
     proc = subprocess.run(
         [python, "-c", _VERSIONS, *names],
-        env=_env(target),
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -286,12 +336,12 @@ def _installed(python: str, names: Sequence[str], target: Path | None) -> dict[s
     return {name: (v[0], v[1]) for name, v in found.items()}
 
 
-def probe_import(python: str = sys.executable, *, target: Path | None = None, timeout: float = PROBE_TIMEOUT) -> Probe:
+def probe_import(python: str = sys.executable, *, timeout: float = PROBE_TIMEOUT) -> Probe:
     """Import torch, then DeepSpeed (``DS_ACCELERATOR=cpu`` when torch sees no GPU), in a fresh interpreter."""
     try:
         proc = subprocess.run(
             [python, "-c", _PROBE],
-            env=_env(target),
+            env=_env(),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -316,54 +366,10 @@ def probe_import(python: str = sys.executable, *, target: Path | None = None, ti
     return Probe(ok=False, error=f"import probe died ({died}): {_reason(proc.stderr, 'no output')}")
 
 
-def runtime_requirements(wheel: Path) -> list[str]:
-    """``Requires-Dist`` of a wheel, without the ones that only an extra asks for."""
-    with zipfile.ZipFile(wheel) as zf:
-        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        meta = email.parser.Parser().parsestr(zf.read(name).decode())
-    reqs = []
-    for raw in meta.get_all("Requires-Dist") or []:
-        req = Requirement(raw)
-        if req.marker is not None and "extra" in str(req.marker):
-            continue
-        reqs.append(str(req))
-    return reqs
-
-
-def _install_requirements(run: _Runner, what: str, requirements: Sequence[str], constraints: Path) -> None:
-    """Into the environment; with a target, never *changing* a package the environment already has.
-
-    A target directory serves one release while the environment serves everything else (the developers' venv, other
-    releases): what this release needs at another version goes into the target, which shadows it via PYTHONPATH.
-    """
-    if not requirements:
-        return
-    if run.target is None:
-        run.pip(f"installing {what}", ["install", "-c", str(constraints), *requirements])
-        return
-    run.target.mkdir(parents=True, exist_ok=True)
-    report_path = run.target / ".dsrepro-resolve.json"
-    run.pip(f"resolving {what}", ["install", "--dry-run", "--report", str(report_path), "-c", str(constraints),
-                                  *requirements])  # fmt: skip
-    resolved = [
-        (i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report_path.read_text())["install"]
-    ]
-    report_path.unlink()
-    present = installed_versions(run.python, [name for name, _ in resolved])
-    new = [f"{n}=={v}" for n, v in resolved if present[n] is None]
-    changed = [f"{n}=={v}" for n, v in resolved if present[n] is not None]
-    if new:
-        run.pip(f"installing {what} (new to the environment)", ["install", "--no-deps", "-c", str(constraints), *new])
-    if changed:
-        run.pip(f"installing {what} (other versions than the environment's) into {run.target}",
-                ["install", "--no-deps", "--upgrade", "--target", str(run.target), *changed])  # fmt: skip
-
-
-def _probe_stamp(
-    cache_dir: Path, python: str, target: Path | None, have: Mapping[str, tuple[str | None, int | None]]
-) -> Path:
+def _probe_stamp(cache_dir: Path, python: str, have: Mapping[str, tuple[str | None, int | None]]) -> Path:
     """Where a successful probe of exactly these installed files (and accelerator choice) is remembered."""
-    key = json.dumps([os.path.realpath(python), str(target), sorted(have.items()), os.environ.get("DS_ACCELERATOR")])
+    key = json.dumps([os.path.realpath(python), os.environ.get("PYTHONPATH"), sorted(have.items()),
+                      os.environ.get("DS_ACCELERATOR")])  # fmt: skip
     return cache_dir / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
@@ -382,99 +388,55 @@ def _keep_probe(stamp: Path, probe: Probe) -> None:
         pass  # a cache, nothing more
 
 
-def _wheelhouse(cache_dir: Path, torch_version: str) -> Path:
-    return cache_dir / "wheels" / f"torch-{torch_version}"
-
-
-def _cached_wheel(directory: Path, version: str) -> Path | None:
-    for wheel in sorted(directory.glob("deepspeed-*.whl")):
-        if _same_version(wheel.name.split("-")[1], version):
-            return wheel
-    return None
-
-
-def build_wheel(version: str, *, python: str, constraints: Path, wheelhouse: Path, run: _Runner | None = None) -> Path:
-    """DeepSpeed ``version`` as a wheel built against the torch in ``python``'s environment; cached in ``wheelhouse``.
-
-    One builder at a time per wheelhouse (``tox -p`` builds several releases at once).
-    """
-    from filelock import FileLock
-
-    run = run or _Runner(python, None, None, echo=False)
-    wheelhouse.mkdir(parents=True, exist_ok=True)
-    with FileLock(wheelhouse / ".build.lock", timeout=PIP_TIMEOUT):
-        cached = _cached_wheel(wheelhouse, version)
-        if cached is not None:
-            return cached
-        run.pip(
-            f"building deepspeed {version}",
-            ["wheel", "--no-deps", "--no-build-isolation", "-c", str(constraints), "-w", str(wheelhouse),
-             f"deepspeed=={version}"],
-        )  # fmt: skip
-        built = _cached_wheel(wheelhouse, version)
-        if built is None:
-            raise InstallError(f"building deepspeed {version} produced no wheel in {wheelhouse}")
-        return built
-
-
 def install_deepspeed(
     version: str,
     *,
     python: str = sys.executable,
     constraints: Path,
-    target: Path | None = None,
     cache_dir: Path | None = None,
     log: Path | None = None,
     echo: bool = False,
 ) -> InstallResult:
-    """Put DeepSpeed ``version`` into ``python``'s environment (or into ``target``) and prove it imports.
+    """Put DeepSpeed ``version`` into ``python``'s environment and prove it imports.
 
-    With ``target``, torch and DeepSpeed's runtime requirements go into ``python``'s environment and only DeepSpeed
-    into ``target`` (use it with ``PYTHONPATH=target``): one environment, one directory per release, cheap switches.
     Never raises for a release that cannot be installed: the result has ``ok=False`` and the reason.
     """
     started = time.monotonic()
     cache_dir = cache_dir or default_cache_dir()
-    run = _Runner(python, target, log, echo)
+    run = _Runner(python, log, echo)
     torch_pin = pinned(constraints, "torch")
-    wheel: Path | None = None
     torch_version: str | None = None
 
     def result(ok: bool, action: str, reason: str | None, probe: Probe | None) -> InstallResult:
         return InstallResult(
-            version, python, target, ok, action, reason, probe, round(time.monotonic() - started, 2),
-            (probe.torch if probe else None) or torch_version, tuple(run.steps), wheel,
+            version, python, ok, action, reason, probe, round(time.monotonic() - started, 2),
+            (probe.torch if probe else None) or torch_version, tuple(run.steps),
         )  # fmt: skip
 
     try:
-        have = _installed(python, ["torch", "deepspeed"], target)
+        have = _installed(python, ["torch", "deepspeed"])
         torch_version = have["torch"][0]
         if _same_version(have["deepspeed"][0], version) and _satisfies(torch_version, torch_pin):
-            stamp = _probe_stamp(cache_dir, python, target, have)
-            probe = _cached_probe(stamp) or probe_import(python, target=target)
+            stamp = _probe_stamp(cache_dir, python, have)
+            probe = _cached_probe(stamp) or probe_import(python)
             if probe.ok and _same_version(probe.deepspeed, version):
                 _keep_probe(stamp, probe)
                 return result(True, "already installed", None, probe)
-        run.pip("installing torch and build tools", ["install", "-c", str(constraints), *BUILD_PREREQUISITES])
+        run.install("installing torch and build tools", ["-c", str(constraints), *BUILD_PREREQUISITES])
         torch_version = installed_versions(python, ["torch"])["torch"]
         if not _satisfies(torch_version, torch_pin):
             raise InstallError(f"torch {torch_version} does not satisfy {torch_pin} from {constraints}")
-        assert torch_version is not None
-        wheel = build_wheel(
-            version, python=python, constraints=constraints, wheelhouse=_wheelhouse(cache_dir, torch_version), run=run
-        )
-        _install_requirements(run, f"deepspeed {version}'s requirements", runtime_requirements(wheel), constraints)
-        where = ["--target", str(target), "--upgrade"] if target is not None else ["--force-reinstall"]
-        run.pip(f"installing deepspeed {version}", ["install", "--no-deps", *where, str(wheel)])
+        run.install(f"installing deepspeed {version}",
+                    ["-c", str(constraints), "--no-build-isolation", f"deepspeed=={version}"])  # fmt: skip
     except InstallError as exc:
         return result(False, "failed", exc.reason, None)
-    probe = probe_import(python, target=target)
+    probe = probe_import(python)
     if not probe.ok:
         error = re.sub(r" \((/|[A-Za-z]:\\)[^()]*\)$", "", probe.error or "")  # an ImportError's file path: noise
         return result(False, "failed", f"import failed: {error}", probe)
     if not _same_version(probe.deepspeed, version):
         return result(False, "failed", f"installed {version} but import finds deepspeed {probe.deepspeed}", probe)
-    _keep_probe(_probe_stamp(cache_dir, python, target, _installed(python, ["torch", "deepspeed"], target)), probe)
+    _keep_probe(_probe_stamp(cache_dir, python, _installed(python, ["torch", "deepspeed"])), probe)
     return result(True, "installed", None, probe)
 
 
@@ -507,7 +469,9 @@ def _version_arg(value: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = "Install a DeepSpeed release (torch pinned, DS_BUILD_OPS=0, no build isolation) and prove "
+    parser.description = (
+        "Install a DeepSpeed release with uv (torch pinned, DS_BUILD_OPS=0, no build isolation) and prove "
+    )
     parser.description += "it imports. Exit 0 when usable, 1 when the release cannot run here (the reason is printed "
     parser.description += "and, with --results, written as an 'unavailable' results file), 2 on usage errors."
     parser.add_argument("version", type=_version_arg, help="DeepSpeed release, e.g. 0.16.3")
@@ -520,8 +484,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"pip constraints pinning torch (default: ${CONSTRAINTS_ENV}, else constraints.txt here or above)",
     )
-    parser.add_argument("--target", type=Path, default=None, help="install DeepSpeed alone into DIR (PYTHONPATH use)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help=f"wheel cache root (default: ${CACHE_ENV})")
+    parser.add_argument("--cache-dir", type=Path, default=None, help=f"probe cache root (default: ${CACHE_ENV})")
     parser.add_argument("--results", type=Path, default=None, help="on failure, write an 'unavailable' results file")
     parser.add_argument("--log", type=Path, default=None, help="append every command and its output to this file")
 
@@ -537,7 +500,6 @@ def run(args: argparse.Namespace) -> int:
         args.version,
         python=args.python,
         constraints=constraints,
-        target=args.target,
         cache_dir=args.cache_dir,
         log=args.log,
         echo=True,

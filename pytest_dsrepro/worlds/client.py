@@ -16,6 +16,7 @@ import itertools
 import os
 import pickle
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ..core import versions
 from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
 from ..core.outcome import RankResult, Status, WorldOutcome, rank_ranges
@@ -65,6 +67,11 @@ EXIT_WAIT = 5.0
 SERVER_MODULE = "pytest_dsrepro.worlds.server"
 
 
+class WrongRelease(HarnessError):
+    """The fork server imported another DeepSpeed than this pytest process resolves: every verdict would be about a
+    release the ranks did not run. Nothing can be judged; the run stops."""
+
+
 class ServerGone(HarnessError):
     """The fork server's socket closed: it died (or was never running). ``ending`` says how, when it is known."""
 
@@ -82,6 +89,19 @@ Progress = Callable[[str], None]
 
 def _silent(text: str) -> None:
     pass
+
+
+def server_pythonpath(package_root: str, pythonpath: str | None, site_dirs: list[str]) -> str | None:
+    """The fork server's ``PYTHONPATH``: this plugin must import there, and nothing may shadow what pytest imports.
+
+    A source checkout's root is added *after* the caller's entries; an installed plugin's root is a site directory,
+    already on the server's path: adding it would put the whole environment ahead of ``PYTHONPATH=<release dir>``.
+    """
+    entries = [p for p in (pythonpath or "").split(os.pathsep) if p]
+    real = {os.path.realpath(p) for p in (*entries, *site_dirs)}
+    if os.path.realpath(package_root) not in real:
+        entries.append(package_root)
+    return os.pathsep.join(entries) or None
 
 
 class ForkServer:
@@ -103,7 +123,9 @@ class ForkServer:
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # the directory holding pytest_dsrepro/
-        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+        path = server_pythonpath(package_root, env.get("PYTHONPATH"), site.getsitepackages())
+        if path:
+            env["PYTHONPATH"] = path
         env[CACHE_ENV] = str(self.cache_dir)
         return env
 
@@ -116,7 +138,7 @@ class ForkServer:
         self.environ = dict(os.environ)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
+                [sys.executable, "-P", "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -142,6 +164,16 @@ class ForkServer:
             raise HarnessError(
                 f"the pytest-dsrepro fork server did not start ({detail}) within "
                 f"{self.startup_timeout:g}s; its log:\n{log}"
+            )
+        expected = versions.resolved("deepspeed", "deepspeed")
+        seen = versions.Release(message.facts.deepspeed, message.facts.deepspeed_path)
+        if not versions.same_release(expected, seen):
+            self._stop()
+            self.close()
+            raise WrongRelease(
+                f"this pytest resolves deepspeed {expected}, but the ranks import deepspeed {seen}; every verdict "
+                "would be about a release the ranks did not run (a sys.path entry only one of them has: PYTHONPATH, "
+                "a test directory pytest inserted, a .pth file?)"
             )
         self.facts = message.facts
         return self.facts

@@ -1,29 +1,61 @@
-"""DeepSpeed's JIT-built CPU comm op: built once per DeepSpeed release, never inside a test's critical path.
+"""DeepSpeed's JIT-built CPU comm op: built once per distinct source, never inside a test's critical path.
 
 DeepSpeed builds ``deepspeed_shm_comm`` with ninja/g++ the first time a process group is set up on CPU (45-150 s
-cold). Torch caches builds under ``TORCH_EXTENSIONS_DIR`` keyed by name only, so releases that share the directory
-rebuild each other's op on every switch; and a build killed midway leaves torch's ``lock`` file behind, which makes
-every later build of that directory wait forever. Hence: one directory per DeepSpeed install (release, torch,
-location), one builder at a time across processes (``filelock``), and stale torch locks removed while we hold ours.
+cold). Left to itself, torch keys builds by name under one ``TORCH_EXTENSIONS_DIR`` and ninja rebuilds whenever
+the sources' *paths* change, so every environment, clone and bisect probe of a release rebuilt the same few files;
+and a build killed midway leaves torch's ``lock`` file behind, which makes every later build wait forever.
+
+Hence: one directory per *content* (:func:`build_key`: the op's sources and headers, compiler flags, torch, Python),
+shared by every install whose op is the same (0.15.4-0.16.4 share one); an op already built there is loaded
+directly, without torch's JIT (and so without ninja noticing new paths); one builder at a time across processes
+(``filelock``); stale torch locks removed while we hold ours.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from ..core.options import default_cache_dir
 
 BUILD_LOCK_TIMEOUT = 1800.0  # a cold build on a loaded 2-core machine takes minutes; never forever
+#: The op's name (DeepSpeed's ``ShareMemCommBuilder.NAME``, 0.14-0.19): torch builds it into ``<dir>/<name>/<name>.so``.
+OP_NAME = "deepspeed_shm_comm"
 
 
-def extensions_dir(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
-    """Keyed by where DeepSpeed is installed too: the build files name its sources by absolute path, so two
-    installs of one release (a tox env, a bisect probe) sharing a directory would rebuild each other's op."""
-    where = hashlib.sha256(str(deepspeed_dir.resolve()).encode()).hexdigest()[:10]
-    return cache_dir / "torch_extensions" / f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}"
+def build_key(files: Iterable[Path], flags: Iterable[str], torch_version: str) -> str:
+    """What the built op depends on: every source and header byte, the compiler flags, torch and Python."""
+    digest = hashlib.sha256()
+    for part in (torch_version, sys.version.split()[0], *flags):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(set(files), key=lambda p: p.name + str(p)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")  # the name, not where it lies
+    return digest.hexdigest()[:16]
+
+
+def _inputs(builder: Any) -> tuple[list[Path], list[str]]:
+    """The op's source and header files, and its compiler and linker flags, as DeepSpeed's builder states them."""
+    sources = [Path(builder.deepspeed_src_path(p)) for p in builder.strip_empty_entries(builder.sources())]
+    headers = [
+        f for d in builder.strip_empty_entries(builder.include_paths())
+        for f in Path(builder.deepspeed_src_path(d)).rglob("*") if f.is_file()
+    ]  # fmt: skip
+    flags = [*builder.strip_empty_entries(builder.cxx_args()), *builder.strip_empty_entries(builder.extra_ldflags())]
+    return [*sources, *headers], flags
+
+
+def extensions_dir(cache_dir: Path, key: str) -> Path:
+    return cache_dir / "torch_extensions" / f"{OP_NAME}-{key}"
+
+
+def shared_library(directory: Path) -> Path:
+    return directory / OP_NAME / f"{OP_NAME}.so"
 
 
 def remove_stale_locks(directory: Path) -> list[Path]:
@@ -34,12 +66,38 @@ def remove_stale_locks(directory: Path) -> list[Path]:
     return stale
 
 
-#: The op's name (DeepSpeed's ``ShareMemCommBuilder.NAME``, 0.14-0.19): torch builds it into ``<dir>/<name>/<name>.so``.
-OP_NAME = "deepspeed_shm_comm"
+def _builder() -> Any:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder("ShareMemCommBuilder")
 
 
-def built(directory: Path) -> bool:
-    return (directory / OP_NAME / f"{OP_NAME}.so").exists()
+def op_directory(cache_dir: Path | None = None) -> Path | None:
+    """Where this interpreter's DeepSpeed keeps its comm op (imports DeepSpeed); None when its accelerator has none."""
+    import torch
+
+    builder = _builder()
+    if builder is None:
+        return None
+    files, flags = _inputs(builder)
+    return extensions_dir(cache_dir or default_cache_dir(), build_key(files, flags, str(torch.__version__)))
+
+
+def _load_built(builder: Any, library: Path) -> ModuleType | None:
+    """Import an op built before (by any install with the same key) and register it where ``builder.load()`` looks,
+    so DeepSpeed's own ``build_shm_op()`` finds it loaded. None when that cannot be done: build it then."""
+    owner = next((c for c in type(builder).__mro__ if isinstance(vars(c).get("_loaded_ops"), dict)), None)
+    spec = importlib.util.spec_from_file_location(OP_NAME, library)
+    if owner is None or spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):
+        library.unlink()  # a truncated build (we hold the build lock): built again
+        return None
+    vars(owner)["_loaded_ops"][builder.name] = module
+    return module
 
 
 def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
@@ -47,21 +105,20 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
 
     Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
     (minutes, the first time a release is used) or a wait for another process's build. Returns a short description
-    for the report header.
+    for the report header. A ``TORCH_EXTENSIONS_DIR`` set by the user is used as it is, with torch's own JIT.
     """
     import deepspeed
-    import torch
+    from deepspeed.comm.torch import build_shm_op
     from filelock import FileLock, Timeout
 
-    if "TORCH_EXTENSIONS_DIR" not in os.environ:
-        cache = default_cache_dir()
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(
-            extensions_dir(cache, deepspeed.__version__, torch.__version__, Path(deepspeed.__file__).parent)
-        )
-    directory = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    builder = _builder()
+    if builder is None or not builder.is_compatible(False):
+        return "not used by this accelerator"
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    directory = Path(chosen) if chosen else op_directory()
+    assert directory is not None
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    from deepspeed.comm.torch import build_shm_op
-
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     lock = FileLock(directory / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT)
     try:
@@ -71,7 +128,10 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
         lock.acquire()
     try:
         remove_stale_locks(directory)
-        if not built(directory):
+        library = shared_library(directory)
+        if not chosen and library.exists() and _load_built(builder, library) is not None:
+            return f"loaded from {directory}"
+        if not library.exists():
             announce(f"building {release}, first time only (a minute or more; cached in {directory})")
         try:
             op = build_shm_op()
@@ -79,4 +139,4 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
             return f"build failed ({type(exc).__name__}: {exc}); ranks will build it themselves"
     finally:
         lock.release()
-    return f"loaded from {directory}" if op is not None else "not used by this accelerator"
+    return f"built in {directory}" if op is not None else "not used by this accelerator"

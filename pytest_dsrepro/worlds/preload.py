@@ -12,6 +12,7 @@ them, and preloading stops before the first module after which the server runs m
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import shm
-from .comm_op import extensions_dir
 
 #: The ZeRO stages whose first step the discovery runs (each imports its own optimizer code).
 PRESETS = ("zero1", "zero2", "zero3")
@@ -44,9 +44,10 @@ class Preloaded:
 
 
 def list_file(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
-    """One list per DeepSpeed install, torch and Python: the same key as the install's comm-op build, plus Python."""
-    key = extensions_dir(cache_dir, deepspeed_version, torch_version, deepspeed_dir).name
-    return cache_dir / "preload" / f"{key}-py{sys.version_info.major}{sys.version_info.minor}.json"
+    """One list per DeepSpeed install (release and location), torch and Python."""
+    where = hashlib.sha256(str(deepspeed_dir.resolve()).encode()).hexdigest()[:10]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir / "preload" / f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}-{py}.json"
 
 
 def _threads() -> int:

@@ -41,6 +41,7 @@ class ServerFacts:
     torch: str  # "" when torch could not be imported (then ``fatal`` says why)
     deepspeed: str | None = None  # None when DeepSpeed is not importable; ``deepspeed_error`` says why
     deepspeed_error: str | None = None
+    deepspeed_path: str | None = None  # the directory the server (and so every rank) imported DeepSpeed from
     cuda_devices: int = 0
     gpus: tuple[str, ...] = ()
     comm_op: str | None = None  # how DeepSpeed's CPU comm op was built or loaded (see ``comm_op.warm_up``)
@@ -53,8 +54,10 @@ class ServerFacts:
     def describe(self) -> str:
         """One line for the terminal: what the worlds of this run ran on."""
         accelerator = f"{self.accelerator} (communication backend {self.accelerator_backend})"
-        parts = [f"DeepSpeed {self.deepspeed}, accelerator {accelerator}" if self.deepspeed else
-                 f"DeepSpeed not importable ({self.deepspeed_error})"]  # fmt: skip
+        if self.deepspeed:
+            parts = [f"DeepSpeed {self.deepspeed} from {self.deepspeed_path}, accelerator {accelerator}"]
+        else:
+            parts = [f"DeepSpeed not importable ({self.deepspeed_error})"]
         if self.comm_op:
             parts.append(f"comm op {self.comm_op}")
         if self.preloaded:
@@ -224,10 +227,15 @@ class RankReport:
 
     status: Status
     error: ErrorInfo | None = None
-    detail: str = ""  # the skip reason
+    detail: str = ""  # the skip or xfail reason
     at: float | None = None  # when the body (or the world's setup) ended, on time.monotonic()'s clock
+    where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
+    returned: str = ""  # the type of what the body returned, when it was not None
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
         at = None if self.at is None or started is None else max(0.0, self.at - started)
-        return RankResult(rank, self.status, error=self.error, detail=self.detail, output=output, at=at)
+        return RankResult(
+            rank, self.status, error=self.error, detail=self.detail, output=output, at=at, where=self.where,
+            returned=self.returned,
+        )  # fmt: skip

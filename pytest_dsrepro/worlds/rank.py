@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from ..core.outcome import ErrorInfo, Status
@@ -137,6 +138,18 @@ def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport
     return RankReport(Status.FAILED, error=error, at=time.monotonic())
 
 
+def called_at(tb: TracebackType | None) -> tuple[str, int] | None:
+    """Where a ``pytest.skip()``/``xfail()`` was called: the innermost frame pytest would show (not hidden by
+    ``__tracebackhide__``, as pytest's own ``skip()`` is), so the pytest process reports the body's line."""
+    where = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if not frame.f_locals.get("__tracebackhide__", frame.f_globals.get("__tracebackhide__", False)):
+            where = (frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return where
+
+
 def bind_deepspeed(backend: str) -> None:
     """Bind DeepSpeed's comm layer to the world's default process group, as ``deepspeed.initialize`` does on its first
     call, so that ``deepspeed.zero.Init``, ``deepspeed.comm`` and config validation see the real world before any
@@ -161,13 +174,14 @@ def run_body(
                 fix(monkeypatch)
             if deepspeed:
                 bind_deepspeed(ctx.backend)
-            fn(**_substitute(kwargs, ctx))
-    except pytest.skip.Exception as exc:
-        return RankReport(Status.SKIPPED, detail=str(exc.msg), at=time.monotonic())
+            result = fn(**_substitute(kwargs, ctx))
+    except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
+        status = Status.XFAILED if isinstance(exc, pytest.xfail.Exception) else Status.SKIPPED
+        return RankReport(status, detail=str(exc.msg), at=time.monotonic(), where=called_at(exc.__traceback__))
     except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
         return _failed(exc, "", "".join(traceback.format_exception(type(exc), exc, tb)))
-    return RankReport(Status.PASSED, at=time.monotonic())
+    return RankReport(Status.PASSED, at=time.monotonic(), returned="" if result is None else repr(type(result)))
 
 
 def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankReport:

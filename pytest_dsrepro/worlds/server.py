@@ -90,6 +90,7 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     return dataclasses.replace(
         facts,
         deepspeed=str(deepspeed.__version__),
+        deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
         comm_op=comm_op,
         comm_op_seconds=round(time.monotonic() - started, 2),
         accelerator=str(accelerator.device_name()),
