@@ -189,3 +189,45 @@ def test_xunit_setup_in_a_world_test_is_refused_clearly(pytester: pytest.Pyteste
             "*::TestState::test_ready: TestState.setup_method runs in the pytest process, not in the ranks, *use a fixture*"
         ]
     )
+
+
+def test_a_fixture_computing_with_ds_rank_fails_at_setup_saying_how(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def seed(ds_rank):
+            return 1000 + ds_rank * 7
+
+        @pytest.fixture
+        def label(ds_rank):
+            return f"rank {ds_rank}"
+
+        @pytest.mark.ds_world
+        def test_seed(seed):
+            pass
+
+        @pytest.mark.ds_world
+        def test_label(label):
+            pass
+        """
+    )
+    result = run()
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        [
+            "E * TypeError: ds_rank is a placeholder outside the ranks: fixtures run once, in the pytest process, *",
+            "*Take ds_rank in the test and compute there*",
+        ]
+    )
+    assert result.stdout.str().count("E       TypeError: ds_rank is a placeholder outside the ranks") == 2
+
+
+def test_rank_placeholders_compare_only_with_each_other() -> None:
+    from pytest_dsrepro.worlds.protocol import RankValue
+
+    assert RankValue("rank") == RankValue("rank") != RankValue("world_size")
+    assert len({RankValue("rank"), RankValue("rank")}) == 1
+    with pytest.raises(TypeError, match="ds_world_size is a placeholder outside the ranks"):
+        _ = RankValue("world_size") == 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 from ..core.outcome import ErrorInfo, RankResult, Status
 
@@ -158,14 +159,39 @@ CLIENT_MESSAGES = (Spawn, DumpStacks, Kill, Reap)
 # ---- the job every rank of a world runs -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+def _placeholder_used(self: RankValue, *args: object) -> NoReturn:
+    fixture = f"ds_{self.name}"
+    raise TypeError(
+        f"{fixture} is a placeholder outside the ranks: fixtures run once, in the pytest process, before the world "
+        f"exists, and only the test body gets each rank's value. Take {fixture} in the test and compute there (a "
+        f"fixture may return a function of it: `return lambda {self.name}: ...`)"
+    )
+
+
+@dataclass(frozen=True, eq=False)
 class RankValue:
     """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``).
 
-    ``name`` is ``"rank"`` or ``"world_size"``.
+    ``name`` is ``"rank"`` or ``"world_size"``. Any use as a number or a string (in a fixture, where it is not one
+    yet) raises, saying how to write it, instead of computing with the placeholder.
     """
 
     name: str
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RankValue):
+            _placeholder_used(self)
+        return self.name == other.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    __str__ = __format__ = __bool__ = __index__ = __int__ = __float__ = __lt__ = __le__ = __gt__ = __ge__ = (
+        _placeholder_used
+    )
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __floordiv__ = __mod__ = (
+        _placeholder_used
+    )
 
 
 @dataclass(frozen=True)
