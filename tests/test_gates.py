@@ -317,3 +317,16 @@ def test_a_misspelt_ds_repro_field_is_refused(pytester: pytest.Pytester) -> None
         MarkerError, match=r"ds_repro on .*::test_func: unexpected argument\(s\) fixed; takes id, title"
     ):
         markers.check_repro(item)
+
+
+def test_ranges_are_told_as_written_and_older_releases_are_not_regressions() -> None:
+    gate = parse_gate((">=0.15.4,<0.16.2",), {"raises": KeyError}, "where")
+    assert gate.describe() == "KeyError on deepspeed>=0.15.4,<0.16.2"
+    failed = [_error(KeyError("k"))]
+    older = judge([gate], STOCK, Version("0.14.4"), failed, "where")
+    assert older.reason is Reason.BEFORE_AFFECTED
+    assert older.verdict is Verdict.UNEXPECTED
+    assert older.message.startswith("failed on deepspeed 0.14.4, older than the affected range (>=0.15.4,<0.16.2)")
+    newer = judge([gate], STOCK, Version("0.16.2"), failed, "where")
+    assert newer.reason is Reason.REGRESSION
+    assert "outside the affected range (>=0.15.4,<0.16.2)" in newer.message

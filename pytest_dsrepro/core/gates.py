@@ -42,7 +42,8 @@ class Reason(str, enum.Enum):
     FIX_HOLDS = "fix-holds"
     DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected
     FAILED_DIFFERENTLY = "failed-differently"
-    REGRESSION = "regression"
+    REGRESSION = "regression"  # failed on a release newer than (or between) the affected ranges
+    BEFORE_AFFECTED = "failed-before-affected-range"  # failed on a release older than every affected range
     FIX_DOES_NOT_HOLD = "fix-does-not-hold"
     HARNESS_ERROR = "harness-error"  # no world ran: nothing is known about the bug
 
@@ -71,10 +72,15 @@ class VersionGate:
     raises: type[BaseException]
     match: str | None = None
     fix: Fix | None = None
+    written: str = ""  # the range as the author wrote it (a SpecifierSet prints its parts re-ordered)
+
+    @property
+    def range(self) -> str:
+        return self.written or str(self.affected)
 
     def describe(self) -> str:
         expected = self.raises.__qualname__ + (f" matching {self.match!r}" if self.match else "")
-        return f"{expected} on deepspeed{self.affected}"
+        return f"{expected} on deepspeed{self.range}"
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) 
             re.compile(match)
         except re.error as exc:
             raise MarkerError(f"{where}: match={match!r} is not a valid regular expression ({exc})") from None
-    return VersionGate(spec, raises, match, None if fix is None else _load_fix(fix, where))
+    return VersionGate(spec, raises, match, None if fix is None else _load_fix(fix, where), written=affected)
 
 
 def parse_gates(marks: Iterable[tuple[tuple[object, ...], dict[str, object]]], where: str) -> tuple[VersionGate, ...]:
@@ -161,7 +167,7 @@ def _lower_bound(spec: str) -> tuple[int, Version]:
 def active_gate(gates: Sequence[VersionGate], version: Version, where: str) -> VersionGate | None:
     hits = [g for g in gates if g.affected.contains(version, prereleases=True)]
     if len(hits) > 1:
-        ranges = ", ".join(repr(str(g.affected)) for g in hits)
+        ranges = ", ".join(repr(g.range) for g in hits)
         raise MarkerError(f"{where}: ds_version ranges overlap at deepspeed {version}: {ranges}")
     return hits[0] if hits else None
 
@@ -190,7 +196,13 @@ def judge(
     if gate is None:
         if not failures:
             return Judgement(Reason.NOT_AFFECTED, f"not affected: passes on {ds}")
-        ranges = " or ".join(str(g.affected) for g in gates)
+        ranges = " or ".join(g.range for g in gates)
+        if all(_lower_bound(g.range)[1] > version for g in gates):
+            return Judgement(
+                Reason.BEFORE_AFFECTED,
+                f"failed on {ds}, older than the affected range ({ranges}): {_endings(failures)}; the bug may be "
+                "older than declared, or this release fails for another reason",
+            )
         return Judgement(
             Reason.REGRESSION, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
         )
