@@ -72,15 +72,17 @@ def _builder() -> Any:
     return get_accelerator().create_op_builder("ShareMemCommBuilder")
 
 
-def op_directory(cache_dir: Path | None = None) -> Path | None:
-    """Where this interpreter's DeepSpeed keeps its comm op (imports DeepSpeed); None when its accelerator has none."""
+def _directory(builder: Any, cache_dir: Path | None) -> Path:
     import torch
 
-    builder = _builder()
-    if builder is None:
-        return None
     files, flags = _inputs(builder)
     return extensions_dir(cache_dir or default_cache_dir(), build_key(files, flags, str(torch.__version__)))
+
+
+def op_directory(cache_dir: Path | None = None) -> Path | None:
+    """Where this interpreter's DeepSpeed keeps its comm op (imports DeepSpeed); None when its accelerator has none."""
+    builder = _builder()
+    return None if builder is None else _directory(builder, cache_dir)
 
 
 def _load_built(builder: Any, library: Path) -> ModuleType | None:
@@ -115,8 +117,7 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     if builder is None or not builder.is_compatible(False):
         return "not used by this accelerator"
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
-    directory = Path(chosen) if chosen else op_directory()
-    assert directory is not None
+    directory = Path(chosen) if chosen else _directory(builder, None)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
     directory.mkdir(parents=True, exist_ok=True)
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
