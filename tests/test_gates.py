@@ -9,6 +9,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from conftest import RunPytest, assert_clear_error, deepspeed_version, run_marked
+from pytest_dsrepro.core import results
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.gates import FIXED, STOCK, Reason, Verdict, VersionGate, judge, oldest_first, parse_gate
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
@@ -160,6 +161,7 @@ def test_a_bad_ds_version_is_a_collection_error_naming_test_and_argument(
         (Reason.REGRESSION, Verdict.UNEXPECTED, True),
         (Reason.FIX_DOES_NOT_HOLD, Verdict.UNEXPECTED, True),
         (Reason.HARNESS_ERROR, Verdict.UNEXPECTED, None),
+        (Reason.NOT_APPLICABLE, Verdict.NOT_APPLICABLE, None),
     ],
 )
 def test_every_reason_has_one_verdict(reason: Reason, verdict: Verdict, body_failed: bool | None) -> None:
@@ -330,3 +332,91 @@ def test_ranges_are_told_as_written_and_older_releases_are_not_regressions() -> 
     newer = judge([gate], STOCK, Version("0.16.2"), failed, "where")
     assert newer.reason is Reason.REGRESSION
     assert "outside the affected range (>=0.15.4,<0.16.2)" in newer.message
+
+
+CONDITIONS = """
+import json
+import os
+import pytest
+
+def add_epilogue(monkeypatch):
+    monkeypatch.setattr(json, "epilogue", lambda: "done", raising=False)
+
+@pytest.mark.ds_world
+@pytest.mark.ds_prerequisite("=={V}", fix=add_epilogue, reason="bug X (PR #1) breaks every engine here")
+@pytest.mark.ds_version(affected="<0.0.1", raises=AttributeError)
+def test_masked_here(ds_rank):
+    assert json.epilogue() == "done"
+
+@pytest.mark.ds_world
+@pytest.mark.ds_prerequisite("<0.0.1", fix=add_epilogue, reason="bug X breaks old releases")
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError, match="epilogue")
+def test_prerequisite_elsewhere(ds_rank):
+    json.epilogue()
+
+@pytest.mark.ds_world
+@pytest.mark.ds_not_applicable("=={V}", reason="the API it needs is missing here")
+@pytest.mark.ds_version(affected="=={V}", raises=AttributeError)
+def test_not_applicable(ds_rank):
+    os.kill(os.getpid(), 9)  # never runs: no world is started
+
+@pytest.mark.ds_world
+@pytest.mark.ds_not_applicable("<0.0.1", reason="not here")
+def test_applicable(ds_rank):
+    pass
+"""
+
+
+def test_prerequisites_and_not_applicable_in_real_worlds(
+    pytester: pytest.Pytester, run: RunPytest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A prerequisite fix runs before the body only on its releases, and every record says it ran; a release the
+    repro declares out of reach starts no world and is NOT-APPLICABLE with its reason, in every output."""
+    V = deepspeed_version()
+    pytester.makepyfile(CONDITIONS.replace("{V}", V))
+    out = tmp_path_factory.mktemp("results")
+    result = run("-rxs", f"--ds-results={out}", f"--ds-report={out / 'report.md'}")
+    result.assert_outcomes(passed=2, skipped=1, xfailed=1)
+    result.stdout.fnmatch_lines(
+        ["SKIPPED [[]1[]] test_prerequisites_and_not_applicable_in_real_worlds.py:20: not applicable *"]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            f"*= dsrepro verdicts (deepspeed {V}) =*",
+            f"FIXED           *::test_masked_here  (prerequisite fix for deepspeed=={V}: bug X (PR #1) breaks every "
+            "engine here)",
+            "REPRODUCED      *::test_prerequisite_elsewhere",
+            f"NOT-APPLICABLE  *::test_not_applicable  -- not applicable on deepspeed {V}: deepspeed=={V}: the API it "
+            "needs is missing here",
+        ]
+    )
+    assert "test_applicable" not in result.stdout.str().split("dsrepro verdicts")[1]  # ungated, not applicable
+    (path,) = out.glob("*.json")
+    records = {t.nodeid.split("::")[1]: t for t in results.read(path).tests}
+    assert records["test_masked_here"].prerequisites == (f"deepspeed=={V}: bug X (PR #1) breaks every engine here",)
+    assert records["test_prerequisite_elsewhere"].prerequisites == ()
+    na = records["test_not_applicable"]
+    assert (na.verdict, na.reason, na.outcome, na.world_size) == (
+        Verdict.NOT_APPLICABLE, Reason.NOT_APPLICABLE, "skipped", None,
+    )  # fmt: skip
+    report = (out / "report.md").read_text()
+    assert f"- **Prerequisite:** another bug's fix was applied in every rank first, for deepspeed=={V}: bug X" in report
+    assert "| NOT-APPLICABLE |" in report
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("ds_not_applicable('<0.1')", "reason= must say why, in words (a masking bug, a missing API); got None"),
+        (
+            "ds_not_applicable('<0.1', reason='x', fix=print)",
+            "takes releases, reason=; got ('<0.1',) ['fix', 'reason']",
+        ),
+        ("ds_not_applicable('0.1', reason='x')", "releases='0.1' is not a valid PEP 440 specifier"),
+        ("ds_prerequisite('<0.1', reason='masked')", "fix= is required: the patch applied before the body on <0.1"),
+        ("ds_prerequisite('<0.1', fix='os:nope', reason='m')", "fix='os:nope' cannot be imported (AttributeError"),
+    ],
+)
+def test_bad_conditions_are_named(pytester: pytest.Pytester, run: RunPytest, marker: str, message: str) -> None:
+    result = run_marked(pytester, run, marker)
+    assert_clear_error(result, marker.partition("(")[0], message.replace("[", "[[]"))

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import html.parser
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.results import Environment, ReproMeta, RunRecord, TestRecord
 from pytest_dsrepro.tools import matrix
@@ -319,14 +322,15 @@ def test_load_warns_about_foreign_and_broken_json(tmp_path: Path) -> None:
     write(tmp_path, "0.16.3", [rec(STOCK, "FIXED")])
     (tmp_path / "package.json").write_text('{"name": "x"}')
     (tmp_path / "half.json").write_text('{"schema": 2, "crea')
-    (tmp_path / "future.json").write_text('{"schema": 4, "environment": {}, "tests": []}')
+    (tmp_path / "future.json").write_text(json.dumps({"schema": results.SCHEMA + 1, "environment": {}, "tests": []}))
     (tmp_path / "old.json").write_text('{"schema": 1, "environment": {"platform": "Linux"}, "tests": []}')
     files, warnings = load([tmp_path])
     assert len(files) == 1
     assert sorted(Path(w.split(":")[0]).name for w in warnings) == ["future.json", "half.json", "old.json",
                                                                    "package.json"]  # fmt: skip
-    assert any("schema 4: this pytest-dsrepro reads results files of schema 3 only" in w for w in warnings)
-    assert any("schema 1: this pytest-dsrepro reads results files of schema 3 only" in w for w in warnings)
+    only = f"this pytest-dsrepro reads results files of schema {results.SCHEMA} only"
+    assert any(f"schema {results.SCHEMA + 1}: {only}" in w for w in warnings)
+    assert any(f"schema 1: {only}" in w for w in warnings)
 
 
 def test_no_files_is_a_usage_error_naming_the_directory(tmp_path: Path) -> None:
@@ -403,7 +407,10 @@ def test_the_terminal_table_fits_120_columns(tmp_path: Path) -> None:
     text = render_terminal(m)
     assert max(len(line) for line in text.splitlines()) <= 120, text
     assert "REPRO" in text
-    assert "Legend: REPRO REPRODUCED, W/FIX PASSES-WITH-FIX, UNEXP UNEXPECTED, SKIP SKIPPED, - not run" in text
+    assert (
+        "Legend: REPRO REPRODUCED, W/FIX PASSES-WITH-FIX, UNEXP UNEXPECTED, N/APP NOT-APPLICABLE, SKIP SKIPPED, - not run"
+        in text
+    )
     assert all(v in text for v in RELEASES)  # every release, in one table or several
     narrow = render_terminal(m, width=80)
     assert max(len(line) for line in narrow.splitlines()) <= 80, narrow
@@ -418,7 +425,7 @@ def test_the_terminal_table_fits_120_columns(tmp_path: Path) -> None:
 def test_every_cell_without_a_verdict_says_why(tmp_path: Path) -> None:
     _eight_releases(tmp_path)
     text = render_terminal(build([tmp_path]), width=400)
-    notes = text.split("Cells without a verdict:")[1]
+    notes = text.split("Cells with no judged run:")[1]
     assert f"{MODULE_ID} [zero3-stock]: not run: no results file of the release ran this test (on 0.17.6)" in notes
     assert (f"{MODULE_ID} [zero3-fixed]: not run: no results file of the release ran this test (on 0.14.4, 0.15.4, "
             "0.16.3, 0.16.4, 0.17.6, 0.18.3, 0.18.9)") in notes  # fmt: skip
@@ -486,3 +493,32 @@ def test_since_marks_the_cells_that_changed(tmp_path: Path, capsys: pytest.Captu
     assert "REPRODUCED~" in capsys.readouterr().out
     assert matrix.run(_args(str(new), "--since", str(tmp_path / "nope"), "--no-write")) == 2
     assert "--since: no such file or directory" in capsys.readouterr().err
+
+
+def test_not_applicable_and_prerequisite_cells_say_why_in_every_rendering(tmp_path: Path) -> None:
+    """A release the repro declares out of reach is its own verdict with its reason; a run that had another bug's
+    fix applied first is marked, and the fix is named, in the terminal, Markdown and HTML tables alike."""
+    masked = "masking bug (PR #7948) breaks every ZeRO-1/2 step on CPU"
+    na = rec(STOCK, "NOT-APPLICABLE", outcome="skipped", reason=Reason.NOT_APPLICABLE,
+             error="not applicable on deepspeed 0.14.4: deepspeed<0.15: the API it needs is missing")  # fmt: skip
+    write(tmp_path, "0.14.4", [na])
+    write(
+        tmp_path, "0.18.8", [dataclasses.replace(rec(STOCK, "FIXED"), prerequisites=(f"deepspeed>=0.18.7: {masked}",))]
+    )
+    m = build([tmp_path])
+    terminal = render_terminal(m)
+    assert re.search(r"NOT-APPLICABLE +FIXED\+", terminal), terminal
+    assert "+ with another bug's fix applied first" in terminal
+    notes = " ".join(terminal.split())
+    assert (
+        "NOT-APPLICABLE: not applicable on deepspeed 0.14.4: deepspeed<0.15: the API it needs is missing (on 0.14.4)"
+        in notes
+    )
+    assert f"With a prerequisite fix (+): {MODULE_ID}: deepspeed>=0.18.7: {masked} (on 0.18.8)" in notes
+    assert not m.contradictions()  # no body ran on 0.14.4: nothing to hold against the range
+    markdown = render_markdown(m)
+    assert f"with the prerequisite fix for deepspeed>=0.18.7: {masked}" in markdown
+    assert re.search(r"\| NOT-APPLICABLE \[\^\d\] \| FIXED \[\^\d\] \+ \|", markdown), markdown
+    page = render_html(m)
+    assert 'class="FIXED prerequisite"' in page
+    assert 'class="NOT-APPLICABLE"' in page

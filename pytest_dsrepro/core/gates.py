@@ -31,6 +31,7 @@ class Verdict(str, enum.Enum):
     FIXED = "FIXED"  # stock, unaffected release, passed
     PASSES_WITH_FIX = "PASSES-WITH-FIX"  # the fix variant passed
     UNEXPECTED = "UNEXPECTED"  # anything else
+    NOT_APPLICABLE = "NOT-APPLICABLE"  # declared not applicable on this release (ds_not_applicable): no body ran
     SKIPPED = "SKIPPED"
 
 
@@ -46,6 +47,7 @@ class Reason(str, enum.Enum):
     BEFORE_AFFECTED = "failed-before-affected-range"  # failed on a release older than every affected range
     FIX_DOES_NOT_HOLD = "fix-does-not-hold"
     HARNESS_ERROR = "harness-error"  # no world ran: nothing is known about the bug
+    NOT_APPLICABLE = "not-applicable"  # the repro declares this release out of its reach, and why
 
     @property
     def verdict(self) -> Verdict:
@@ -54,7 +56,7 @@ class Reason(str, enum.Enum):
     @property
     def body_failed(self) -> bool | None:
         """Did the test body fail? None when no body ran (a harness error)."""
-        if self is Reason.HARNESS_ERROR:
+        if self in (Reason.HARNESS_ERROR, Reason.NOT_APPLICABLE):
             return None
         return self not in (Reason.NOT_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
 
@@ -63,6 +65,7 @@ _VERDICTS = {
     Reason.REPRODUCED: Verdict.REPRODUCED,
     Reason.NOT_AFFECTED: Verdict.FIXED,
     Reason.FIX_HOLDS: Verdict.PASSES_WITH_FIX,
+    Reason.NOT_APPLICABLE: Verdict.NOT_APPLICABLE,
 }
 
 
@@ -84,9 +87,28 @@ class VersionGate:
 
 
 @dataclass(frozen=True)
+class Condition:
+    """A release range where a test is not what its gates alone say: ``ds_prerequisite`` (``fix`` is applied in
+    every rank before the body, in both variants: another bug masks this one there) or ``ds_not_applicable``
+    (``fix`` is None: the body does not run there)."""
+
+    releases: SpecifierSet
+    written: str
+    reason: str
+    fix: Fix | None = None
+
+    def holds(self, version: Version) -> bool:
+        return self.releases.contains(version, prereleases=True)
+
+    def describe(self) -> str:
+        return f"deepspeed{self.written}: {self.reason}"
+
+
+@dataclass(frozen=True)
 class Judgement:
     reason: Reason
     message: str
+    prerequisites: tuple[str, ...] = ()  # the prerequisites applied to the run (``Condition.describe``)
 
     @property
     def verdict(self) -> Verdict:
@@ -106,6 +128,39 @@ def _load_fix(value: object, where: str) -> Fix:
     return value
 
 
+def _specifier(value: object, name: str, where: str) -> SpecifierSet:
+    if not isinstance(value, str):
+        raise MarkerError(f"{where}: {name}={value!r} must be a PEP 440 specifier string such as '<0.16.4'")
+    try:
+        return SpecifierSet(value)
+    except InvalidSpecifier as exc:
+        raise MarkerError(f"{where}: {name}={value!r} is not a valid PEP 440 specifier ({exc})") from None
+
+
+def parse_condition(args: tuple[object, ...], kwargs: dict[str, object], where: str, *, with_fix: bool) -> Condition:
+    """One ``ds_prerequisite(releases, fix=, reason=)`` (``with_fix``) or ``ds_not_applicable(releases, reason=)``."""
+    allowed = {"releases", "reason"} | ({"fix"} if with_fix else set())
+    if len(args) > 1 or set(kwargs) - allowed or (args and "releases" in kwargs):
+        raise MarkerError(f"{where}: takes releases, {', '.join(sorted(allowed - {'releases'}))}=; got {args!r} "
+                          f"{sorted(kwargs)}")  # fmt: skip
+    releases = args[0] if args else kwargs.get("releases")
+    spec = _specifier(releases, "releases", where)
+    reason = kwargs.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise MarkerError(f"{where}: reason= must say why, in words (a masking bug, a missing API); got {reason!r}")
+    fix = None
+    if with_fix:
+        if "fix" not in kwargs:
+            raise MarkerError(f"{where}: fix= is required: the patch applied before the body on {releases}")
+        fix = _load_fix(kwargs["fix"], where)
+    assert isinstance(releases, str)
+    return Condition(spec, releases, " ".join(reason.split()), fix)
+
+
+def holding(conditions: Iterable[Condition], version: Version) -> tuple[Condition, ...]:
+    return tuple(c for c in conditions if c.holds(version))
+
+
 def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) -> VersionGate:
     allowed = {"affected", "raises", "match", "fix"}
     if len(args) > 1 or set(kwargs) - allowed:
@@ -114,12 +169,7 @@ def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) 
         )
     affected = args[0] if args else kwargs.get("affected")
     raises, match, fix = kwargs.get("raises"), kwargs.get("match"), kwargs.get("fix")
-    if not isinstance(affected, str):
-        raise MarkerError(f"{where}: affected={affected!r} must be a PEP 440 specifier string such as '<0.16.4'")
-    try:
-        spec = SpecifierSet(affected)
-    except InvalidSpecifier as exc:
-        raise MarkerError(f"{where}: affected={affected!r} is not a valid PEP 440 specifier ({exc})") from None
+    spec = _specifier(affected, "affected", where)
     if not (isinstance(raises, type) and issubclass(raises, BaseException)):
         raise MarkerError(f"{where}: raises={raises!r} must be an exception type, e.g. raises=AttributeError")
     if match is not None:
@@ -129,6 +179,7 @@ def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) 
             re.compile(match)
         except re.error as exc:
             raise MarkerError(f"{where}: match={match!r} is not a valid regular expression ({exc})") from None
+    assert isinstance(affected, str)
     return VersionGate(spec, raises, match, None if fix is None else _load_fix(fix, where), written=affected)
 
 

@@ -272,6 +272,12 @@ def _fix(test: TestRecord) -> list[str]:
     return [f"- **Fix:** `{source.fix}` ({applied}; {where})"]
 
 
+def _prerequisites(test: TestRecord) -> list[str]:
+    return [
+        f"- **Prerequisite:** another bug's fix was applied in every rank first, for {p}" for p in test.prerequisites
+    ]
+
+
 def install_commands(env: Environment) -> list[str]:
     """The pip lines that rebuild this run's environment, every version pinned (torch first: DeepSpeed's build
     imports it, hence ``--no-build-isolation``; ``DS_BUILD_OPS=0``: its ops are JIT-built when first used)."""
@@ -353,7 +359,7 @@ def _failures(test: TestRecord) -> list[str]:
 
 
 def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[str]:
-    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test)]
+    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test), *_prerequisites(test)]
     outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
     if test.variant:
         outcome += f" ({test.variant} variant)"

@@ -50,8 +50,9 @@ __all__ = [
 #: The one schema version. 2: test records carry the gates' ``reason``; environments name ``os`` (install wrote
 #: ``platform``) and always have every field. 3: test records carry their world's size, the attempts pytest made
 #: (reruns) and the repro's source; environments carry pytest's and the plugin's versions, the accelerator, and
-#: DeepSpeed's ``ds_report`` and torch's environment summary when a report asked for them.
-SCHEMA = 3
+#: DeepSpeed's ``ds_report`` and torch's environment summary when a report asked for them. 4: test records carry
+#: the prerequisite fixes applied to the run (``ds_prerequisite``); verdict NOT-APPLICABLE.
+SCHEMA = 4
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -394,6 +395,7 @@ class TestRecord:
     world_size: int | None = None  # the ranks of the test's world; None: not a world test
     attempts: int = 1  # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
     source: Source | None = None
+    prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
@@ -421,6 +423,7 @@ class TestRecord:
             "world_size": self.world_size,
             "attempts": self.attempts,
             "source": self.source.to_json() if self.source else None,
+            "prerequisites": list(self.prerequisites),
         }
 
     @classmethod
@@ -451,6 +454,7 @@ class TestRecord:
             world_size=f.optional_count("world_size"),
             attempts=f.count("attempts", least=1),
             source=None if source is None else Source.from_json(source, f"{where}.source"),
+            prerequisites=f.texts("prerequisites"),
         )
 
 

@@ -7,6 +7,7 @@ SLURM) the pytest process already is a rank and the body runs right here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import pickle
@@ -22,7 +23,7 @@ import pytest
 
 from ..core import source
 from ..core.errors import HarnessError, MarkerError
-from ..core.gates import FIXED, Judgement, Reason, Verdict, installed_deepspeed, judge
+from ..core.gates import FIXED, Condition, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
 from ..worlds import launcher
@@ -85,6 +86,7 @@ def setup(item: pytest.Item) -> None:
     except MarkerError as exc:
         markers.fail(str(exc))
     item.stash[MARKS_KEY] = marks
+    _refuse_where_not_applicable(item, marks)
     spec = marks.world
     if spec is None:
         return
@@ -103,6 +105,33 @@ def setup(item: pytest.Item) -> None:
     if skip:
         pytest.skip(skip)
     item.stash[PREPARED_KEY] = Prepared(spec, backend)
+
+
+def _refuse_where_not_applicable(item: pytest.Item, marks: Marks) -> None:
+    """A release the test declares out of its reach: no world, the verdict NOT-APPLICABLE with the declared reason
+    (reported by pytest as a skip, since pytest has no other word for a test that did not run)."""
+    version = installed_deepspeed()
+    found = holding(marks.not_applicable, version) if version is not None else ()
+    if found:
+        reasons = "; ".join(c.describe() for c in found)
+        judgement = Judgement(Reason.NOT_APPLICABLE, f"not applicable on deepspeed {version}: {reasons}")
+        item.stash[JUDGEMENT_KEY] = judgement
+        path, line, _ = item.reportinfo()  # reported at the test, not here
+        _raise_at(pytest.skip.Exception(judgement.message), str(path), (line or 0) + 1)
+
+
+def _prerequisites(marks: Marks) -> tuple[Condition, ...]:
+    version = installed_deepspeed()
+    return holding(marks.prerequisites, version) if version is not None else ()
+
+
+def _with_prerequisites(judgement: Judgement, marks: Marks) -> Judgement:
+    """The judgement, saying which other bugs' fixes the run had applied first (the verdict stands on them)."""
+    applied = tuple(c.describe() for c in _prerequisites(marks))
+    if not applied:
+        return judgement
+    note = f" (with the prerequisite fix for {'; '.join(applied)})"
+    return dataclasses.replace(judgement, message=judgement.message + note, prerequisites=applied)
 
 
 #: pytest's xunit-style methods of a test class: they run in the pytest process, so what they set never reaches ranks.
@@ -142,7 +171,8 @@ def in_world(item: pytest.Function) -> Iterator[None]:
 def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared, **kwargs: Any) -> None:
     __tracebackhide__ = True
     marks = item.stash[MARKS_KEY]
-    fixes = [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
+    fixes = [c.fix for c in _prerequisites(marks) if c.fix is not None]
+    fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     deepspeed = engines or _imports_deepspeed(item)
     if launcher.launched() is not None:
@@ -164,14 +194,19 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
 
 
 def _declare(result: RankResult) -> NoReturn:
-    """Skip or xfail the test as the body did in its rank, reported at the body's line: pytest reports a skip where
-    its traceback ends, so the exception is raised from a one-line code object compiled with that file and line."""
+    """Skip or xfail the test as the body did in its rank, reported at the body's line."""
     __tracebackhide__ = True
     reason = result.detail
     exc = pytest.xfail.Exception(reason) if result.status is Status.XFAILED else pytest.skip.Exception(reason)
     if result.where is None:
         raise exc
-    path, line = result.where
+    _raise_at(exc, *result.where)
+
+
+def _raise_at(exc: BaseException, path: str, line: int) -> NoReturn:
+    """Raise ``exc`` as if from ``path:line``: pytest reports a skip where its traceback ends, so the exception is
+    raised from a one-line code object compiled with that file and line."""
+    __tracebackhide__ = True
     exec(compile("\n" * (line - 1) + "raise exc", path, "exec"), {"exc": exc})
     raise AssertionError("unreachable")  # pragma: no cover - the exec above always raises
 
@@ -275,6 +310,7 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         judgement = judge(marks.gates, marks.variant, version, _failures(exc), where)
     except MarkerError as error:
         markers.fail(str(error))
+    judgement = _with_prerequisites(judgement, marks)
     item.stash[JUDGEMENT_KEY] = judgement
     if judgement.verdict is Verdict.REPRODUCED:
         pytest.xfail(judgement.message)

@@ -9,7 +9,7 @@ import pytest
 from ..core import configs
 from ..core.configs import PRESETS
 from ..core.errors import MarkerError
-from ..core.gates import FIXED, STOCK, VersionGate, common_fix, parse_gates
+from ..core.gates import FIXED, STOCK, Condition, VersionGate, common_fix, parse_condition, parse_gates
 from ..core.options import Settings
 from ..core.results import REPRO_PARAMETERS
 from ..core.worlds import world_spec
@@ -25,6 +25,12 @@ MARKERS = {
     "PEP 440 specifier set `affected`: there the test must fail with `raises` (message matching `match`), "
     "elsewhere it must pass. `fix` (a callable taking a pytest.MonkeyPatch, or 'module:name') adds a [fixed] "
     "variant that applies it in every rank and must pass on every release. Several markers may cover disjoint ranges.",
+    "ds_prerequisite": "ds_prerequisite(releases, fix, reason): on DeepSpeed releases in the PEP 440 specifier set "
+    "`releases`, another bug masks this one, so `fix` (a callable taking a pytest.MonkeyPatch, or 'module:name') is "
+    "applied in every rank before the body, in every variant; the verdict and the matrix say so, with `reason`.",
+    "ds_not_applicable": "ds_not_applicable(releases, reason): on DeepSpeed releases in `releases` the test does not "
+    "run (the API it needs is missing, another bug makes it meaningless); its verdict there is NOT-APPLICABLE, with "
+    "`reason`, never a silent skip.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
 }
@@ -47,6 +53,13 @@ def gates(node: pytest.Item) -> tuple[VersionGate, ...]:
     return parse_gates(marks, f"@pytest.mark.ds_version on {node.nodeid}")
 
 
+def conditions(node: pytest.Item, name: str) -> tuple[Condition, ...]:
+    """Every ``ds_prerequisite`` or ``ds_not_applicable`` marker of a test, validated (``MarkerError``)."""
+    where = f"@pytest.mark.{name} on {node.nodeid}"
+    with_fix = name == "ds_prerequisite"
+    return tuple(parse_condition(m.args, dict(m.kwargs), where, with_fix=with_fix) for m in node.iter_markers(name))
+
+
 def variant(item: pytest.Item) -> str | None:
     """``"stock"`` or ``"fixed"`` for tests whose ``ds_version`` declares a fix (see ``parametrize.variants``)."""
     callspec = getattr(item, "callspec", None)
@@ -62,7 +75,10 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     spec = None
     if world is not None:
         spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
-    return Marks(world=spec, gates=found, fix=common_fix(found), variant=variant(item))
+    return Marks(
+        world=spec, gates=found, fix=common_fix(found), variant=variant(item),
+        prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
+    )  # fmt: skip
 
 
 def check_config(item: pytest.Item) -> None:

@@ -30,6 +30,8 @@ from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_K
 #: The ``user_properties`` name under which a report carries its record.
 PROPERTY = "dsrepro"
 #: The JUnit ``<property>`` names on a test's ``<testcase>`` (``PROPERTY`` + ``.`` + one of these).
+#: The verdicts whose summary line says why (the rest are what the declared range predicts).
+EXPLAINED = (Verdict.UNEXPECTED.value, Verdict.NOT_APPLICABLE.value, Verdict.SKIPPED.value)
 JUNIT_NAMES = ("verdict", "reason", "deepspeed", "repro", "variant", "ranks", "attempts")
 
 
@@ -104,7 +106,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     prepared = item.stash.get(PREPARED_KEY, None)
     verdict, reason = (judgement.verdict, judgement.reason) if judgement else (None, None)
     gated = bool(marks.gates) if marks is not None else item.get_closest_marker("ds_version") is not None
-    if report.skipped and not hasattr(report, "wasxfail") and gated:
+    if judgement is None and report.skipped and not hasattr(report, "wasxfail") and gated:
         verdict, reason = Verdict.SKIPPED, None  # a gated test that never got judged: no reason to give
     config = item.stash.get(CONFIG_KEY, None)
     meta = repro_meta(item)
@@ -123,6 +125,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         longrepr=(report.longreprtext or None) if report.failed else None,
         world_size=prepared.spec.size if prepared is not None else None,
         source=repro_source(item, marks.fix if marks is not None else None) if gated or meta else None,
+        prerequisites=judgement.prerequisites if judgement else (),
     )
 
 
@@ -202,7 +205,8 @@ class Run:
         width = max(map(len, labels), default=0)
         lines = []
         for label, t in zip(labels, gated, strict=True):
-            why = f"  -- {t.error}" if label in (Verdict.UNEXPECTED.value, Verdict.SKIPPED.value) else ""
+            why = f"  -- {t.error}" if label in EXPLAINED else ""
+            why += "".join(f"  (prerequisite fix for {p})" for p in t.prerequisites)
             tries = f"  ({t.attempts} attempts)" if t.attempts > 1 else ""
             lines.append(f"{label:<{width}}  {t.nodeid}{tries}{why}")
         return lines

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from ..core.configs import ResolvedConfig
-from ..core.gates import Fix, Judgement, VersionGate
+from ..core.gates import Condition, Fix, Judgement, VersionGate
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
 from ..core.worlds import WorldSpec
@@ -21,6 +21,8 @@ class Marks:
     gates: tuple[VersionGate, ...]
     fix: Fix | None  # applied in every rank when variant == "fixed"
     variant: str | None  # "stock" or "fixed" when the gates declare a fix
+    prerequisites: tuple[Condition, ...] = ()  # ds_prerequisite: fixes applied before the body on their releases
+    not_applicable: tuple[Condition, ...] = ()  # ds_not_applicable: releases where the body does not run
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,19 @@
 
 Rows are repros (one row per test id where a repro has several: variant, config, other parameters), each with the
 range of releases its ``ds_version`` markers declare affected; columns are DeepSpeed releases in version order
-(``packaging.version``); cells are verdicts: REPRODUCED, FIXED, PASSES-WITH-FIX, UNEXPECTED, SKIPPED.
+(``packaging.version``); cells are verdicts: REPRODUCED, FIXED, PASSES-WITH-FIX, UNEXPECTED, NOT-APPLICABLE,
+SKIPPED.
 
 - **Several files of one release merge**: per test, the newest file that ran it gives its cell (``created``, then
   the file's time), so a partial re-run (``-k``) updates its cells and leaves the others as they were.
-- **Every cell that is not a verdict says why**: SKIPPED cells their skip reason, ``not run`` cells that no file of
+- **Every cell that is not a verdict says why**: NOT-APPLICABLE cells the reason their repro declares, SKIPPED
+  cells their skip reason, ``not run`` cells that no file of
   the release ran the test, ``n/a`` columns why the release could not run (``unavailable`` in its results file,
   written by ``dsrepro install``); such a release is a column of its own, never dropped.
 - **Declared against observed**: a stock cell whose outcome contradicts the row's declared range (the body passed
   inside it, or failed outside it, as the gates' ``Reason`` says) is marked ``!``.
+- **Prerequisites in the open**: a cell whose run had another bug's fix applied first (``ds_prerequisite``) is
+  marked ``+``, and the notes say which fix, for which releases.
 - **What changed**: with ``--since OLD_DIR``, cells that differ from the matrix of those older files are marked ``~``.
 - **120 columns**: the terminal table uses the verdicts' names when they fit, else short names (with a legend), and
   splits the releases into several tables when even those do not fit; long labels wrap.
@@ -29,7 +33,7 @@ import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +65,7 @@ NOT_RUN = "not run"
 UNAVAILABLE = "n/a"
 CONTRADICTS = "!"  # the cell contradicts the row's declared range
 CHANGED = "~"  # the cell differs from the --since matrix
+PREREQUISITE = "+"  # the run had another bug's fix applied first (ds_prerequisite)
 #: The width the terminal table keeps within (or the terminal's, when narrower).
 WIDTH = 120
 #: A row label longer than this wraps.
@@ -71,6 +76,7 @@ SHORT = {
     Verdict.FIXED.value: "FIXED",
     Verdict.PASSES_WITH_FIX.value: "W/FIX",
     Verdict.UNEXPECTED.value: "UNEXP",
+    Verdict.NOT_APPLICABLE.value: "N/APP",
     Verdict.SKIPPED.value: "SKIP",
     NOT_RUN: "-",
     UNAVAILABLE: "n/a",
@@ -140,6 +146,7 @@ class Cell:
     source: Path | None = None  # the results file it comes from
     contradicts: bool = False  # the outcome contradicts the row's declared range
     before: str | None = None  # with --since: what the cell was (a verdict, "not run"), when it changed
+    prerequisites: tuple[str, ...] = ()  # the other bugs' fixes applied first (ds_prerequisite), with their reasons
 
     @property
     def note(self) -> str | None:
@@ -148,7 +155,8 @@ class Cell:
 
     @property
     def marks(self) -> str:
-        return (CONTRADICTS if self.contradicts else "") + (CHANGED if self.before is not None else "")
+        marks = PREREQUISITE if self.prerequisites else ""
+        return marks + (CONTRADICTS if self.contradicts else "") + (CHANGED if self.before is not None else "")
 
 
 @dataclass(frozen=True)
@@ -200,23 +208,31 @@ class Matrix:
         return cell.verdict.value if cell else NOT_RUN
 
     def not_verdicts(self) -> list[tuple[str, Row, list[str]]]:
-        """Why each cell that is not a verdict (SKIPPED, not run) is what it is: ``(why, row, releases)``, one entry
-        per row and reason. Unavailable releases say why in their own notes."""
+        """Why each cell without a judged run (NOT-APPLICABLE, SKIPPED, not run) is what it is: ``(why, row,
+        releases)``, one entry per row and reason. Unavailable releases say why in their own notes."""
+
+        def why(cell: Cell | None) -> str | None:
+            if cell is None:
+                return "not run: no results file of the release ran this test"
+            if cell.verdict in (Verdict.NOT_APPLICABLE, Verdict.SKIPPED):
+                return f"{cell.verdict.value}: {_one_line(cell.error or 'no reason recorded')}"
+            return None
+
+        return self._grouped(why)
+
+    def with_prerequisites(self) -> list[tuple[str, Row, list[str]]]:
+        """``(prerequisite, row, releases)`` for the cells whose runs had another bug's fix applied first."""
+        return self._grouped(lambda cell: "; ".join(cell.prerequisites) if cell and cell.prerequisites else None)
+
+    def _grouped(self, why: Callable[[Cell | None], str | None]) -> list[tuple[str, Row, list[str]]]:
         grouped: dict[tuple[str, str], list[str]] = {}
         rows = {r.nodeid: r for r in self.rows}
         for r in self.rows:
             for c in self.columns:
-                if c.unavailable:
-                    continue
-                cell = self.cell(r, c)
-                if cell is None:
-                    why = "not run: no results file of the release ran this test"
-                elif cell.verdict is Verdict.SKIPPED:
-                    why = f"SKIPPED: {_one_line(cell.error or 'no reason recorded')}"
-                else:
-                    continue
-                grouped.setdefault((r.nodeid, why), []).append(c.version)
-        return [(why, rows[nodeid], versions) for (nodeid, why), versions in grouped.items()]
+                text = None if c.unavailable else why(self.cell(r, c))
+                if text is not None:
+                    grouped.setdefault((r.nodeid, text), []).append(c.version)
+        return [(text, rows[nodeid], versions) for (nodeid, text), versions in grouped.items()]
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -249,7 +265,8 @@ def version_key(version: str) -> tuple[int, Version | str]:
 def _cell_of(record: TestRecord, source: Path) -> Cell | None:
     """A record's cell, or None for a test outside the catalogue's business (ungated and not failing)."""
     if record.verdict is not None:
-        return Cell(record.verdict, record.outcome, record.error, record.reason, source)
+        return Cell(record.verdict, record.outcome, record.error, record.reason, source,
+                    prerequisites=record.prerequisites)  # fmt: skip
     if record.outcome in ("failed", "error", "xpassed"):
         why = f"no verdict, pytest outcome {record.outcome}: {record.error or 'no error recorded'}"
         return Cell(Verdict.UNEXPECTED, record.outcome, why, None, source)
@@ -451,6 +468,7 @@ _ANSI = {
     Verdict.FIXED.value: "\033[32m",
     Verdict.PASSES_WITH_FIX.value: "\033[36m",
     Verdict.UNEXPECTED.value: "\033[1;31m",
+    Verdict.NOT_APPLICABLE.value: "\033[2m",
     Verdict.SKIPPED.value: "\033[2m",
     UNAVAILABLE: "\033[2m",
     NOT_RUN: "\033[2m",
@@ -569,6 +587,8 @@ def _legend(matrix: Matrix, layout: _Layout, width: int) -> list[str]:
     legend = []
     if layout.short:
         legend.append(", ".join(f"{short} {full}" for full, short in SHORT.items() if short != full))
+    if matrix.with_prerequisites():
+        legend.append(f"{PREREQUISITE} with another bug's fix applied first")
     if matrix.contradictions():
         legend.append(f"{CONTRADICTS} against the declared range")
     if matrix.since is not None:
@@ -609,9 +629,13 @@ def _terminal_notes(matrix: Matrix, layout: _Layout, width: int) -> list[str]:
     for r, c, cell in unexpected:  # the node id: what to run again
         lines += _wrapped(f"  {c.version}  {r.nodeid}: ", cell.error or cell.outcome or "?", width)
     not_verdicts = matrix.not_verdicts()
-    lines += ["", "Cells without a verdict:"] if not_verdicts else []
+    lines += ["", "Cells with no judged run:"] if not_verdicts else []
     for why, r, versions in not_verdicts:
         lines += _wrapped(f"  {r.label}: ", f"{why} (on {', '.join(versions)})", width)
+    prerequisites = matrix.with_prerequisites()
+    lines += ["", f"With a prerequisite fix ({PREREQUISITE}):"] if prerequisites else []
+    for fix, r, versions in prerequisites:
+        lines += _wrapped(f"  {r.label}: ", f"{fix} (on {', '.join(versions)})", width)
     unavailable = [c for c in matrix.columns if c.unavailable_line]
     lines += ["", "Unavailable releases:"] if unavailable else []
     for c in unavailable:
@@ -673,9 +697,11 @@ def _md_cell(matrix: Matrix, row: Row, column: Column, notes: _Notes) -> str:
                 f"against the declared range ({' or '.join(row.declared)}): {cell.reason.value if cell.reason else ''}"
             )
         )
+    refs += [notes.ref(f"with the prerequisite fix for {p}") for p in cell.prerequisites]
     if cell.before is not None:
         text += f" (was {cell.before})"
-    return f"{text} {''.join(refs)}".rstrip() + (f" {CONTRADICTS}" if cell.contradicts else "")
+    marks = (PREREQUISITE if cell.prerequisites else "") + (CONTRADICTS if cell.contradicts else "")
+    return f"{text} {''.join(refs)}".rstrip() + (f" {marks}" if marks else "")
 
 
 def render_markdown(matrix: Matrix) -> str:
@@ -733,10 +759,11 @@ td.REPRODUCED { background: #fde2a7; }
 td.FIXED { background: #bfe8c0; }
 td.PASSES-WITH-FIX { background: #b9e3ee; }
 td.UNEXPECTED { background: #f4a3a3; font-weight: bold; }
-td.SKIPPED, td.not-run { background: #eee; color: #777; }
+td.SKIPPED, td.NOT-APPLICABLE, td.not-run { background: #eee; color: #777; }
 td.unavailable { background: repeating-linear-gradient(45deg, #eee, #eee 6px, #ddd 6px, #ddd 12px);
   color: #555; font-size: 12px; max-width: 14em; }
 td[title] { cursor: help; text-decoration: underline dotted; }
+td.prerequisite { border-bottom: 3px double #36c; }
 td.contradicts { outline: 3px solid #c00; outline-offset: -3px; }
 td.changed { box-shadow: inset 0 0 0 3px #36c; }
 """
@@ -746,9 +773,11 @@ _LEGEND = {
     Verdict.FIXED: "stock code passes: the release is not affected",
     Verdict.PASSES_WITH_FIX: "the repro's fix makes it pass",
     Verdict.UNEXPECTED: "anything else: look at it",
+    Verdict.NOT_APPLICABLE: "the repro declares this release out of its reach (reason on hover)",
     Verdict.SKIPPED: "skipped (reason on hover)",
 }
 _MARKS = {
+    "prerequisite": f"{PREREQUISITE} another bug's fix was applied first (which, on hover)",
     "contradicts": f"{CONTRADICTS} the outcome contradicts the declared range",
     "changed": f"{CHANGED} changed since the older results (--since)",
 }
@@ -761,6 +790,9 @@ def _html_cell(matrix: Matrix, row: Row, column: Column) -> str:
         return f'<td class="not-run" title="no results file of {e(column.version)} ran this test">{NOT_RUN}</td>'
     tips = [_one_line(cell.note)] if cell.note else []
     classes = [cell.verdict.value]
+    if cell.prerequisites:
+        classes.append("prerequisite")
+        tips += [f"with the prerequisite fix for {p}" for p in cell.prerequisites]
     if cell.contradicts:
         classes.append("contradicts")
         tips.append(f"against the declared range ({' or '.join(row.declared)})")
