@@ -43,6 +43,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [collector.header_line(config.stash[SETTINGS_KEY], launcher.launched())]
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    execution.remember_source(item)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize.configs(metafunc)
     parametrize.variants(metafunc)

@@ -231,3 +231,32 @@ def test_rank_placeholders_compare_only_with_each_other() -> None:
     assert len({RankValue("rank"), RankValue("rank")}) == 1
     with pytest.raises(TypeError, match="ds_world_size is a placeholder outside the ranks"):
         _ = RankValue("world_size") == 2
+
+
+def test_a_test_file_edited_during_the_run_is_refused_not_run(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """Ranks import the test file anew; once it was edited mid-run they would run a body pytest never collected, so
+    the test fails saying so, as a harness error (never judged as the bug, even with ``raises=Exception``)."""
+    path = pytester.makepyfile(
+        """
+        import pathlib
+        import pytest
+
+        def test_edits_this_file():
+            path = pathlib.Path(__file__)
+            path.write_text(path.read_text().replace("assert True  # collected", "assert False  # edited"))
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_version(affected=">=0", raises=Exception)
+        def test_world():
+            assert True  # collected
+        """
+    )
+    result = run()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"*pytest-dsrepro could not run this test's world: {path} changed since pytest collected it, so its "
+            "ranks would run code pytest never saw; run pytest again",
+            "UNEXPECTED  *::test_world  -- no world ran: *changed since pytest collected it*",
+        ]
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import pickle
 import sys
@@ -30,7 +31,7 @@ from ..worlds import launcher
 from ..worlds.client import WorldInterrupted, WorldRunner, WrongRelease
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
-from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, Marks, Prepared
+from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, SOURCES_KEY, Marks, Prepared
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
 
@@ -178,6 +179,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     if launcher.launched() is not None:
         outcome = launcher.run_here(function, kwargs, fixes, prepared.spec, prepared.backend, deepspeed=deepspeed)
     else:
+        _check_unchanged(item)
         job = RankJob(
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout, deepspeed=deepspeed,
@@ -248,6 +250,32 @@ def _reference(item: pytest.Function) -> TestRef:
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
     rewrite = item.config.getoption("assertmode") == "rewrite"
     return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd(), rewrite)
+
+
+def remember_source(item: pytest.Item) -> None:
+    """Note what the item's file holds as pytest collects it (just after importing it)."""
+    path = getattr(getattr(item, "module", None), "__file__", None)
+    sources = item.config.stash.setdefault(SOURCES_KEY, {})
+    if path is not None and path not in sources:
+        sources[path] = _digest(path)
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _check_unchanged(item: pytest.Function) -> None:
+    """Ranks import the test's file anew: refuse to run when it no longer holds the code pytest collected (edited
+    while the run goes on), rather than run a body, fixes or markers pytest never saw."""
+    path = item.module.__file__ if item.module is not None else None
+    collected = item.config.stash.get(SOURCES_KEY, {})
+    if path is not None and path in collected and _digest(path) != collected[path]:
+        raise HarnessError(
+            f"{path} changed since pytest collected it, so its ranks would run code pytest never saw; run pytest again"
+        )
 
 
 def _imports_deepspeed(item: pytest.Function) -> bool:

@@ -39,3 +39,5 @@ PREPARED_KEY = pytest.StashKey[Prepared]()
 CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
 OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
 JUDGEMENT_KEY = pytest.StashKey[Judgement]()
+#: Each test file's digest when pytest collected it: ranks import the file again, which must still be that code.
+SOURCES_KEY = pytest.StashKey[dict[str, str | None]]()
