@@ -1,0 +1,116 @@
+"""bf16 without ZeRO (stage 0): the optimizer step divides every gradient by 65536 and never clears them.
+
+PR #7515 (0.17.6) routed bf16 + ZeRO stage 0 to the fp16 wrapper (``FP16_UnfusedOptimizer``, or ``FP16_Optimizer``
+for fused Adam). That wrapper kept fp16's dynamic loss scale (``cur_scale`` 65536) in bf16 mode, but
+``engine.backward`` scales the loss only for fp16, so ``step()`` "unscaled" unscaled gradients: updates 65536 times
+too small, lost below bf16's resolution. And ``_take_model_step`` cleared gradients for bf16 only when ZeRO was on,
+so ``.grad`` kept accumulating over steps (deepspeedai/DeepSpeed#7837). PR #7839 turns loss scaling off for bf16
+and clears gradients after every bf16 step (first released in 0.18.6).
+"""
+
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="bf16-zero0-grads-unscaled",
+        title="bf16 + ZeRO stage 0: gradients divided by the fp16 loss scale (65536) and never zeroed",
+        upstream="https://github.com/deepspeedai/DeepSpeed/issues/7837",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7839",
+        fixed_in="0.18.6",
+        root_cause="bf16 without ZeRO went through the fp16 wrapper, which divided gradients by a dynamic loss scale "
+        "the bf16 backward never applied, and the engine skipped zero_grad for bf16 without ZeRO.",
+    ),
+]
+
+BF16_ZERO0 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 0},
+}
+LR = 0.25
+
+
+def unscaled_bf16_with_zero_grad(monkeypatch):
+    """Backport of PR #7839: the fp16 wrapper built for bf16 keeps a static scale of 1, and every bf16 step clears
+    the gradients (the upstream fix does both through a new loss-scale config; the effect is the same)."""
+    import torch
+    from deepspeed.runtime import constants
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if not hasattr(constants, "DDP_BFLOAT16"):
+        return  # before 0.17.6 bf16 without ZeRO used BF16_Optimizer: no fp16 wrapper, no bug
+    if hasattr(DeepSpeedEngine, "_get_optimizer_loss_scale"):
+        return  # PR #7839 is in this release
+    configure = DeepSpeedEngine._configure_fp16_optimizer
+
+    def configure_without_bf16_scaling(self, optimizer, low_precision_dtype):
+        wrapper = configure(self, optimizer, low_precision_dtype)
+        if low_precision_dtype == torch.bfloat16:
+            wrapper.dynamic_loss_scale = False
+            wrapper.cur_scale = 1.0
+        return wrapper
+
+    monkeypatch.setattr(DeepSpeedEngine, "_configure_fp16_optimizer", configure_without_bf16_scaling)
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.engine",
+        [
+            (
+                r"if self\.zero_optimization\(\) and hasattr\(self\.optimizer, \"zero_grad\"\):",
+                r'if hasattr(self.optimizer, "zero_grad"):',
+            )
+        ],
+    )
+
+
+def rank_input(rank):
+    """Small integers times (rank + 1): every gradient, mean and update below is exact in bf16."""
+    import torch
+
+    return torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * (rank + 1)
+
+
+@pytest.mark.ds_config(pytest.param(BF16_ZERO0, id="bf16_zero0"))
+@pytest.mark.ds_version(
+    affected=">=0.17.6,<0.18.3",
+    raises=AssertionError,
+    match=r"bf16 ZeRO-0 weights differ from plain SGD after step 2",
+    fix=unscaled_bf16_with_zero_grad,
+)
+@pytest.mark.ds_version(
+    affected=">=0.18.3,<0.18.6",
+    raises=AssertionError,
+    match=r"bf16 ZeRO-0 weights differ from plain SGD after step 1",
+    fix=unscaled_bf16_with_zero_grad,
+)
+def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
+    import torch
+
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    x = rank_input(ds_rank).to(torch.bfloat16)
+
+    # Reference: plain fp32 SGD on the mean of every rank's loss (what data-parallel training computes).
+    reference = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.ones_(reference.weight)
+    sgd = torch.optim.SGD(reference.parameters(), lr=LR)
+
+    for step in (1, 2):
+        engine.backward(engine(x).float().sum())
+        engine.step()
+        sgd.zero_grad()
+        torch.stack([reference(rank_input(r)).sum() for r in range(ds_world_size)]).mean().backward()
+        sgd.step()
+        trained, expected = engine.module.weight.detach().float(), reference.weight.detach()
+        # Exact arithmetic in bf16, so any difference is the bug. Unscaled gradients (0.18.3-0.18.5) leave the weight
+        # at 1.0, at least 0.375 off after step 1; a stale gradient (0.17.6-0.18.2) adds step 1's update again to
+        # step 2, at least 0.375 off.
+        assert torch.allclose(trained, expected, atol=1e-3), (
+            f"bf16 ZeRO-0 weights differ from plain SGD after step {step}: {trained.tolist()} vs {expected.tolist()} "
+            f"({type(engine.optimizer).__name__}, loss scale {getattr(engine.optimizer, 'cur_scale', None)})"
+        )

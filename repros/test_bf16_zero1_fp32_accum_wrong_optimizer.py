@@ -1,0 +1,99 @@
+"""bf16 + ZeRO-1 + ``grad_accum_dtype: fp32`` silently gets the fp16 wrapper instead of ``BF16_Optimizer``.
+
+PR #7515 (0.17.6) added ``DDP_BFLOAT16 = "bf16"`` for bf16 without ZeRO, the same string as ``BFLOAT16``.
+``_configure_optimizer`` tests ``optimizer_wrapper in [FP16, DDP_BFLOAT16]`` before ``== BFLOAT16``, so the
+``BF16_Optimizer`` branch became unreachable: the configuration that asks for fp32 gradient accumulation got
+``FP16_UnfusedOptimizer`` (bf16 accumulation, no ZeRO-1 partitioning of the fp32 master weights, no ``_hp_mapping``),
+and ``deepspeed.utils.safe_get_full_fp32_param`` & co. return ``None``. PR #7788 gives ``DDP_BFLOAT16`` its own
+value and lets ``BF16_Optimizer`` answer the loss-scaling calls it meets since 0.18.3 (first released in 0.18.5).
+"""
+
+import pytest
+
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="bf16-zero1-fp32-accum-wrong-optimizer",
+        title="bf16 + ZeRO-1 + grad_accum_dtype fp32 builds FP16_UnfusedOptimizer instead of BF16_Optimizer",
+        upstream="https://github.com/deepspeedai/DeepSpeed/pull/7788",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7788",
+        fixed_in="0.18.5",
+        root_cause="DDP_BFLOAT16 and BFLOAT16 were the same string, and the engine tested the fp16/DDP-bf16 wrapper "
+        "first, so the BF16_Optimizer branch was never taken.",
+    ),
+]
+
+BF16_ZERO1_FP32_ACCUM = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+    "bf16": {"enabled": True},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def distinct_ddp_bf16(monkeypatch):
+    """Backport of PR #7788: ``DDP_BFLOAT16`` gets its own value (the engine compares its module globals), and
+    ``BF16_Optimizer`` gets the loss-scaling attributes the base class reads, with no loss scaler to call."""
+    from deepspeed.runtime import base_optimizer, constants, engine
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16:
+        return  # before 0.17.6 there is no DDP_BFLOAT16; from 0.18.5 it has its own value
+    monkeypatch.setattr(engine, "DDP_BFLOAT16", "ddp_bf16")
+    no_loss_scaling = {"custom_loss_scaler": False, "external_loss_scale": None, "torch_autocast_gradscaler": None}
+    for name, value in no_loss_scaling.items():
+        monkeypatch.setattr(BF16_Optimizer, name, value, raising=False)
+    if hasattr(base_optimizer.ZeROOptimizer, "scale_if_loss"):  # 0.18.3 on: engine.backward calls it for ZeRO
+        backport(
+            monkeypatch,
+            "deepspeed.runtime.base_optimizer",
+            [
+                (
+                    r"\n(\s+)return self\.loss_scaler\.scale_loss\(value\)",
+                    r'\n\1if getattr(self, "loss_scaler", None) is not None:'
+                    r"\n\1    return self.loss_scaler.scale_loss(value)",
+                )
+            ],
+        )
+
+
+@pytest.mark.ds_config(pytest.param(BF16_ZERO1_FP32_ACCUM, id="bf16_zero1_fp32_accum"))
+@pytest.mark.ds_version(
+    affected=">=0.17.6,<0.18.5",
+    raises=AssertionError,
+    match=r"no fp32 master weights behind the bf16 parameters",
+    fix=distinct_ddp_bf16,
+)
+def test_bf16_zero1_keeps_fp32_master_weights(ds_engine, ds_config, ds_rank):
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    model = tiny_mlp(seed=7).to(torch.bfloat16)
+    engine = ds_engine(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x.to(torch.bfloat16)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    kind = type(engine.optimizer).__name__
+    for name, param in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(param)
+        assert master is not None, f"no fp32 master weights behind the bf16 parameters ({kind}): {name}"
+        # The master weights are the full fp32 parameter (gathered from the ZeRO-1 partitions), and the bf16 weight
+        # the model computes with is their rounding.
+        assert master.dtype == torch.float32, name
+        assert master.shape == param.shape, name
+        torch.testing.assert_close(master.to(torch.bfloat16), param.detach(), rtol=0, atol=0, msg=name)
+        exp_avg = safe_get_full_optimizer_state(param, "exp_avg")
+        assert exp_avg is not None, name
+        assert exp_avg.isfinite().all(), name
+        assert exp_avg.abs().sum() > 0, name
+    assert losses[-1] < losses[0], f"bf16 ZeRO-1 did not train: {losses}"
