@@ -84,7 +84,6 @@ def train_step(engine, x, y):
     affected=">=0.18.0,<0.18.5",
     raises=AssertionError,
     match=r"the checkpoint round trip lost the Adam state",
-    fix=optimizer_state_only_for_zero,
 )
 def test_bf16_zero0_checkpoint_keeps_adam_state(ds_engine, ds_config, ds_rank, tmp_path):
     import torch

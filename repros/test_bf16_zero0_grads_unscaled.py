@@ -85,7 +85,6 @@ def rank_input(rank):
     affected=">=0.18.3,<0.18.6",
     raises=AssertionError,
     match=r"bf16 ZeRO-0 weights differ from plain SGD after step 1",
-    fix=unscaled_bf16_with_zero_grad,
 )
 def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
     import torch
