@@ -13,15 +13,17 @@ if TYPE_CHECKING:
     from .core.gates import Verdict
     from .inrank.context import RankContext, current
     from .inrank.engine import ConfigRejected, EngineFactory
+    from .inrank.fixtures import rank_fixture
     from .session.execution import WorldFailed
 
-__all__ = ["ConfigRejected", "EngineFactory", "RankContext", "Verdict", "WorldFailed", "current"]
+__all__ = ["ConfigRejected", "EngineFactory", "RankContext", "Verdict", "WorldFailed", "current", "rank_fixture"]
 
 _WHERE = {
     "ConfigRejected": "inrank.engine",
     "EngineFactory": "inrank.engine",
     "RankContext": "inrank.context",
     "current": "inrank.context",
+    "rank_fixture": "inrank.fixtures",
     "Verdict": "core.gates",
     "WorldFailed": "session.execution",
 }

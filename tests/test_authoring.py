@@ -218,7 +218,7 @@ def test_a_fixture_computing_with_ds_rank_fails_at_setup_saying_how(pytester: py
     result.stdout.fnmatch_lines(
         [
             "E * TypeError: ds_rank is a placeholder outside the ranks: fixtures run once, in the pytest process, *",
-            "*Take ds_rank in the test and compute there*",
+            "*Make the fixture a rank fixture (`from pytest_dsrepro import rank_fixture`, `@rank_fixture` instead of*",
         ]
     )
     assert result.stdout.str().count("E       TypeError: ds_rank is a placeholder outside the ranks") == 2
@@ -260,3 +260,69 @@ def test_a_test_file_edited_during_the_run_is_refused_not_run(pytester: pytest.P
             "UNEXPECTED  *::test_world  -- no world ran: *changed since pytest collected it*",
         ]
     )
+
+
+def test_rank_fixtures_run_in_every_rank_and_tear_down_there(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """``@rank_fixture``: set up after rendezvous with the rank's own ``ds_rank``, from other fixtures (pytest's and
+    rank fixtures) and after the fixes; torn down in the rank after the body, last first; a teardown that fails
+    fails its rank."""
+    pytester.makeconftest(
+        """
+        from pytest_dsrepro import rank_fixture
+
+        @rank_fixture
+        def group_size():
+            import torch.distributed as dist
+            return dist.get_world_size()  # the world exists: rank fixtures run after rendezvous
+        """
+    )
+    pytester.makepyfile(
+        """
+        import json
+        import os
+        import pytest
+        from pytest_dsrepro import rank_fixture
+
+        def patch(monkeypatch):
+            monkeypatch.setattr(json, "patched", True, raising=False)
+
+        @pytest.fixture
+        def base(tmp_path):
+            return tmp_path
+
+        @rank_fixture
+        def rank_dir(base, ds_rank):
+            path = base / f"rank{ds_rank}"
+            path.mkdir()
+            yield path
+            (path / "torn-down").write_text(str(getattr(json, "patched", False)))
+
+        @rank_fixture
+        def seed(rank_dir, ds_rank, group_size):
+            yield 1000 + 7 * ds_rank + 100 * group_size
+            assert not (rank_dir / "torn-down").exists()  # torn down before rank_dir
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_version(affected="<0.0.1", raises=KeyError, fix=patch)
+        def test_in_ranks(seed, rank_dir, ds_rank, base):
+            assert seed == 1200 + 7 * ds_rank
+            assert rank_dir == base / f"rank{ds_rank}"
+
+        def test_torn_down_in_each_rank(tmp_path_factory):
+            found = sorted(p.read_text() for p in tmp_path_factory.getbasetemp().rglob("torn-down"))
+            assert found == ["False", "False", "True", "True"]  # [stock] and [fixed], fix still on at teardown
+
+        @rank_fixture
+        def broken_teardown(ds_rank):
+            yield
+            if ds_rank == 1:
+                raise RuntimeError("teardown failed in rank 1")
+
+        @pytest.mark.ds_world
+        def test_teardown_failure(broken_teardown):
+            pass
+        """
+    )
+    result = run("-p", "no:randomly")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_teardown_failure*", "*rank 1: RuntimeError: teardown failed in rank 1*"])

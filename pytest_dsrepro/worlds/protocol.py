@@ -163,8 +163,9 @@ def _placeholder_used(self: RankValue, *args: object) -> NoReturn:
     fixture = f"ds_{self.name}"
     raise TypeError(
         f"{fixture} is a placeholder outside the ranks: fixtures run once, in the pytest process, before the world "
-        f"exists, and only the test body gets each rank's value. Take {fixture} in the test and compute there (a "
-        f"fixture may return a function of it: `return lambda {self.name}: ...`)"
+        f"exists, and only the test body gets each rank's value. Make the fixture a rank fixture (`from "
+        f"pytest_dsrepro import rank_fixture`, `@rank_fixture` instead of `@pytest.fixture`): it then runs in every "
+        f"rank with the real {fixture}, and tears down there"
     )
 
 

@@ -7,6 +7,7 @@ one ``RankReport`` out.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -19,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from ..core.outcome import ErrorInfo, Status
-from ..inrank import context
+from ..inrank import context, fixtures
 from ..inrank.context import RankContext
 from . import testmodule
 from . import workdir as layout
@@ -128,9 +129,14 @@ def agree_connected(store: Any, world_size: int, timeout: float) -> None:
     store.wait([ALL_CONNECTED], _timeout(timeout))
 
 
-def _substitute(kwargs: dict[str, Any], ctx: RankContext) -> dict[str, Any]:
+def _arguments(kwargs: dict[str, Any], ctx: RankContext, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """The body's arguments in this rank: per-rank values in place of their placeholders, rank fixtures set up."""
     values = {"rank": ctx.rank, "world_size": ctx.world_size}
-    return {k: values[v.name] if isinstance(v, RankValue) else v for k, v in kwargs.items()}
+
+    def substitute(v: Any) -> Any:
+        return values[v.name] if isinstance(v, RankValue) else v
+
+    return fixtures.arguments(kwargs, stack, substitute)
 
 
 def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport:
@@ -165,16 +171,17 @@ def run_body(
     fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext, *, deepspeed: bool = False
 ) -> RankReport:
     """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
-    DeepSpeed (after the fixes: a fix may patch that layer), and run the body; report how it ended."""
+    DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures, and run the body; report how it
+    ended (a rank fixture's failing teardown fails the rank)."""
     import pytest
 
     try:
-        with context.running(ctx), pytest.MonkeyPatch.context() as monkeypatch:
+        with context.running(ctx), pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
             for fix in fixes:
                 fix(monkeypatch)
             if deepspeed:
                 bind_deepspeed(ctx.backend)
-            result = fn(**_substitute(kwargs, ctx))
+            result = fn(**_arguments(kwargs, ctx, stack))  # rank fixtures are torn down on leaving, fixes still on
     except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
         status = Status.XFAILED if isinstance(exc, pytest.xfail.Exception) else Status.SKIPPED
         return RankReport(status, detail=str(exc.msg), at=time.monotonic(), where=called_at(exc.__traceback__))

@@ -1,0 +1,84 @@
+"""Fixtures that run in every rank: ``@rank_fixture``.
+
+A pytest fixture runs once, in the pytest process, before the world exists. A fixture that needs its rank
+(``ds_rank``), the world's process group, or a teardown in each rank is written as a rank fixture instead::
+
+    @rank_fixture
+    def shard_dir(tmp_path, ds_rank):
+        path = tmp_path / f"rank{ds_rank}"
+        path.mkdir()
+        yield path
+        shutil.rmtree(path)
+
+In the pytest process it resolves its own arguments as any fixture does, then stands for itself: the test gets a
+:class:`RankFixture` (a picklable reference to the function, with those arguments). Each rank calls the function
+after rendezvous, with its own ``ds_rank``/``ds_world_size`` and after the repro's fixes, and tears it down after the
+body (generator fixtures), last set up first torn down. A failing setup or teardown fails that rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Every rank fixture function by (module, qualified name): the module is imported in the rank, which defines them.
+_DEFINED: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+@dataclass(frozen=True)
+class RankFixture:
+    """What a rank fixture is in the pytest process: its function, by name, and the arguments pytest resolved."""
+
+    module: str
+    qualname: str
+    kwargs: dict[str, Any]
+
+    def function(self) -> Callable[..., Any]:
+        key = (self.module, self.qualname)
+        if key not in _DEFINED:
+            importlib.import_module(self.module)  # a conftest's fixture: its module was not imported in the rank yet
+        return _DEFINED[key]
+
+
+def rank_fixture(function: F | None = None, *, name: str | None = None) -> Any:
+    """Declare a function-scoped fixture that runs in every rank (see the module's docstring)."""
+
+    def declare(fn: F) -> Any:
+        _DEFINED[(fn.__module__, fn.__qualname__)] = fn
+
+        @functools.wraps(fn)  # pytest reads the arguments to resolve from the wrapped function's signature
+        def reference(**kwargs: Any) -> RankFixture:
+            return RankFixture(fn.__module__, fn.__qualname__, kwargs)
+
+        return pytest.fixture(reference, name=name or fn.__name__)
+
+    return declare(function) if function is not None else declare
+
+
+def arguments(kwargs: dict[str, Any], stack: contextlib.ExitStack, substitute: Callable[[Any], Any]) -> dict[str, Any]:
+    """The body's arguments in this rank: rank fixtures set up (each once, however many use it; teardowns pushed on
+    ``stack``), and every other value given to ``substitute`` (which puts the rank's own values in place)."""
+    done: dict[int, Any] = {}  # by identity: one fixture used twice was pickled, and so unpickled, as one object
+
+    def enter(value: Any) -> Any:
+        if not isinstance(value, RankFixture):
+            return substitute(value)
+        if id(value) not in done:
+            fn = value.function()
+            args = {k: enter(v) for k, v in value.kwargs.items()}
+            if inspect.isgeneratorfunction(fn):
+                done[id(value)] = stack.enter_context(contextlib.contextmanager(fn)(**args))
+            else:
+                done[id(value)] = fn(**args)
+        return done[id(value)]
+
+    return {k: enter(v) for k, v in kwargs.items()}
