@@ -1,0 +1,54 @@
+"""Fixes of environment bugs that other repros need applied first, shared by import (not a test module).
+
+Entry ``zero12-cpu-flat-buffer-view`` (``test_zero12_cpu_flat_buffer_view.py``) breaks the first ``step()`` of every
+ZeRO-1/2 engine on the CPU accelerator in DeepSpeed 0.18.7-0.18.9, so any other ZeRO-1/2 repro would only see that
+error there. Those repros carry ``ZERO12_CPU_FLAT_BUFFER`` (a ``ds_prerequisite`` marker): on those releases the
+fix below is applied in every rank before their body, and their verdict says so.
+
+pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
+``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
+works in both, and the fix pickles by reference (module ``_prerequisites``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+#: The releases with PR #7828's on-device flatten and without PR #7948's ``.detach()``.
+FLAT_BUFFER_VIEW_RELEASES = ">=0.18.7,<0.19.0"
+
+
+def detach_flat_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #7948's fix: the flat buffers ZeRO-1/2 builds are detached from autograd.
+
+    PR #7828 (0.18.7) flattens the parameters on the device with ``torch.cat`` over ``requires_grad`` parameters, so
+    the buffer and the per-parameter views cut from it carry autograd history, and the optimizer's in-place writes
+    into those views raise. Upstream adds ``.detach()`` to that one call; here the method that builds every flat
+    buffer detaches its result, which changes nothing for the others (they have no history) and costs nothing, where
+    a source backport of ``__init__`` costs more than a second per rank. A no-op before 0.18.7 (parameters
+    flattened on the CPU) and from 0.19.0 (fixed, the flag renamed with it).
+    """
+    import functools
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if "flatten_on_gpu" not in inspect.getsource(DeepSpeedZeroOptimizer.__init__):
+        return
+    flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+
+    @functools.wraps(flatten)
+    def flatten_detached(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return flatten(self, *args, **kwargs).detach()
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", flatten_detached)
+
+
+#: For ZeRO-1/2 repros: on 0.18.7-0.18.9 their body runs with ``detach_flat_buffer`` applied, and the verdict says so.
+ZERO12_CPU_FLAT_BUFFER = pytest.mark.ds_prerequisite(
+    fix=detach_flat_buffer,
+    releases=FLAT_BUFFER_VIEW_RELEASES,
+    reason="zero12-cpu-flat-buffer-view (PR #7948): every ZeRO-1/2 step on the CPU accelerator fails there first",
+)

@@ -1,0 +1,79 @@
+"""ZeRO-2 with bf16 and ``communication_data_type: fp32``: a full gradient bucket raises ``KeyError: torch.bfloat16``.
+
+PR #6993 (first in 0.17.2, torch.autocast with ZeRO) keyed the gradient buckets by communication dtype. When a
+parameter's gradient does not fit in the bucket, ``reduce_independent_p_g_buckets_and_remove_grads`` reports the
+bucket's memory with ``report_ipg_memory_usage(tag, numel, param.dtype)``, which looks the bucket up under the
+parameter's dtype; with bf16 parameters reduced in fp32 the only bucket is ``torch.float32``, so the lookup fails in
+the middle of the backward. PR #7636 (first in 0.18.1) drops the dtype argument, so every bucket is reported.
+"""
+
+import math
+
+import pytest
+from _prerequisites import ZERO12_CPU_FLAT_BUFFER
+
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero2-bf16-fp32-comm-bucket",
+        title="ZeRO-2 bf16 with communication_data_type fp32: KeyError torch.bfloat16 when a gradient bucket fills",
+        upstream="https://github.com/deepspeedai/DeepSpeed/issues/7607",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7636",
+        fixed_in="0.18.1",
+        root_cause="The bucket-full path reports the bucket keyed by the parameter's dtype, but buckets are keyed by "
+        "the communication dtype (PR #6993), so bf16 parameters reduced in fp32 find no bucket.",
+    ),
+    ZERO12_CPU_FLAT_BUFFER,
+]
+
+#: tiny_mlp's gradients reach the bucket as 1 + 16 + 16 elements, then 256: the fourth one overflows 256. (A bucket
+#: smaller than one parameter fails differently on 0.18.1-0.18.2: "start (0) + length (256) exceeds dimension size".)
+ZERO2_BF16_FP32_COMM = {
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 256, "overlap_comm": False},
+    "bf16": {"enabled": True},
+    "communication_data_type": "fp32",
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+}
+
+
+def report_every_bucket(monkeypatch):
+    """PR #7636's fix: the bucket-full path reports every bucket. Its only callers with a dtype are the two calls
+    the PR changes, so ZeRO-1/2's ``report_ipg_memory_usage`` ignoring the argument does what the PR does."""
+    import functools
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
+    if "param.numel(), param.dtype)" not in source:
+        return  # before 0.17.2 (one bucket, no dtype argument) or from 0.18.1 (fixed)
+    report = DeepSpeedZeroOptimizer.report_ipg_memory_usage
+
+    @functools.wraps(report)
+    def report_all(self, tag, param_elems, dtype=None):
+        return report(self, tag, param_elems)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "report_ipg_memory_usage", report_all)
+
+
+@pytest.mark.ds_config(pytest.param(ZERO2_BF16_FP32_COMM, id="zero2_bf16_fp32comm"))
+@pytest.mark.ds_version(affected=">=0.17.2,<0.18.1", raises=KeyError, match=r"torch\.bfloat16", fix=report_every_bucket)
+def test_bucket_flush_with_fp32_comm(ds_engine, ds_config, ds_rank):
+    import torch
+
+    model = tiny_mlp(seed=7)
+    engine = ds_engine(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    losses = []
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=4, rank=ds_rank)
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+
+    # Past the crash, the reduction in fp32 must really train: finite, falling loss.
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], f"bf16 ZeRO-2 with fp32 communication did not train: {losses}"

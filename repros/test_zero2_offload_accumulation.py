@@ -1,0 +1,75 @@
+"""ZeRO-2 with the optimizer offloaded to CPU and more than two accumulation steps: micro-batch gradients vanish.
+
+With ``offload_optimizer``, ZeRO-2 keeps the running sum of a step's gradients in a CPU buffer
+(``async_accumulate_grad_in_cpu_via_gpu``): each micro-step adds the buffer to its own gradient, and the sum should
+go back to the buffer. Since PR #6550 (0.15.2) the sum goes back only on micro-step 0 (``else:
+copy_gradients_to_cpu()``), so the buffer keeps micro-batch 0's gradient alone and every micro-batch between the
+first and the last is dropped: with 2 accumulation steps nothing is lost, with 3 the middle one is. The loss of
+training signal is silent (a smaller gradient norm, different weights). PR #7967 (first in 0.19.0) copies the sum
+back on every micro-step. ZeRO-1 with the same config is not affected: it reduces gradients at the boundary
+only, after torch has summed them in ``.grad``, so its CPU buffer is never used.
+"""
+
+import pytest
+from _prerequisites import ZERO12_CPU_FLAT_BUFFER
+from _zero12 import config, global_batch, sgd_step_error, train
+
+from pytest_dsrepro.inrank.models import tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero2-offload-accumulation",
+        title="ZeRO-2 + CPU optimizer offload + gradient accumulation > 2: middle micro-batches' gradients dropped",
+        upstream="https://github.com/deepspeedai/DeepSpeed/pull/6550#issuecomment-2419308783",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7967",
+        fixed_in="0.19.0",
+        root_cause="The CPU accumulation buffer is written back only on micro-step 0 (PR #6550), so later "
+        "micro-steps add to micro-batch 0's gradient alone and the running sum is lost.",
+    ),
+    ZERO12_CPU_FLAT_BUFFER,
+]
+
+ACCUMULATION = 3
+LR = 0.1
+TOLERANCE = 1e-6
+
+
+def keep_the_running_sum(monkeypatch):
+    """Backport of PR #7967: the accumulated gradient goes back to the CPU buffer on every micro-step."""
+    import inspect
+    import re
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    pattern = r"\n(\s*)else:\n\s*(copy_gradients_to_cpu\(\))"  # "else:" and its call become the call alone
+    if not re.search(pattern, inspect.getsource(DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu)):
+        return  # before 0.15.2 (another condition) or from 0.19.0 (fixed)
+    backport(monkeypatch, "deepspeed.runtime.zero.stage_1_and_2", [(pattern, r"\n\1\2")])
+
+
+@pytest.mark.ds_config(config(2, offload=True, accumulation=ACCUMULATION))
+@pytest.mark.ds_version(
+    affected=">=0.15.2,<0.19.0",
+    raises=AssertionError,
+    match=r"offloaded ZeRO dropped micro-batch gradients",
+    fix=keep_the_running_sum,
+)
+def test_offload_accumulates_every_micro_batch(ds_engine, ds_rank, ds_world_size):
+    import torch
+
+    model = tiny_mlp(seed=9)
+    engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    train(engine, ds_rank, ACCUMULATION)  # step() after each micro-batch: DeepSpeed counts micro-steps there
+
+    # Reference: one plain SGD step on the mean gradient over every micro-batch of every rank.
+    reference = tiny_mlp(seed=9)
+    for m in range(ACCUMULATION):
+        x, y = global_batch(ds_world_size, seed=m)
+        (torch.nn.functional.mse_loss(reference(x), y) / ACCUMULATION).backward()
+    error, moved = sgd_step_error(engine, reference, LR)
+    assert error < TOLERANCE, (
+        f"offloaded ZeRO dropped micro-batch gradients: max |w_offload - w_reference| = {error:.3e} after one step "
+        f"(tolerance {TOLERANCE:.0e}; the step itself moves weights by up to {moved:.3e})"
+    )
