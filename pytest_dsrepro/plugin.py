@@ -12,7 +12,7 @@ import pytest
 
 from .core import configs
 from .inrank.engine import EngineFactory
-from .session import collector, execution, markers, parametrize, recording, settings
+from .session import collector, execution, launched, markers, parametrize, recording, settings, shard
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
@@ -28,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     markers.register(config)
     resolved = settings.resolve(config)
     config.stash[SETTINGS_KEY] = resolved
+    launched.configure(config, resolved)
     progress = execution.progress_line(config)
     config.stash[RUNNER_KEY] = WorldRunner(resolved.cache_dir, resolved.startup_timeout, progress=progress)
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
@@ -41,6 +42,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [collector.header_line(config.stash[SETTINGS_KEY], launcher.launched())]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard.select(config, items)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -146,6 +146,33 @@ def test_the_newest_file_that_ran_a_test_gives_its_cell(tmp_path: Path) -> None:
     assert "Merged: 0.16.3 from 2 results files (per test, the newest file that ran it)" in render_terminal(m)
 
 
+def test_shards_make_one_column_and_disagreeing_files_are_named(tmp_path: Path) -> None:
+    """``--ds-shard`` slices run on two machines: one column, every cell from the file that ran it, and nothing to
+    say while they agree. A file that contradicts another about a test is named with every verdict, newest first."""
+    one = write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed")], name="shard1.json")
+    two = write(tmp_path, "0.16.3", [rec(FIXED, "PASSES-WITH-FIX", variant="fixed")], name="shard2.json")
+    m = build([tmp_path])
+    (col,) = m.columns
+    assert {r.nodeid: (c.verdict.value, c.source) for r in m.rows if (c := m.cell(r, col))} == {
+        STOCK: ("REPRODUCED", one),
+        FIXED: ("PASSES-WITH-FIX", two),
+    }
+    assert m.disagreements == ()
+    assert "disagree" not in render_terminal(m) + render_markdown(m)
+    later = write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="x")], name="again.json",
+                  created="2026-11-22T11:00:00+00:00")  # fmt: skip
+    m = build([tmp_path])
+    assert m.disagreements == (matrix.Disagreement(STOCK, "0.16.3", (("UNEXPECTED", later), ("REPRODUCED", one))),)
+    terminal = render_terminal(m)
+    assert "Files that disagree (the newest gives the cell):" in terminal
+    assert "0.16.3  zero3-module-id-clobbered [zero3-stock]: UNEXPECTED (again.json); REPRODUCED (shard1.json)" in (
+        terminal
+    )
+    assert "- 0.16.3 zero3-module-id-clobbered [zero3-stock]: UNEXPECTED (again.json); REPRODUCED (shard1.json)" in (
+        render_markdown(m)
+    )
+
+
 def test_a_partial_rerun_never_empties_cells(tmp_path: Path) -> None:
     """``tox -e ds0163 -- -k module_id`` after a full run: its tests change, the others keep their cells."""
     full = write(tmp_path, "0.16.3", [rec(STOCK, "UNEXPECTED", outcome="failed", error="flaky gloo"),

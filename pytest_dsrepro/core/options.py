@@ -8,6 +8,7 @@ function of the sources, so the pytest side only gathers them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,14 @@ def backend(value: object) -> str:
     if value not in BACKENDS:
         raise OptionError(f"must be one of {', '.join(BACKENDS)}")
     return str(value)
+
+
+def shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)``: this process runs the I-th of N slices of the collected tests."""
+    found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if found is None or not 1 <= int(found[1]) <= int(found[2]):
+        raise OptionError("must be I/N with 1 <= I <= N, e.g. 2/4 for the second of four slices")
+    return int(found[1]), int(found[2])
 
 
 def _number_text(kind: Callable[[str], int | float], check: Callable[[object], Any]) -> Callable[[str], Any]:
@@ -152,6 +161,23 @@ OPTIONS = (
         "1800",
         "SECONDS",
     ),
+    Option(
+        "shard",
+        "run only the I-th of N slices of the collected tests (every N-th test, starting with the I-th), so that N "
+        "machines or processes share a run; their --ds-results files merge in dsrepro matrix",
+        shard,
+        None,
+        "I/N",
+    ),
+    Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
+    Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
+    Option(
+        "cache_dir",
+        "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
+        Path,
+        None,
+        "DIR",
+    ),
     Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
     Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
     Option(
@@ -174,6 +200,7 @@ class Settings:
     report: Path | None
     cache_dir: Path
     max_world_size: int | None  # None under an external launcher: nothing is forked
+    shard: tuple[int, int] | None = None  # (I, N): run only the I-th of N slices of the collected tests
 
 
 class SettingsError(Exception):
@@ -187,12 +214,46 @@ class Launched:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int | None = None  # ranks on this node (LOCAL_WORLD_SIZE); None when the launcher did not say
+
+    @property
+    def ranks_here(self) -> int:
+        """Ranks on this node, what its devices are shared by; the whole world when the launcher did not say."""
+        return self.local_world_size or self.world_size
 
 
 def launched(environ: Mapping[str, str]) -> Launched | None:
+    """``LOCAL_WORLD_SIZE`` is torchrun's name for the ranks of a node, ``LOCAL_SIZE`` DeepSpeed's launcher's."""
     if not all(environ.get(name) for name in LAUNCHER_VARIABLES):
         return None
-    return Launched(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")))
+    local = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE")
+    return Launched(
+        int(environ["RANK"]),
+        int(environ["WORLD_SIZE"]),
+        int(environ.get("LOCAL_RANK") or "0"),
+        int(local) if local else None,
+    )
+
+
+#: What ``srun`` sets in every task of a job step: its number among the step's tasks, and how many there are.
+SLURM_TASK = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+
+
+def unlaunched_slurm(environ: Mapping[str, str]) -> str | None:
+    """The one-line error for ``srun pytest`` run as several tasks with no launcher in between, else None.
+
+    Every such task would run its own private worlds on its own: nothing would be one run. (A batch script, or a
+    one-task step, has no or one ``SLURM_STEP_NUM_TASKS``: pytest there runs its worlds itself, as anywhere.)
+    """
+    procid, tasks = (environ.get(name, "") for name in SLURM_TASK)
+    if launched(environ) is not None or not procid.isdigit() or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    return (
+        f"pytest-dsrepro: SLURM task {procid} of {tasks} runs pytest without a launcher, so every task would run "
+        "worlds of its own; start one torchrun per node instead: srun --ntasks-per-node 1 torchrun --nnodes "
+        '"$SLURM_NNODES" --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint FIRST_NODE:29500 -m pytest ... '
+        "(see docs/multinode.md)"
+    )
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -16,6 +16,7 @@ from ..core.report import Neutral
 from ..core.worlds import settle_backend
 from . import diagnostics, recording
 from .execution import RUNNER_KEY
+from .launched import LAUNCHED_KEY
 from .stash import SETTINGS_KEY
 
 
@@ -27,6 +28,10 @@ def header_line(settings: Settings, launched: Launched | None) -> str:
     )
     if launched is not None:
         line += f"; launched externally: rank {launched.rank} of {launched.world_size}"
+        if launched.local_world_size is not None:
+            line += f", {launched.local_world_size} on this node"
+    if settings.shard is not None:
+        line += f"; shard {settings.shard[0]}/{settings.shard[1]}"
     return line
 
 
@@ -57,6 +62,9 @@ class RunCollector:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput") or self.config.option.collectonly:
             return  # the controller writes; a mere collection writes nothing
+        launched_run = self.config.stash.get(LAUNCHED_KEY, None)
+        if launched_run is not None and not launched_run.writes:
+            return  # under torchrun rank 0 writes the run's files; every rank holds the same verdicts
         s = self.config.stash[SETTINGS_KEY]
         facts = self.config.stash[RUNNER_KEY].server.facts
         cuda_devices = facts.cuda_devices if facts else 0
@@ -64,6 +72,9 @@ class RunCollector:
         env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)
         accelerator = facts.accelerator if facts and facts.accelerator else diagnostics.known_accelerator(cuda_devices)
         env = dataclasses.replace(env, accelerator=accelerator)
+        if launched_run is not None:
+            env = launched_run.environment(env)
+            cuda_devices = env.gpu_count or 0
         if s.report is not None:  # what a maintainer asks for: only for a report, and only now
             env = diagnostics.gather(env, cuda_devices)
         neutral = Neutral.here(self.config.rootpath)

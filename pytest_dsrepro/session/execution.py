@@ -27,10 +27,10 @@ from ..core.errors import HarnessError, MarkerError
 from ..core.gates import FIXED, Condition, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
-from ..worlds import launcher
 from ..worlds.client import WorldInterrupted, WorldRunner, WrongRelease
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
+from .launched import LAUNCHED_KEY
 from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, SOURCES_KEY, Marks, Prepared
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
@@ -92,16 +92,14 @@ def setup(item: pytest.Item) -> None:
     if spec is None:
         return
     _refuse_xunit_setup(item)
-    world = launcher.launched()
-    if world is not None:
-        if spec.size != world.world_size:
-            pytest.skip(f"needs a {spec.size}-rank world; the launcher started {world.world_size} ranks")
-        cuda_devices = launcher.cuda_devices()
-    else:
-        try:
-            cuda_devices = item.config.stash[RUNNER_KEY].cuda_devices()
-        except HarnessError as exc:
-            markers.fail(f"pytest-dsrepro could not start its fork server: {exc}")
+    launched_run = item.config.stash.get(LAUNCHED_KEY, None)
+    if launched_run is not None:  # torchrun made this process a rank: lockstep, this node's devices
+        item.stash[PREPARED_KEY] = launched_run.prepare(item, spec)
+        return
+    try:
+        cuda_devices = item.config.stash[RUNNER_KEY].cuda_devices()
+    except HarnessError as exc:
+        markers.fail(f"pytest-dsrepro could not start its fork server: {exc}")
     backend, skip = settle_backend(spec.backend, spec.size, cuda_devices)
     if skip:
         pytest.skip(skip)
@@ -176,8 +174,9 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     deepspeed = engines or _imports_deepspeed(item)
-    if launcher.launched() is not None:
-        outcome = launcher.run_here(function, kwargs, fixes, prepared.spec, prepared.backend, deepspeed=deepspeed)
+    launched_run = item.config.stash.get(LAUNCHED_KEY, None)
+    if launched_run is not None:
+        outcome = launched_run.run(function, kwargs, fixes, prepared, deepspeed=deepspeed)
     else:
         _check_unchanged(item)
         job = RankJob(

@@ -6,7 +6,9 @@ range of releases its ``ds_version`` markers declare affected; columns are DeepS
 SKIPPED.
 
 - **Several files of one release merge**: per test, the newest file that ran it gives its cell (``created``, then
-  the file's time), so a partial re-run (``-k``) updates its cells and leaves the others as they were.
+  the file's time), so a partial re-run (``-k``) updates its cells and leaves the others as they were, and the files
+  of ``--ds-shard`` slices run on several machines make one column. Files of one release that disagree about a test
+  are listed (every verdict, with its file): never a silent choice.
 - **Every cell that is not a verdict says why**: NOT-APPLICABLE cells the reason their repro declares, SKIPPED
   cells their skip reason, ``not run`` cells that no file of
   the release ran the test, ``n/a`` columns why the release could not run (``unavailable`` in its results file,
@@ -47,6 +49,7 @@ from ..core.results import ResultsFile, TestRecord
 __all__ = [
     "Cell",
     "Column",
+    "Disagreement",
     "Matrix",
     "MatrixError",
     "Row",
@@ -160,6 +163,15 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class Disagreement:
+    """Files of one release that gave one test different verdicts; the newest one's is the cell."""
+
+    nodeid: str
+    version: str
+    seen: tuple[tuple[str, Path], ...]  # (verdict, file), newest first
+
+
+@dataclass(frozen=True)
 class Matrix:
     columns: tuple[Column, ...]
     rows: tuple[Row, ...]
@@ -168,6 +180,7 @@ class Matrix:
     warnings: tuple[str, ...] = field(default=())
     since: tuple[Path, ...] | None = None  # the older files compared with (--since), if any
     gone: tuple[tuple[str, str, str], ...] = ()  # (label, version, verdict) cells of the older matrix missing here
+    disagreements: tuple[Disagreement, ...] = ()
 
     def cell(self, row: Row, column: Column) -> Cell | None:
         return self.cells.get((row.nodeid, column.version))
@@ -346,10 +359,14 @@ class _About:
 _NOBODY = _About("(not a repro)", None, None, None, ())
 
 
-def _collect(files: Sequence[ResultsFile]) -> tuple[dict[tuple[str, str], Cell], dict[str, _About]]:
-    """Every cell, the newest file that ran its test on its release giving it, and what each test is."""
+def _collect(
+    files: Sequence[ResultsFile],
+) -> tuple[dict[tuple[str, str], Cell], dict[str, _About], tuple[Disagreement, ...]]:
+    """Every cell, the newest file that ran its test on its release giving it; what each test is; and the tests that
+    files of one release disagree about."""
     cells: dict[tuple[str, str], Cell] = {}
     about: dict[str, _About] = {}
+    seen: dict[tuple[str, str], list[tuple[str, Path]]] = {}
     for f in sorted(files, key=_age):  # oldest first: newer records overwrite
         if f.run.unavailable:
             continue
@@ -358,7 +375,13 @@ def _collect(files: Sequence[ResultsFile]) -> tuple[dict[tuple[str, str], Cell],
             if record.nodeid and cell is not None:
                 about[record.nodeid] = about.get(record.nodeid, _NOBODY).updated(record)
                 cells[(record.nodeid, f.run.version)] = cell
-    return cells, about
+                seen.setdefault((record.nodeid, f.run.version), []).insert(0, (cell.verdict.value, f.path))
+    disagreements = tuple(
+        Disagreement(nodeid, version, tuple(verdicts))
+        for (nodeid, version), verdicts in seen.items()
+        if len({verdict for verdict, _ in verdicts}) > 1
+    )
+    return cells, about, disagreements
 
 
 def _rows(about: Mapping[str, _About]) -> tuple[Row, ...]:
@@ -381,12 +404,16 @@ def merge(files: Sequence[ResultsFile], warnings: Sequence[str] = ()) -> Matrix:
     for f in sorted(files, key=_age):
         by_version.setdefault(f.run.version, []).append(f)
     columns = tuple(_column(v, by_version[v]) for v in sorted(by_version, key=version_key))
-    cells, about = _collect(files)
+    cells, about, disagreements = _collect(files)
     unavailable = {c.version for c in columns if c.unavailable}
     # What older runs of a release that cannot run now said is history, not a cell.
     cells = {k: cell for k, cell in cells.items() if k[1] not in unavailable}
+    disagreements = tuple(d for d in disagreements if d.version not in unavailable)
     rows = _rows(about)
-    return Matrix(columns, rows, _judge_ranges(rows, cells), tuple(f.path for f in files), tuple(warnings))
+    return Matrix(
+        columns, rows, _judge_ranges(rows, cells), tuple(f.path for f in files), tuple(warnings),
+        disagreements=disagreements,
+    )  # fmt: skip
 
 
 def _opt(value: object) -> str | None:
@@ -644,7 +671,19 @@ def _terminal_notes(matrix: Matrix, layout: _Layout, width: int) -> list[str]:
     merged = "; ".join(f"{c.version} from {len(c.sources)} results files" for c in matrix.columns if len(c.sources) > 1)
     if merged:
         lines += ["", *_wrapped("Merged: ", f"{merged} (per test, the newest file that ran it)", width)]
+    lines += ["", "Files that disagree (the newest gives the cell):"] if matrix.disagreements else []
+    for version, label, told in _disagreements(matrix):
+        lines += _wrapped(f"  {version}  {label}: ", told, width)
     return lines
+
+
+def _disagreements(matrix: Matrix) -> list[tuple[str, str, str]]:
+    """``(version, row label, what each file said)`` for each test that files of one release disagree about."""
+    labels = {r.nodeid: r.label for r in matrix.rows}
+    return [
+        (d.version, labels.get(d.nodeid, d.nodeid), "; ".join(f"{verdict} ({path.name})" for verdict, path in d.seen))
+        for d in matrix.disagreements
+    ]
 
 
 def render_terminal(matrix: Matrix, *, color: bool = False, width: int = WIDTH) -> str:
@@ -742,6 +781,9 @@ def render_markdown(matrix: Matrix) -> str:
             if r.repro not in seen:
                 seen.add(r.repro)
                 out.append(f"- **{_md(r.repro)}**: {_md(r.title or '')}" + (f" ({r.upstream})" if r.upstream else ""))
+    if matrix.disagreements:
+        out += ["", "## Files that disagree", "", "The newest file gives the cell; every verdict, newest first:", ""]
+        out += [f"- {version} {_md(label)}: {_md(told)}" for version, label, told in _disagreements(matrix)]
     if notes.texts:
         out.append("")
         out += [f"[^{n}]: {text}" for text, n in notes.texts.items()]

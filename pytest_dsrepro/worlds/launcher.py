@@ -1,25 +1,21 @@
 """Multi-node: when an existing launcher started pytest, every pytest process already is a rank.
 
 torchrun (and ``srun ... torchrun``, DeepSpeed's launcher, MPI wrappers that export the same variables) sets RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Then the plugin spawns nothing: it joins that world once
-(``env://``) and runs each world test's body in place. Nothing here is home-made launching.
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Then the plugin spawns nothing: each world
+test runs in place, in every pytest process, as one world (``worlds.launched``). This module answers what the
+launcher made of this process and of its node: the rank, its devices, the backend, the launcher's store.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
-import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import Any
 
 from ..core import options
 from ..core.options import Launched
-from ..core.outcome import WorldOutcome
-from ..inrank.context import RankContext
-from .rank import Fix, run_body
-
-if TYPE_CHECKING:
-    from ..core.worlds import WorldSpec
+from ..core.worlds import ds_accelerator, settle_backend
 
 
 def launched() -> Launched | None:
@@ -28,36 +24,54 @@ def launched() -> Launched | None:
 
 
 def cuda_devices() -> int:
+    """CUDA devices this process sees: its node's."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_here(
-    fn: Callable[..., Any],
-    kwargs: dict[str, Any],
-    fixes: Sequence[Fix],
-    spec: WorldSpec,
-    backend: str,
-    *,
-    deepspeed: bool = False,
-) -> WorldOutcome:
-    """Run one body in the launcher's world, joining it on first use; ``deepspeed`` as in ``rank.run_body``."""
+def settle_backend_here(requested: str, world: Launched, devices: int) -> tuple[str, str | None]:
+    """``(backend, skip_reason)`` by the ranks on this node, which share its devices (``LOCAL_WORLD_SIZE``), not by
+    the whole world's size: two nodes of one GPU each run NCCL."""
+    backend, skip = settle_backend(requested, world.ranks_here, devices)
+    if skip is not None:
+        skip = f"NCCL needs a CUDA device for each of the {world.ranks_here} ranks on this node; found {devices}"
+    return backend, skip
+
+
+def gpu_names(devices: int) -> list[str]:
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(devices)]
+
+
+def accelerator(devices: int) -> str | None:
+    """DeepSpeed's accelerator as this process's bodies got it (asked of DeepSpeed when a body imported it), else
+    the rule the fork server applies."""
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        found = get_accelerator()
+        return f"{found.device_name()} (communication backend {found.communication_backend_name()})"
+    return ds_accelerator(os.environ, devices)
+
+
+#: Keys of this plugin in the launcher's store, apart from the launcher's own and from each restart's.
+STORE_PREFIX = "pytest-dsrepro"
+
+
+def connect(timeout: float) -> tuple[Any, Any]:
+    """Two clients of the launcher's store, each under this plugin's prefix: one for the pytest process's own
+    waits, one for the watcher thread, so that neither queues behind the other's blocking wait.
+
+    torch's own ``env://`` rendezvous finds the store: torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``);
+    under other launchers rank 0 does. Each torchrun restart gets keys of its own.
+    """
     import torch.distributed as dist
 
-    world = launched()
-    assert world is not None, "run_here outside a launched world"
-    assert world.world_size == spec.size, "the pytest side skips worlds of another size"
-    if not dist.is_initialized():
-        if backend == "nccl":
-            import torch
-
-            torch.cuda.set_device(world.local_rank)
-        import datetime
-
-        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=spec.timeout))
-    ctx = RankContext(world.rank, world.world_size, world.local_rank, backend)
-    started = time.monotonic()
-    report = run_body(fn, kwargs, fixes, ctx, deepspeed=deepspeed)
-    result = report.result(world.rank, started=started)
-    return WorldOutcome(world.world_size, backend, (result,), time.monotonic() - started)
+    limit = datetime.timedelta(seconds=timeout)
+    store, _, _ = next(dist.rendezvous("env://", timeout=limit))  # type: ignore[attr-defined]
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    watcher = dist.TCPStore(addr, port, is_master=False, timeout=limit)  # type: ignore[attr-defined]
+    prefix = f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(prefix, store), dist.PrefixStore(prefix, watcher)  # type: ignore[attr-defined]
