@@ -141,7 +141,8 @@ OPTIONS = (
     ),
     Option(
         "backend",
-        "process-group backend: auto (nccl when CUDA devices >= world size, else gloo), gloo or nccl (default auto)",
+        "process-group backend: auto (nccl when every rank has a CUDA device of its own: devices >= world size, or "
+        ">= ranks on the node under torchrun; else gloo), gloo or nccl (default auto)",
         backend,
         "auto",
         "NAME",
