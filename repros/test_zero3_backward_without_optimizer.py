@@ -5,7 +5,13 @@ puts a ``DeepSpeedZeRoOffload`` (parameter partitioning only) where the optimize
 only ``None``/``DummyOptim``, then calls optimizer-only hooks on it: ``optimizer.backward`` (up to 0.18.2),
 ``overlapping_partition_gradients_reduce_epilogue`` from ``allreduce_gradients`` (0.18.3-0.19.4), and
 ``set_gradient_accumulation_boundary`` from the backward prologue (0.19.5 on). One root cause, three messages;
-unfixed upstream at the time of writing. Every rank raises the same error; offloading is not needed to trigger it.
+unfixed upstream at the time of writing. Every rank raises the same error.
+
+The seed analysis (000) names CPU offload of the parameters as a trigger and offered moving ``offload_optimizer`` to
+``"none"`` as the workaround. Neither is the mechanism: the config ids show the same error without offload
+(``zero3``), with the seed chapter's ZeRO-3 offload config (``zero3_offload``), with ``offload_param`` to CPU alone
+(``seed_offload_param``) and with the seed's workaround (``seed_workaround_offload_optimizer_none``). What decides is
+that no optimizer is given; nothing in the offload settings changes which object ``engine.backward`` calls.
 """
 
 import pytest
@@ -25,6 +31,18 @@ pytestmark = [
 ]
 
 ATTRIBUTE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
+
+#: Seed 000's trigger: ZeRO-3 with the parameters offloaded to CPU (pinned memory becomes unpinned on gloo).
+SEED_OFFLOAD_PARAM = {
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}},
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+}
+#: Seed 000's workaround ("only offload the parameters"): the same with ``offload_optimizer`` set to ``"none"``.
+SEED_WORKAROUND = {
+    **SEED_OFFLOAD_PARAM,
+    "zero_optimization": {**SEED_OFFLOAD_PARAM["zero_optimization"], "offload_optimizer": {"device": "none"}},
+}
 
 
 def guard_optimizer_hooks(monkeypatch):
@@ -47,7 +65,12 @@ def guard_optimizer_hooks(monkeypatch):
             monkeypatch.setattr(DeepSpeedZeRoOffload, hook.__name__, hook, raising=False)
 
 
-@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_config(
+    "zero3",
+    "zero3_offload",
+    pytest.param(SEED_OFFLOAD_PARAM, id="seed_offload_param"),
+    pytest.param(SEED_WORKAROUND, id="seed_workaround_offload_optimizer_none"),
+)
 @pytest.mark.ds_version(
     affected="<0.18.3", raises=AttributeError, match=ATTRIBUTE.format("backward"), fix=guard_optimizer_hooks
 )
@@ -67,6 +90,9 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
     import torch
 
     engine = ds_engine(model=tiny_mlp(seed=3), optimizer=None)
+    # The config id says what it claims: ZeRO-3's stand-in offloads the parameters exactly where the config asks.
+    offload = ds_config["zero_optimization"].get("offload_param", {}).get("device")
+    assert engine.optimizer.offload_device == offload, "parameter offload not in effect"
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=2, rank=ds_rank)
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
 

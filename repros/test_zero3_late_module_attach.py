@@ -1,0 +1,91 @@
+"""ZeRO-3 forward fails on a sub-module attached after ``deepspeed.initialize`` (deepspeedai/DeepSpeed#6961).
+
+ZeRO-3 initialize replaces every sub-module's ``_parameters`` with a ``ZeROOrderedDict``, which can carry the
+``_in_forward`` flag that lets it gather parameters used outside their own module. The engine's forward prologue
+then sets ``module._parameters._in_forward = True`` on *every* sub-module, including ones attached later (PEFT
+adapters, heads added after the engine exists). Since torch 2.5 a module's own ``_parameters`` is a plain ``dict``,
+which takes no attributes, so the first forward raises ``AttributeError`` on every rank. The write dates from
+ZeRO-Infinity; with the torch this project pins (2.13) every release up to 0.19.0 is affected. PR #8009 wraps such
+dicts in the prologue and skips them in the epilogue (first released in 0.19.1).
+"""
+
+import pytest
+
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero3-late-module-attach",
+        title="ZeRO-3 forward raises AttributeError on a sub-module attached after initialize (torch >= 2.5)",
+        upstream="https://github.com/deepspeedai/DeepSpeed/issues/6961",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/8009",
+        fixed_in="0.19.1",
+        root_cause="The forward prologue sets _in_forward on every sub-module's _parameters, but only modules present "
+        "at initialize got a ZeROOrderedDict; torch >= 2.5 keeps a plain dict there, which rejects the attribute.",
+    ),
+]
+
+#: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
+#: test_zero3_persistent_allgather_race.py), and this bug does not depend on them.
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+}
+
+
+def wrap_late_parameters(monkeypatch):
+    """PR #8009's idea for releases without it: before each forward, give every sub-module whose ``_parameters`` is
+    still a plain dict a ``ZeROOrderedDict`` holding the same parameters, so the prologue and epilogue can flag it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import parameter_offload
+
+    if hasattr(parameter_offload, "ensure_zero_ordered_dict"):
+        return  # this release has the fix
+    zero_dict = parameter_offload.ZeROOrderedDict
+    forward = DeepSpeedEngine.forward
+
+    def forward_with_late_modules_wrapped(self, *inputs, **kwargs):
+        if self.zero_optimization_partition_weights():
+            for module in self.module.modules():
+                if not isinstance(module._parameters, zero_dict):
+                    wrapped = zero_dict(parent_module=module)
+                    wrapped.update(module._parameters)
+                    module._parameters = wrapped
+        return forward(self, *inputs, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedEngine, "forward", forward_with_late_modules_wrapped)
+
+
+@pytest.mark.ds_config(pytest.param(ZERO3, id="zero3_all_partitioned"))
+@pytest.mark.ds_version(
+    affected="<0.19.1",
+    raises=AttributeError,
+    match="'dict' object has no attribute '_in_forward'",
+    fix=wrap_late_parameters,
+)
+def test_forward_with_module_attached_after_initialize(ds_engine, ds_config, ds_rank):
+    import torch
+
+    reference = tiny_mlp(seed=4)
+    model = tiny_mlp(seed=4)  # the same weights
+    head = model[2]
+    del model[2]  # the body goes to DeepSpeed; the head comes later, as an adapter would
+    engine = ds_engine(model=model, optimizer="adam")
+    engine.module.add_module("head", head)
+
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank)
+    out = engine(x)
+
+    # The late head really takes part: output and its (local, unpartitioned) gradient equal plain autograd's.
+    expected = reference(x)
+    torch.testing.assert_close(out, expected, msg="output differs from the same model without DeepSpeed")
+    engine.backward(torch.nn.functional.mse_loss(out, y))
+    torch.nn.functional.mse_loss(expected, y).backward()
+    torch.testing.assert_close(head.weight.grad, reference[2].weight.grad, msg="late head's gradient differs")
+    # A second forward (the epilogue reset the flag on every module, late ones included) gives the same output.
+    # No engine.step(): ZeRO-3's step expects every parameter under the module to be partitioned, on fixed releases
+    # too; training a late module is out of this bug's scope.
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), expected, msg="second forward differs")

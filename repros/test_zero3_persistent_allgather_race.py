@@ -1,0 +1,99 @@
+"""ZeRO-3 hands out persistent parameters before their all-gather has finished (deepspeedai/DeepSpeed PR #8539).
+
+After every optimizer step ZeRO-3 re-gathers its *persistent* parameters (those at or under
+``stage3_param_persistence_threshold``) in ``Init._allgather_params_coalesced``: one async all-gather per parameter
+into ``torch.empty`` buffers, then ``launch_handles[-1].wait()`` only, then ``param.data`` points at the buffers.
+On CUDA the collectives share one stream, so the last one finishing implies the others did; on gloo every async
+collective runs on one of the process group's worker threads with no order between them, and the CPU
+accelerator's ``synchronize()`` is a no-op. Whatever reads a persistent parameter after ``step()`` (the next
+forward) can see a half-written buffer: upstream saw it as rare NaN/Inf or a different loss under load.
+
+The repro makes the race certain instead of rare, with nothing but the model's shape: the first persistent
+parameter is large (its all-gather takes milliseconds) and the others are tiny, so the last handle, the only one
+waited on, completes while the first is still in flight on the other worker thread. Right after ``step()`` the test
+copies what a forward would read, then a gloo ``barrier`` (which waits for every pending collective of the group)
+lets the gathers land, and the two must be equal. PR #8539 waits on every handle; first released in 0.19.8.
+"""
+
+import pytest
+
+from pytest_dsrepro.inrank.models import make_batch
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero3-persistent-allgather-race",
+        title="ZeRO-3 persistent parameters are used before their async all-gather completes (gloo/CPU)",
+        upstream="https://github.com/deepspeedai/DeepSpeed/pull/8539",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/8539",
+        fixed_in="0.19.8",
+        root_cause="_allgather_params_coalesced waits only on the last of its per-parameter async all-gathers; on "
+        "gloo they complete in any order, so param.data can point at a buffer still being filled.",
+    ),
+]
+
+HIDDEN = 4096
+#: Every parameter persistent (the 16M-element first weight included), so each step ends in the coalesced re-gather.
+ZERO3_ALL_PERSISTENT = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 2 * HIDDEN * HIDDEN},
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+}
+
+
+def wait_on_every_handle(monkeypatch):
+    """Backport of PR #8539: wait on every launched all-gather, not only the last one."""
+    import inspect
+
+    from deepspeed.runtime.zero import partition_parameters
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if "launch_handles[-1].wait()" not in inspect.getsource(partition_parameters.Init._allgather_params_coalesced):
+        return  # this release has the fix
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.zero.partition_parameters",
+        [(r"launch_handles\[-1\]\.wait\(\)", "for handle in launch_handles:\n            handle.wait()")],
+    )
+
+
+@pytest.mark.ds_config(pytest.param(ZERO3_ALL_PERSISTENT, id="zero3_all_persistent"))
+@pytest.mark.ds_version(
+    affected="<0.19.8",
+    raises=AssertionError,
+    match="persistent parameter read after step",
+    fix=wait_on_every_handle,
+)
+def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+    # The big weight is frozen (a frozen backbone): still a persistent ZeRO-3 parameter, re-gathered after every
+    # step like the others, but with no gradient or optimizer state to pay for.
+    model[0].weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = ds_engine(model=model, optimizer=torch.optim.Adam(trainable, lr=1e-3))
+    params = list(engine.module.named_parameters())
+    assert all(p.ds_persist for _, p in params), "every parameter should be persistent"
+
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], hidden=HIDDEN, seed=5, rank=ds_rank)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    # What the next forward reads, copied at once; the barrier then waits for every pending gather of the group.
+    seen = [p.data.clone() for _, p in params]
+    torch.distributed.barrier()
+    for (name, param), early in zip(params, seen, strict=True):
+        late = param.data
+        if not torch.equal(early, late):
+            wrong = (early != late).sum().item()
+            raise AssertionError(
+                f"persistent parameter read after step() differs from its gathered value: {name}, "
+                f"{wrong} of {late.numel()} elements, max |diff| {(early - late).abs().max().item():.3g}"
+            )
+    # With every gather complete, training goes on: a second step from the same batch lowers the loss.
+    first = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(first)
+    engine.step()
+    assert torch.nn.functional.mse_loss(engine(x), y) < first, "ZeRO-3 did not train"

@@ -1,0 +1,110 @@
+"""ZeRO-3 training breaks after ``unwrap_model_for_generation`` (deepspeedai/DeepSpeed PR #8043).
+
+``deepspeed.runtime.zero.unwrap_model_for_generation`` (what TRL uses to generate between training steps) gathers
+the weights, removes ZeRO-3's module hooks and, on exit, registers them again with
+``_register_deepspeed_module(module)``. That method numbers modules from a mutable default counter
+(``count=[0]``) that keeps counting, so every module comes back with a new ``ds_id``, while the parameter
+coordinator keeps the trace it recorded under the old ids. The next forward's ``reset_step`` replays the stale
+trace through ``record_parameters``, which pops the per-module deque of a module id it never saw:
+``IndexError: pop from an empty deque``, on every rank. Generating inside the context is not needed. PR #8043
+invalidates the trace when the root module is registered again, and clears that deque with the trace (first
+released in 0.19.2).
+"""
+
+import pytest
+
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="zero3-unwrap-for-generation",
+        title="ZeRO-3: the training step after unwrap_model_for_generation raises IndexError: pop from an empty deque",
+        upstream="https://github.com/deepspeedai/DeepSpeed/pull/8043",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/8043",
+        fixed_in="0.19.2",
+        root_cause="Re-registering ZeRO-3 hooks after unwrap_model_for_generation gives every module a new ds_id, but "
+        "the parameter coordinator's recorded trace stays keyed by the old ids.",
+    ),
+]
+
+#: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
+#: test_zero3_persistent_allgather_race.py); losses are compared, so clipping is off on every release.
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,
+}
+
+
+def invalidate_trace_on_reregistration(monkeypatch):
+    """Backport of PR #8043: registering the root module again invalidates the coordinator's trace, and clearing the
+    trace also clears the per-module fetch-step deques."""
+    import inspect
+
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    # Before 0.16.4 (PR #6847) the method was _register_hooks_recursively.
+    register = getattr(DeepSpeedZeRoOffload, "_register_deepspeed_module", None)
+    if "_invalidate_trace" in inspect.getsource(register or DeepSpeedZeRoOffload._register_hooks_recursively):
+        return  # this release has the fix
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.zero.parameter_offload",
+        [
+            (
+                r"(    def _register_(?:deepspeed_module|hooks_recursively)\(self, module, count=\[0\]\):\n)",
+                r"\1        if module is self.module:\n"
+                r"            coordinator = getattr(self, 'param_coordinator', None)\n"
+                r"            if coordinator is not None and not coordinator.is_invalid_trace():\n"
+                r"                coordinator._invalidate_trace()\n",
+            )
+        ],
+    )
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.zero.partitioned_param_coordinator",
+        [
+            (
+                r"(    def _clear_trace_structures\(self\) -> None:\n)",
+                r"\1        self.__step_id_module_fetched_for = collections.defaultdict(lambda: collections.deque())\n",
+            )
+        ],
+    )
+
+
+def train(engine, x, y, generate_between_steps):
+    """Three ZeRO-3 steps; with ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each, where
+    TRL generates."""
+    import torch
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if generate_between_steps:
+            with unwrap_model_for_generation(engine):
+                pass  # entering and leaving is enough (a forward in here happens to hide the bug, see the docs)
+    return losses
+
+
+@pytest.mark.ds_config(pytest.param(ZERO3, id="zero3_all_partitioned"))
+@pytest.mark.ds_not_applicable(releases="<0.15.0", reason="unwrap_model_for_generation first shipped in 0.15.0")
+@pytest.mark.ds_version(
+    affected=">=0.15.0,<0.19.2",
+    raises=IndexError,
+    match="pop from an empty deque",
+    fix=invalidate_trace_on_reregistration,
+)
+def test_training_after_unwrap_model_for_generation(ds_engine, ds_config, ds_rank):
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=7, rank=ds_rank)
+    # Reference: the same model and data trained without leaving the engine in between.
+    expected = train(ds_engine(model=tiny_mlp(seed=8), optimizer="adam"), x, y, generate_between_steps=False)
+    losses = train(ds_engine(model=tiny_mlp(seed=8), optimizer="adam"), x, y, generate_between_steps=True)
+    assert losses == pytest.approx(expected, rel=1e-6), "unwrapping for generation changed training"
+    assert losses[-1] < losses[0], f"ZeRO-3 did not train: {losses}"
