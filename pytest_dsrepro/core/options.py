@@ -179,15 +179,6 @@ OPTIONS = (
         None,
         "DIR",
     ),
-    Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
-    Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
-    Option(
-        "cache_dir",
-        "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
-        Path,
-        None,
-        "DIR",
-    ),
 )
 
 
