@@ -400,7 +400,7 @@ class _Watch:
             self._done = True
         self._stop.set()
         self._thread.join()
-        signal.signal(INTERRUPT, self._previous)
+        signal.signal(INTERRUPT, signal.SIG_DFL if self._previous is None else self._previous)  # None: set in C
 
     def interruptible(self, run: Callable[..., RankReport], *args: Any, **kwargs: Any) -> RankReport:
         """``run(*args, **kwargs)``, which the watcher may interrupt while it runs (and only then)."""
