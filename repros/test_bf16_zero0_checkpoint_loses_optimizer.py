@@ -25,6 +25,30 @@ pytestmark = [
     ),
 ]
 
+
+def load_checkpoints_unrestricted(monkeypatch):
+    """PR #6751 (0.16.0): DeepSpeed's checkpoint engine loads with ``weights_only=False``. Before it, torch >= 2.6
+    (``weights_only`` on by default) refuses the ``BF16_Optimizer`` state those releases save for bf16."""
+    import inspect
+
+    from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if "weights_only" in inspect.getsource(torch_checkpoint_engine):
+        return
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine",
+        [
+            (
+                r"torch\.load\(path, map_location=map_location\)",
+                "torch.load(path, map_location=map_location, weights_only=False)",
+            )
+        ],
+    )
+
+
 BF16_ZERO0 = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -73,6 +97,11 @@ def train_step(engine, x, y):
     engine.step()
 
 
+@pytest.mark.ds_prerequisite(
+    fix=load_checkpoints_unrestricted,
+    releases="<0.16.0",
+    reason="PR #6751: before 0.16.0 DeepSpeed cannot load its bf16 optimizer checkpoints under torch >= 2.6",
+)
 @pytest.mark.ds_config(pytest.param(BF16_ZERO0, id="bf16_zero0"))
 @pytest.mark.ds_version(
     affected=">=0.17.6,<0.18.0",
@@ -112,7 +141,7 @@ def test_bf16_zero0_checkpoint_keeps_adam_state(ds_engine, ds_config, ds_rank, t
     # cleared first: up to 0.18.5 bf16 stage 0 never clears them, repro bf16-zero0-grads-unscaled, so the saved
     # engine would carry its old ones into the step.)
     for eng in (engine, restored):
-        eng.optimizer.zero_grad()
+        eng.module.zero_grad(set_to_none=True)
         train_step(eng, x, y)
     for (name, kept), resumed in zip(engine.module.named_parameters(), restored.module.parameters(), strict=True):
         torch.testing.assert_close(resumed, kept, rtol=0, atol=0, msg=f"{name}: resumed training diverged")
