@@ -104,6 +104,43 @@ def test_what_cannot_be_exported_says_why(pytester: pytest.Pytester) -> None:
         export.collect("test_x.py::test_missing")
 
 
+def test_helpers_beside_the_test_are_inlined(pytester: pytest.Pytester) -> None:
+    """A helper module beside the test (``repros/_zero12.py``) is inlined like pytest-dsrepro's own helpers, with
+    what it imports from pytest-dsrepro; names only the dropped decorators use are not."""
+    pytester.makepyfile(
+        _helper="""
+            import pytest
+
+            from pytest_dsrepro.inrank.models import make_batch
+
+
+            def config():
+                return pytest.param({"zero_optimization": {"stage": 1}}, id="one")
+
+
+            def batch(rank):
+                return make_batch(2, rank=rank)
+        """,
+        test_x="""
+            import pytest
+            from _helper import batch, config
+
+            pytestmark = [pytest.mark.ds_repro(id="x"), pytest.mark.ds_world]
+
+            @pytest.mark.ds_config(config())
+            @pytest.mark.ds_version(affected=">=0.1", raises=KeyError)
+            def test_x(ds_config, ds_rank):
+                x, y = batch(ds_rank)
+        """,
+    )
+    pytester.chdir()
+    script = export.render(export.collect("test_x.py::test_x[one]"))
+    assert _imports(script) <= set(sys.stdlib_module_names) | {"torch", "deepspeed"}
+    assert "# from _helper (_helper.py, beside the test), inlined: batch" in script
+    assert "# from pytest_dsrepro.inrank.models (pytest-dsrepro), inlined: make_batch" in script
+    assert "def config(" not in script
+
+
 def test_the_command(in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["export", SEED_B]) == 0
     out = capsys.readouterr().out

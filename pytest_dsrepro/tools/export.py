@@ -198,23 +198,46 @@ def _package_file(module: str) -> Path:
     return candidate if candidate.is_file() else root.joinpath(*parts, "__init__.py")
 
 
-def _inline(code: str) -> tuple[str, list[str]]:
-    """``code`` with each ``from pytest_dsrepro... import a, b`` replaced by the source of ``a`` and ``b`` (and what
-    they use from their module); the modules inlined."""
-    tree = ast.parse(code)
-    lines = code.splitlines()
-    inlined: list[str] = []
-    for node in reversed(tree.body):  # bottom up: line numbers above stay valid
-        if not (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == PACKAGE):
-            continue
-        module = node.module or PACKAGE
-        names = [a.name for a in node.names]
-        text = source.module_slice(_package_file(module).read_text(), names, docstring=False)
-        text = "\n".join(line for line in text.splitlines() if line.strip() != "from __future__ import annotations")
-        header = f"# from {module} (pytest-dsrepro), inlined: {', '.join(names)}"
-        lines[node.lineno - 1 : node.end_lineno] = [header, *text.strip("\n").splitlines(), ""]
-        inlined.append(module)
-    return "\n".join(lines) + "\n", sorted(set(inlined))
+def _inline(code: str, here: Path) -> tuple[str, list[str]]:
+    """``code`` with each ``from pytest_dsrepro... import a, b``, and each import from a helper module beside the test
+    (``here/<module>.py``, as ``repros/_zero12.py``), replaced by the source of ``a`` and ``b`` (and what they use
+    from their module), again until none is left (a helper may import pytest-dsrepro's); the modules inlined. Names
+    only the dropped decorators used, and names already inlined, are not inlined (an import of nothing else goes)."""
+    inlined: dict[tuple[str, str], None] = {}
+    while True:
+        tree = ast.parse(code)
+        lines = code.splitlines()
+        used = source.used_names(tree)
+        changed = False
+        for node in reversed(tree.body):  # bottom up: line numbers above stay valid
+            if not isinstance(node, ast.ImportFrom) or node.level:
+                continue
+            module = node.module or ""
+            beside = here / f"{module}.py"
+            if module.split(".")[0] == PACKAGE:
+                path, origin = _package_file(module), "pytest-dsrepro"
+            elif "." not in module and beside.is_file():
+                path, origin = beside, f"{beside.name}, beside the test"
+            else:
+                continue
+            names = [a.name for a in node.names if a.name in used and (module, a.name) not in inlined]
+            replacement: list[str] = []
+            if names:
+                text = source.module_slice(path.read_text(), names, docstring=False)
+                text = "\n".join(
+                    line for line in text.splitlines() if line.strip() != "from __future__ import annotations"
+                )
+                replacement = [
+                    f"# from {module} ({origin}), inlined: {', '.join(names)}",
+                    *text.strip("\n").splitlines(),
+                    "",
+                ]
+                inlined.update(((module, name), None) for name in names)
+            lines[node.lineno - 1 : node.end_lineno] = replacement
+            changed = True
+        code = "\n".join(lines) + "\n"
+        if not changed:
+            return code, sorted({module for module, _ in inlined})
 
 
 def _foreign(script: str) -> list[str]:
@@ -279,7 +302,7 @@ def render(test: Collected, file_name: str = "repro.py") -> str:
     text = test.path.read_text()
     _, found = source.statements(text)
     chosen = source.select(found, [test.function], drop=["pytestmark"], bare=[test.function])
-    code, inlined = _inline(source.render(text, chosen))
+    code, inlined = _inline(source.render(text, chosen), test.path.parent)
     cpu, cuda = _config(test, "gloo"), _config(test, "nccl")
     notes = f" ({'; '.join(cpu.notes)})" if cpu is not None and cpu.notes else ""
     call_args = ", ".join(f"{a}={FIXTURES[a]}" for a in test.arguments)
