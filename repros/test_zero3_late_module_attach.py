@@ -35,24 +35,27 @@ ZERO3 = {
 }
 
 
+class FlaggableParameters(dict):
+    """A module's ``_parameters`` that takes the prologue's ``_in_forward`` flag, as torch's plain dict does not."""
+
+
 def wrap_late_parameters(monkeypatch):
-    """PR #8009's idea for releases without it: before each forward, give every sub-module whose ``_parameters`` is
-    still a plain dict a ``ZeROOrderedDict`` holding the same parameters, so the prologue and epilogue can flag it."""
+    """PR #8009's idea for releases without it: before each forward, a sub-module whose ``_parameters`` is still
+    torch's plain dict gets one that can carry the flag. PR #8009 uses a ``ZeROOrderedDict``; in older releases
+    (0.14.4, 0.15.0) that class reads ``ds_status`` from every parameter it hands out, which a late, unpartitioned
+    parameter lacks, so the late modules get a dict that only takes the flag (all the prologue and epilogue ask)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import parameter_offload
 
     if hasattr(parameter_offload, "ensure_zero_ordered_dict"):
         return  # this release has the fix
-    zero_dict = parameter_offload.ZeROOrderedDict
     forward = DeepSpeedEngine.forward
 
     def forward_with_late_modules_wrapped(self, *inputs, **kwargs):
         if self.zero_optimization_partition_weights():
             for module in self.module.modules():
-                if not isinstance(module._parameters, zero_dict):
-                    wrapped = zero_dict(parent_module=module)
-                    wrapped.update(module._parameters)
-                    module._parameters = wrapped
+                if type(module._parameters) is dict:
+                    module._parameters = FlaggableParameters(module._parameters)
         return forward(self, *inputs, **kwargs)
 
     monkeypatch.setattr(DeepSpeedEngine, "forward", forward_with_late_modules_wrapped)
