@@ -3,10 +3,11 @@
 The engine decided that optimizer state lives in ZeRO checkpoint files with ``zero_optimization() or
 bfloat16_enabled()``: true for bf16 because, until 0.17.5, bf16 always meant ``BF16_Optimizer``, which saves its
 state in ``bf16_zero_*`` files. PR #7515 (0.17.6) sent bf16 + stage 0 to the fp16 wrapper instead, which writes no
-such file: the model-states file got ``optimizer=None``, and on load the engine looked for ZeRO files and called
-``_restore_from_bit16_weights``, which the fp16 wrapper lacks (deepspeedai/DeepSpeed#7571). PR #7586 (0.18.0)
-removed that call from the load path, so from then on the load succeeds with the freshly initialised Adam state.
-PR #7786 drops the bf16 condition on both sides (first released in 0.18.5).
+such file: the model-states file got ``optimizer=None``, and on load the engine took the ZeRO path with the fp16
+wrapper, which has none of ZeRO's attributes: a full load asks it for ``dp_process_group``, a load without optimizer
+states calls its ``_restore_from_bit16_weights`` (deepspeedai/DeepSpeed#7571). PR #7586 (0.18.0) removed the ZeRO
+path from loading, so from then on the load succeeds with the freshly initialised Adam state. PR #7786 drops the bf16
+condition from saving too (first released in 0.18.5).
 """
 
 import pytest
@@ -106,7 +107,7 @@ def train_step(engine, x, y):
 @pytest.mark.ds_version(
     affected=">=0.17.6,<0.18.0",
     raises=AttributeError,
-    match=r"object has no attribute '_restore_from_bit16_weights'",
+    match=r"'FP16_UnfusedOptimizer' object has no attribute 'dp_process_group'",
     fix=optimizer_state_only_for_zero,
 )
 @pytest.mark.ds_version(
