@@ -1,11 +1,13 @@
-"""bf16 without ZeRO (stage 0): the optimizer step divides every gradient by 65536 and never clears them.
+"""bf16 without ZeRO (stage 0): ``step()`` never clears the gradients, and from 0.18.3 divides them by 65536.
 
 PR #7515 (0.17.6) routed bf16 + ZeRO stage 0 to the fp16 wrapper (``FP16_UnfusedOptimizer``, or ``FP16_Optimizer``
-for fused Adam). That wrapper kept fp16's dynamic loss scale (``cur_scale`` 65536) in bf16 mode, but
-``engine.backward`` scales the loss only for fp16, so ``step()`` "unscaled" unscaled gradients: updates 65536 times
-too small, lost below bf16's resolution. And ``_take_model_step`` cleared gradients for bf16 only when ZeRO was on,
-so ``.grad`` kept accumulating over steps (deepspeedai/DeepSpeed#7837). PR #7839 turns loss scaling off for bf16
-and clears gradients after every bf16 step (first released in 0.18.6).
+for fused Adam). ``_take_model_step`` cleared gradients for bf16 only when ZeRO was on, so ``.grad`` survived each
+step and was applied again in the next. ``FP16_UnfusedOptimizer`` (the one a torch optimizer gets) also kept fp16's
+dynamic loss scale (``cur_scale`` 65536) in bf16 mode; that was harmless while ``engine.backward`` went through the
+wrapper's ``backward`` (which multiplies the loss by the scale), but from PR #7665 (0.18.3) the engine scales the
+loss only for fp16, so ``step()`` divides unscaled gradients by 65536: updates lost below bf16's resolution
+(deepspeedai/DeepSpeed#7837). PR #7839 turns loss scaling off for bf16 and clears gradients after every bf16 step
+(first released in 0.18.6).
 """
 
 import pytest
@@ -13,12 +15,12 @@ import pytest
 pytestmark = [
     pytest.mark.ds_repro(
         id="bf16-zero0-grads-unscaled",
-        title="bf16 + ZeRO stage 0: gradients divided by the fp16 loss scale (65536) and never zeroed",
+        title="bf16 + ZeRO stage 0: gradients never cleared after step(), and divided by 65536 from 0.18.3",
         upstream="https://github.com/deepspeedai/DeepSpeed/issues/7837",
         fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7839",
         fixed_in="0.18.6",
-        root_cause="bf16 without ZeRO went through the fp16 wrapper, which divided gradients by a dynamic loss scale "
-        "the bf16 backward never applied, and the engine skipped zero_grad for bf16 without ZeRO.",
+        root_cause="bf16 without ZeRO went through the fp16 wrapper: the engine skipped zero_grad for bf16 without "
+        "ZeRO, and the wrapper divided gradients by a dynamic loss scale the bf16 backward stopped applying in 0.18.3.",
     ),
 ]
 
