@@ -30,7 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SETTINGS_KEY] = resolved
     launched.configure(config, resolved)
     progress = execution.progress_line(config)
-    config.stash[RUNNER_KEY] = WorldRunner(resolved.cache_dir, resolved.startup_timeout, progress=progress)
+    config.stash[RUNNER_KEY] = WorldRunner(
+        resolved.cache_dir, resolved.startup_timeout, progress=progress, gpu_wait=resolved.gpu_wait
+    )
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 

@@ -22,7 +22,7 @@ import pytest
 from conftest import REAL_CACHE
 from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.outcome import Status, WorldOutcome
-from pytest_dsrepro.worlds import client, workdir
+from pytest_dsrepro.worlds import client, devices, workdir
 from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
 from pytest_dsrepro.worlds.protocol import (
     Building,
@@ -332,11 +332,11 @@ def test_the_servers_death_mid_world_is_reported_as_such(runner: WorldRunner, tm
 
 def test_without_gpu_device_nodes_no_server_is_needed_to_count_devices(tmp_path: Path) -> None:
     """Issue 11, item 11: a CPU machine settles its backend without starting the fork server."""
-    assert client.gpu_device_nodes(tmp_path) == []
+    assert devices.gpu_device_nodes(tmp_path) == []
     (tmp_path / "nvidiactl").touch()
-    assert client.gpu_device_nodes(tmp_path) == [tmp_path / "nvidiactl"]
+    assert devices.gpu_device_nodes(tmp_path) == [tmp_path / "nvidiactl"]
     runner = WorldRunner(tmp_path, startup_timeout=60)
-    if not client.gpu_device_nodes():
+    if not devices.gpu_device_nodes():
         assert runner.cuda_devices() == 0
         assert runner.server.facts is None  # nothing was started
 

@@ -174,10 +174,19 @@ OPTIONS = (
     Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
     Option(
         "cache_dir",
-        "where per-release DeepSpeed op builds are cached (default ~/.cache/pytest-dsrepro)",
+        "where per-release DeepSpeed op builds are cached and GPU leases taken: sessions sharing GPUs share it "
+        "(default ~/.cache/pytest-dsrepro)",
         Path,
         None,
         "DIR",
+    ),
+    Option(
+        "gpu_wait",
+        "seconds an NCCL world waits for free GPUs (each world leases its own, across pytest-xdist workers and "
+        "sessions) before it is skipped naming what was busy (default 600)",
+        _number_text(float, seconds),
+        "600",
+        "SECONDS",
     ),
 )
 
@@ -193,6 +202,7 @@ class Settings:
     cache_dir: Path
     max_world_size: int | None  # None under an external launcher: nothing is forked
     shard: tuple[int, int] | None = None  # (I, N): run only the I-th of N slices of the collected tests
+    gpu_wait: float = 600.0  # how long an NCCL world waits for its GPU lease before it is skipped
 
 
 class SettingsError(Exception):

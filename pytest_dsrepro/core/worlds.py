@@ -57,6 +57,18 @@ def ds_accelerator(environ: Mapping[str, str], cuda_devices: int) -> str | None:
     return environ.get("DS_ACCELERATOR") or (None if cuda_devices else "cpu")
 
 
+#: DeepSpeed's accelerator in a world of each backend: a gloo world is a CPU world (what ``configs`` adapts a config
+#: to), on a GPU machine too; an NCCL world a CUDA one.
+ACCELERATORS = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def accelerator_for(backend: str, environ: Mapping[str, str]) -> str:
+    """DeepSpeed's accelerator in the ranks of a world with this (settled) backend: the user's ``DS_ACCELERATOR``
+    where set (DeepSpeed's own variable), else the one that follows the backend. Fork servers are one per accelerator.
+    """
+    return environ.get("DS_ACCELERATOR") or ACCELERATORS.get(backend, "cpu")
+
+
 def settle_backend(requested: str, size: int, cuda_devices: int) -> tuple[str, str | None]:
     """``(backend, skip_reason)``: auto picks NCCL only when every rank can have its own GPU."""
     if requested == "auto":

@@ -55,9 +55,9 @@ class RunCollector:
             terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {installed_deepspeed()})")
             for line in lines:
                 terminalreporter.write_line(line)
-        facts = self.config.stash[RUNNER_KEY].server.facts
-        if facts is not None and (lines or self.config.option.verbose > 0):
-            terminalreporter.write_line(f"worlds ran on: {facts.describe()}")
+        for facts in self.config.stash[RUNNER_KEY].started():  # one fork server per DeepSpeed accelerator used
+            if lines or self.config.option.verbose > 0:
+                terminalreporter.write_line(f"worlds ran on: {facts.describe()}")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput") or self.config.option.collectonly:
@@ -66,7 +66,7 @@ class RunCollector:
         if launched_run is not None and not launched_run.writes:
             return  # under torchrun rank 0 writes the run's files; every rank holds the same verdicts
         s = self.config.stash[SETTINGS_KEY]
-        facts = self.config.stash[RUNNER_KEY].server.facts
+        facts = next(iter(self.config.stash[RUNNER_KEY].started()), None)
         cuda_devices = facts.cuda_devices if facts else 0
         backend, _ = settle_backend(s.backend, s.world_size, cuda_devices)
         env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)

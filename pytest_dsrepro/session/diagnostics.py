@@ -3,8 +3,9 @@ accelerator DeepSpeed runs on. Gathered for ``--ds-report`` only, when the repor
 never for a plain run): each in a subprocess of this interpreter, both at once, so the pytest process itself still
 imports neither torch nor DeepSpeed.
 
-The subprocesses get the environment the fork server gives its ranks: ``DS_ACCELERATOR=cpu`` when there is no CUDA
-device and the user chose no accelerator, as ``worlds.server`` does.
+The subprocesses get DeepSpeed's accelerator as the run's worlds had it: ``DS_ACCELERATOR=cpu`` when there is no CUDA
+device and the user chose no accelerator (as in every gloo world); on a GPU machine DeepSpeed's own choice, CUDA, as
+in its NCCL worlds (``core.worlds.accelerator_for``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from ..core.errors import HarnessError, MarkerError
 from ..core.gates import FIXED, Condition, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
+from ..worlds import leases
 from ..worlds.client import WorldInterrupted, WorldRunner, WrongRelease
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
@@ -233,6 +234,8 @@ def _run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) ->
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
         return runner.run(job, size, preload=engines)
+    except leases.Busy as busy:  # other workers' or sessions' worlds held the GPUs for longer than --ds-gpu-wait
+        pytest.skip(str(busy))
     except WorldInterrupted as interrupted:
         cause = interrupted.cause
         if isinstance(cause, pytest.fail.Exception):

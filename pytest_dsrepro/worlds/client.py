@@ -31,7 +31,10 @@ from ..core import versions
 from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
 from ..core.outcome import RankResult, Status, WorldOutcome, rank_ranges
+from ..core.worlds import accelerator_for
+from . import devices, leases, nccl
 from . import workdir as layout
+from .devices import Gpu
 from .protocol import (
     SERVER_MESSAGES,
     Building,
@@ -105,15 +108,28 @@ def server_pythonpath(package_root: str, pythonpath: str | None, site_dirs: list
 
 
 class ForkServer:
-    """One preloaded interpreter (``worlds.server``) per pytest process, started on first use.
+    """One preloaded interpreter (``worlds.server``) per pytest process and DeepSpeed accelerator, started on first
+    use.
 
-    ``progress`` is told, in words, what a slow start is doing (a first comm-op build takes minutes).
+    ``progress`` is told, in words, what a slow start is doing (a first comm-op build takes minutes). ``accelerator``:
+    DeepSpeed's in its ranks (``DS_ACCELERATOR``, unless the user set it); ``gpus``: the machine's, as the pytest
+    process found them (the server never asks: see ``devices``).
     """
 
-    def __init__(self, cache_dir: Path, startup_timeout: float, progress: Progress = _silent) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        startup_timeout: float,
+        progress: Progress = _silent,
+        *,
+        accelerator: str = "cpu",
+        gpus: tuple[Gpu, ...] = (),
+    ) -> None:
         self.cache_dir = cache_dir
         self.startup_timeout = startup_timeout
         self.progress = progress
+        self.accelerator = accelerator
+        self.gpus = gpus
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._log: Path | None = None
@@ -127,7 +143,7 @@ class ForkServer:
         if path:
             env["PYTHONPATH"] = path
         env[CACHE_ENV] = str(self.cache_dir)
-        return env
+        return devices.server_environment(env, self.accelerator, self.gpus)
 
     def start(self) -> ServerFacts:
         if self.facts is not None:
@@ -175,7 +191,8 @@ class ForkServer:
                 "would be about a release the ranks did not run (a sys.path entry only one of them has: PYTHONPATH, "
                 "a test directory pytest inserted, a .pth file?)"
             )
-        self.facts = message.facts
+        gpus = tuple(g.name for g in self.gpus)
+        self.facts = dataclasses.replace(message.facts, cuda_devices=len(gpus), gpus=gpus)
         return self.facts
 
     def _hello(self) -> ServerMessage | None:
@@ -321,6 +338,7 @@ class WorldRun:
     stack_dump_wait: float = STACK_DUMP_WAIT
     preload: bool = False
     preloaded: str | None = None  # what the server said it had imported ahead of its ranks
+    flight_recorder: Path | None = None  # an NCCL world's: where its ranks' flight recorder dumps are kept
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # the server answered Reap: nothing of the world is left
@@ -340,18 +358,25 @@ class WorldRun:
             r.report = layout.read_report(self.workdir, r.rank)
 
     def _force_end(self, ranks: list[_Rank], status: Status, detail: str) -> None:
-        """Have the server dump the Python stacks of ``ranks``, then kill them."""
+        """Have the server dump the Python stacks of ``ranks`` (and an NCCL world's ranks their flight recorder), then
+        kill them."""
         for r in ranks:
             r.forced, r.forced_detail = status, detail
         which = tuple(r.rank for r in ranks)
+        if self.flight_recorder is not None:
+            nccl.request_dumps(self.workdir)
         self.server.send(DumpStacks(self.world_id, which))
         deadline = time.monotonic() + self.stack_dump_wait
         while time.monotonic() < deadline and not all(self._stack(r.rank) for r in ranks):
             time.sleep(0.02)
+        if self.flight_recorder is not None:
+            nccl.wait_for_dumps(self.workdir, list(which))
+            for rank, told in nccl.keep_dumps(self.workdir, list(which), self.flight_recorder).items():
+                self.ranks[rank].forced_detail += f"; {told}"
         self.server.send(Kill(self.world_id, which))
 
     def _stack(self, rank: int) -> str:
-        return _user_frames(layout.read_text(layout.stack_file(self.workdir, rank)))
+        return _user_frames(nccl.without_recorder_thread(layout.read_text(layout.stack_file(self.workdir, rank))))
 
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
@@ -495,20 +520,13 @@ def _user_frames(dump: str) -> str:
     )
 
 
-#: Device nodes through which any CUDA (or ROCm, or WSL's) GPU is reached; torch sees no device without one.
-GPU_DEVICE_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd")
-
-
-def gpu_device_nodes(dev: Path = Path("/dev")) -> list[Path]:
-    return [dev / name for name in GPU_DEVICE_NODES if (dev / name).exists()]
-
-
 class WorldRunner:
-    """Runs worlds for one pytest process; owns its fork server.
+    """Runs worlds for one pytest process; owns its fork servers, one per DeepSpeed accelerator its worlds use (on a
+    CPU machine, one), and leases the GPUs of its NCCL worlds (``leases``).
 
     ``failure_grace``: after one rank fails, how long the others get before they are stopped; ``stack_dump_wait``:
     how long ranks get to write their Python stacks before they are killed; ``progress``: told what a slow fork
-    server start is doing.
+    server start is doing; ``gpu_wait``: how long an NCCL world waits for its GPUs before ``leases.Busy``.
     """
 
     def __init__(
@@ -519,44 +537,91 @@ class WorldRunner:
         failure_grace: float = FAILURE_GRACE,
         stack_dump_wait: float = STACK_DUMP_WAIT,
         progress: Progress = _silent,
+        gpu_wait: float = leases.WAIT,
     ) -> None:
-        self.server = ForkServer(cache_dir, startup_timeout, progress)
+        self.cache_dir = cache_dir
+        self.startup_timeout = startup_timeout
+        self.progress = progress
         self.failure_grace = failure_grace
         self.stack_dump_wait = stack_dump_wait
+        self.gpu_wait = gpu_wait
+        self.servers: dict[str, ForkServer] = {}  # accelerator -> its fork server
+        self._gpus: tuple[Gpu, ...] | None = None
         self._ids = itertools.count(1)
+
+    def gpus(self) -> tuple[Gpu, ...]:
+        """The machine's CUDA devices, found once (``devices.find``: nothing to find, and no probe, without a GPU
+        device node), before any fork server starts: the backend, hence the server, depends on them."""
+        if self._gpus is None:
+            self._gpus = devices.find()
+        return self._gpus
+
+    def cuda_devices(self) -> int:
+        return len(self.gpus())
+
+    def server_for(self, backend: str) -> ForkServer:
+        """The fork server of worlds with this backend: DeepSpeed's accelerator follows it (``accelerator_for``)."""
+        accelerator = accelerator_for(backend, os.environ)
+        if accelerator not in self.servers:
+            self.servers[accelerator] = ForkServer(
+                self.cache_dir, self.startup_timeout, self.progress, accelerator=accelerator, gpus=self.gpus()
+            )
+        return self.servers[accelerator]
+
+    @property
+    def server(self) -> ForkServer:
+        """The fork server of gloo worlds (on a CPU machine, the only one)."""
+        return self.server_for("gloo")
+
+    def started(self) -> list[ServerFacts]:
+        """The facts of every fork server that started, in the order they did."""
+        return [s.facts for s in self.servers.values() if s.facts is not None]
 
     def facts(self) -> ServerFacts:
         return self.server.start()
 
-    def cuda_devices(self) -> int:
-        """CUDA devices the ranks will see. A machine without a GPU device node has none, and saying so costs no
-        fork server: it then starts only when a world runs, after the test's inputs have been checked. Elsewhere the
-        server (torch) counts them."""
-        if not gpu_device_nodes():
-            return 0
-        return self.facts().cuda_devices
-
     def run(self, job: RankJob, size: int, *, preload: bool = False) -> WorldOutcome:
-        """Run one world of ``size`` ranks; ``preload``: its test builds engines (see ``Spawn.preload``)."""
-        self.server.start()
-        if not self.server.alive:
-            self.server.close()
-            self.server.start()
-        world = WorldRun(
-            self.server,
-            next(self._ids),
-            size,
-            job.backend,
-            job.timeout,
-            failure_grace=self.failure_grace,
-            stack_dump_wait=self.stack_dump_wait,
-            preload=preload,
-        )
-        job = dataclasses.replace(job, environ=EnvironChanges.between(self.server.environ, os.environ))
+        """Run one world of ``size`` ranks; ``preload``: its test builds engines (see ``Spawn.preload``). An NCCL world
+        runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
+        server = self.server_for(job.backend)
+        lease = self._lease(job, size) if job.backend == "nccl" else None
         try:
-            return world.run(job)
+            server.start()
+            if not server.alive:
+                server.close()
+                server.start()
+            world = WorldRun(
+                server,
+                next(self._ids),
+                size,
+                job.backend,
+                job.timeout,
+                failure_grace=self.failure_grace,
+                stack_dump_wait=self.stack_dump_wait,
+                preload=preload,
+                flight_recorder=self._flight_recorder() if job.backend == "nccl" else None,
+            )
+            seen = {**os.environ, **(lease.environ() if lease else {})}
+            if job.backend == "nccl":
+                seen.update(nccl.environment(world.workdir, os.environ))
+            job = dataclasses.replace(job, environ=EnvironChanges.between(server.environ, seen))
+            try:
+                return world.run(job)
+            finally:
+                server.noted_preload(world.preloaded)
         finally:
-            self.server.noted_preload(world.preloaded)
+            if lease is not None:
+                lease.release()
+
+    def _flight_recorder(self) -> Path:
+        """Where a stopped NCCL world's flight recorder dumps are kept (its own directory is discarded)."""
+        return self.cache_dir / "nccl-flight-recorder" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+    def _lease(self, job: RankJob, size: int) -> leases.Lease:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        holder = f"{Path(job.test.module_file).name}::{job.test.qualname}" + (f", xdist {worker}" if worker else "")
+        return leases.acquire(self.gpus(), size, leases.lease_dir(self.cache_dir), self.gpu_wait, holder)
 
     def close(self) -> None:
-        self.server.close()
+        for server in self.servers.values():
+            server.close()

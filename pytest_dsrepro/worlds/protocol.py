@@ -51,6 +51,7 @@ class ServerFacts:
     accelerator_backend: str | None = None  # its communication backend: "gloo", "ccl", "nccl"
     preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
     fatal: str | None = None  # the server could not preload and will not run worlds
+    deepspeed_in_ranks: str | None = None  # why each rank imports DeepSpeed after the fork (None: the server did)
 
     def describe(self) -> str:
         """One line for the terminal: what the worlds of this run ran on."""
@@ -63,6 +64,8 @@ class ServerFacts:
             parts.append(f"comm op {self.comm_op}")
         if self.preloaded:
             parts.append(f"preloaded {self.preloaded}")
+        if self.deepspeed_in_ranks:
+            parts.append(f"DeepSpeed imported by each rank after the fork ({self.deepspeed_in_ranks})")
         return "; ".join(parts)
 
 

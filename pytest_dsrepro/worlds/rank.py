@@ -22,7 +22,7 @@ from typing import Any
 from ..core.outcome import ErrorInfo, Status
 from ..inrank import context, fixtures
 from ..inrank.context import RankContext
-from . import testmodule
+from . import nccl, testmodule
 from . import workdir as layout
 from .protocol import RankJob, RankReport, RankValue, TestRef
 from .workdir import LOOPBACK
@@ -108,6 +108,8 @@ def init_default_group(backend: str, store: Any, rank: int, world_size: int, tim
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
+        timeout = nccl.process_group_timeout(timeout)  # the harness ends a hang first, and dumps what NCCL saw
+        nccl.serve_dump_request(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs)
 
 

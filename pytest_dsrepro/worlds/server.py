@@ -15,6 +15,13 @@ the server kill every process it started, compilers included, discard the worlds
 Each world is a store process (its TCPStore) and one process per rank. They die with the server
 (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
 start are its children and get killed.
+
+The rule on GPUs: the fork server never touches a CUDA context, nor lets an import do so, since a forked child of a
+process that did cannot use CUDA (torch's bad-fork state). It never asks torch about devices (the pytest process
+found them, ``devices.probe``), runs with torch's NVML-based availability check, and after preloading checks that a
+forked child is not in the bad-fork state; where importing DeepSpeed put it there (releases before 0.19.8 with their
+CUDA accelerator), it restarts without DeepSpeed, which each rank then imports after the fork (``devices``). There is
+one server per DeepSpeed accelerator (``DS_ACCELERATOR``, chosen by the pytest process from the world's backend).
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from ..core.options import default_cache_dir
-from ..core.worlds import ds_accelerator
 from . import comm_op as extensions
+from . import devices
 from . import workdir as layout
 from .preload import warm as preload_rank_imports
 from .protocol import Building, DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
@@ -57,7 +64,8 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 
 def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     """Import what every rank imports, once: torch, DeepSpeed, pytest (a rank's fixes and skips use it) and the rank
-    code itself; choose the accelerator; build DeepSpeed's comm op; report what is in play. Each import made here
+    code itself; build DeepSpeed's comm op; report what is in play; leave DeepSpeed to the ranks where importing it
+    poisoned this server's forks. Each import made here
     is one a forked rank does not pay again (pytest alone is ~80 ms per world).
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
@@ -68,16 +76,11 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
 
     from . import rank  # noqa: F401
 
-    cuda_devices = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    facts = ServerFacts(
-        pid=os.getpid(),
-        torch=str(torch.__version__),
-        cuda_devices=cuda_devices,
-        gpus=tuple(str(torch.cuda.get_device_name(i)) for i in range(cuda_devices)),
-    )
-    chosen = ds_accelerator(os.environ, cuda_devices)
-    if chosen is not None:
-        os.environ["DS_ACCELERATOR"] = chosen
+    # Devices are the pytest process's business (``devices.probe``): asking torch here would poison every fork.
+    facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
+    found = devices.deferred(default_cache_dir(), str(torch.__version__))
+    if found is not None:
+        return devices.without_deepspeed(facts, found)
     try:
         import deepspeed
     except ImportError as exc:
@@ -87,6 +90,10 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     accelerator = get_accelerator()
     started = time.monotonic()
     comm_op = extensions.warm_up(announce)
+    if devices.gpu_device_nodes() and devices.poisoned_fork():
+        devices.restart_without_deepspeed(
+            devices.Deferred.of(deepspeed, accelerator), default_cache_dir(), str(torch.__version__)
+        )
     return dataclasses.replace(
         facts,
         deepspeed=str(deepspeed.__version__),

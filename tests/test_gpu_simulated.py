@@ -1,0 +1,217 @@
+"""GPU worlds end to end on a CPU machine: CPU torch made to claim two GPUs and to keep torch's fork rule
+(``tests/cuda_sim``), with the real fork server, ranks and DeepSpeed.
+
+What the simulation shows: no rank initialises CUDA in a poisoned fork (every CUDA initialisation is logged with the
+process's bad-fork state), with a DeepSpeed that guards its import (0.19.8, this environment's) and with one that
+initialises CUDA on import (``DSREPRO_SIM_UNGUARDED``, as every release before 0.19.8 does); NCCL worlds see only their
+leased GPUs, one per rank, with DeepSpeed's CUDA accelerator, and gloo worlds DeepSpeed's CPU one. A CPU torch cannot
+run a CUDA kernel, so what the simulation cannot show is a ZeRO step on those GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REAL_CACHE, RunPytest
+from pytest_dsrepro.core.options import CACHE_ENV
+from pytest_dsrepro.worlds import leases
+from pytest_dsrepro.worlds.devices import Gpu
+
+SIM = Path(__file__).parent / "cuda_sim"
+
+
+class Simulation:
+    def __init__(self, log: Path, uuid: str) -> None:
+        self.log = log
+        self.uuids = [f"GPU-{uuid}-0000-4000-8000-{i:012d}" for i in range(2)]
+
+    def cuda_inits(self) -> list[str]:
+        """``pid bad-fork|ok`` for every CUDA initialisation in every process."""
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Simulation]:
+    """Two simulated GPUs for every process the test starts, of their own (no other run leases them)."""
+    uuid = secrets.token_hex(4)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SIM), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DSREPRO_SIM_GPUS", "2")
+    monkeypatch.setenv("DSREPRO_SIM_UUID", uuid)
+    monkeypatch.setenv("DSREPRO_SIM_LOG", str(tmp_path / "cuda-inits.log"))
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    yield Simulation(tmp_path / "cuda-inits.log", uuid)
+    for left in leases.lease_dir(Path(REAL_CACHE)).glob(f"GPU-{uuid}-*"):  # these GPUs' lease files: no one else's
+        left.unlink()
+
+
+FORK_RULE = """
+import os, torch
+torch.cuda.is_available()  # without PYTORCH_NVML_BASED_CUDA_CHECK=1: the CUDA runtime's count, which poisons
+if os.fork() == 0:
+    try:
+        torch.cuda.set_device(0)
+    except RuntimeError as exc:
+        print(exc, flush=True)
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_the_simulation_keeps_torchs_fork_rule(gpus: Simulation) -> None:
+    """Without this the other tests here could not fail: a forked child of a process that asked CUDA is refused."""
+    out = subprocess.run([sys.executable, "-c", FORK_RULE], capture_output=True, text=True, check=True).stdout
+    assert "Cannot re-initialize CUDA in forked subprocess" in out
+    assert [line.split()[1] for line in gpus.cuda_inits()] == ["bad-fork"]
+
+
+WORLDS = """
+import importlib, os, sys
+import pytest
+
+
+def deepspeed():
+    return importlib.import_module("deepspeed")  # not an import statement: the rank's own import stays visible
+
+
+@pytest.mark.ds_world(timeout=120)
+def test_nccl_world(ds_rank):
+    import torch, torch.distributed as dist
+    assert ("deepspeed" in sys.modules) is (os.environ["PRELOADED"] == "yes")  # by the fork server, or not yet
+    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    assert len(visible) == 2 and torch.cuda.device_count() == 2
+    assert torch.cuda.current_device() == ds_rank
+    assert "GPU-" + torch.cuda.get_device_properties(ds_rank).uuid == visible[ds_rank]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    accelerator = deepspeed().accelerator.get_accelerator()
+    assert (accelerator.device_name(), accelerator.communication_backend_name()) == ("cuda", "nccl")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo underneath: a CPU torch has no NCCL
+    assert t.item() == 2
+
+
+@pytest.mark.ds_world(backend="gloo", timeout=120)
+def test_gloo_world_on_a_gpu_machine(ds_rank):
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    accelerator = deepspeed().accelerator.get_accelerator()
+    assert (accelerator.device_name(), accelerator.communication_backend_name()) == ("cpu", "gloo")
+"""
+
+
+def test_nccl_and_gloo_worlds_with_a_deepspeed_that_guards_its_import(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRELOADED", "yes")
+    pytester.makepyfile(WORLDS)
+    result = run("-v")
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    result.stdout.re_match_lines(
+        [
+            r"worlds ran on: DeepSpeed \S+ from .*, accelerator cuda \(communication backend nccl\); comm op not "
+            r"used by this accelerator",
+            r"worlds ran on: DeepSpeed \S+ from .*, accelerator cpu \(communication backend gloo\); comm op .*",
+        ],
+        consecutive=False,
+    )
+    assert "imported by each rank" not in out  # the fork server preloaded DeepSpeed: forks stay clean
+    inits = gpus.cuda_inits()
+    assert len(inits) >= 3, inits  # the probe, then each rank
+    assert all(line.endswith(" ok") for line in inits), inits
+
+
+def test_a_deepspeed_that_initialises_cuda_on_import_is_left_to_the_ranks(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # the note that this DeepSpeed poisons forks stays here
+    monkeypatch.setenv("DSREPRO_SIM_UNGUARDED", "1")
+    monkeypatch.setenv("PRELOADED", "no")
+    pytester.makepyfile(WORLDS)
+    result = run("-v", "-k", "nccl")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*worlds ran on: DeepSpeed * accelerator cuda (communication backend nccl); DeepSpeed imported by each "
+            "rank after the fork (importing DeepSpeed * with its cuda accelerator initialises CUDA, which poisons "
+            "the fork server's forks)"
+        ]
+    )
+    inits = gpus.cuda_inits()
+    # the probe, the first fork server (poisoned by DeepSpeed: it restarted before forking any rank), each rank
+    assert len(inits) >= 4, inits
+    assert all(line.endswith(" ok") for line in inits), inits
+    assert len(list((tmp_path / "cache" / "fork-safety").glob("deepspeed-*-cuda.json"))) == 1  # for the next server
+
+
+HUNG = """
+import time
+import pytest
+
+
+@pytest.mark.ds_world(backend="nccl", timeout=4)
+def test_hangs(ds_rank):
+    import torch.distributed as dist
+    dist.barrier()
+    time.sleep(600)
+"""
+
+
+def test_a_hung_nccl_world_ends_with_stacks_and_flight_recorder(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"  # an NCCL-only run needs no comm op: a cache of its own, kept dumps and all
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    pytester.makepyfile(HUNG)
+    result = run()
+    result.assert_outcomes(failed=1)
+    kept = sorted((cache / "nccl-flight-recorder").glob("*/nccl-trace-rank-*"))
+    assert [p.name for p in kept] == ["nccl-trace-rank-0", "nccl-trace-rank-1"]
+    out = result.stdout.str()
+    for rank in (0, 1):
+        assert (
+            f"rank {rank}: hung: still running when the 4s world timeout expired; NCCL flight recorder: 2 collectives "
+            f"recorded; not completed: nccl:all_reduce #2 started (sizes [[4]]); dump {kept[rank]}"
+        ) in out
+    result.stdout.fnmatch_lines(["---- rank 0: Python stacks when hung ----", "*", "*line 9 in test_hangs"])
+    assert "nccl.py" not in out  # the thread that dumps the flight recorder is the harness's
+
+
+BUSY = """
+import pytest
+
+
+@pytest.mark.ds_world(backend="nccl")
+def test_needs_both_gpus(ds_rank):
+    pass
+"""
+
+
+def test_an_nccl_world_whose_gpus_stay_busy_is_skipped_naming_them(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    lease = leases.try_lease([Gpu(1, gpus.uuids[1], "Simulated GPU")], 1, leases.lease_dir(cache), "another session")
+    assert lease is not None
+    try:
+        pytester.makepyfile(BUSY)
+        result = run("-v", "-rs", "--ds-gpu-wait", "1")
+    finally:
+        lease.release()
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"SKIPPED * no 2 free GPUs within 1s (--ds-gpu-wait); busy: GPU 1 (Simulated GPU, {gpus.uuids[1]}) "
+            f"leased by pid {os.getpid()} (another session) since *"
+        ]
+    )
+    assert "worlds ran on" not in result.stdout.str()  # skipped before any fork server started
+    free = leases.try_lease([Gpu(0, gpus.uuids[0], "")], 1, leases.lease_dir(cache), "check")
+    assert free is not None  # GPU 0, taken at each try while GPU 1 was busy, was given back each time
+    free.release()
