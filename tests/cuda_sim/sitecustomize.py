@@ -172,14 +172,14 @@ def _patch_deepspeed(deepspeed: types.ModuleType) -> None:
 
 
 def patch_devices(devices: types.ModuleType) -> None:
-    fake = Path(tempfile.gettempdir()) / f"dsrepro-sim-dev-{os.getuid()}"
+    fake = Path(tempfile.gettempdir()) / f"cuda-sim-dev-{os.getuid()}"
     fake.mkdir(exist_ok=True)
     (fake / "nvidia0").touch()
     devices.DEVICE_DIR = fake  # type: ignore[attr-defined]
 
 
 def _fake_nvcc() -> None:
-    home = Path(tempfile.gettempdir()) / f"dsrepro-sim-cuda-{os.getuid()}"
+    home = Path(tempfile.gettempdir()) / f"cuda-sim-toolkit-{os.getuid()}"
     nvcc = home / "bin" / "nvcc"
     if not nvcc.exists():
         nvcc.parent.mkdir(parents=True, exist_ok=True)
