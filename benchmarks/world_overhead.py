@@ -1,16 +1,26 @@
 """Per-test world overhead: pytest-dsrepro's worlds against a bare fork floor and against fresh interpreters.
 
-- **plugin**: trivial world tests (one all_reduce) at each world size, timed from pytest's own call-phase durations
-  (fresh rank processes per test included), and a tiny ZeRO-3 test (build an engine, one step).
+Measured in one run, interleaved round by round so that load changes hit every contender alike:
+
+- **plugin**: pytest sessions of trivial world tests (one all_reduce) at each world size, timed by pytest's own
+  call-phase durations (fresh rank processes per test included; the first test of a session, which starts the fork
+  server, is left out); in the 2-rank session, tiny ZeRO-3 tests (build an engine, one step; the session's first
+  also preloads what engines import, and is told apart); **the first world of a session**, from launching pytest
+  to the end of its first world test; and the pytest process's peak resident memory (torch must stay out of it).
 - **floor**: the least a forked world can cost, written here: one process that imported torch and DeepSpeed forks N
   ranks, which set up a TCPStore (rank 0 hosts it on a socket bound before the fork), initialise gloo, all_reduce,
-  destroy the group and exit.
-- **fresh interpreters**: two new Python processes per test, as DeepSpeed's DistributedTest and
+  destroy the group and exit. Also its first world, from launching it.
+- **fresh interpreters**: two new Python processes per world, as DeepSpeed's DistributedTest and
   torch.multiprocessing.spawn do (2 ranks only; it is slow).
-Plugin and floor run interleaved, round by round, so load changes hit both. Also printed: the resident memory of
-the pytest process itself (torch must stay out of it). Medians and ratios; the targets are in README.md.
+- **the warm catalogue**: ``pytest repros/`` on this interpreter's DeepSpeed, its comm op and preload list cached:
+  wall and CPU time.
+- ``--against DIR``: another checkout of the plugin (``git worktree add DIR <commit>``) measured the same way in the
+  same rounds, so that a change is judged side by side on a machine that is not quiet.
 
-    python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--baseline-runs 3]
+Prints medians, the load average, and ratios; the targets are in README.md.
+
+    python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--zero3 3]
+                                        [--baseline-runs 3] [--catalogue] [--against DIR]
 """
 
 from __future__ import annotations
@@ -18,13 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BODY = """
 import torch, torch.distributed as dist
@@ -56,13 +70,28 @@ def test_zero3_step(ds_engine, ds_config, ds_rank, i):
     engine.step()
 """
 
-#: Writes the pytest process's own peak resident memory (KiB) where the benchmark reads it.
-RSS_CONFTEST = """
-import resource
+#: Records, in the pytest process itself: each passed test's call duration, when its first test ended (wall clock,
+#: as the benchmark's launch time), whether torch got imported, and its peak resident memory (KiB).
+RECORDER = """
+import json, resource, sys, time
+
+calls = []
+first_end = []
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        first_end or first_end.append(time.time())
+        if report.passed:
+            calls.append([report.nodeid, report.duration])
 
 def pytest_sessionfinish(session):
-    with open("pytest_rss_kib", "w") as f:
-        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    with open("recorded.json", "w") as f:
+        json.dump({
+            "calls": calls,
+            "first_end": first_end[0] if first_end else None,
+            "torch": "torch" in sys.modules,
+            "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        }, f)
 """
 
 FLOOR = """
@@ -108,7 +137,10 @@ def world(size):
     return time.perf_counter() - started
 
 size, n = int(sys.argv[1]), int(sys.argv[2])
-print(json.dumps([world(size) for _ in range(n)]))
+times = [world(size)]
+first_end = time.time()
+times += [world(size) for _ in range(n)]
+print(json.dumps({{"first_end": first_end, "worlds": times[1:]}}))
 """
 
 BASELINE_RANK = """
@@ -124,30 +156,56 @@ dist.destroy_process_group()
 """
 
 
-def plugin(size: int, n: int, zero3: int, workdir: Path) -> tuple[list[float], list[float], int]:
-    """Per-test seconds of the trivial tests and of the ZeRO-3 tests, and pytest's peak RSS in KiB."""
-    (workdir / "conftest.py").write_text(RSS_CONFTEST)
+@dataclass
+class Figures:
+    """Everything measured for one plugin checkout (or the floor), pooled over rounds."""
+
+    trivial: dict[int, list[float]] = field(default_factory=dict)
+    zero3: list[float] = field(default_factory=list)
+    zero3_first: list[float] = field(default_factory=list)
+    first_world: list[float] = field(default_factory=list)
+    rss_kib: list[int] = field(default_factory=list)
+    torch_in_pytest: bool = False
+    catalogue_wall: list[float] = field(default_factory=list)
+    catalogue_cpu: list[float] = field(default_factory=list)
+
+
+def _env(plugin_root: Path) -> dict[str, str]:
+    """This interpreter, with the plugin imported from ``plugin_root`` (ahead of any installed copy)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSREPRO_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin_root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def plugin(plugin_root: Path, size: int, n: int, zero3: int, workdir: Path, into: Figures) -> None:
+    (workdir / "conftest.py").write_text(RECORDER)
     (workdir / "test_bench.py").write_text(
         PLUGIN_TESTS.format(size=size, n=n, zero3=zero3, body=textwrap.indent(BODY, "    "))
     )
-    results = workdir / "results"
-    for old in results.glob("*.json"):
-        old.unlink()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--ds-results={results}", "test_bench.py"]
-    subprocess.run(cmd, cwd=workdir, check=True, stdout=subprocess.DEVNULL)
-    (path,) = results.glob("*.json")
-    tests = [t for t in json.loads(path.read_text())["tests"] if t["outcome"] == "passed"]  # not empty-param skips
-    # the first test of a session also starts the fork server: it is not a per-test cost
-    trivial = [t["duration"] for t in tests if "test_all_reduce" in t["nodeid"]][1:]
-    steps = [t["duration"] for t in tests if "test_zero3_step" in t["nodeid"]]
-    return trivial, steps, int((workdir / "pytest_rss_kib").read_text())
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py"]
+    launched = time.time()
+    subprocess.run(cmd, cwd=workdir, check=True, stdout=subprocess.DEVNULL, env=_env(plugin_root))
+    recorded = json.loads((workdir / "recorded.json").read_text())
+    calls = recorded["calls"]
+    trivial = [d for nodeid, d in calls if "test_all_reduce" in nodeid]
+    steps = [d for nodeid, d in calls if "test_zero3_step" in nodeid]
+    into.trivial.setdefault(size, []).extend(trivial[1:])  # the first also started the fork server
+    into.zero3_first += steps[:1]  # the first also preloaded what engines import
+    into.zero3 += steps[1:]
+    into.first_world.append(recorded["first_end"] - launched)
+    into.rss_kib.append(recorded["rss_kib"])
+    into.torch_in_pytest |= recorded["torch"]
 
 
-def floor(size: int, n: int, workdir: Path) -> list[float]:
+def floor(size: int, n: int, workdir: Path, into: Figures) -> None:
     script = workdir / "floor.py"
     script.write_text(FLOOR.format(body=textwrap.indent(BODY, "    ")))
+    launched = time.time()
     out = subprocess.run([sys.executable, str(script), str(size), str(n)], check=True, capture_output=True, text=True)
-    return [float(x) for x in json.loads(out.stdout.splitlines()[-1])]
+    result = json.loads(out.stdout.splitlines()[-1])
+    into.trivial.setdefault(size, []).extend(result["worlds"])
+    into.first_world.append(result["first_end"] - launched)
 
 
 def baseline(runs: int, workdir: Path) -> list[float]:
@@ -164,8 +222,75 @@ def baseline(runs: int, workdir: Path) -> list[float]:
     return durations
 
 
-def _line(label: str, xs: list[float]) -> str:
-    return f"{label:<28}: median {statistics.median(xs):.3f} s (n={len(xs)}, min {min(xs):.3f}, max {max(xs):.3f})"
+def catalogue(plugin_root: Path, into: Figures) -> None:
+    """``pytest repros/`` (this checkout's), wall and CPU time of everything it ran."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "repros"]
+    subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=_env(plugin_root))  # verdicts are not timed
+    into.catalogue_wall.append(time.perf_counter() - started)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    into.catalogue_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _cell(x: float | None, unit: str = "s") -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f} MiB" if unit == "MiB" else f"{x:.3f} s"
+
+
+def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], sizes: list[int]) -> None:
+    names = list(contenders)
+    figures = list(contenders.values())
+    print(
+        f"{'':<36}" + "".join(f"{n:>14}" for n in names) + f"{'floor':>14}" + "".join(f"{'/floor':>10}" for _ in names)
+    )
+
+    def row(label: str, values: list[float | None], floor_value: float | None = None, unit: str = "s") -> None:
+        cells = "".join(f"{_cell(v, unit):>14}" for v in values)
+        ratios = "".join(f"{v / floor_value:>9.2f}x" for v in values if v) if floor_value else ""
+        print(f"{label:<36}{cells}{_cell(floor_value, unit) if floor_value else '':>14}{ratios}")
+
+    for size in sizes:
+        counts = "/".join(str(len(f.trivial.get(size, []))) for f in figures)
+        row(
+            f"trivial world, {size} rank(s) (n={counts})",
+            [_median(f.trivial.get(size, [])) for f in figures],
+            _median(bare.trivial.get(size, [])),
+        )
+    row(f"tiny ZeRO-3 test (n={'/'.join(str(len(f.zero3)) for f in figures)})", [_median(f.zero3) for f in figures])
+    row("first ZeRO-3 test (it preloads)", [_median(f.zero3_first) for f in figures])
+    row("first world, after launch", [_median(f.first_world) for f in figures], _median(bare.first_world))
+    row("pytest peak RSS (max)", [max(f.rss_kib) / 1024 for f in figures], unit="MiB")
+    print(f"{'torch imported in pytest':<36}" + "".join(f"{f.torch_in_pytest!s:>14}" for f in figures))
+    if any(f.catalogue_wall for f in figures):
+        row("warm catalogue, wall", [_median(f.catalogue_wall) for f in figures])
+        row("warm catalogue, CPU", [_median(f.catalogue_cpu) for f in figures])
+    if fresh:
+        print(f"{'fresh interpreters, 2 ranks':<36}{statistics.median(fresh):>12.3f} s (n={len(fresh)})")
+        for name, f in contenders.items():
+            two = _median(f.trivial.get(2, []))
+            if two:
+                print(f"{'  ' + name + ', speed-up on them':<36}{statistics.median(fresh) / two:>13.1f}x")
+    if len(names) == 2:
+        side_by_side(names, *figures, sizes)
+
+
+def side_by_side(names: list[str], a: Figures, b: Figures, sizes: list[int]) -> None:
+    print(f"\n{names[0]} / {names[1]}, medians of the same rounds:")
+    pairs = [(f"trivial world, {s} rank(s)", a.trivial.get(s, []), b.trivial.get(s, [])) for s in sizes] + [
+        ("tiny ZeRO-3 test", a.zero3, b.zero3),
+        ("first world, after launch", a.first_world, b.first_world),
+        ("warm catalogue, wall", a.catalogue_wall, b.catalogue_wall),
+        ("warm catalogue, CPU", a.catalogue_cpu, b.catalogue_cpu),
+    ]
+    for label, x, y in pairs:
+        if x and y:
+            print(f"  {label:<34}{statistics.median(x) / statistics.median(y):.2f}")
 
 
 def main() -> None:
@@ -175,34 +300,38 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8", help="world sizes, comma-separated")
     parser.add_argument("--zero3", type=int, default=3, help="tiny ZeRO-3 tests per round (2 ranks)")
     parser.add_argument("--baseline-runs", type=int, default=3, help="fresh-interpreter worlds (2 ranks)")
+    parser.add_argument("--catalogue", action="store_true", help="also time the warm catalogue (repros/) each round")
+    parser.add_argument("--against", type=Path, help="another checkout of the plugin, measured in the same rounds")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sizes = [int(s) for s in args.sizes.split(",")]
-    ours: dict[int, list[float]] = {s: [] for s in sizes}
-    bare: dict[int, list[float]] = {s: [] for s in sizes}
-    steps: list[float] = []
-    rss: list[int] = []
+    roots = {"this": ROOT}
+    if args.against is not None:
+        roots["against"] = args.against.resolve()
+    contenders = {name: Figures() for name in roots}
+    bare = Figures()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dsrepro-bench-") as tmp:
         workdir = Path(tmp)
+        if args.catalogue:  # warm: the comm op and the preload list cached, as every later run finds them
+            catalogue(ROOT, Figures())
         for _ in range(args.rounds):
             for size in sizes:
-                trivial, zero3, kib = plugin(size, args.tests, args.zero3 if size == 2 else 0, workdir)
-                ours[size] += trivial
-                steps += zero3
-                rss.append(kib)
-                bare[size] += floor(size, args.tests, workdir)
-        theirs = baseline(args.baseline_runs, workdir)
-    for size in sizes:
-        print(_line(f"plugin, {size}-rank world", ours[size]))
-        print(_line(f"bare fork floor, {size} ranks", bare[size]))
-        print(f"{'ratio to the floor':<28}: {statistics.median(ours[size]) / statistics.median(bare[size]):.2f}x")
-    if steps:
-        print(_line("plugin, tiny ZeRO-3 test", steps))
-    print(_line("fresh interpreters, 2 ranks", theirs))
-    if 2 in ours:
-        two = statistics.median(ours[2])
-        print(f"{'speed-up on fresh (2 ranks)':<28}: {statistics.median(theirs) / two:.1f}x")
-    print(f"{'pytest peak RSS':<28}: {max(rss) / 1024:.0f} MiB (median {statistics.median(rss) / 1024:.0f} MiB)")
+                for name, root in roots.items():
+                    plugin(root, size, args.tests, args.zero3 if size == 2 else 0, workdir, contenders[name])
+                floor(size, args.tests, workdir, bare)
+            if args.catalogue:
+                for name, root in roots.items():
+                    catalogue(root, contenders[name])
+        fresh = baseline(args.baseline_runs, workdir)
+    load_after = os.getloadavg()
+    print(
+        f"load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after: {', '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs"
+    )
+    for name, root in roots.items():
+        print(f"{name}: {root}")
+    report(contenders, bare, fresh, sizes)
 
 
 if __name__ == "__main__":

@@ -122,16 +122,21 @@ def test_a_rank_that_exited_while_the_others_waited_on_it_is_named_first() -> No
     assert describe_failure(not_only_lost).splitlines()[0] == "rank 0: RuntimeError: real"
 
 
-STORE = (
-    "from pathlib import Path; from pytest_dsrepro.worlds.rank import serve_store; serve_store(Path(sys.argv[1]), 2)"
-)
+STORE = """
+import socket
+from pytest_dsrepro.worlds.rank import serve_store
+
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+serve_store(listener)
+"""
 SLOW_RANK = """
 import pickle, sys, time
 from pathlib import Path
 from pytest_dsrepro.worlds import rank as R
 from pytest_dsrepro.worlds.protocol import RankJob, RankValue, TestRef
 
-workdir, rank = Path(sys.argv[1]), int(sys.argv[2])
+workdir, rank, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 connect = R.init_default_group
 
 def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up its world after the mesh is up
@@ -143,7 +148,7 @@ def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up i
 R.init_default_group = slow_to_connect
 ref = TestRef("bodies", str(workdir / "bodies.py"), "test_body", (str(workdir), *sys.path), str(workdir))
 job = RankJob(ref, pickle.dumps(({"rank": RankValue("rank")}, [])), "gloo", 60.0)
-report = R.run_rank(job, rank, 2, workdir)
+report = R.run_rank(job, rank, 2, R.Meeting(port, world=1))
 print(report.status.value, report.error.summary if report.error else "")
 """
 
@@ -160,17 +165,19 @@ def test_body(rank):
 def test_no_rank_may_leave_before_every_rank_is_connected(tmp_path: Path) -> None:
     """Item 5: ``run_rank`` starts the body (after which a rank may exit) only once every rank has its process group.
 
-    Real ranks (``run_rank`` in two processes, real gloo, the world's own store process); the fault is a rank 1 that
+    Real ranks (``run_rank`` in two processes, real gloo, a store process as the fork server has); the fault is a rank 1 that
     is slow to finish setting up. Before the agreement, rank 0 ran its body (and a body without a collective exits)
     while rank 1 was still setting up: the 0.3% flake, here every time.
     """
     (tmp_path / "bodies.py").write_text(BODY)
     python = [sys.executable, "-c"]
-    store = subprocess.Popen([*python, f"import sys; {STORE}", str(tmp_path)], cwd=tmp_path)
+    store = subprocess.Popen([*python, STORE], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
     try:
+        assert store.stdout is not None
+        port = store.stdout.readline().strip()
         ranks = [
             subprocess.Popen(
-                [*python, SLOW_RANK, str(tmp_path), str(r)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+                [*python, SLOW_RANK, str(tmp_path), str(r), port], cwd=tmp_path, stdout=subprocess.PIPE, text=True
             )
             for r in range(2)
         ]

@@ -334,13 +334,14 @@ def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest) -> 
             t = torch.ones(4)
             deepspeed.comm.inference_all_reduce(t)
             assert t.tolist() == [2.0] * 4
-            with open(os.path.join({str(pytester.path)!r}, f"port-{{port}}"), "w"):
+            with open(os.path.join({str(pytester.path)!r}, f"world-{{i}}-port-{{port}}"), "w"):
                 pass
         """
     )
     run().assert_outcomes(passed=3)
-    ports = [p.name.removeprefix("port-") for p in pytester.path.glob("port-*")]
-    assert len(ports) == 3
+    worlds = list(pytester.path.glob("world-*-port-*"))
+    assert len(worlds) == 3
+    ports = {p.name.rpartition("-")[2] for p in worlds}  # the fork server's store port: one, or one per server
     left = [n for n in os.listdir("/dev/shm") if any(f"_{port}_" in n for port in ports)]
     assert not left, f"left in /dev/shm: {left}"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RunPytest
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
 from pytest_dsrepro.worlds import workdir
 from pytest_dsrepro.worlds.client import _user_frames
@@ -73,6 +74,43 @@ def test_the_protocol_and_the_client_import_neither_torch_nor_pytest() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_pytest_has_no_torch_after_worlds_of_every_ending(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """Facts, reports and verdicts cross as plain data: after worlds that passed, failed with torch's own error,
+    skipped in a rank and built a DeepSpeed engine (the fork server then preloads), the pytest process still has
+    neither torch nor DeepSpeed (unpickling one TorchVersion would import all of torch: a second, ~200 MiB)."""
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_1_passes(ds_rank):
+            import torch.distributed as dist
+            dist.barrier()
+
+        @pytest.mark.ds_world
+        def test_2_fails_with_torchs_error(ds_rank):
+            import torch
+            torch.zeros(2, 3) @ torch.zeros(2, 3)
+
+        @pytest.mark.ds_world
+        def test_3_skips_in_its_ranks(ds_rank):
+            pytest.skip("skipped in the rank")
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_config("zero1")
+        def test_4_builds_an_engine(ds_engine):
+            ds_engine()
+
+        def test_5_pytest_has_neither():
+            assert [m for m in ("torch", "deepspeed") if m in sys.modules] == []
+        """
+    )
+    result = run("-rs")
+    result.assert_outcomes(passed=3, failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*RuntimeError: mat1 and mat2 shapes cannot be multiplied*", "*skipped in the rank*"])
 
 
 def test_a_rank_report_becomes_that_ranks_result() -> None:

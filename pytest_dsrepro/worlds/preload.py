@@ -6,12 +6,16 @@ modules is found, not hand-listed: a throwaway child forked from the server runs
 stage in a 1-rank gloo world and reports what it imported, in order; the list is kept per DeepSpeed install (and
 torch, and Python) in the cache directory, so only the first run of a release pays for finding it.
 
-Fork safety: the server must hold no thread when it forks. Modules are imported in the order the child imported
-them, and preloading stops before the first module after which the server runs more threads than before.
+Fork safety: the server must hold no thread when it forks (a forked child has only the forking thread, and a lock
+another thread held stays locked in it forever), no CUDA context and no process group. Before the list is kept,
+more throwaway children import it, in order, as the server would, and drop every module whose import leaves one of
+those behind (with what only it brought in): the server never imports them, and its ranks import them themselves.
+The server still checks after each import and stops at the first that leaves a hazard all the same.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -21,14 +25,20 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import shm
 
 #: The ZeRO stages whose first step the discovery runs (each imports its own optimizer code).
 PRESETS = ("zero1", "zero2", "zero3")
 DISCOVERY_TIMEOUT = 300.0
+#: The list file's format (in its name): lists of another one are found again, and left to the version that reads them.
+LIST_FORMAT = 2
+#: At most this many fork-unsafe modules are looked for (one throwaway child each); more, and nothing is preloaded.
+VET_ROUNDS = 20
 
 
 @dataclass(frozen=True)
@@ -44,18 +54,86 @@ class Preloaded:
 
 
 def list_file(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
-    """One list per DeepSpeed install (release and location), torch and Python."""
+    """One list per DeepSpeed install (release and location), torch, Python and format."""
     where = hashlib.sha256(str(deepspeed_dir.resolve()).encode()).hexdigest()[:10]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_dir / "preload" / f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}-{py}.json"
+    name = f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}-{py}-v{LIST_FORMAT}.json"
+    return cache_dir / "preload" / name
 
 
-def _threads() -> int:
+def threads() -> int:
     """Threads of this process as the kernel counts them (C++ pools too, not only Python's)."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def hazard(threads_before: int = 1) -> str | None:
+    """What makes forking this process unsafe, or None: more threads than ``threads_before`` (by default: any thread
+    besides this one), a CUDA context, a process group."""
+    if threads() > threads_before:
+        return "a thread"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if torch.cuda.is_initialized():
+            return "a CUDA context"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "a process group"
+    return None
+
+
+def in_child(work: Callable[[], Any], timeout: float) -> Any:
+    """``work()`` in a throwaway child forked from this process; its JSON-able result. Nothing it imports or starts
+    stays here. ``RuntimeError`` saying why when it fails (its traceback goes to this process's stderr) or takes
+    longer than ``timeout``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(read)
+            result = work()
+            with os.fdopen(write, "w") as out:
+                json.dump(result, out)
+            code = 0
+        except BaseException:  # noqa: BLE001 - told through the exit code; the traceback goes to the server's log
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    data: bytes | None = None
+    try:
+        data = _read_all(read, time.monotonic() + timeout)
+    finally:
+        os.close(read)
+        if data is None:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if data is None:
+        raise RuntimeError(f"it took longer than {timeout:g}s")
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"it failed (exit {os.waitstatus_to_exitcode(status)}; see the server log)")
+    return json.loads(data)
+
+
+def _read_all(fd: int, deadline: float) -> bytes | None:
+    chunks: list[bytes] = []
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+    return None
 
 
 def _engine_steps() -> None:
@@ -91,64 +169,26 @@ def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
     Raises ``RuntimeError`` with the reason when the child fails or takes longer than ``timeout``.
     """
     before = set(sys.modules)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            os.close(read)
-            _engine_steps()
-            found = [name for name in sys.modules if name not in before]
-            with os.fdopen(write, "w") as out:
-                json.dump(found, out)
-            code = 0
-        except BaseException:  # noqa: BLE001 - told through the exit code; the traceback goes to the server's log
-            import traceback
 
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(write)
-    data: bytes | None = None
+    def steps() -> list[str]:
+        _engine_steps()
+        return [name for name in sys.modules if name not in before]
+
     try:
-        data = _read_all(read, time.monotonic() + timeout)
-    finally:
-        os.close(read)
-        if data is None:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    if data is None:
-        raise RuntimeError(f"finding them took longer than {timeout:g}s")
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"the engine step failed (exit {os.waitstatus_to_exitcode(status)}; see the server log)")
-    return [str(name) for name in json.loads(data)]
+        return [str(name) for name in in_child(steps, timeout)]
+    except RuntimeError as exc:
+        raise RuntimeError(f"the engine step failed or hung: {exc}") from None
 
 
-def _read_all(fd: int, deadline: float) -> bytes | None:
-    chunks: list[bytes] = []
-    while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-    return None
-
-
-def import_ahead(names: list[str]) -> tuple[int, str | None]:
-    """Import ``names`` in order until one would leave this process with more threads; ``(imported, stopped_at)``.
+def import_ahead(names: list[str]) -> tuple[int, str | None, str | None]:
+    """Import ``names`` in order until one leaves this process less safe to fork than it was (``hazard``);
+    ``(imported, stopped_at, left)``: that module, and what it left.
 
     A module that cannot be imported here (one a child generated on the fly, say) is skipped: ranks import it
     themselves, as they would without preloading.
     """
-    baseline = _threads()
     imported = 0
+    before = threads()
     for name in names:
         if name in sys.modules:
             continue
@@ -156,10 +196,25 @@ def import_ahead(names: list[str]) -> tuple[int, str | None]:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - preloading is an optimisation; the rank reports real errors
             continue
-        if _threads() > baseline:
-            return imported, name
+        left = hazard(before)
+        if left is not None:
+            return imported, name, left
         imported += 1
-    return imported, None
+    return imported, None, None
+
+
+def vet(names: list[str], timeout: float = DISCOVERY_TIMEOUT) -> tuple[list[str], list[str]]:
+    """``(safe, unsafe)``: ``names`` split by what importing them, in order, does to a copy of this process. Each
+    throwaway child imports the list without the modules found unsafe so far, up to the next one that leaves a
+    hazard; an unsafe module's dependants are found in a later round, where they bring it in themselves."""
+    unsafe: list[str] = []
+    for _ in range(VET_ROUNDS):
+        candidates = [n for n in names if n not in unsafe]
+        _, stopped, _ = in_child(functools.partial(import_ahead, candidates), timeout)
+        if stopped is None:
+            return candidates, unsafe
+        unsafe.append(str(stopped))
+    raise RuntimeError(f"more than {VET_ROUNDS} modules leave a thread, a CUDA context or a process group")
 
 
 def warm(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Preloaded:
@@ -167,19 +222,24 @@ def warm(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_
     started = time.monotonic()
     listing = list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)
     try:
-        names = json.loads(listing.read_text())
+        kept = json.loads(listing.read_text())
+        if kept.get("format") != LIST_FORMAT:
+            raise ValueError("an older format")
+        names = [str(n) for n in kept["modules"]]
         note = "list cached"
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         try:
-            names = discover()
+            names, unsafe = vet(discover())
         except RuntimeError as exc:
             return Preloaded(0, time.monotonic() - started, f"not preloaded: {exc}")
         listing.parent.mkdir(parents=True, exist_ok=True)
         tmp = listing.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(names))
+        tmp.write_text(json.dumps({"format": LIST_FORMAT, "modules": names, "unsafe": unsafe}))
         tmp.rename(listing)
         note = "list found by a throwaway engine step, now cached"
-    imported, stopped = import_ahead(names)
+        if unsafe:
+            note += f"; left to the ranks: {', '.join(unsafe)} (fork-unsafe)"
+    imported, stopped, left = import_ahead(names)
     if stopped is not None:
-        note = f"stopped before {stopped}, which starts a thread"
+        note = f"stopped at {stopped}, which left {left}"
     return Preloaded(imported, time.monotonic() - started, note)

@@ -50,6 +50,8 @@ class ServerFacts:
     accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu", "cuda"
     accelerator_backend: str | None = None  # its communication backend: "gloo", "ccl", "nccl"
     preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
+    store_pid: int | None = None  # the server's store process, where every world's ranks meet
+    fork_hazard: str | None = None  # what would make its forks unsafe (a thread, a CUDA context); None: nothing
     fatal: str | None = None  # the server could not preload and will not run worlds
     deepspeed_in_ranks: str | None = None  # why each rank imports DeepSpeed after the fork (None: the server did)
 
@@ -66,6 +68,8 @@ class ServerFacts:
             parts.append(f"preloaded {self.preloaded}")
         if self.deepspeed_in_ranks:
             parts.append(f"DeepSpeed imported by each rank after the fork ({self.deepspeed_in_ranks})")
+        if self.fork_hazard:
+            parts.append(f"WARNING: the fork server forks with {self.fork_hazard}")
         return "; ".join(parts)
 
 

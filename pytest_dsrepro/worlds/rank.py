@@ -11,29 +11,38 @@ import contextlib
 import datetime
 import os
 import pickle
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from types import TracebackType
-from typing import Any
+from dataclasses import dataclass
+from types import CodeType, TracebackType
+from typing import Any, NoReturn
 
 from ..core.outcome import ErrorInfo, Status
 from ..inrank import context, fixtures
 from ..inrank.context import RankContext
 from . import nccl, testmodule
-from . import workdir as layout
 from .protocol import RankJob, RankReport, RankValue, TestRef
 from .workdir import LOOPBACK
 
 Fix = Callable[[Any], None]  # called with a pytest.MonkeyPatch
 
 
-def resolve_test(ref: TestRef) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class Meeting:
+    """Where a world's ranks meet: the fork server's store (its loopback port) and the world's id there."""
+
+    port: int
+    world: int
+
+
+def resolve_test(ref: TestRef, code: CodeType | None = None) -> Callable[..., Any]:
+    """The test function in its freshly imported module; ``code``: the module's code, compiled before the fork."""
     sys.path[:] = list(ref.sys_path)
     os.chdir(ref.cwd)
-    obj: Any = testmodule.load(ref.module_name, ref.module_file, rewrite=ref.rewrite_asserts)
+    obj: Any = testmodule.load(ref.module_name, ref.module_file, rewrite=ref.rewrite_asserts, code=code)
     parts = ref.qualname.split(".")
     for i, part in enumerate(parts):
         obj = getattr(obj, part)
@@ -46,41 +55,36 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def serve_store(workdir: Path, world_size: int) -> None:
-    """Host the world's TCPStore until the world is reaped (runs in its own process, forked beside the ranks).
+def serve_store(listener: socket.socket) -> NoReturn:
+    """Host a TCPStore on ``listener`` until this process is killed (the fork server's store process).
 
-    The store lives on a loopback socket whose port the OS picks: no port scanning, no bind-and-close race, nothing
-    listening beyond this machine. Kept out of the ranks so that it outlives whichever rank finishes first.
+    Every world of one fork server meets there under its own key prefix (``world_prefix``). The socket is bound
+    before this process starts, to a loopback port the OS picked: ranks know the port at once and may connect before
+    the store accepts (the kernel queues them); no port scanning, no bind-and-close race, nothing listening beyond
+    this machine.
     """
-    import socket
-
     import torch.distributed as dist
 
-    listener = socket.create_server((LOOPBACK, 0), backlog=max(128, world_size))
     port = listener.getsockname()[1]
     store = dist.TCPStore(  # type: ignore[attr-defined]  # noqa: F841 - kept alive until the process is killed
-        LOOPBACK, port, world_size, True, wait_for_workers=False, master_listen_fd=listener.detach()
+        LOOPBACK, port, None, True, wait_for_workers=False, master_listen_fd=listener.detach()
     )
-    port_file = layout.port_file(workdir)
-    tmp = port_file.with_suffix(".tmp")
-    tmp.write_text(str(port))
-    tmp.rename(port_file)
     while True:
         time.sleep(3600)
 
 
-def rendezvous(world_size: int, workdir: Path, timeout: float) -> Any:
-    """Connect to the world's store once its port is published."""
+def world_prefix(world: int) -> str:
+    return f"dsrepro/world-{world}/"
+
+
+def rendezvous(port: int, world: int, timeout: float) -> Any:
+    """The world's own view of the fork server's store: its keys under the world's prefix."""
     import torch.distributed as dist
 
-    port_file = layout.port_file(workdir)
-    deadline = time.monotonic() + timeout
-    while not port_file.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the world's store did not publish its port within {timeout:.0f}s")
-        time.sleep(0.002)
-    port = int(port_file.read_text())
-    return dist.TCPStore(LOOPBACK, port, world_size, False, timeout=_timeout(timeout))  # type: ignore[attr-defined]
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        LOOPBACK, port, None, False, timeout=_timeout(timeout), wait_for_workers=False
+    )
+    return dist.PrefixStore(world_prefix(world), client)  # type: ignore[attr-defined]
 
 
 def set_rank_environment(rank: int, world_size: int, port: int) -> None:
@@ -193,19 +197,20 @@ def run_body(
     return RankReport(Status.PASSED, at=time.monotonic(), returned="" if result is None else repr(type(result)))
 
 
-def run_rank(job: RankJob, rank: int, world_size: int, workdir: Path) -> RankReport:
-    """The whole life of a spawned rank, except process plumbing (see ``server``)."""
+def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: CodeType | None = None) -> RankReport:
+    """The whole life of a spawned rank, except process plumbing (see ``server``); ``code``: the test module's code,
+    compiled by the fork server for every rank of the world (None: compiled here)."""
     job.environ.apply(os.environ)
     try:
-        store = rendezvous(world_size, workdir, job.timeout)
-        set_rank_environment(rank, world_size, store.port)
+        store = rendezvous(meeting.port, meeting.world, job.timeout)
+        set_rank_environment(rank, world_size, meeting.port)
         init_default_group(job.backend, store, rank, world_size, job.timeout)
         agree_connected(store, world_size, job.timeout)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "world setup failed:\n", traceback.format_exc())
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
     try:
-        fn = resolve_test(job.test)
+        fn = resolve_test(job.test, code)
         kwargs, fixes = pickle.loads(job.payload)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "loading the test failed:\n", traceback.format_exc())

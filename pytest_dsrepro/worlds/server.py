@@ -12,9 +12,17 @@ unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kil
 which the server answers with ``Reaped`` once every process of it is dead and its directory is gone.
 End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
 the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit.
-Each world is a store process (its TCPStore) and one process per rank. They die with the server
-(PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
-start are its children and get killed.
+
+A world is one process per rank, in a process group of its own; they meet on the server's store process (one
+TCPStore for every world, each under its own key prefix, forked once at start-up). What all ranks of a world share
+is done once, before the fork: the job unpickled, the test module compiled with its asserts rewritten. Reaping a
+world kills its process group, then whatever its ranks left among the server's children (no scan of every process
+on the machine). Ranks and the store die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper,
+so even processes that ranks start are its children and get killed.
+
+Fork safety: when the server forks, it holds no thread, no CUDA context and no process group (``preload.hazard``,
+checked at start-up, after preloading, and at every world); its objects are frozen out of the garbage collector's
+reach, so that a rank's collections do not copy the whole shared heap (``freeze``).
 
 The rule on GPUs: the fork server never touches a CUDA context, nor lets an import do so, since a forked child of a
 process that did cannot use CUDA (torch's bad-fork state). It never asks torch about devices (the pytest process
@@ -30,25 +38,52 @@ import contextlib
 import ctypes
 import dataclasses
 import faulthandler
+import functools
+import gc
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from types import CodeType
 
 from ..core.options import default_cache_dir
 from . import comm_op as extensions
-from . import devices
+from . import devices, testmodule
+from . import preload as preload_mod
+from . import rank as rank_mod
 from . import workdir as layout
-from .preload import warm as preload_rank_imports
-from .protocol import Building, DumpStacks, Exited, Hello, Kill, Reap, Reaped, ServerFacts, Spawn, Spawned
+from .protocol import (
+    Building,
+    DumpStacks,
+    Exited,
+    Hello,
+    Kill,
+    RankJob,
+    Reap,
+    Reaped,
+    ServerFacts,
+    Spawn,
+    Spawned,
+    TestRef,
+)
+from .rank import Meeting
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 STACK_SIGNAL = signal.SIGUSR1  # ranks dump every thread's Python stack on it
+#: Connections the store's socket queues before it accepts them: every rank of the largest world at once.
+STORE_BACKLOG = 4096
+#: How long a SIGKILLed process may take to die before the reaping moves on (it is stuck in the kernel).
+DEATH_WAIT = 5.0
+#: Rounds of killing what ranks left behind: each round's dead hand their own children to the server.
+REAP_ROUNDS = 5
 
 
 def _prctl(option: int, value: int) -> None:
@@ -63,18 +98,16 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 
 
 def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
-    """Import what every rank imports, once: torch, DeepSpeed, pytest (a rank's fixes and skips use it) and the rank
-    code itself; build DeepSpeed's comm op; report what is in play; leave DeepSpeed to the ranks where importing it
-    poisoned this server's forks. Each import made here
-    is one a forked rank does not pay again (pytest alone is ~80 ms per world).
+    """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
+    code itself is imported with this module); build DeepSpeed's comm op; report what is in play; leave DeepSpeed to
+    the ranks where importing it poisoned this server's forks. Each import made here is one a forked rank does not
+    pay again (pytest alone is ~80 ms per world).
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
     the pytest process imports nothing.
     """
     import pytest  # noqa: F401
     import torch
-
-    from . import rank  # noqa: F401
 
     # Devices are the pytest process's business (``devices.probe``): asking torch here would poison every fork.
     facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
@@ -105,6 +138,18 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     )
 
 
+def freeze() -> None:
+    """Move every object the server holds to the garbage collector's permanent generation.
+
+    A forked rank shares the server's memory until it writes to it, and a collection writes to every object it
+    traverses: a rank's first full collection would walk (and copy) the server's whole heap, more than a million
+    objects once engine imports are preloaded, costing every rank of every world time and memory (and its exit the
+    freeing of those copies). Frozen objects are never traversed again. Nothing is collected first: that would take
+    a third of a second for a few dozen objects of import-time garbage, which may as well stay.
+    """
+    gc.freeze()
+
+
 def preload_for_engines() -> str:
     """Import what a rank's first DeepSpeed engine step needs (``worlds.preload``), once, before the first world that
     builds engines: worlds that do not never pay for it."""
@@ -112,20 +157,25 @@ def preload_for_engines() -> str:
     import torch
 
     where = Path(deepspeed.__file__).parent
-    return preload_rank_imports(
-        default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where
-    ).describe()
+    return preload_mod.warm(default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where).describe()
 
 
-def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
-    """Fork a child of the server that runs ``body`` and exits; it never unwinds into the server's loop."""
+def _fork(conn: Connection, server_pid: int, body: Callable[[], None], group: int | None = None) -> int:
+    """Fork a child of the server that runs ``body`` and exits; it never unwinds into the server's loop. ``group``:
+    the process group it joins (0: a new one it leads); the parent sets it too, so neither can act before it is set.
+    """
     sys.stdout.flush()  # or the child would inherit, and later write, whatever the server had buffered
     sys.stderr.flush()
     pid = os.fork()
     if pid:
+        if group is not None:
+            with contextlib.suppress(OSError):  # the child may already have set it, or already be gone
+                os.setpgid(pid, group or pid)
         return pid
     code = 70
     try:
+        if group is not None:
+            os.setpgid(0, group)
         conn.close()
         die_with_parent(server_pid)
         signal.set_wakeup_fd(-1)
@@ -143,7 +193,7 @@ def _fork(conn: Connection, server_pid: int, body: Callable[[], None]) -> int:
         os._exit(code)
 
 
-def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
+def _rank_body(job: RankJob, rank: int, size: int, workdir: Path, meeting: Meeting, code: CodeType | None) -> None:
     out = os.open(layout.output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -153,17 +203,18 @@ def _rank_body(job: bytes, rank: int, size: int, workdir: Path) -> None:
     stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)  # a segfault or abort leaves the Python stack too
-    from . import rank as rank_mod
-
-    layout.write_report(workdir, rank, rank_mod.run_rank(pickle.loads(job), rank, size, workdir))
+    layout.write_report(workdir, rank, rank_mod.run_rank(job, rank, size, meeting, code))
 
 
-def start_world(job: bytes, size: int, workdir: Path, server_pid: int, conn: Connection) -> list[int]:
-    """The world's store process, then its ranks; returns the ranks' pids."""
-    from . import rank as rank_mod
-
-    _fork(conn, server_pid, lambda: rank_mod.serve_store(workdir, size))
-    return [_fork(conn, server_pid, lambda r=r: _rank_body(job, r, size, workdir)) for r in range(size)]  # type: ignore[misc]
+def start_world(
+    job: RankJob, size: int, workdir: Path, meeting: Meeting, code: CodeType | None, server_pid: int, conn: Connection
+) -> list[int]:
+    """Fork the world's ranks, in a process group of their own led by rank 0; returns their pids."""
+    pids: list[int] = []
+    for r in range(size):
+        body = functools.partial(_rank_body, job, r, size, workdir, meeting, code)
+        pids.append(_fork(conn, server_pid, body, group=pids[0] if pids else 0))
+    return pids
 
 
 def _child_exit_wakeups() -> int:
@@ -175,13 +226,78 @@ def _child_exit_wakeups() -> int:
     return r
 
 
+class Store:
+    """The TCPStore every world of this server meets on, in one child process forked once (``rank.serve_store``).
+
+    Not in the server itself: a TCPStore serves from a thread of its own, and the server must hold none when it
+    forks. Not one per world either: that costs a fork and a wait for its port in every world. Worlds keep apart
+    under their own key prefixes, and DeepSpeed names its ``/dev/shm`` buffers after this port, which the server
+    holds while it lives, so they are this server's (its worlds run one at a time and are reaped in between).
+    """
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.port = 0
+
+    def start(self, conn: Connection, server_pid: int) -> None:
+        listener = socket.create_server((layout.LOOPBACK, 0), backlog=STORE_BACKLOG)
+        self.port = listener.getsockname()[1]
+        try:
+            self.pid = _fork(conn, server_pid, functools.partial(rank_mod.serve_store, listener))
+        finally:
+            listener.close()
+
+    def ended(self) -> None:
+        """The store process was reaped: the next world starts a new one."""
+        print("pytest-dsrepro fork server: the store process ended; the next world gets a new one", file=sys.stderr)
+        self.pid = None
+
+
+@dataclass(frozen=True)
+class World:
+    """One world the server forked: its ranks, in a process group of their own that rank 0 leads.
+
+    Rank 0 stays unreaped (a zombie once it exits, after its exit has been told) until the world is reaped: while its
+    pid is held, the group's id cannot be given to another process, so signalling the group cannot hit a stranger.
+    """
+
+    pids: tuple[int, ...]
+
+    @property
+    def group(self) -> int:
+        return self.pids[0]
+
+
+def _exit_code(result: os.waitid_result) -> int:
+    """``subprocess``'s convention: the exit status, or minus the signal that killed it."""
+    return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+
+
+def children() -> list[int]:
+    """This process's children (the server's own ranks, its store, and orphans adopted as a child subreaper), from
+    the kernel's list for this process alone: no scan of every process on the machine."""
+    found: list[int] = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                found += [int(pid) for pid in f.read().split()]
+    except OSError:  # no such list (CONFIG_PROC_CHILDREN is off): every process is scanned
+        import psutil
+
+        return [p.pid for p in psutil.Process().children()]
+    return found
+
+
 class Worlds:
     """The worlds this server started for pytest: their ranks' pids until reaped, their directories until reaped."""
 
-    def __init__(self, conn: Connection, directories: dict[int, Path]) -> None:
+    def __init__(self, conn: Connection, directories: dict[int, Path], store: Store) -> None:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
-        self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks not reaped yet
+        self.store = store
+        self.worlds: dict[int, World] = {}
+        self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks whose exit is not told yet
+        self._code: dict[tuple[object, ...], CodeType] = {}  # test modules compiled for the ranks, by file version
         self.preloaded: str | None = None  # set by the first Spawn that asks for preloading
 
     def handle(self, message: object) -> None:
@@ -190,9 +306,7 @@ class Worlds:
                 self.directories[world] = Path(workdir)
                 if preload and self.preloaded is None and "deepspeed" in sys.modules:
                     self.preloaded = preload_for_engines()
-                pids = start_world(job, size, Path(workdir), os.getpid(), self.conn)
-                self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
-                self.conn.send(Spawned(world, tuple(pids), self.preloaded))
+                self.spawn(world, pickle.loads(job), size, Path(workdir))
             case DumpStacks(world=world, ranks=ranks):
                 self.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
@@ -202,8 +316,44 @@ class Worlds:
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
 
+    def spawn(self, world: int, job: RankJob, size: int, workdir: Path) -> None:
+        """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
+        compiled, the store running and its port (which names the world's ``/dev/shm`` buffers) written down."""
+        if self.store.pid is None:
+            self.store.start(self.conn, os.getpid())
+        hazard = preload_mod.hazard()
+        if hazard is not None:
+            print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
+        layout.write_port(workdir, self.store.port)
+        meeting = Meeting(self.store.port, world)
+        code = self.compiled(job.test)
+        freeze()  # what the server made since, too
+        pids = start_world(job, size, workdir, meeting, code, os.getpid(), self.conn)
+        self.worlds[world] = World(tuple(pids))
+        self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
+        self.conn.send(Spawned(world, tuple(pids), self.preloaded))
+
+    def compiled(self, test: TestRef) -> CodeType | None:
+        """The test module's code for every rank of every world that imports it, compiled once per file version.
+        None when it does not compile cleanly: each rank then compiles it itself and reports what is wrong."""
+        try:
+            st = os.stat(test.module_file)
+            key = (test.module_file, test.rewrite_asserts, st.st_ino, st.st_size, st.st_mtime_ns)
+            if key not in self._code:
+                with open(test.module_file, "rb") as f:
+                    source = f.read()
+                with warnings.catch_warnings(record=True) as warned:  # told by the ranks, where the user reads them
+                    warnings.simplefilter("always")
+                    code = testmodule.compile_source(test.module_file, source, rewrite=test.rewrite_asserts)
+                if warned:
+                    return None
+                self._code[key] = code
+            return self._code[key]
+        except Exception:  # noqa: BLE001 - a SyntaxError, a vanished file: the ranks report it
+            return None
+
     def signal(self, world: int, ranks: tuple[int, ...], sig: int) -> None:
-        """Only ranks not reaped yet: their pids cannot have been recycled for another process."""
+        """Only ranks whose exit was not told yet: their pids cannot have been recycled for another process."""
         for pid, (w, r) in self._ranks.items():
             if w == world and r in ranks:
                 with contextlib.suppress(ProcessLookupError):
@@ -215,37 +365,98 @@ class Worlds:
         The directory is discarded here, by the process that outlives the world, not left to pytest: a second Ctrl-C
         may cut pytest's own cleanup short, and a directory forgotten here would never be removed.
         """
-        for pid, returncode in kill_descendants():
-            self._report(pid, returncode)
-        self.reap()  # ranks that ended on their own before the kill
-        directory = self.directories.get(world)
+        ending = self.worlds.pop(world, None)
+        if ending is not None:
+            self.end(ending)
+        directory = self.directories.pop(world, None)
         if directory is not None:
             layout.discard(directory)
-            del self.directories[world]
         self.conn.send(Reaped(world))
 
-    def _report(self, pid: int, returncode: int | None) -> None:
+    def end(self, world: World) -> None:
+        """SIGKILL the world's process group and wait for its ranks; then whatever else they left among the server's
+        children (processes they started, adopted by the server when their parent died: in the group, or gone
+        elsewhere with setsid), round after round, since a dying process's children are adopted only as it dies.
+        Rank 0, which holds the group's id, is reaped last."""
+        leader = world.group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader, signal.SIGKILL)
+        ranks = [pid for pid in world.pids if pid in self._ranks]  # not told yet, so not reaped: safe to signal
+        for pid in ranks:  # one that left the group (setsid in a body) too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._wait_dead([pid for pid in ranks if pid != leader])
+        others = {w.group for w in self.worlds.values()}  # worlds still open (never more than one, in practice)
+        for _ in range(REAP_ROUNDS):
+            strays = [pid for pid in children() if pid not in (leader, self.store.pid) and not self._of(pid, others)]
+            if not strays:
+                break
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader, signal.SIGKILL)  # whatever joined the group meanwhile
+            self._wait_dead(strays)
+        self._wait_dead([leader])
+
+    def _of(self, pid: int, groups: set[int]) -> bool:
+        try:
+            return os.getpgid(pid) in groups
+        except ProcessLookupError:
+            return False
+
+    def _wait_dead(self, pids: list[int]) -> None:
+        """Reap these (SIGKILLed) children, telling the ranks' ends; a process the kernel cannot end within
+        ``DEATH_WAIT`` (stuck in the kernel) is left to the next round, or to the server's exit."""
+        left = set(pids)
+        deadline = time.monotonic() + DEATH_WAIT
+        while left:
+            for pid in list(left):
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    left.discard(pid)
+                    continue
+                if done:
+                    left.discard(pid)
+                    self._report(pid, os.waitstatus_to_exitcode(status))
+            if left:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.0005)
+
+    def _report(self, pid: int, returncode: int) -> None:
         ended = self._ranks.pop(pid, None)
         if ended is not None:
             world, rank = ended
-            code = -signal.SIGKILL if returncode is None else returncode
-            self.conn.send(Exited(world, rank, code, at=time.monotonic()))
+            self.conn.send(Exited(world, rank, returncode, at=time.monotonic()))
 
     def reap(self) -> None:
-        """Reap whatever ended: ranks are reported, orphans they left behind are just reaped."""
-        while True:
+        """Tell the ends of ranks that exited; rank 0 of a world only once it has ended, without reaping it (it holds
+        its group's id until the world is reaped). Processes that ranks left behind are reaped with their world."""
+        for pid, (world, _) in list(self._ranks.items()):
+            open_world = self.worlds.get(world)
+            if open_world is not None and pid == open_world.group:
+                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if ended is not None and ended.si_pid == pid:
+                    self._report(pid, _exit_code(ended))
+                continue
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            self._report(pid, os.waitstatus_to_exitcode(status))
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # never expected: only this loop and the world's reaping wait for ranks
+                self._report(pid, -signal.SIGKILL)
+                continue
+            if done:
+                self._report(pid, os.waitstatus_to_exitcode(status))
+        if self.store.pid is not None:
+            done, _ = os.waitpid(self.store.pid, os.WNOHANG)
+            if done:
+                self.store.ended()
 
 
-def serve(conn: Connection, open_worlds: dict[int, Path]) -> None:
+def serve(conn: Connection, open_worlds: dict[int, Path], store: Store) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = Worlds(conn, open_worlds)
+    worlds = Worlds(conn, open_worlds, store)
     wakeups = _child_exit_wakeups()
     while True:
         ready = wait([conn, wakeups], timeout=1.0)
@@ -286,7 +497,25 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    fd, parent, log = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    """Serve until pytest goes away, clean up, then leave at once: the interpreter's own teardown of torch and
+    DeepSpeed takes a second or more, and pytest waits for the server's exit."""
+    code = 1
+    try:
+        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - into the log, which pytest shows when the server failed
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run(fd: int, parent: int, log: Path) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     die_with_parent(parent, signal.SIGTERM)  # not SIGKILL: the server must still clean up after its worlds
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -295,15 +524,20 @@ def main() -> None:
     open_worlds: dict[int, Path] = {}
     try:
         try:
+            store = Store()
             try:
                 facts = preload(lambda what: conn.send(Building(what)))
+                if facts.fatal is None:
+                    freeze()
+                    store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
+                    facts = dataclasses.replace(facts, store_pid=store.pid, fork_hazard=preload_mod.hazard())
             except Exception as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
                 # Not SystemExit: pytest's SIGTERM while the comm op builds must unwind the build (torch then
                 # removes its build lock) and reach the cleanup below, which kills the compilers.
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
-                serve(conn, open_worlds)
+                serve(conn, open_worlds, store)
         finally:
             # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
             # may still land here, before it is ignored, and only the outer block is sure to run to the end.

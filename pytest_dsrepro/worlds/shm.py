@@ -1,8 +1,9 @@
 """DeepSpeed's CPU shared-memory allreduce leaves one ~66 MiB file per rank in /dev/shm and never deletes it.
 
 Names are ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp, the same
-from 0.14 to 0.19). A world's MASTER_PORT is its own store's port, held by the world while it lives, so the files
-of one world are exactly those carrying its address and port: removing them cannot touch another live world.
+from 0.14 to 0.19). A world's MASTER_PORT is the port of its fork server's store, held by that server while it
+lives, whose worlds run one at a time: the files carrying that address and port are the running world's, and
+removing them cannot touch a world of another server.
 """
 
 from __future__ import annotations

@@ -21,21 +21,39 @@ import sys
 from types import CodeType, ModuleType
 
 
+def compile_source(path: str, source: bytes, *, rewrite: bool) -> CodeType:
+    """The module's code from its source, asserts rewritten as pytest rewrites them when ``rewrite``."""
+    if not rewrite:
+        return compile(source, path, "exec", dont_inherit=True)
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    tree = ast.parse(source, filename=path)
+    rewrite_asserts(tree, source, path)
+    return compile(tree, path, "exec", dont_inherit=True)
+
+
 class _RewritingLoader(importlib.machinery.SourceFileLoader):
     """A source loader that always compiles from source, with pytest's assertion rewriting (never a cached pyc)."""
 
     def get_code(self, fullname: str) -> CodeType:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
         path = self.get_filename(fullname)
-        source = self.get_data(path)
-        tree = ast.parse(source, filename=path)
-        rewrite_asserts(tree, source, path)
-        return compile(tree, path, "exec", dont_inherit=True)
+        return compile_source(path, self.get_data(path), rewrite=True)
 
 
-def load(name: str, path: str, *, rewrite: bool) -> ModuleType:
-    """Import the file at ``path`` as module ``name`` (its package first, so relative imports work).
+class _CompiledLoader(importlib.machinery.SourceFileLoader):
+    """A loader whose module code was compiled before the fork (by the fork server, once for every rank)."""
+
+    def __init__(self, fullname: str, path: str, code: CodeType) -> None:
+        super().__init__(fullname, path)
+        self.code = code
+
+    def get_code(self, fullname: str) -> CodeType:
+        return self.code
+
+
+def load(name: str, path: str, *, rewrite: bool, code: CodeType | None = None) -> ModuleType:
+    """Import the file at ``path`` as module ``name`` (its package first, so relative imports work); ``code``: the
+    file's code already compiled as ``rewrite`` says (``compile_source``), else it is compiled here.
 
     Loaded from the file, never by name from ``sys.path``: under pytest's importlib mode the name is not importable,
     and a same-named module elsewhere on the path must not stand in for the test.
@@ -46,8 +64,12 @@ def load(name: str, path: str, *, rewrite: bool) -> ModuleType:
     if package:
         with contextlib.suppress(ImportError):  # a rootdir-relative name whose package is not importable
             importlib.import_module(package)
-    loader_type = _RewritingLoader if rewrite else importlib.machinery.SourceFileLoader
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader_type(name, path))
+    loader: importlib.machinery.SourceFileLoader
+    if code is not None:
+        loader = _CompiledLoader(name, path, code)
+    else:
+        loader = _RewritingLoader(name, path) if rewrite else importlib.machinery.SourceFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load the test module {name} from {path}")
     module = importlib.util.module_from_spec(spec)

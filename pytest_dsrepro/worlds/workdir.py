@@ -1,8 +1,9 @@
 """A world's private directory: the one place that knows its layout, and how to leave nothing of it behind.
 
-Ranks write their reports, output and stacks here; the world's store process publishes its port here. The pytest
-process reads it after the world; whoever outlives the world (pytest, or the fork server if pytest was killed)
-discards it. A rank's report file is written and read only through ``write_report`` and ``read_report``.
+Ranks write their reports, output and stacks here; the fork server writes down its store's port, which names the
+world's ``/dev/shm`` buffers. The pytest process reads it after the world; whoever outlives the world (the fork
+server, or pytest if the server died) discards it. A rank's report file is written and read only through
+``write_report`` and ``read_report``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ LOOPBACK = "127.0.0.1"
 
 def port_file(workdir: Path) -> Path:
     return workdir / "store_port"
+
+
+def write_port(workdir: Path, port: int) -> None:
+    port_file(workdir).write_text(str(port))
 
 
 def result_file(workdir: Path, rank: int) -> Path:
