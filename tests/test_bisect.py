@@ -23,6 +23,7 @@ import pytest
 from packaging.version import Version
 
 from conftest import REAL_CACHE, ROOT, deepspeed_version
+from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.core.results import RankStory, TestRecord
@@ -247,7 +248,7 @@ def test_a_probe_with_unreadable_results_is_skipped(tmp_path: Path) -> None:
     probe = Prober("t.py::t", lambda v: ReleaseEnv(str(fake), dict(os.environ)))(Version("0.16.3"))
     assert probe.bug is None
     assert probe.detail.startswith("unreadable results: ")
-    assert "schema 1: this pytest-dsrepro reads results files of schema 3 only" in probe.detail
+    assert f"schema 1: this pytest-dsrepro reads results files of schema {results.SCHEMA} only" in probe.detail
 
 
 # --- one probe, with the installed release --------------------------------------------------------------------------
