@@ -13,7 +13,7 @@ import pytest
 from conftest import RunPytest
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
 from pytest_dsrepro.worlds import workdir
-from pytest_dsrepro.worlds.client import _user_frames
+from pytest_dsrepro.worlds.client import ForkServer, _user_frames
 from pytest_dsrepro.worlds.protocol import (
     CLIENT_MESSAGES,
     SERVER_MESSAGES,
@@ -41,6 +41,7 @@ MESSAGES = [
     Hello(FACTS),
     Building("building DeepSpeed's CPU comm op for 0.19.8, first time only"),
     Spawned(1, (101, 102)),
+    Spawned(2, (103,), "1500 modules in 2.0s (list cached)", "a thread"),
     Exited(1, 0, -9, at=12.5),
     Reaped(1),
     Spawn(1, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world"),
@@ -111,6 +112,19 @@ def test_pytest_has_no_torch_after_worlds_of_every_ending(pytester: pytest.Pytes
     result = run("-rs")
     result.assert_outcomes(passed=3, failed=1, skipped=1)
     result.stdout.fnmatch_lines(["*RuntimeError: mat1 and mat2 shapes cannot be multiplied*", "*skipped in the rank*"])
+
+
+def test_a_fork_hazard_the_server_reports_is_kept_and_shown(tmp_path: Path) -> None:
+    """Never expected (preloading is vetted), but never silent: a world forked with a thread in the server is told
+    in ``Spawned`` and shown in 'worlds ran on' for the rest of the run."""
+    server = ForkServer(tmp_path, startup_timeout=1)
+    server.facts = dataclasses.replace(FACTS, accelerator="cpu", accelerator_backend="gloo")
+    server.noted_preload("1500 modules in 2.0s (list cached)", None)
+    assert "WARNING" not in server.facts.describe()
+    server.noted_preload(None, "a thread")
+    server.noted_preload(None, None)  # a later world forked safely: what happened once stays told
+    assert server.facts.fork_hazard == "a thread"
+    assert server.facts.describe().endswith("; WARNING: the fork server forks with a thread")
 
 
 def test_a_rank_report_becomes_that_ranks_result() -> None:

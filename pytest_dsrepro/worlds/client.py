@@ -216,10 +216,15 @@ class ForkServer:
                 return message
         return None
 
-    def noted_preload(self, preloaded: str | None) -> None:
-        """Keep what the server imported ahead of its ranks with its facts, once it has (``Spawned.preloaded``)."""
-        if preloaded is not None and self.facts is not None and self.facts.preloaded != preloaded:
+    def noted_preload(self, preloaded: str | None, fork_hazard: str | None = None) -> None:
+        """Keep with its facts what the server imported ahead of its ranks, once it has (``Spawned.preloaded``), and
+        what made a fork of it unsafe, if anything ever did (``Spawned.fork_hazard``)."""
+        if self.facts is None:
+            return
+        if preloaded is not None and self.facts.preloaded != preloaded:
             self.facts = dataclasses.replace(self.facts, preloaded=preloaded)
+        if fork_hazard is not None and self.facts.fork_hazard is None:
+            self.facts = dataclasses.replace(self.facts, fork_hazard=fork_hazard)
 
     def log_tail(self, lines: int = 30) -> str:
         if self._log is None or not self._log.exists():
@@ -338,6 +343,7 @@ class WorldRun:
     stack_dump_wait: float = STACK_DUMP_WAIT
     preload: bool = False
     preloaded: str | None = None  # what the server said it had imported ahead of its ranks
+    fork_hazard: str | None = None  # what the server said made its fork of this world unsafe
     flight_recorder: Path | None = None  # an NCCL world's: where its ranks' flight recorder dumps are kept
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
@@ -390,7 +396,7 @@ class WorldRun:
                     )
                 if isinstance(message, Spawned) and message.world == self.world_id:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
-                    self.preloaded = message.preloaded
+                    self.preloaded, self.fork_hazard = message.preloaded, message.fork_hazard
             self._wait(started + self.timeout)
             return self._outcome(started)
         except ServerGone as exc:
@@ -608,7 +614,7 @@ class WorldRunner:
             try:
                 return world.run(job)
             finally:
-                server.noted_preload(world.preloaded)
+                server.noted_preload(world.preloaded, world.fork_hazard)
         finally:
             if lease is not None:
                 lease.release()

@@ -98,6 +98,7 @@ class Spawned:
     world: int
     pids: tuple[int, ...]
     preloaded: str | None = None  # what the server has imported ahead of its ranks, once it has (``Spawn.preload``)
+    fork_hazard: str | None = None  # what made forking these ranks unsafe (a thread, a CUDA context); None: nothing
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Reaped)
 
 @dataclass(frozen=True)
 class Spawn:
-    """Start a world: its store process, then ``size`` ranks that each run ``job`` (a pickled ``RankJob``)."""
+    """Start a world: ``size`` ranks that each run ``job`` (a pickled ``RankJob``), meeting on the server's store."""
 
     world: int
     job: bytes
@@ -154,8 +155,8 @@ class Kill:
 
 @dataclass(frozen=True)
 class Reap:
-    """pytest has read the world's directory (or was interrupted): kill whatever of the world is left (ranks, its
-    store, processes ranks started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``."""
+    """pytest has read the world's directory (or was interrupted): kill whatever of the world is left (ranks and the
+    processes they started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``."""
 
     world: int
 

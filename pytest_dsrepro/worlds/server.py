@@ -322,7 +322,7 @@ class Worlds:
         if self.store.pid is None:
             self.store.start(self.conn, os.getpid())
         hazard = preload_mod.hazard()
-        if hazard is not None:
+        if hazard is not None:  # never expected: told to pytest, which shows it in 'worlds ran on'
             print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
         layout.write_port(workdir, self.store.port)
         meeting = Meeting(self.store.port, world)
@@ -331,7 +331,7 @@ class Worlds:
         pids = start_world(job, size, workdir, meeting, code, os.getpid(), self.conn)
         self.worlds[world] = World(tuple(pids))
         self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
-        self.conn.send(Spawned(world, tuple(pids), self.preloaded))
+        self.conn.send(Spawned(world, tuple(pids), self.preloaded, hazard))
 
     def compiled(self, test: TestRef) -> CodeType | None:
         """The test module's code for every rank of every world that imports it, compiled once per file version.
