@@ -141,8 +141,8 @@ def parse_condition(args: tuple[object, ...], kwargs: dict[str, object], where: 
     """One ``ds_prerequisite(releases, fix=, reason=)`` (``with_fix``) or ``ds_not_applicable(releases, reason=)``."""
     allowed = {"releases", "reason"} | ({"fix"} if with_fix else set())
     if len(args) > 1 or set(kwargs) - allowed or (args and "releases" in kwargs):
-        raise MarkerError(f"{where}: takes releases, {', '.join(sorted(allowed - {'releases'}))}=; got {args!r} "
-                          f"{sorted(kwargs)}")  # fmt: skip
+        named = ", ".join(f"{name}=" for name in sorted(allowed - {"releases"}))
+        raise MarkerError(f"{where}: takes releases, {named}; got {args!r} {sorted(kwargs)}")
     releases = args[0] if args else kwargs.get("releases")
     spec = _specifier(releases, "releases", where)
     reason = kwargs.get("reason")
@@ -157,8 +157,9 @@ def parse_condition(args: tuple[object, ...], kwargs: dict[str, object], where: 
     return Condition(spec, releases, " ".join(reason.split()), fix)
 
 
-def holding(conditions: Iterable[Condition], version: Version) -> tuple[Condition, ...]:
-    return tuple(c for c in conditions if c.holds(version))
+def holding(conditions: Iterable[Condition], version: Version | None) -> tuple[Condition, ...]:
+    """The conditions that hold on ``version`` (none where DeepSpeed is not installed)."""
+    return () if version is None else tuple(c for c in conditions if c.holds(version))
 
 
 def parse_gate(args: tuple[object, ...], kwargs: dict[str, object], where: str) -> VersionGate:

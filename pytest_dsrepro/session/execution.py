@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+from packaging.version import Version
 
 from ..core import source
 from ..core.errors import HarnessError, MarkerError
-from ..core.gates import FIXED, Condition, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
+from ..core.gates import FIXED, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.worlds import settle_backend
 from ..worlds import leases
@@ -111,7 +112,7 @@ def _refuse_where_not_applicable(item: pytest.Item, marks: Marks) -> None:
     """A release the test declares out of its reach: no world, the verdict NOT-APPLICABLE with the declared reason
     (reported by pytest as a skip, since pytest has no other word for a test that did not run)."""
     version = installed_deepspeed()
-    found = holding(marks.not_applicable, version) if version is not None else ()
+    found = holding(marks.not_applicable, version)
     if found:
         reasons = "; ".join(c.describe() for c in found)
         judgement = Judgement(Reason.NOT_APPLICABLE, f"not applicable on deepspeed {version}: {reasons}")
@@ -120,14 +121,9 @@ def _refuse_where_not_applicable(item: pytest.Item, marks: Marks) -> None:
         _raise_at(pytest.skip.Exception(judgement.message), str(path), (line or 0) + 1)
 
 
-def _prerequisites(marks: Marks) -> tuple[Condition, ...]:
-    version = installed_deepspeed()
-    return holding(marks.prerequisites, version) if version is not None else ()
-
-
-def _with_prerequisites(judgement: Judgement, marks: Marks) -> Judgement:
+def _with_prerequisites(judgement: Judgement, marks: Marks, version: Version) -> Judgement:
     """The judgement, saying which other bugs' fixes the run had applied first (the verdict stands on them)."""
-    applied = tuple(c.describe() for c in _prerequisites(marks))
+    applied = tuple(c.describe() for c in holding(marks.prerequisites, version))
     if not applied:
         return judgement
     note = f" (with the prerequisite fix for {'; '.join(applied)})"
@@ -171,7 +167,7 @@ def in_world(item: pytest.Function) -> Iterator[None]:
 def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared, **kwargs: Any) -> None:
     __tracebackhide__ = True
     marks = item.stash[MARKS_KEY]
-    fixes = [c.fix for c in _prerequisites(marks) if c.fix is not None]
+    fixes = [c.fix for c in holding(marks.prerequisites, installed_deepspeed()) if c.fix is not None]
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     deepspeed = engines or _imports_deepspeed(item)
@@ -340,7 +336,7 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         judgement = judge(marks.gates, marks.variant, version, _failures(exc), where)
     except MarkerError as error:
         markers.fail(str(error))
-    judgement = _with_prerequisites(judgement, marks)
+    judgement = _with_prerequisites(judgement, marks, version)
     item.stash[JUDGEMENT_KEY] = judgement
     if judgement.verdict is Verdict.REPRODUCED:
         pytest.xfail(judgement.message)
