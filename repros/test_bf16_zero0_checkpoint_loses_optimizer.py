@@ -24,6 +24,7 @@ pytestmark = [
         root_cause="Checkpointing treated every bf16 engine as keeping its optimizer state in ZeRO files; bf16 without "
         "ZeRO writes none, so the state was saved nowhere and never loaded.",
     ),
+    pytest.mark.ds_premise(stage=0, precision="bf16"),
 ]
 
 

@@ -22,6 +22,7 @@ pytestmark = [
         root_cause="DDP_BFLOAT16 and BFLOAT16 were the same string, and the engine tested the fp16/DDP-bf16 wrapper "
         "first, so the BF16_Optimizer branch was never taken.",
     ),
+    pytest.mark.ds_premise(stage=1, precision="bf16", config={"data_types.grad_accum_dtype": "fp32"}),
 ]
 
 BF16_ZERO1_FP32_ACCUM = {

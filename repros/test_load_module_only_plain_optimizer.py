@@ -21,6 +21,7 @@ pytestmark = [
         root_cause="Loading only the module called the fp16 wrapper's refresh_fp32_params on whatever optimizer the "
         "engine had, including a bare torch optimizer that has no such method.",
     ),
+    pytest.mark.ds_premise(stage=0, precision="fp32"),
 ]
 
 FP32_ZERO0 = {

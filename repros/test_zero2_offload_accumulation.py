@@ -26,6 +26,14 @@ pytestmark = [
         root_cause="The CPU accumulation buffer is written back only on micro-step 0 (PR #6550), so later "
         "micro-steps add to micro-batch 0's gradient alone and the running sum is lost.",
     ),
+    pytest.mark.ds_premise(
+        stage=2,
+        offload_optimizer="cpu",
+        gradient_accumulation=">=3",
+        sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True},
+        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
+        "SGD",
+    ),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 

@@ -29,6 +29,14 @@ pytestmark = [
         root_cause="The CPU gradient accumulator is used only when gradient_accumulation_steps > 1, so with 1 the "
         "boundary overwrites the fp32 gradient with the last backward's.",
     ),
+    pytest.mark.ds_premise(
+        stage=2,
+        offload_optimizer="cpu",
+        gradient_accumulation=1,
+        sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True},
+        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
+        "SGD",
+    ),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 

@@ -28,6 +28,7 @@ pytestmark = [
         root_cause="engine.backward calls optimizer-only hooks on DeepSpeedZeRoOffload, the stand-in ZeRO-3 puts in "
         "place of an optimizer when none is given; the calls are not guarded.",
     ),
+    pytest.mark.ds_premise(stage=3),
 ]
 
 ATTRIBUTE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"

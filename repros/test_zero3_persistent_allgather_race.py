@@ -19,6 +19,8 @@ import pytest
 
 from pytest_dsrepro.inrank.models import make_batch
 
+HIDDEN = 4096
+
 pytestmark = [
     pytest.mark.ds_repro(
         id="zero3-persistent-allgather-race",
@@ -29,9 +31,16 @@ pytestmark = [
         root_cause="_allgather_params_coalesced waits only on the last of its per-parameter async all-gathers; on "
         "gloo they complete in any order, so param.data can point at a buffer still being filled.",
     ),
+    pytest.mark.ds_premise(
+        stage=3,
+        config={"zero_optimization.stage3_param_persistence_threshold": ">0"},
+        accelerator="cpu",
+        sets={"zero_optimization.stage3_param_persistence_threshold": 2 * HIDDEN * HIDDEN},
+        because="every parameter of the repro's model must be persistent, as a real model's parameters under the "
+        "configured threshold are",
+    ),
 ]
 
-HIDDEN = 4096
 #: Every parameter persistent (the 16M-element first weight included), so each step ends in the coalesced re-gather.
 ZERO3_ALL_PERSISTENT = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 2 * HIDDEN * HIDDEN},

@@ -20,6 +20,7 @@ import pytest
 pytestmark = [
     pytest.mark.ds_repro(id="zero3-no-optimizer-backward", title="ZeRO-3 backward without optimizer",
                          upstream="https://example.invalid/issues/1", root_cause="no epilogue"),
+    pytest.mark.ds_premise(stage=3, optimizer=False),
     pytest.mark.ds_world,
 ]
 
@@ -71,12 +72,14 @@ def test_table(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> N
     assert lines[2].split() == [">=0.18.3,<0.19.5"]  # the ranges are alternatives: one a line
     assert lines[3].split() == [">=0.19.5"]
     assert lines[4] == "  https://example.invalid/issues/1"
-    assert lines[5].split() == ["zero3-module-id", "<0.16.4", "0.16.4", "ZeRO-3", "overwrites", "module.id"]
-    assert lines[6] == "  https://example.invalid/issues/6772"
+    assert lines[5] == "  premise: ZeRO stage 3, no optimizer section"
+    assert lines[6].split() == ["zero3-module-id", "<0.16.4", "0.16.4", "ZeRO-3", "overwrites", "module.id"]
+    assert lines[7] == "  https://example.invalid/issues/6772"
+    assert lines[8] == "  premise: not declared (a scan cannot tell whether a config can meet it)"
     # Aligned: every column starts at the same offset on every line.
-    assert len({line.index("<0.") for line in (lines[1], lines[5])}) == 1
+    assert len({line.index("<0.") for line in (lines[1], lines[6])}) == 1
     assert lines[2].index(">=") == lines[1].index("<0.")
-    assert len(lines) == 7
+    assert len(lines) == 9
 
 
 def test_the_catalogue_fits_120_columns(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,16 +94,18 @@ def test_the_catalogue_fits_120_columns(monkeypatch: pytest.MonkeyPatch, capsys:
         assert max(map(len, lines)) <= 120
     assert any(line.startswith("zero3-backward-without-optimizer ") for line in lines)  # ids in full, every one
     assert len([line for line in lines if line.startswith("  https://")]) == len(list(Path("repros").glob("test_*.py")))
+    assert not [line for line in lines if "premise: not declared" in line]
     assert any("DeepSpeedZeRoOffload" in line for line in lines)  # wrapped, not cut
 
 
 def test_a_long_title_wraps_under_its_column() -> None:
-    entry = Entry("x", "word " * 60, "https://u", None, None, "", ("<1", ">=2"), "p")
+    entry = Entry("x", "word " * 60, "https://u", None, None, "", ("<1", ">=2"), "p", premise="ZeRO stage 3")
     lines = format_table([entry], width=60).splitlines()
     assert max(map(len, lines)) <= 60
+    assert lines[-2:] == ["  https://u", "  premise: ZeRO stage 3"]
     column = lines[0].index("TITLE")
-    assert all(line[column - 2 : column] == "  " and line[column] == "w" for line in lines[1:-1])
-    assert "".join(line[column:] for line in lines[1:-1]).replace(" ", "") == "word" * 60
+    assert all(line[column - 2 : column] == "  " and line[column] == "w" for line in lines[1:-2])
+    assert "".join(line[column:] for line in lines[1:-2]).replace(" ", "") == "word" * 60
 
 
 def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,10 +126,10 @@ def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.
 def test_markdown(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["list", "--format", "markdown"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "| ID | TITLE | UPSTREAM | AFFECTED | FIXED IN |"
+    assert out[0] == "| ID | TITLE | UPSTREAM | AFFECTED | FIXED IN | PREMISE |"
     assert out[2] == ("| `zero3-no-optimizer-backward` | ZeRO-3 backward without optimizer | "
                       "[https://example.invalid/issues/1](https://example.invalid/issues/1) | "
-                      "`<0.18.3` \\| `>=0.18.3,<0.19.5` \\| `>=0.19.5` | unfixed |")  # fmt: skip
+                      "`<0.18.3` \\| `>=0.18.3,<0.19.5` \\| `>=0.19.5` | unfixed | ZeRO stage 3, no optimizer section |")  # fmt: skip
 
 
 def test_listing_writes_no_results_or_report(
@@ -174,4 +179,8 @@ def test_rows_merge_without_pytest() -> None:
     assert entry.fixed_text == "unfixed"
     assert len(entry.tests) == 2
     empty = Entry("x", "", None, None, None, "", (), "p")
-    assert format_table([empty]).splitlines()[1:] == ["x   -         unfixed   -", "  upstream: -"]
+    assert format_table([empty]).splitlines()[1:] == [
+        "x   -         unfixed   -",
+        "  upstream: -",
+        "  premise: not declared (a scan cannot tell whether a config can meet it)",
+    ]

@@ -79,8 +79,11 @@ class TrainingArgs:
 @dataclass(frozen=True)
 class ResolvedConfig:
     name: str  # preset name, or "config<N>" for a dict given in the marker
-    config: dict[str, Any]
+    config: dict[str, Any]  # what the world hands to DeepSpeed
     notes: tuple[str, ...] = field(default=())
+    #: the config as its author wrote it, ``"auto"`` resolved, before the world's adaptations (fp16 -> fp32 on CPU):
+    #: what a premise is judged on, since that is what the author runs on their own devices
+    written: dict[str, Any] = field(default_factory=dict)
 
 
 class ConfigError(Exception):
@@ -160,5 +163,6 @@ def resolve(
         raise ConfigError(f"{spec!r} is neither a preset name nor a dict")
     config = copy.deepcopy(dict(raw))
     resolve_auto(config, world_size, args)
+    written = copy.deepcopy(config)
     notes = adapt_to_backend(config, backend)
-    return ResolvedConfig(name, config, tuple(notes))
+    return ResolvedConfig(name, config, tuple(notes), written)

@@ -105,7 +105,7 @@ def setup(item: pytest.Item) -> None:
     """
     try:
         marks = markers.parse(item, item.config.stash[SETTINGS_KEY])
-        markers.check_config(item)
+        markers.check_config(item, marks.premise)
     except MarkerError as exc:
         markers.fail(str(exc))
     item.stash[MARKS_KEY] = marks

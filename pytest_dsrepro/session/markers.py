@@ -11,6 +11,9 @@ from ..core.configs import PRESETS
 from ..core.errors import MarkerError
 from ..core.gates import FIXED, STOCK, Condition, VersionGate, common_fix, parse_condition, parse_gates
 from ..core.options import Settings
+from ..core.premises import PARAMETERS as PREMISE_PARAMETERS
+from ..core.premises import Premise, own_config_problem
+from ..core.premises import parse as parse_premise
 from ..core.results import REPRO_PARAMETERS
 from ..core.worlds import world_spec
 from .stash import Marks
@@ -33,6 +36,10 @@ MARKERS = {
     "`reason`, never a silent skip.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
+    "ds_premise": f"ds_premise({'=, '.join(PREMISE_PARAMETERS)}=): what a DeepSpeed config must have for the "
+    "repro's bug to be possible (ZeRO stage, precision fp32/fp16/bf16, offload devices, an optimizer section or not, "
+    "gradient accumulation as a number or '>=3', other dotted keys); `sets` (with `because`) is what a scan puts on "
+    "top of a user's config. Checked against the repro's own configs at setup; used by --ds-scan.",
 }
 VARIANTS = (STOCK, FIXED)
 
@@ -60,6 +67,14 @@ def conditions(node: pytest.Item, name: str) -> tuple[Condition, ...]:
     return tuple(parse_condition(m.args, dict(m.kwargs), where, with_fix=with_fix) for m in node.iter_markers(name))
 
 
+def premise(node: pytest.Item) -> Premise | None:
+    """A repro's ``ds_premise`` (the closest one: the module's, unless a test declares its own), validated."""
+    mark = node.get_closest_marker("ds_premise")
+    if mark is None:
+        return None
+    return parse_premise(mark.args, mark.kwargs, f"@pytest.mark.ds_premise on {node.nodeid}")
+
+
 def variant(item: pytest.Item) -> str | None:
     """``"stock"`` or ``"fixed"`` for tests whose ``ds_version`` declares a fix (see ``parametrize.variants``)."""
     callspec = getattr(item, "callspec", None)
@@ -78,21 +93,26 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     return Marks(
         world=spec, gates=found, fix=common_fix(found), variant=variant(item),
         prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
+        premise=premise(item),
     )  # fmt: skip
 
 
-def check_config(item: pytest.Item) -> None:
+def check_config(item: pytest.Item, premise: Premise | None = None) -> None:
     """This test id's ``ds_config`` entry is a known preset or a dict (what the ``ds_config`` fixture would refuse,
-    refused before the fork server starts)."""
+    refused before the fork server starts), and meets the repro's ``ds_premise``: a repro whose own config cannot
+    show its bug, or that runs without the settings a scan would give a user's config, is a defect."""
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("ds_config") if callspec is not None else None
     if not isinstance(param, tuple) or len(param) != 2:
         return
     name, spec = param
     try:
-        configs.resolve(spec, name, 1, "gloo")
+        resolved = configs.resolve(spec, name, 1, "gloo")
     except configs.ConfigError as exc:
         raise MarkerError(f"@pytest.mark.ds_config on {item.nodeid}: {exc}") from None
+    problem = None if premise is None else own_config_problem(premise, name, resolved.written, resolved.config)
+    if problem is not None:
+        raise MarkerError(f"@pytest.mark.ds_premise on {item.nodeid}: {problem}")
 
 
 def check_repro(item: pytest.Item) -> None:

@@ -10,6 +10,7 @@ from ..core.configs import ResolvedConfig
 from ..core.gates import Condition, Fix, Judgement, VersionGate
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
+from ..core.premises import Premise
 from ..core.worlds import WorldSpec
 
 
@@ -23,6 +24,7 @@ class Marks:
     variant: str | None  # "stock" or "fixed" when the gates declare a fix
     prerequisites: tuple[Condition, ...] = ()  # ds_prerequisite: fixes applied before the body on their releases
     not_applicable: tuple[Condition, ...] = ()  # ds_not_applicable: releases where the body does not run
+    premise: Premise | None = None  # ds_premise: what a config must have for the bug to be possible
 
 
 @dataclass(frozen=True)

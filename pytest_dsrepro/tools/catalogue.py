@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 
+from ..core import configs, premises
+from ..core.errors import MarkerError
 from ..core.gates import oldest_first
 from ..core.results import ReproMeta, repro_meta
 
 #: The columns ``dsrepro list`` prints, with their headers.
-COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"))
+COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"),
+           ("premise", "PREMISE"))  # fmt: skip
 FORMATS = ("table", "markdown", "json")
 
 
@@ -41,6 +44,8 @@ class Entry:
     affected: tuple[str, ...]  # every distinct ds_version ``affected`` specifier of its tests, oldest range first
     path: str
     tests: tuple[str, ...] = field(default=())
+    premise: str | None = None  # its ``ds_premise``, in words (None: it declares none)
+    scan_sets: str = ""  # what a scan sets on a user's config for it, ``key=value, ...``
 
     @property
     def affected_text(self) -> str:
@@ -50,6 +55,13 @@ class Entry:
     @property
     def fixed_text(self) -> str:
         return self.fixed_in or "unfixed"
+
+    @property
+    def premise_text(self) -> str:
+        """The premise as ``dsrepro list`` says it: what a config needs, and what a scan sets for this repro."""
+        if self.premise is None:
+            return "not declared (a scan cannot tell whether a config can meet it)"
+        return self.premise + (f"; a scan sets {self.scan_sets}" if self.scan_sets else "")
 
 
 class CollectionFailed(Exception):
@@ -63,6 +75,7 @@ class Row:
     nodeid: str
     path: str
     repro: ReproMeta
+    premise: premises.Premise | None = None
 
 
 @dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
@@ -83,7 +96,30 @@ class _Collector:
                 continue
             ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
             meta = repro_meta(mark.args, mark.kwargs, item.path, ds_versions)
-            self.rows.append(Row(item.nodeid, str(item.path), meta))
+            try:
+                premise, problem = _premise(item)
+            except (MarkerError, configs.ConfigError) as exc:
+                self.errors.append(f"{item.nodeid}: {exc}")
+                continue
+            if problem is not None:  # a repro that cannot show its bug with its own config: a defect, said here
+                self.errors.append(f"{item.nodeid}: @pytest.mark.ds_premise: {problem}")
+            self.rows.append(Row(item.nodeid, str(item.path), meta, premise))
+
+
+def _premise(item: pytest.Item) -> tuple[premises.Premise | None, str | None]:
+    """The test's ``ds_premise`` and what is wrong with its own config for it (as ``markers.check_config`` says at
+    setup; the tools read markers without the plugin's session layer)."""
+    mark = item.get_closest_marker("ds_premise")
+    if mark is None:
+        return None, None
+    premise = premises.parse(mark.args, mark.kwargs, f"@pytest.mark.ds_premise on {item.nodeid}")
+    callspec = getattr(item, "callspec", None)
+    param = callspec.params.get("ds_config") if callspec is not None else None
+    if not isinstance(param, tuple) or len(param) != 2:
+        return premise, None
+    name, spec = param
+    resolved = configs.resolve(spec, name, 1, "gloo")
+    return premise, premises.own_config_problem(premise, name, resolved.written, resolved.config)
 
 
 def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Entry]:
@@ -98,7 +134,10 @@ def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Ent
         if root is not None:
             with contextlib.suppress(ValueError):
                 path = path.relative_to(root)
-        entry = merged.setdefault(meta.id, {**asdict(meta), "affected": [], "path": str(path), "tests": []})
+        premise = row.premise.describe() if row.premise else None
+        sets = row.premise.describe_sets() if row.premise else ""
+        first = {**asdict(meta), "affected": [], "path": str(path), "tests": [], "premise": premise, "scan_sets": sets}
+        entry = merged.setdefault(meta.id, first)
         entry["tests"].append(row.nodeid)
         for spec in meta.affected:
             if spec not in entry["affected"]:
@@ -132,6 +171,7 @@ def _cells(entry: Entry) -> dict[str, str]:
         "upstream": entry.upstream or "-",
         "affected": entry.affected_text,
         "fixed": entry.fixed_text,
+        "premise": entry.premise_text,
     }
 
 
@@ -167,6 +207,7 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
         if not inline:
             lines += [f"  {t}" for t in titles]
         lines.append(f"  {e.upstream or 'upstream: -'}")
+        lines += [f"  {t}" for t in textwrap.wrap(f"premise: {e.premise_text}", width - 2, subsequent_indent="  ")]
     return "\n".join(lines) + "\n"
 
 
@@ -182,7 +223,8 @@ def format_markdown(entries: Sequence[Entry]) -> str:
             f"[{e.upstream}]({e.upstream})" if e.upstream and e.upstream.startswith("http") else cells["upstream"]
         )
         affected = " \\| ".join(f"`{a}`" for a in e.affected) or "-"
-        lines.append(f"| `{e.id}` | {_md(e.title)} | {upstream} | {affected} | {cells['fixed']} |")
+        premise = _md(cells["premise"])
+        lines.append(f"| `{e.id}` | {_md(e.title)} | {upstream} | {affected} | {cells['fixed']} | {premise} |")
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,10 @@ def check_issue(url: str | None) -> str | None:
 
 
 def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAULT_PRESET) -> str:
-    """The text of a new repro file (pure apart from reading the template)."""
+    """The text of a new repro file (pure apart from reading the template). Its ``ds_premise`` starts as the preset's
+    ZeRO stage, which its own config meets."""
+    from ..core.configs import PRESETS
+
     n = names(name)
     template = string.Template(resources.files("pytest_dsrepro.tools").joinpath("templates/repro.py.tmpl").read_text())
     upstream = json.dumps(issue) if issue else '"TODO: https://github.com/deepspeedai/DeepSpeed/issues/NNNN"'
@@ -70,6 +73,7 @@ def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAUL
         id=n.id,
         upstream=upstream,
         preset=preset,
+        stage=PRESETS[preset]["zero_optimization"]["stage"],
     )
 
 

@@ -1,0 +1,160 @@
+"""ds_premise: parsed and validated in core (errors name marker and test), judged on configs as DeepSpeed reads them,
+checked against each repro's own configs at setup and by ``dsrepro list``; every catalogued repro declares one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import RunPytest
+from pytest_dsrepro.core import configs
+from pytest_dsrepro.core.errors import MarkerError
+from pytest_dsrepro.core.premises import own_config_problem, parse
+from pytest_dsrepro.tools import catalogue
+
+ROOT = Path(__file__).resolve().parent.parent
+WHERE = "@pytest.mark.ds_premise on t.py::test_x"
+
+
+def written(spec: object) -> dict[str, object]:
+    return configs.resolve(spec, "c", 2, "gloo").written
+
+
+def test_stage_and_optimizer_on_presets() -> None:
+    premise = parse((), {"stage": 3, "optimizer": False}, WHERE)
+    assert premise.unmet(written("zero3")) == ()
+    assert premise.unmet(written("zero3_offload")) == ()
+    assert premise.unmet(written("zero2")) == (
+        "needs ZeRO stage 3; the config has 2",
+        "needs no optimizer section; the config has one",
+    )
+    assert premise.describe() == "ZeRO stage 3, no optimizer section"
+
+
+def test_absent_keys_take_deepspeeds_defaults() -> None:
+    """No zero_optimization section is stage 0; no precision section is fp32; no offload section is 'none'."""
+    premise = parse((), {"stage": 0, "precision": "fp32", "offload_param": "none", "gradient_accumulation": 1}, WHERE)
+    assert premise.unmet({"train_micro_batch_size_per_gpu": 1}) == ()
+    threshold = parse((), {"config": {"zero_optimization.stage3_param_persistence_threshold": ">0"}}, WHERE)
+    assert threshold.unmet({"zero_optimization": {"stage": 3}}) == ()  # DeepSpeed's default, 1e5
+    assert threshold.unmet({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}) == (
+        "needs zero_optimization.stage3_param_persistence_threshold >0; the config has 0",
+    )
+
+
+def test_precision_offload_and_comparisons() -> None:
+    premise = parse((), {"precision": ("bf16", "fp16"), "offload_optimizer": "cpu",
+                         "gradient_accumulation": ">=3"}, WHERE)  # fmt: skip
+    fp16 = written("zero3_offload")  # fp16, offloaded, "auto" accumulation -> 1
+    assert premise.unmet(fp16) == ("needs gradient_accumulation_steps >=3; the config has 1",)
+    legacy = {"bf16": {"enabled": True}, "gradient_accumulation_steps": 4, "zero_optimization": {"cpu_offload": True}}
+    assert premise.unmet(legacy) == ()  # the deprecated flag is an offload to cpu
+    assert premise.describe() == (
+        "precision fp16 or bf16, offload_optimizer device cpu, gradient_accumulation_steps >=3"
+    )
+
+
+def test_sets_are_applied_with_notes() -> None:
+    premise = parse((), {"stage": 2, "sets": {"gradient_clipping": 0.0, "zero_optimization.reduce_bucket_size": 256},
+                         "because": "the body compares with plain SGD"}, WHERE)  # fmt: skip
+    config = written("zero2")
+    notes = premise.apply(config)
+    assert config["gradient_clipping"] == 0.0
+    assert config["zero_optimization"]["reduce_bucket_size"] == 256
+    assert notes == [
+        "gradient_clipping 1 -> 0: the body compares with plain SGD",
+        "zero_optimization.reduce_bucket_size 200000000 -> 256: the body compares with plain SGD",
+    ]
+    assert premise.apply(config) == []  # already there: nothing said
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, "stage=4 must be one of 0, 1, 2, 3, or a tuple of them"),
+        ({"stage": True}, "stage=True must be one of 0, 1, 2, 3"),
+        ({"precision": "fp8"}, "precision='fp8' must be one of 'fp32', 'fp16', 'bf16'"),
+        ({"offload_param": "disk"}, "offload_param='disk' must be one of 'none', 'cpu', 'nvme'"),
+        ({"optimizer": "adam"}, "optimizer='adam' must be True (the config has an optimizer section) or False"),
+        (
+            {"gradient_accumulation": "at least 3"},
+            "gradient_accumulation='at least 3' must be a number or a comparison",
+        ),
+        ({"config": ["zero_optimization.stage"]}, "config= must be a dict of dotted config keys"),
+        ({"sets": {"gradient_clipping": 0.0}}, "sets= needs because=: why a scan changes a user's config"),
+        ({"because": "why"}, "because= explains sets=, which is not given"),
+        ({"stages": 3}, "unexpected argument(s) stages; takes stage=, precision="),
+        ({"accelerator": "tpu"}, "accelerator='tpu' must be one of cpu, cuda"),
+    ],
+)
+def test_bad_arguments_name_marker_and_test(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(MarkerError) as info:
+        parse((), kwargs, WHERE)
+    assert str(info.value).startswith(f"{WHERE}: {message}")
+
+
+def test_own_config_problems() -> None:
+    premise = parse((), {"stage": 3, "sets": {"gradient_clipping": 0.0}, "because": "no clipping"}, WHERE)
+    own = configs.resolve("zero3", "zero3", 2, "gloo")
+    assert own_config_problem(premise, "zero3", own.written, own.config) is None
+    two = configs.resolve("zero2", "zero2", 2, "gloo")
+    assert own_config_problem(premise, "zero2", two.written, two.config) == (
+        "the test's own config [zero2] does not meet the premise: needs ZeRO stage 3; the config has 2"
+    )
+    clipped = configs.resolve({**configs.PRESETS["zero3"], "gradient_clipping": 1.0}, "c", 2, "gloo")
+    assert own_config_problem(premise, "c", clipped.written, clipped.config) == (
+        "sets gradient_clipping=0 (its config has 1) differs from the test's own config [c]; a scan would run users' "
+        "configs with settings the repro never runs with"
+    )
+
+
+def test_every_catalogued_repro_declares_a_premise_its_own_configs_meet() -> None:
+    """The catalogue's repros, collected as ``dsrepro list`` does: each has a premise, and every config a repro runs
+    meets it and holds what a scan sets (``collect`` refuses a defect, naming test and premise)."""
+    entries = catalogue.collect([str(ROOT / "repros")])
+    assert len(entries) >= 15
+    assert [e.id for e in entries if e.premise is None] == []
+    epilogue = next(e for e in entries if e.id == "zero3-backward-without-optimizer")
+    assert epilogue.premise == "ZeRO stage 3"  # not "no optimizer": a scan shows what an optimizer section changes
+
+
+MODULE = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_repro(id="x", title="x", upstream="https://example.invalid/1"),
+    pytest.mark.ds_premise({premise}),
+    pytest.mark.ds_world,
+]
+
+@pytest.mark.ds_config("zero2")
+@pytest.mark.ds_version(affected="<0.0.1", raises=AttributeError)
+def test_x(ds_engine):
+    pass
+"""
+
+
+def test_own_config_that_misses_its_premise_fails_at_setup(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """Before any world starts: the test fails naming marker, test, config and what it lacks."""
+    pytester.makepyfile(test_x=MODULE.format(premise="stage=3, optimizer=False"))
+    result = run("-q", "--ds-world-size", "2")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([
+        "*@pytest.mark.ds_premise on test_x.py::test_x[[]zero2[]]: the test's own config [[]zero2[]] does not meet the "
+        "premise: needs ZeRO stage 3; the config has 2; needs no optimizer section; the config has one*"
+    ])  # fmt: skip
+    assert "pytest-dsrepro: building" not in result.stdout.str()
+
+
+def test_bad_premise_marker_fails_the_test_and_the_listing(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.mkdir("repros")
+    pytester.makepyfile(**{"repros/test_x": MODULE.format(premise="stage=5")})
+    result = run("-q", "repros")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*@pytest.mark.ds_premise on repros/test_x.py::test_x[[]zero2[]]: stage=5 must be one of*"]
+    )
+    pytester.chdir()
+    with pytest.raises(catalogue.CollectionFailed, match=r"stage=5 must be one of 0, 1, 2, 3"):
+        catalogue.collect(["repros"])
