@@ -178,12 +178,12 @@ def nap(seconds):
 @pytest.mark.ds_world
 @pytest.mark.ds_version(affected=">=0", raises=Slowdown, match="20 ms nap")
 def test_slow(ds_rank):
-    slowdown(nap(0.02), nap(0.004), what="a 20 ms nap", against="a 4 ms nap", limit=2.0)
+    slowdown(nap(0.02), nap(0.004), what="a 20 ms nap", against="a 4 ms nap", limit=2.0, clock="wall")
 
 @pytest.mark.ds_world
 @pytest.mark.ds_version(affected="<0.0.1", raises=Slowdown)
 def test_not_slow(ds_rank):
-    slowdown(nap(0.004), nap(0.004), what="a 4 ms nap", against="another 4 ms nap", limit=2.0)
+    slowdown(nap(0.004), nap(0.004), what="a 4 ms nap", against="another 4 ms nap", limit=2.0, clock="wall")
 """
 
 
@@ -199,8 +199,8 @@ def test_a_slowdown_is_judged_by_its_measurement_in_every_output(
     result.stdout.fnmatch_lines(
         [
             "XFAIL *::test_slow - REPRODUCED on deepspeed *: ranks 0-1: Slowdown: a 20 ms nap took *x a 4 ms nap "
-            "(limit 2x); measured: a 20 ms nap took *x a 4 ms nap (2?.? ms against ?.? ms, least of 5; limit 2x: "
-            "slow, margin *x)",
+            "(limit 2x); measured: a 20 ms nap took *x a 4 ms nap (2?.? ms against ?.? ms of wall time, least of 5; "
+            "limit 2x: slow, margin *x)",
         ]
     )
     result.stdout.fnmatch_lines(
@@ -211,7 +211,13 @@ def test_a_slowdown_is_judged_by_its_measurement_in_every_output(
     )
     records = _records(out)
     (slow,), (fast,) = records["test_slow"].measurements, records["test_not_slow"].measurements
-    assert (slow.what, slow.reference, slow.limit, slow.repeats) == ("a 20 ms nap", "a 4 ms nap", 2.0, 5)
+    assert (slow.what, slow.reference, slow.limit, slow.repeats, slow.clock) == (
+        "a 20 ms nap",
+        "a 4 ms nap",
+        2,
+        5,
+        "wall",
+    )
     assert slow.seconds >= 0.02
     assert slow.reference_seconds >= 0.004
     assert slow.slow  # 20 ms against 4 ms: 5x, far over the 2x limit even on a busy machine
@@ -227,7 +233,7 @@ def test_a_slowdown_is_judged_by_its_measurement_in_every_output(
     assert json.loads((next(out.glob("*.json"))).read_text())["tests"][0]["measurements"][0]["limit"] == 2.0
 
 
-def test_slowdown_times_interleaved_keeps_the_least_and_raises_at_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slowdown_times_interleaved_keeps_the_least_and_raises_at_the_limit() -> None:
     """Outside a world (no process group) the times are this process's; the measurement is kept for the rank's
     report; at or over the limit it raises Slowdown, which is an AssertionError."""
     calls: list[str] = []
@@ -237,13 +243,36 @@ def test_slowdown_times_interleaved_keeps_the_least_and_raises_at_the_limit(monk
 
     with context.running(RankContext(0, 1, 0, "gloo")):
         with pytest.raises(Slowdown, match=r"^slow took \d\.\d\dx fast \(limit 2x\)$"):
-            slowdown(work("s", 0.01), work("r", 0.002), what="slow", against="fast", limit=2, repeats=3)
+            slowdown(work("s", 0.01), work("r", 0.002), what="slow", against="fast", limit=2, repeats=3, clock="wall")
         assert calls == ["s", "r", "s", "r", "r", "s", "s", "r"]  # one warm-up each, then alternating order
         measured = slowdown(work("a", 0.002), work("b", 0.002), what="a", against="b", limit=3, repeats=2)
         assert context.measurements() == (context.measurements()[0], measured)
     assert issubclass(Slowdown, AssertionError)
-    with pytest.raises(ValueError, match="limit=0 must be a ratio > 0"):
-        slowdown(work("x", 0), work("y", 0), what="x", against="y", limit=0)
+    with pytest.raises(ValueError, match=r"limit=0 must be a ratio > 0, .* clock='gpu' one of cpu, wall"):
+        slowdown(work("x", 0), work("y", 0), what="x", against="y", limit=0, clock="gpu")
+
+
+def _spin(seconds: float) -> Callable[[], object]:
+    """CPU work for about ``seconds`` of this thread's CPU time."""
+
+    def spin() -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+
+    return spin
+
+
+def test_the_cpu_clock_counts_the_work_not_the_waiting() -> None:
+    """The default clock is the thread's CPU time: 20 ms of work is 4x 5 ms of work, however long either waited
+    (a busy machine, a collective waiting for another rank); wall time would call the sleeper the slow one."""
+    with context.running(RankContext(0, 1, 0, "gloo")):
+        with pytest.raises(Slowdown):
+            slowdown(_spin(0.02), _spin(0.005), what="work", against="less work", limit=2.5, repeats=3)
+        waits = slowdown(lambda: time.sleep(0.03), _spin(0.005), what="a wait", against="work", limit=2, repeats=3)
+    assert waits.clock == "cpu"
+    assert waits.ratio < 0.5
+    assert "of CPU time, least of 3" in waits.describe()
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def test_a_run_survives_json_text() -> None:
     assert data["tests"][2]["rate"] == {"runs": 20, "planned": 20, "failed": 9, "needed": 1, "seconds": 31.5}
     assert data["tests"][3]["measurements"] == [{
         "what": "backward of 256 tensors", "reference": "8 backwards of 32 tensors", "seconds": 0.79,
-        "reference_seconds": 0.1, "limit": 3.0, "repeats": 5,
+        "reference_seconds": 0.1, "limit": 3.0, "repeats": 5, "clock": "cpu",
     }]  # fmt: skip
     assert RunRecord.from_json(data) == RUN
 
@@ -150,6 +150,8 @@ def _broken(change: Any) -> dict[str, Any]:
          "tests[3] (t.py::slow[stock]).measurements[0]: 'limit' must be a number >= 0, not a string"),
         (lambda d: d["tests"][3]["measurements"][0].update(repeats=0),
          "tests[3] (t.py::slow[stock]).measurements[0]: 'repeats' must be a whole number >= 1, not 0"),
+        (lambda d: d["tests"][3]["measurements"][0].update(clock="gpu"),
+         "tests[3] (t.py::slow[stock]).measurements[0]: 'clock' is 'gpu', not one of cpu, wall"),
     ],
 )  # fmt: skip
 def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> None:

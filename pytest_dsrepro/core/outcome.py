@@ -96,6 +96,7 @@ class Measurement:
     reference_seconds: float
     limit: float
     repeats: int
+    clock: str = "cpu"  # "cpu": the rank's thread's CPU time; "wall": wall time
 
     @property
     def ratio(self) -> float:
@@ -114,6 +115,10 @@ class Measurement:
         return ratio / self.limit if self.slow else self.limit / ratio
 
     @property
+    def clock_name(self) -> str:
+        return "CPU time" if self.clock == "cpu" else "wall time"
+
+    @property
     def brief(self) -> str:
         """``timed 7.91x its reference (limit 3x, margin 2.6x)``: for a line that names the test already."""
         return f"timed {self.ratio:.2f}x its reference (limit {self.limit:g}x, margin {self.margin:.1f}x)"
@@ -123,8 +128,8 @@ class Measurement:
         side = "slow" if self.slow else "not slow"
         return (
             f"{self.what} took {self.ratio:.2f}x {self.reference} ({self.seconds * 1e3:.1f} ms against "
-            f"{self.reference_seconds * 1e3:.1f} ms, least of {self.repeats}; limit {self.limit:g}x: {side}, "
-            f"margin {self.margin:.1f}x)"
+            f"{self.reference_seconds * 1e3:.1f} ms of {self.clock_name}, least of {self.repeats}; limit "
+            f"{self.limit:g}x: {side}, margin {self.margin:.1f}x)"
         )
 
 

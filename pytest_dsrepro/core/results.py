@@ -56,7 +56,8 @@ __all__ = [
 #: records carry ``rate`` (a nondeterministic repro's series: ``runs`` made of ``planned``, ``failed`` of them as
 #: declared, ``needed`` for REPRODUCED, ``seconds`` of all runs; null for one run) and ``measurements`` (what the
 #: body timed against a reference in the same run: ``what``, ``reference``, ``seconds``, ``reference_seconds``,
-#: ``limit`` (the ratio from which it is the slowdown), ``repeats``; the ratio and margin follow from them).
+#: ``limit`` (the ratio from which it is the slowdown), ``repeats``, ``clock`` (``cpu``: the rank's thread's CPU
+#: time, ``wall``); the ratio and margin follow from them).
 SCHEMA = 5
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
@@ -407,6 +408,7 @@ def _measurement_from_json(data: object, where: str) -> Measurement:
         reference_seconds=f.seconds("reference_seconds"),
         limit=f.number("limit", least=0.0),
         repeats=f.count("repeats", least=1),
+        clock=f.choice("clock", ("cpu", "wall")),
     )
 
 

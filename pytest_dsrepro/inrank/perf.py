@@ -41,10 +41,16 @@ def _least_of_world(seconds: float, reference_seconds: float) -> tuple[float, fl
     return float(both[0]), float(both[1])
 
 
-def _timed(work: Callable[[], object]) -> float:
-    started = time.perf_counter()
+#: The clocks a measurement can use: the calling thread's CPU time (what the code itself costs: the time other
+#: processes take from a busy machine, and the time spent waiting in a collective for another rank, are not
+#: counted), or wall time (what a user waits; a busy machine inflates it).
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def _timed(work: Callable[[], object], clock: Callable[[], float]) -> float:
+    started = clock()
     work()
-    return time.perf_counter() - started
+    return clock() - started
 
 
 def slowdown(
@@ -56,28 +62,35 @@ def slowdown(
     limit: float,
     repeats: int = 5,
     warmup: int = 1,
+    clock: str = "cpu",
 ) -> Measurement:
     """Time ``subject`` against ``reference`` (each called ``warmup`` times untimed, then ``repeats`` times,
     interleaved); raise :class:`Slowdown` when the subject took ``limit`` times the reference or more.
 
     ``what`` and ``against`` say in words what the two do (``"backward of 256 tensors"``, ``"8 backwards of 32
-    tensors"``). Call it in every rank: the ranks agree on the slowest rank's times.
+    tensors"``). ``clock``: ``"cpu"`` (the calling thread's CPU time, the default: a slowdown in the code's own work
+    is measured as the code's work, whatever else the machine runs) or ``"wall"`` (for a slowdown in waiting: I/O,
+    communication). Call it in every rank: the ranks agree on the slowest rank's times.
     """
-    if not (limit > 0 and math.isfinite(limit)) or repeats < 1 or warmup < 0:
-        raise ValueError(f"slowdown: limit={limit!r} must be a ratio > 0, repeats={repeats!r} >= 1, warmup >= 0")
+    if not (limit > 0 and math.isfinite(limit)) or repeats < 1 or warmup < 0 or clock not in CLOCKS:
+        raise ValueError(
+            f"slowdown: limit={limit!r} must be a ratio > 0, repeats={repeats!r} >= 1, warmup >= 0, clock={clock!r} "
+            f"one of {', '.join(CLOCKS)}"
+        )
+    tick = CLOCKS[clock]
     for _ in range(warmup):
         subject()
         reference()
     best = best_reference = math.inf
     for i in range(repeats):
         if i % 2:
-            best_reference = min(best_reference, _timed(reference))
-            best = min(best, _timed(subject))
+            best_reference = min(best_reference, _timed(reference, tick))
+            best = min(best, _timed(subject, tick))
         else:
-            best = min(best, _timed(subject))
-            best_reference = min(best_reference, _timed(reference))
+            best = min(best, _timed(subject, tick))
+            best_reference = min(best_reference, _timed(reference, tick))
     best, best_reference = _least_of_world(best, best_reference)
-    measurement = Measurement(what, against, best, best_reference, limit, repeats)
+    measurement = Measurement(what, against, best, best_reference, limit, repeats, clock)
     context.measured(measurement)
     if measurement.slow:
         raise Slowdown(f"{what} took {measurement.ratio:.2f}x {against} (limit {limit:g}x)")
