@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import versions
 from .errors import MarkerError
-from .outcome import Measurement, RankResult, Status, group_ranks, rank_ranges
+from .outcome import RankResult, Status, group_ranks, rank_ranges
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -147,7 +147,6 @@ class Judgement:
     message: str
     prerequisites: tuple[str, ...] = ()  # the prerequisites applied to the run (``Condition.describe``)
     rate: Rate | None = None  # a nondeterministic repro's runs (``ds_nondeterministic``)
-    measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference (``inrank.perf``)
 
     @property
     def verdict(self) -> Verdict:

@@ -159,7 +159,7 @@ def _with_measurements(judgement: Judgement, outcome: WorldOutcome | None) -> Ju
     if not measured:
         return judgement
     note = "".join(f"; measured: {m.describe()}" for m in measured)
-    return dataclasses.replace(judgement, message=judgement.message + note, measurements=measured)
+    return dataclasses.replace(judgement, message=judgement.message + note)
 
 
 #: pytest's xunit-style methods of a test class: they run in the pytest process, so what they set never reaches ranks.

@@ -111,6 +111,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     if judgement is None and report.skipped and not hasattr(report, "wasxfail") and gated:
         verdict, reason = Verdict.SKIPPED, None  # a gated test that never got judged: no reason to give
     config = item.stash.get(CONFIG_KEY, None)
+    outcome = item.stash.get(OUTCOME_KEY, None)
     meta = repro_meta(item)
     return TestRecord(
         nodeid=item.nodeid,
@@ -123,13 +124,13 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         duration=round(report.duration, 3),
         config=config.config if config else None,
         config_notes=config.notes if config else (),
-        ranks=results.rank_stories(item.stash.get(OUTCOME_KEY, None)),
+        ranks=results.rank_stories(outcome),
         longrepr=(report.longreprtext or None) if report.failed else None,
         world_size=prepared.spec.size if prepared is not None else None,
         source=repro_source(item, marks.fix if marks is not None else None) if gated or meta else None,
         prerequisites=judgement.prerequisites if judgement else (),
         rate=judgement.rate if judgement else None,
-        measurements=judgement.measurements if judgement else (),
+        measurements=outcome.measurements if outcome is not None else (),
     )
 
 
