@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..core.outcome import Measurement
+# Absolute, as in ``inrank.perf``: ``dsrepro export`` inlines ``measured`` into standalone scripts.
+from pytest_dsrepro.core.outcome import Measurement
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ def running(ctx: RankContext) -> Iterator[RankContext]:
 
 def measured(measurement: Measurement) -> None:
     """Keep what the running body timed: its rank's report carries it to the verdict."""
-    current()
     _measured.append(measurement)
 
 

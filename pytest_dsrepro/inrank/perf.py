@@ -21,8 +21,10 @@ import math
 import time
 from collections.abc import Callable
 
-from ..core.outcome import Measurement
-from . import context
+# Absolute imports: ``dsrepro export`` inlines what a repro uses from pytest_dsrepro into a standalone script, and
+# it follows the package's absolute imports only.
+from pytest_dsrepro.core.outcome import Measurement
+from pytest_dsrepro.inrank.context import measured
 
 
 class Slowdown(AssertionError):
@@ -91,7 +93,7 @@ def slowdown(
             best_reference = min(best_reference, _timed(reference, tick))
     best, best_reference = _least_of_world(best, best_reference)
     measurement = Measurement(what, against, best, best_reference, limit, repeats, clock)
-    context.measured(measurement)
+    measured(measurement)
     if measurement.slow:
         raise Slowdown(f"{what} took {measurement.ratio:.2f}x {against} (limit {limit:g}x)")
     return measurement
