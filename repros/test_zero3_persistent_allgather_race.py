@@ -66,6 +66,25 @@ def wait_on_every_handle(monkeypatch):
     )
 
 
+def step_and_check(engine, params, x, y, when):
+    """One training step; then what the next forward would read, copied at once, must equal what the gathers
+    deliver (the gloo barrier waits for every pending collective of the group)."""
+    import torch
+
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    seen = [p.data.clone() for _, p in params]
+    torch.distributed.barrier()
+    for (name, param), early in zip(params, seen, strict=True):
+        late = param.data
+        if not torch.equal(early, late):
+            wrong = (early != late).sum().item()
+            raise AssertionError(
+                f"persistent parameter read after step() differs from its gathered value: {name}{when}, "
+                f"{wrong} of {late.numel()} elements, max |diff| {(early - late).abs().max().item():.3g}"
+            )
+
+
 @pytest.mark.ds_config(pytest.param(ZERO3_ALL_PERSISTENT, id="zero3_all_persistent"))
 @pytest.mark.ds_version(
     affected="<0.19.8",
@@ -87,19 +106,7 @@ def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank
     assert all(p.ds_persist for _, p in params), "every parameter should be persistent"
 
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], hidden=HIDDEN, seed=5, rank=ds_rank)
-    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-    engine.step()
-    # What the next forward reads, copied at once; the barrier then waits for every pending gather of the group.
-    seen = [p.data.clone() for _, p in params]
-    torch.distributed.barrier()
-    for (name, param), early in zip(params, seen, strict=True):
-        late = param.data
-        if not torch.equal(early, late):
-            wrong = (early != late).sum().item()
-            raise AssertionError(
-                f"persistent parameter read after step() differs from its gathered value: {name}, "
-                f"{wrong} of {late.numel()} elements, max |diff| {(early - late).abs().max().item():.3g}"
-            )
+    step_and_check(engine, params, x, y, when="")
     # With every gather complete, training goes on: a second step from the same batch lowers the loss.
     first = torch.nn.functional.mse_loss(engine(x), y)
     engine.backward(first)
@@ -136,14 +143,4 @@ def test_small_persistent_parameters_complete_after_step(ds_engine, ds_config, d
     batch = ds_config["train_micro_batch_size_per_gpu"]
     for step in range(STEPS):
         x, y = make_batch(batch, hidden=WIDTH, seed=step, rank=ds_rank)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-        seen = [p.data.clone() for _, p in params]
-        torch.distributed.barrier()
-        for (name, param), early in zip(params, seen, strict=True):
-            if not torch.equal(early, param.data):
-                wrong = (early != param.data).sum().item()
-                raise AssertionError(
-                    f"persistent parameter read after step() differs from its gathered value: {name} after step "
-                    f"{step + 1} of {STEPS}, {wrong} of {param.numel()} elements"
-                )
+        step_and_check(engine, params, x, y, when=f" after step {step + 1} of {STEPS}")
