@@ -14,9 +14,13 @@ if TYPE_CHECKING:
     from .inrank.context import RankContext, current
     from .inrank.engine import ConfigRejected, EngineFactory
     from .inrank.fixtures import rank_fixture
+    from .inrank.perf import Slowdown, slowdown
     from .session.execution import WorldFailed
 
-__all__ = ["ConfigRejected", "EngineFactory", "RankContext", "Verdict", "WorldFailed", "current", "rank_fixture"]
+__all__ = [
+    "ConfigRejected", "EngineFactory", "RankContext", "Slowdown", "Verdict", "WorldFailed", "current", "rank_fixture",
+    "slowdown",
+]  # fmt: skip
 
 _WHERE = {
     "ConfigRejected": "inrank.engine",
@@ -24,6 +28,8 @@ _WHERE = {
     "RankContext": "inrank.context",
     "current": "inrank.context",
     "rank_fixture": "inrank.fixtures",
+    "Slowdown": "inrank.perf",
+    "slowdown": "inrank.perf",
     "Verdict": "core.gates",
     "WorldFailed": "session.execution",
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RunPytest
 from pytest_dsrepro.inrank.backport import BackportError, backport
 
 SOURCE = """
@@ -91,3 +92,49 @@ def test_edits_that_do_not_fit_fail_loudly(fake) -> None:
             backport(mp, "fake_ds", [(r"module\.uid", "module.ds_uid")])
         with pytest.raises(BackportError, match="fake_ds: the edits changed no function or method"):
             backport(mp, "fake_ds", [(r"STATE = \[\]", "STATE = []  # same")])
+
+
+def test_a_module_object_is_refused_naming_the_parameter(fake) -> None:
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(TypeError) as raised:
+        backport(mp, fake, [(r"\bmodule\.id\b", "module.ds_id")])  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "backport(): module_name must be the module's dotted name as a string, such as 'deepspeed.runtime.engine', "
+        "not the module object 'fake_ds': the source it recompiles is found by that name"
+    )
+
+
+def test_a_fix_that_raises_is_told_as_such_not_as_a_fix_that_does_not_hold(
+    pytester: pytest.Pytester, run: RunPytest
+) -> None:
+    """The mistake the issue met: a module object given to backport. The verdict says the fix raised (it was never
+    applied), names the fix and shows the TypeError; the stock variant is judged as usual."""
+    pytester.makepyfile(
+        """
+        import json
+        import pytest
+        from pytest_dsrepro.inrank.backport import backport
+
+        def give_json_an_epilogue(monkeypatch):
+            backport(monkeypatch, json, [("def dumps", "def epilogue(): pass\\ndef dumps")])
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_version(affected=">=0", raises=AttributeError, match="epilogue", fix=give_json_an_epilogue)
+        def test_epilogue(ds_rank):
+            json.epilogue()
+        """
+    )
+    result = run("-rx")
+    result.assert_outcomes(failed=1, xfailed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*the fix raised on deepspeed *, so it was never applied and the body never ran (give_json_an_epilogue): "
+            "ranks 0-1: TypeError: backport(): module_name must be the module's dotted name as a string, such as "
+            "'deepspeed.runtime.engine', not the module object 'json'*",
+            "---- ranks 0-1: traceback ----",
+            "the fix give_json_an_epilogue raised while it was being applied; the body never ran:",
+            "*= dsrepro verdicts *",
+            "REPRODUCED  *::test_epilogue[[]stock[]]",
+            "UNEXPECTED  *::test_epilogue[[]fixed[]]  -- the fix raised on deepspeed *",
+        ]
+    )
+    assert "does not hold" not in result.stdout.str()

@@ -21,6 +21,8 @@ from pytest_dsrepro.tools import cli, export
 ROOT = Path(__file__).parents[1]
 SEED_A = "repros/test_zero3_backward_without_optimizer.py::test_backward_on_zero3_engine_without_optimizer"
 SEED_B = "repros/test_zero3_module_id_clobbered.py::test_expert_ids_survive_zero3_initialize"
+SLOWDOWN = "repros/test_zero12_hook_count_slowdown.py::test_backward_hooks_take_linear_time"
+RACE = "repros/test_zero3_persistent_allgather_race.py::test_small_persistent_parameters_complete_after_step"
 ERROR_A = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'set_gradient_accumulation_boundary'"
 
 
@@ -207,6 +209,21 @@ def test_the_scripts_approx_compares_as_pytest_approx_does(
     assert callable(standin)
     assert (actual == standin(expected, **kwargs)) is equal
     assert (actual == pytest.approx(expected, **kwargs)) is equal  # what the test said, under pytest
+
+
+def test_a_slowdown_and_a_race_export(in_root: Path) -> None:
+    """The slowdown helper is inlined whole (what it imports from pytest-dsrepro included, no relative import left); a
+    race's script says what one run of it is worth."""
+    slow = export.render(export.collect(f"{SLOWDOWN}[zero2-stock]"))
+    assert _imports(slow) <= set(sys.stdlib_module_names) | {"torch", "deepspeed"}
+    assert "class Slowdown(AssertionError):" in slow
+    assert "def slowdown(" in slow
+    assert "\nfrom ." not in slow
+    race = export.render(export.collect(f"{RACE}[zero3_default_persistence-stock]"))
+    assert (
+        "The bug shows in some runs only: the repro judges it over 20 runs, each a fresh world, and calls it\n"
+        "reproduced from 2 failing ones. One passing run of this script says little: run it again." in race
+    )
 
 
 def test_the_command(in_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,21 @@ from packaging.version import Version
 from conftest import RunPytest, assert_clear_error, deepspeed_version, run_marked
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.errors import MarkerError
-from pytest_dsrepro.core.gates import FIXED, STOCK, Reason, Verdict, VersionGate, judge, oldest_first, parse_gate
+from pytest_dsrepro.core.gates import (
+    FIXED,
+    STOCK,
+    Ending,
+    Nondeterministic,
+    Reason,
+    Verdict,
+    VersionGate,
+    ending,
+    judge,
+    judge_runs,
+    oldest_first,
+    parse_gate,
+    parse_nondeterministic,
+)
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
 from pytest_dsrepro.session import markers
 
@@ -54,13 +68,22 @@ GATE = VersionGate(SpecifierSet("<0.16.4"), AttributeError, match="epilogue")
             Verdict.UNEXPECTED,
             "failed differently on deepspeed 0.16.3: expected AttributeError matching 'epilogue' on deepspeed<0.16.4, got rank 1: crashed: killed by signal SIGSEGV",
         ),
-        ("0.16.4", STOCK, [], Verdict.FIXED, "not affected: passes on deepspeed 0.16.4"),
+        ("0.16.4", STOCK, [], Verdict.FIXED, "fixed: passes on deepspeed 0.16.4, after the affected range (<0.16.4)"),
         (
             "0.16.4",
             STOCK,
             [_error(AttributeError("no epilogue"))],
             Verdict.UNEXPECTED,
-            "regression: deepspeed 0.16.4 is outside the affected range (<0.16.4) but rank 0: AttributeError: no epilogue",
+            "regression: failed with the declared error on deepspeed 0.16.4, outside the affected range (<0.16.4): "
+            "rank 0: AttributeError: no epilogue",
+        ),
+        (
+            "0.16.4",
+            STOCK,
+            [_error(KeyError("setup mistake"))],
+            Verdict.UNEXPECTED,
+            "fails outside the affected range (<0.16.4) on deepspeed 0.16.4, not with the declared error "
+            "(AttributeError matching 'epilogue'): rank 0: KeyError: 'setup mistake'",
         ),
         ("0.16.3", FIXED, [], Verdict.PASSES_WITH_FIX, "passes with the fix on deepspeed 0.16.3"),
         (
@@ -71,8 +94,9 @@ GATE = VersionGate(SpecifierSet("<0.16.4"), AttributeError, match="epilogue")
             "the fix does not hold on deepspeed 0.16.3: rank 0: KeyError: 'x'",
         ),
     ],
-    ids=["reproduced", "did-not-reproduce", "wrong-message", "crash", "fixed", "regression", "with-fix", "fix-fails"],
-)
+    ids=["reproduced", "did-not-reproduce", "wrong-message", "crash", "fixed", "regression", "outside", "with-fix",
+         "fix-fails"],
+)  # fmt: skip
 def test_judge(version: str, variant: str, failures: list[RankResult], verdict: Verdict, message: str) -> None:
     judgement = judge([GATE], variant, Version(version), failures, "here")
     assert judgement.verdict is verdict
@@ -150,22 +174,31 @@ def test_a_bad_ds_version_is_a_collection_error_naming_test_and_argument(
     assert_clear_error(result, "ds_version", "affected='<<0.1' is not a valid PEP 440 specifier")
 
 
-@pytest.mark.parametrize(
-    ("reason", "verdict", "body_failed"),
-    [
-        (Reason.REPRODUCED, Verdict.REPRODUCED, True),
-        (Reason.NOT_AFFECTED, Verdict.FIXED, False),
-        (Reason.FIX_HOLDS, Verdict.PASSES_WITH_FIX, False),
-        (Reason.DID_NOT_REPRODUCE, Verdict.UNEXPECTED, False),
-        (Reason.FAILED_DIFFERENTLY, Verdict.UNEXPECTED, True),
-        (Reason.REGRESSION, Verdict.UNEXPECTED, True),
-        (Reason.FIX_DOES_NOT_HOLD, Verdict.UNEXPECTED, True),
-        (Reason.HARNESS_ERROR, Verdict.UNEXPECTED, None),
-        (Reason.NOT_APPLICABLE, Verdict.NOT_APPLICABLE, None),
-    ],
-)
+#: Every reason, its verdict, and whether the body failed (None: no body ran).
+REASONS = [
+    (Reason.REPRODUCED, Verdict.REPRODUCED, True),
+    (Reason.NOT_AFFECTED, Verdict.FIXED, False),
+    (Reason.NOT_YET_AFFECTED, Verdict.NOT_YET_AFFECTED, False),
+    (Reason.FIX_HOLDS, Verdict.PASSES_WITH_FIX, False),
+    (Reason.DID_NOT_REPRODUCE, Verdict.UNEXPECTED, False),
+    (Reason.FAILED_DIFFERENTLY, Verdict.UNEXPECTED, True),
+    (Reason.REGRESSION, Verdict.UNEXPECTED, True),
+    (Reason.BEFORE_AFFECTED, Verdict.UNEXPECTED, True),
+    (Reason.OUTSIDE_RANGE, Verdict.UNEXPECTED, True),
+    (Reason.FIX_DOES_NOT_HOLD, Verdict.UNEXPECTED, True),
+    (Reason.FIX_RAISED, Verdict.UNEXPECTED, None),
+    (Reason.HARNESS_ERROR, Verdict.UNEXPECTED, None),
+    (Reason.NOT_APPLICABLE, Verdict.NOT_APPLICABLE, None),
+]
+
+
+@pytest.mark.parametrize(("reason", "verdict", "body_failed"), REASONS)
 def test_every_reason_has_one_verdict(reason: Reason, verdict: Verdict, body_failed: bool | None) -> None:
     assert (reason.verdict, reason.body_failed) == (verdict, body_failed)
+
+
+def test_every_reason_is_listed_above() -> None:
+    assert {reason for reason, _, _ in REASONS} == set(Reason)
 
 
 def test_affected_ranges_read_oldest_first() -> None:
@@ -259,7 +292,8 @@ def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPy
             f"did not reproduce on deepspeed {V}: expected AttributeError on deepspeed=={V}, but it passed",
             f"failed differently on deepspeed {V}: expected AttributeError matching 'epilogue' on deepspeed=={V}, "
             "got ranks 0-1: KeyError: 'not the bug'",
-            f"regression: deepspeed {V} is outside the affected range (<0.0.1) but ranks 0-1: AttributeError: broken where it should work",
+            f"regression: failed with the declared error on deepspeed {V}, outside the affected range (<0.0.1): "
+            "ranks 0-1: AttributeError: broken where it should work",
             f"the fix does not hold on deepspeed {V}: ranks 0-1: AttributeError: still broken",
         ]
     )
@@ -273,6 +307,48 @@ def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPy
     )
     # failed differently, regression, fix does not hold: each rank story is told once, not again as a chained cause
     assert result.stdout.str().count("---- ranks 0-1: traceback ----") == 3
+
+
+PARTIAL = """
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.ds_world
+@pytest.mark.ds_version(affected=">=0", raises=ValueError, match="boom")
+def test_some_ranks(ds_rank):
+    if ds_rank == 1:
+        raise ValueError("boom")
+    dist.barrier()  # rank 0 waits for rank 1, which never comes: gloo tells it the peer is gone
+
+@pytest.mark.ds_world(size=3)
+@pytest.mark.ds_version(affected=">=0", raises=ValueError, match="boom")
+def test_some_ranks_then_another_error(ds_rank):
+    if ds_rank == 1:
+        raise ValueError("boom")
+    if ds_rank == 2:
+        time.sleep(0.5)  # after rank 1 (the order the story tells), still on its own: not a lost peer
+        raise KeyError("not the bug")
+    dist.all_reduce(torch.ones(8))
+"""
+
+
+def test_a_bug_in_some_ranks_reproduces(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """Rank 1 raises the bug while rank 0 waits in a barrier and dies of gloo's lost connection: judged on rank 1,
+    REPRODUCED, rank 0 named as collateral; a rank that fails on its own with another error still counts."""
+    pytester.makepyfile(PARTIAL)
+    result = run("-rx")
+    result.assert_outcomes(xfailed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "XFAIL *::test_some_ranks - REPRODUCED on deepspeed *: rank 1: ValueError: boom; collateral: rank 0 then "
+            "lost a peer",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*failed differently on deepspeed *: expected ValueError matching 'boom' on "
+                                 "deepspeed>=0, got rank 1: ValueError: boom; rank 2: KeyError: 'not the bug'; "
+                                 "collateral: rank 0 then lost a peer*"])  # fmt: skip
 
 
 def test_a_harness_error_is_never_judged_as_the_bug(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -328,10 +404,171 @@ def test_ranges_are_told_as_written_and_older_releases_are_not_regressions() -> 
     older = judge([gate], STOCK, Version("0.14.4"), failed, "where")
     assert older.reason is Reason.BEFORE_AFFECTED
     assert older.verdict is Verdict.UNEXPECTED
-    assert older.message.startswith("failed on deepspeed 0.14.4, older than the affected range (>=0.15.4,<0.16.2)")
+    assert older.message.startswith(
+        "failed with the declared error on deepspeed 0.14.4, older than the affected range (>=0.15.4,<0.16.2): the "
+        "bug may be older than declared"
+    )
     newer = judge([gate], STOCK, Version("0.16.2"), failed, "where")
     assert newer.reason is Reason.REGRESSION
     assert "outside the affected range (>=0.15.4,<0.16.2)" in newer.message
+
+
+def test_before_and_after_the_range_are_different_words() -> None:
+    """A stock pass older than every affected range is NOT-YET-AFFECTED; after (or between) them it is FIXED."""
+    gates = [parse_gate((">=0.15.4,<0.16.2",), {"raises": KeyError}, "w"),
+             parse_gate((">=0.17.0,<0.18",), {"raises": KeyError}, "w")]  # fmt: skip
+    said = {v: judge(gates, STOCK, Version(v), [], "w") for v in ("0.14.4", "0.16.5", "0.18.1")}
+    assert [j.verdict for j in said.values()] == [Verdict.NOT_YET_AFFECTED, Verdict.FIXED, Verdict.FIXED]
+    assert said["0.14.4"].message == (
+        "not yet affected: passes on deepspeed 0.14.4, older than the affected range (>=0.15.4,<0.16.2 or "
+        ">=0.17.0,<0.18)"
+    )
+    assert said["0.18.1"].message.startswith("fixed: passes on deepspeed 0.18.1, after the affected range")
+    assert judge(gates, FIXED, Version("0.14.4"), [], "w").verdict is Verdict.PASSES_WITH_FIX
+
+
+def test_outside_the_range_only_the_declared_error_is_a_regression() -> None:
+    """A different error outside the range (a setup mistake) is said as such, before the range and after it."""
+    gates = [parse_gate(("==0.16.0",), {"raises": AttributeError, "match": "epilogue"}, "w"),
+             parse_gate(("==0.17.0",), {"raises": KeyError}, "w")]  # fmt: skip
+    other = [_error(AttributeError("module 'x' has no attribute 'startswith'"))]
+    for version in ("0.15.4", "0.18.0"):
+        judgement = judge(gates, STOCK, Version(version), other, "w")
+        assert judgement.reason is Reason.OUTSIDE_RANGE
+        assert judgement.message == (
+            f"fails outside the affected range (==0.16.0 or ==0.17.0) on deepspeed {version}, not with the declared "
+            "error (AttributeError matching 'epilogue' or KeyError): rank 0: AttributeError: module 'x' has no "
+            "attribute 'startswith'"
+        )
+    assert judge(gates, STOCK, Version("0.18.0"), [_error(KeyError("k"))], "w").reason is Reason.REGRESSION
+    assert judge(gates, STOCK, Version("0.15.4"), [_error(KeyError("k"))], "w").reason is Reason.BEFORE_AFFECTED
+
+
+def _lost_peer(rank: int, at: float = 0.2) -> RankResult:
+    text = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:438: Connection reset by peer. This is typically"
+    return RankResult(rank, Status.FAILED, error=ErrorInfo.from_exception(RuntimeError(text), "tb"), at=at)
+
+
+def test_a_bug_in_some_ranks_is_judged_on_the_ranks_that_failed_first() -> None:
+    """Rank 1 raises the bug; rank 0, waiting in a collective, dies of gloo's lost connection: REPRODUCED, and the
+    collateral rank is named as such; its error alone never decides."""
+    gate = VersionGate(SpecifierSet(">=0"), ValueError, match="boom")
+    boom = RankResult(1, Status.FAILED, error=ErrorInfo.from_exception(ValueError("boom"), "tb"), at=0.1)
+    judgement = judge([gate], STOCK, Version("1.0"), [_lost_peer(0), boom], "w")
+    assert judgement.verdict is Verdict.REPRODUCED
+    assert (
+        judgement.message
+        == "REPRODUCED on deepspeed 1.0: rank 1: ValueError: boom; collateral: rank 0 then lost a peer"
+    )
+    other = RankResult(1, Status.FAILED, error=ErrorInfo.from_exception(KeyError("k"), "tb"), at=0.1)
+    assert judge([gate], STOCK, Version("1.0"), [_lost_peer(0), other], "w").reason is Reason.FAILED_DIFFERENTLY
+    crashed = RankResult(1, Status.CRASHED, detail="killed by signal SIGSEGV", at=0.1)
+    assert judge([gate], STOCK, Version("1.0"), [_lost_peer(0), crashed], "w").reason is Reason.FAILED_DIFFERENTLY
+    # Every rank lost a peer (one passed and left early): nothing failed first, so all of them are judged.
+    assert judge([gate], STOCK, Version("1.0"), [_lost_peer(0), _lost_peer(1)], "w").reason is Reason.FAILED_DIFFERENTLY
+
+
+def _fix_raised(rank: int) -> RankResult:
+    exc = AttributeError("module 'deepspeed' has no attribute 'startswith'")
+    return RankResult(rank, Status.FAILED, error=ErrorInfo.from_exception(exc, "tb"), fix="repro.wait_on_every_handle")
+
+
+@pytest.mark.parametrize("variant", [STOCK, FIXED])
+def test_a_fix_that_raises_is_its_own_reason(variant: str) -> None:
+    """The fix was never applied: not 'the fix does not hold', and never REPRODUCED, even with raises=Exception."""
+    gate = VersionGate(SpecifierSet(">=0"), Exception)
+    judgement = judge([gate], variant, Version("1.0"), [_fix_raised(0), _fix_raised(1)], "w")
+    assert judgement.reason is Reason.FIX_RAISED
+    assert judgement.message == (
+        "the fix raised on deepspeed 1.0, so it was never applied and the body never ran "
+        "(repro.wait_on_every_handle): ranks 0-1: AttributeError: module 'deepspeed' has no attribute 'startswith'"
+    )
+
+
+RACE = VersionGate(SpecifierSet("<0.19.8"), AssertionError, match="read after step")
+
+
+def _race(rank: int = 0) -> RankResult:
+    return RankResult(rank, Status.FAILED, error=ErrorInfo.from_exception(AssertionError("read after step"), "tb"))
+
+
+def _series(failing: int, runs: int = 20, other: RankResult | None = None) -> list[list[RankResult]]:
+    series: list[list[RankResult]] = [[_race()] if i < failing else [] for i in range(runs)]
+    if other is not None:
+        series.append([other])
+    return series
+
+
+@pytest.mark.parametrize(
+    ("version", "variant", "runs", "failures", "reason", "label", "message"),
+    [
+        ("0.19.7", STOCK, _series(9), 1, Reason.REPRODUCED, "9/20",
+         "REPRODUCED on deepspeed 0.19.7 (9/20 runs failed as declared, 1 needed): rank 0: AssertionError: read after "
+         "step"),
+        ("0.19.7", STOCK, _series(1), 2, Reason.DID_NOT_REPRODUCE, "1/20",
+         "did not reproduce on deepspeed 0.19.7 (1/20 runs failed as declared, 2 needed): expected AssertionError "
+         "matching 'read after step' on deepspeed<0.19.8; the first run that did: rank 0: AssertionError: read after "
+         "step"),
+        ("0.19.7", STOCK, _series(0), 1, Reason.DID_NOT_REPRODUCE, "0/20",
+         "did not reproduce on deepspeed 0.19.7 (0/20 runs failed as declared, 1 needed): expected AssertionError "
+         "matching 'read after step' on deepspeed<0.19.8, but it passed"),
+        ("0.19.8", STOCK, _series(0), 1, Reason.NOT_AFFECTED, "0/20",
+         "fixed: passes on deepspeed 0.19.8 (0/20 runs failed as declared), after the affected range (<0.19.8)"),
+        ("0.19.8", STOCK, _series(1), 1, Reason.REGRESSION, "1/20",
+         "regression: failed with the declared error on deepspeed 0.19.8 (1/20 runs failed as declared), outside the "
+         "affected range (<0.19.8): rank 0: AssertionError: read after step"),
+        ("0.19.7", FIXED, _series(0), 1, Reason.FIX_HOLDS, "0/20",
+         "passes with the fix on deepspeed 0.19.7 (0/20 runs failed as declared)"),
+        ("0.19.7", FIXED, _series(3), 1, Reason.FIX_DOES_NOT_HOLD, "3/20",
+         "the fix does not hold on deepspeed 0.19.7 (3/20 runs failed as declared): rank 0: AssertionError: read "
+         "after step"),
+        ("0.19.7", STOCK, _series(3, runs=4, other=_error(KeyError("k"))), 1, Reason.FAILED_DIFFERENTLY, "3/5",
+         "failed differently on deepspeed 0.19.7 (run 5 of 20 ended otherwise, so the runs stopped; 3 failed as "
+         "declared before it): expected AssertionError matching 'read after step' on deepspeed<0.19.8, got rank 0: "
+         "KeyError: 'k'"),
+    ],
+    ids=["reproduced", "too-rare", "never", "fixed", "regression", "fix-holds", "fix-fails-sometimes", "stopped"],
+)  # fmt: skip
+def test_a_nondeterministic_verdict_is_judged_by_its_rate(
+    version: str, variant: str, runs: list[list[RankResult]], failures: int, reason: Reason, label: str, message: str
+) -> None:
+    judgement = judge_runs([RACE], variant, Version(version), runs, "w", Nondeterministic(20, failures), seconds=12.5)
+    assert (judgement.reason, str(judgement.rate), judgement.message) == (reason, label, message)
+    assert judgement.rate is not None
+    assert (judgement.rate.planned, judgement.rate.needed, judgement.rate.seconds) == (20, failures, 12.5)
+
+
+def test_a_series_stops_only_where_the_verdict_can_no_longer_change() -> None:
+    """The declared error goes on being counted (it is the rate); anything else ends the series."""
+    gate = [RACE]
+    assert ending(gate, STOCK, Version("0.19.7"), [_race()], "w") is Ending.DECLARED
+    assert ending(gate, FIXED, Version("0.19.7"), [_race()], "w") is Ending.DECLARED
+    assert ending(gate, STOCK, Version("0.19.8"), [], "w") is Ending.PASSED
+    assert ending(gate, STOCK, Version("0.19.7"), [_error(KeyError("k"))], "w") is Ending.OTHER
+    assert ending(gate, FIXED, Version("0.19.7"), [RankResult(0, Status.HUNG)], "w") is Ending.OTHER
+    assert ending(gate, FIXED, Version("0.19.7"), [_fix_raised(0)], "w") is Ending.OTHER
+    assert ending(gate, STOCK, Version("0.19.7"), [_lost_peer(0), _race(1)], "w") is Ending.DECLARED
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {}, "runs=None must be the number of runs per verdict, a whole number 2 to 1000"),
+        ((1,), {}, "runs=1 must be the number of runs per verdict"),
+        ((True,), {}, "runs=True must be the number of runs per verdict"),
+        ((20,), {"failures": 0}, "failures=0 must say how many of the 20 runs failing as declared make REPRODUCED, "
+         "a whole number 1 to 20"),
+        ((20, 21), {}, "failures=21 must say how many of the 20 runs"),
+        ((20,), {"runs": 3}, "takes runs, failures=; got (20,) ['runs']"),
+        ((), {"runs": 20, "rate": 0.5}, "takes runs, failures=; got () ['rate', 'runs']"),
+    ],
+)  # fmt: skip
+def test_bad_ds_nondeterministic_arguments_are_named(
+    args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(MarkerError, match="^here: " + re.escape(message)):
+        parse_nondeterministic(args, kwargs, "here")
+    assert parse_nondeterministic((20,), {"failures": 2}, "here") == Nondeterministic(20, 2)
 
 
 CONDITIONS = """

@@ -209,6 +209,21 @@ def test_i_one_tmp_path_for_all_ranks(ds_rank, tmp_path):
 
 
 @pytest.mark.ds_world
+@pytest.mark.ds_nondeterministic(runs=4)
+@pytest.mark.ds_version(affected=">=0.1", raises=ValueError, match="race")
+def test_j_race_in_some_runs(ds_rank, tmp_path):
+    import torch.distributed as dist
+
+    runs = tmp_path / "runs"  # rank 0's tmp_path, on every rank: one count of the series' worlds
+    if ds_rank == 0:
+        runs.write_text(str(int(runs.read_text()) + 1) if runs.exists() else "1")
+    dist.barrier()
+    if ds_rank == 1 and runs.read_text() == "2":
+        raise ValueError("the race, in the second run only")
+    dist.barrier()
+
+
+@pytest.mark.ds_world
 def test_h_collective_at_the_end(ds_rank):
     import torch, torch.distributed as dist
 
@@ -287,8 +302,10 @@ def test_a_torchrun_session_is_one_run(pytester: pytest.Pytester, process_tag: s
             consecutive=False,
         )
         lines.fnmatch_lines(["PASSED test_cases.py::test_j_first"])
-        # the bug seen on rank 0 only: REPRODUCED on both ranks
-        lines.fnmatch_lines(["REPRODUCED  test_cases.py::test_g_bug_on_rank_0_only"])
+        # the bug seen on rank 0 only: REPRODUCED on both ranks; a series of 4 worlds, each on keys of its own,
+        # the race in one: the same rate on both ranks
+        lines.fnmatch_lines(["REPRODUCED      test_cases.py::test_g_bug_on_rank_0_only"])
+        lines.fnmatch_lines(["REPRODUCED 1/4  test_cases.py::test_j_race_in_some_runs"])
         lines.fnmatch_lines(["PASSED test_cases.py::test_h_collective_at_the_end"])
         assert out.count("generated xml file") == (1 if rank == 0 else 0), out[-2000:]
     # the fixture that broke on rank 1: its own error there, a harness error (never a verdict) on rank 0
@@ -309,6 +326,7 @@ def test_a_torchrun_session_is_one_run(pytester: pytest.Pytester, process_tag: s
         "test_f_fixture_fails_on_one_rank": (None, "failed"),
         "test_g_bug_on_rank_0_only": ("REPRODUCED", "xfailed"),
         "test_i_one_tmp_path_for_all_ranks": (None, "passed"),  # rank 0's fixture values, as in spawned worlds
+        "test_j_race_in_some_runs": ("REPRODUCED", "xfailed"),
         "test_h_collective_at_the_end": (None, "passed"),
     }
     environment = run["environment"]

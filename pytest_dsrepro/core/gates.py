@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import versions
 from .errors import MarkerError
-from .outcome import RankResult, Status, group_ranks
+from .outcome import RankResult, Status, group_ranks, rank_ranges
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -27,8 +27,9 @@ STOCK, FIXED = "stock", "fixed"
 
 
 class Verdict(str, enum.Enum):
-    REPRODUCED = "REPRODUCED"  # stock, affected release, failed as declared
-    FIXED = "FIXED"  # stock, unaffected release, passed
+    REPRODUCED = "REPRODUCED"  # stock, affected release, failed as declared (a nondeterministic repro: often enough)
+    FIXED = "FIXED"  # stock, a release after (or between) the affected ranges, passed
+    NOT_YET_AFFECTED = "NOT-YET-AFFECTED"  # stock, a release older than every affected range, passed
     PASSES_WITH_FIX = "PASSES-WITH-FIX"  # the fix variant passed
     UNEXPECTED = "UNEXPECTED"  # anything else
     NOT_APPLICABLE = "NOT-APPLICABLE"  # declared not applicable on this release (ds_not_applicable): no body ran
@@ -39,13 +40,16 @@ class Reason(str, enum.Enum):
     """Why a run earned its verdict; what tools read instead of the verdict's wording."""
 
     REPRODUCED = "reproduced"
-    NOT_AFFECTED = "not-affected"
+    NOT_AFFECTED = "not-affected"  # passed after (or between) the affected ranges: FIXED
+    NOT_YET_AFFECTED = "not-yet-affected"  # passed before every affected range: the bug is not there yet
     FIX_HOLDS = "fix-holds"
-    DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected
+    DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected (or failed too rarely)
     FAILED_DIFFERENTLY = "failed-differently"
-    REGRESSION = "regression"  # failed on a release newer than (or between) the affected ranges
-    BEFORE_AFFECTED = "failed-before-affected-range"  # failed on a release older than every affected range
+    REGRESSION = "regression"  # failed as declared on a release newer than (or between) the affected ranges
+    BEFORE_AFFECTED = "failed-before-affected-range"  # failed as declared on a release older than every range
+    OUTSIDE_RANGE = "failed-outside-affected-range"  # failed outside the ranges, and not with the declared error
     FIX_DOES_NOT_HOLD = "fix-does-not-hold"
+    FIX_RAISED = "fix-raised"  # a fix raised while it was being applied: the body never ran
     HARNESS_ERROR = "harness-error"  # no world ran: nothing is known about the bug
     NOT_APPLICABLE = "not-applicable"  # the repro declares this release out of its reach, and why
 
@@ -55,18 +59,51 @@ class Reason(str, enum.Enum):
 
     @property
     def body_failed(self) -> bool | None:
-        """Did the test body fail? None when no body ran (a harness error)."""
-        if self in (Reason.HARNESS_ERROR, Reason.NOT_APPLICABLE):
+        """Did the test body fail? None when no body ran (a harness error, a fix that raised)."""
+        if self in (Reason.HARNESS_ERROR, Reason.NOT_APPLICABLE, Reason.FIX_RAISED):
             return None
-        return self not in (Reason.NOT_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
+        return self not in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
 
 
 _VERDICTS = {
     Reason.REPRODUCED: Verdict.REPRODUCED,
     Reason.NOT_AFFECTED: Verdict.FIXED,
+    Reason.NOT_YET_AFFECTED: Verdict.NOT_YET_AFFECTED,
     Reason.FIX_HOLDS: Verdict.PASSES_WITH_FIX,
     Reason.NOT_APPLICABLE: Verdict.NOT_APPLICABLE,
 }
+
+
+@dataclass(frozen=True)
+class Nondeterministic:
+    """``ds_nondeterministic(runs, failures=1)``: the bug shows in some runs only (a race), so each verdict runs the
+    body ``runs`` times, each in a fresh world; REPRODUCED needs ``failures`` of them to fail as declared, FIXED and
+    PASSES-WITH-FIX need none to fail."""
+
+    runs: int
+    failures: int = 1
+
+
+#: The most runs one verdict may ask for: a series runs inside one pytest item.
+MAX_RUNS = 1000
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How the runs of one nondeterministic verdict went: ``failed`` of ``runs`` failed with the declared error.
+
+    ``runs`` is less than ``planned`` when a run ended otherwise (a different error, a crash, a hang, a fix that
+    raised): the verdict is UNEXPECTED whatever the rest would do, so the series stops there.
+    """
+
+    runs: int
+    planned: int
+    failed: int
+    needed: int  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
+    seconds: float  # the runs' wall time, all together
+
+    def __str__(self) -> str:
+        return f"{self.failed}/{self.runs}"
 
 
 @dataclass(frozen=True)
@@ -109,6 +146,7 @@ class Judgement:
     reason: Reason
     message: str
     prerequisites: tuple[str, ...] = ()  # the prerequisites applied to the run (``Condition.describe``)
+    rate: Rate | None = None  # a nondeterministic repro's runs (``ds_nondeterministic``)
 
     @property
     def verdict(self) -> Verdict:
@@ -195,6 +233,25 @@ def parse_gates(marks: Iterable[tuple[tuple[object, ...], dict[str, object]]], w
     return gates
 
 
+def parse_nondeterministic(args: tuple[object, ...], kwargs: dict[str, object], where: str) -> Nondeterministic:
+    """One ``ds_nondeterministic(runs, failures=1)`` marker, validated."""
+    names = ("runs", "failures")
+    if len(args) > len(names) or set(kwargs) - set(names) or set(names[: len(args)]) & set(kwargs):
+        raise MarkerError(f"{where}: takes runs, failures=; got {args!r} {sorted(kwargs)}")
+    given: dict[str, object] = {**dict(zip(names, args, strict=False)), **kwargs}
+    runs, failures = given.get("runs"), given.get("failures", 1)
+    if not isinstance(runs, int) or isinstance(runs, bool) or not 2 <= runs <= MAX_RUNS:
+        raise MarkerError(
+            f"{where}: runs={runs!r} must be the number of runs per verdict, a whole number 2 to {MAX_RUNS}"
+        )
+    if not isinstance(failures, int) or isinstance(failures, bool) or not 1 <= failures <= runs:
+        raise MarkerError(
+            f"{where}: failures={failures!r} must say how many of the {runs} runs failing as declared make "
+            f"REPRODUCED, a whole number 1 to {runs}"
+        )
+    return Nondeterministic(runs, failures)
+
+
 def common_fix(gates: Iterable[VersionGate]) -> Fix | None:
     return next((g.fix for g in gates if g.fix is not None), None)
 
@@ -231,39 +288,172 @@ def _matches(result: RankResult, gate: VersionGate) -> bool:
     return gate.match is None or re.search(gate.match, error.text) is not None
 
 
-def _endings(failures: Sequence[RankResult]) -> str:
-    return "; ".join(f"{g.label}: {g.headline}" for g in group_ranks(failures))
+def causes(failures: Sequence[RankResult]) -> tuple[RankResult, ...]:
+    """The ranks that failed first, on their own: every failure but those that only lost a peer (gloo's "Connection
+    closed by peer" in a rank that waited in a collective for a rank that had already failed). All of them when
+    every failure lost a peer (then no rank is known to have failed first)."""
+    own = tuple(r for r in failures if not r.lost_peer)
+    return own or tuple(failures)
+
+
+def _told(failures: Sequence[RankResult]) -> str:
+    """The ranks that failed first, each ending once; then the collateral ones, named as such."""
+    first = causes(failures)
+    text = "; ".join(f"{g.label}: {g.headline}" for g in group_ranks(first))
+    collateral = [r for r in failures if r not in first]
+    if collateral:
+        text += f"; collateral: {rank_ranges(r.rank for r in collateral)} then lost a peer"
+    return text
+
+
+class Ending(enum.Enum):
+    """How one run ended, as the verdict counts it."""
+
+    PASSED = "passed"
+    DECLARED = "declared"  # failed with the declared error
+    OTHER = "other"  # anything else: a different error, a crash, a hang, a fix that raised
+
+
+def _ending(failures: Sequence[RankResult], gates: Sequence[VersionGate]) -> Ending:
+    """``gates``: the errors that count as declared (the active gate's on an affected release, else any gate's)."""
+    if not failures:
+        return Ending.PASSED
+    first = causes(failures)
+    if any(r.fix for r in first):
+        return Ending.OTHER
+    if all(any(_matches(r, g) for g in gates) for r in first):
+        return Ending.DECLARED
+    return Ending.OTHER
+
+
+def ending(
+    gates: Sequence[VersionGate], variant: str | None, version: Version, failures: Sequence[RankResult], where: str
+) -> Ending:
+    """How one run ended; a series of runs stops at the first ``Ending.OTHER`` (its verdict is UNEXPECTED then)."""
+    gate = None if variant == FIXED else active_gate(gates, version, where)
+    return _ending(failures, gates if gate is None else [gate])
+
+
+def _declared(gates: Sequence[VersionGate]) -> str:
+    """The declared errors in words, each once: ``AttributeError matching 'epilogue' or KeyError``."""
+    said = [g.raises.__qualname__ + (f" matching {g.match!r}" if g.match else "") for g in gates]
+    return " or ".join(dict.fromkeys(said))
 
 
 def judge(
     gates: Sequence[VersionGate], variant: str | None, version: Version, failures: Sequence[RankResult], where: str
 ) -> Judgement:
     """The verdict of one run. ``failures`` are the ranks that went wrong (empty: the test passed)."""
-    ds = f"deepspeed {version}"
-    if variant == FIXED:
-        if not failures:
-            return Judgement(Reason.FIX_HOLDS, f"passes with the fix on {ds}")
-        return Judgement(Reason.FIX_DOES_NOT_HOLD, f"the fix does not hold on {ds}: {_endings(failures)}")
-    gate = active_gate(gates, version, where)
-    if gate is None:
-        if not failures:
-            return Judgement(Reason.NOT_AFFECTED, f"not affected: passes on {ds}")
-        ranges = " or ".join(g.range for g in gates)
-        if all(_lower_bound(g.range)[1] > version for g in gates):
-            return Judgement(
-                Reason.BEFORE_AFFECTED,
-                f"failed on {ds}, older than the affected range ({ranges}): {_endings(failures)}; the bug may be "
-                "older than declared, or this release fails for another reason",
-            )
-        return Judgement(
-            Reason.REGRESSION, f"regression: {ds} is outside the affected range ({ranges}) but {_endings(failures)}"
+    return judge_runs(gates, variant, version, [failures], where)
+
+
+def judge_runs(
+    gates: Sequence[VersionGate],
+    variant: str | None,
+    version: Version,
+    runs: Sequence[Sequence[RankResult]],
+    where: str,
+    plan: Nondeterministic | None = None,
+    seconds: float = 0.0,
+) -> Judgement:
+    """The verdict of a series of runs (one, unless ``plan`` declares the bug nondeterministic): each element of
+    ``runs`` is one run's failing ranks. A series ends early at the first run that ended otherwise than passing or
+    failing as declared (``ending``), so ``len(runs)`` may be less than ``plan.runs``."""
+    gate = None if variant == FIXED else active_gate(gates, version, where)
+    told = _Told.of(runs, gates if gate is None else [gate], plan, version, affected=gate is not None)
+    rate = None if plan is None else Rate(len(runs), plan.runs, told.declared, told.needed, round(seconds, 3))
+    if told.raised:
+        reason, message = _raised(told)
+    elif variant == FIXED:
+        reason, message = _with_fix(told)
+    elif gate is None:
+        reason, message = _outside(gates, version, told)
+    else:
+        reason, message = _affected(gate, told)
+    return Judgement(reason, message, rate=rate)
+
+
+@dataclass(frozen=True)
+class _Told:
+    """A series of runs as the verdict's words need it."""
+
+    on: str  # "on deepspeed X", and for a series how it went
+    said: str  # the ranks of the run the user is shown (the one that ended otherwise, else the first that failed)
+    failed: bool  # some run failed
+    otherwise: bool  # some run ended otherwise than passing or failing as declared
+    declared: int  # runs that failed as declared
+    needed: int  # of them, for REPRODUCED
+    raised: str  # the fixes that raised, named; "" when none did
+
+    @classmethod
+    def of(
+        cls,
+        runs: Sequence[Sequence[RankResult]],
+        declared_by: Sequence[VersionGate],
+        plan: Nondeterministic | None,
+        version: Version,
+        *,
+        affected: bool,
+    ) -> _Told:
+        endings = [_ending(run, declared_by) for run in runs]
+        failing = [run for run, e in zip(runs, endings, strict=True) if e is not Ending.PASSED]
+        other = next((run for run, e in zip(runs, endings, strict=True) if e is Ending.OTHER), None)
+        declared = endings.count(Ending.DECLARED)
+        needed = plan.failures if plan else 1
+        on = f"on deepspeed {version}"
+        if plan and len(runs) < plan.runs:
+            on += (f" (run {len(runs)} of {plan.runs} ended otherwise, so the runs stopped; {declared} failed as "
+                   "declared before it)")  # fmt: skip
+        elif plan:
+            on += f" ({declared}/{len(runs)} runs failed as declared" + (f", {needed} needed)" if affected else ")")
+        raised = dict.fromkeys(r.fix for run in failing for r in causes(run) if r.fix)
+        shown = other if other is not None else (failing[0] if failing else ())
+        return cls(on, _told(shown), bool(failing), other is not None, declared, needed, ", ".join(raised))
+
+
+def _raised(told: _Told) -> tuple[Reason, str]:
+    return Reason.FIX_RAISED, (
+        f"the fix raised {told.on}, so it was never applied and the body never ran ({told.raised}): {told.said}"
+    )
+
+
+def _with_fix(told: _Told) -> tuple[Reason, str]:
+    if not told.failed:
+        return Reason.FIX_HOLDS, f"passes with the fix {told.on}"
+    return Reason.FIX_DOES_NOT_HOLD, f"the fix does not hold {told.on}: {told.said}"
+
+
+def _outside(gates: Sequence[VersionGate], version: Version, told: _Told) -> tuple[Reason, str]:
+    """A stock run on a release no gate covers: before every range, or after (or between) them."""
+    ranges = " or ".join(oldest_first(g.range for g in gates))
+    before = all(_lower_bound(g.range)[1] > version for g in gates)
+    if not told.failed and before:
+        return Reason.NOT_YET_AFFECTED, f"not yet affected: passes {told.on}, older than the affected range ({ranges})"
+    if not told.failed:
+        return Reason.NOT_AFFECTED, f"fixed: passes {told.on}, after the affected range ({ranges})"
+    if told.otherwise:
+        return Reason.OUTSIDE_RANGE, (
+            f"fails outside the affected range ({ranges}) {told.on}, not with the declared error ({_declared(gates)}): "
+            f"{told.said}"
         )
-    if not failures:
-        return Judgement(
-            Reason.DID_NOT_REPRODUCE, f"did not reproduce on {ds}: expected {gate.describe()}, but it passed"
+    if before:
+        return Reason.BEFORE_AFFECTED, (
+            f"failed with the declared error {told.on}, older than the affected range ({ranges}): the bug may be "
+            f"older than declared: {told.said}"
         )
-    if all(_matches(r, gate) for r in failures):
-        return Judgement(Reason.REPRODUCED, f"REPRODUCED on {ds}: {_endings(failures)}")
-    return Judgement(
-        Reason.FAILED_DIFFERENTLY, f"failed differently on {ds}: expected {gate.describe()}, got {_endings(failures)}"
+    return Reason.REGRESSION, (
+        f"regression: failed with the declared error {told.on}, outside the affected range ({ranges}): {told.said}"
+    )
+
+
+def _affected(gate: VersionGate, told: _Told) -> tuple[Reason, str]:
+    """A stock run on a release the gate covers."""
+    if told.otherwise:
+        return Reason.FAILED_DIFFERENTLY, f"failed differently {told.on}: expected {gate.describe()}, got {told.said}"
+    if told.declared >= told.needed:
+        return Reason.REPRODUCED, f"REPRODUCED {told.on}: {told.said}"
+    if not told.failed:
+        return Reason.DID_NOT_REPRODUCE, f"did not reproduce {told.on}: expected {gate.describe()}, but it passed"
+    return Reason.DID_NOT_REPRODUCE, (
+        f"did not reproduce {told.on}: expected {gate.describe()}; the first run that did: {told.said}"
     )

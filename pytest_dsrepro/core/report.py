@@ -235,7 +235,7 @@ def _environment(env: Environment) -> list[str]:
 
 
 def _label(test: TestRecord) -> str:
-    return test.verdict.value if test.verdict else test.outcome.upper()
+    return test.label
 
 
 def _summary(tests: Sequence[TestRecord]) -> list[str]:
@@ -270,6 +270,27 @@ def _fix(test: TestRecord) -> list[str]:
         "applied in every rank of the `[fixed]` variant"
     )  # fmt: skip
     return [f"- **Fix:** `{source.fix}` ({applied}; {where})"]
+
+
+def _rate(test: TestRecord) -> list[str]:
+    rate = test.rate
+    if rate is None:
+        return []
+    stopped = f"; the runs stopped at run {rate.runs} of {rate.planned}" if rate.runs < rate.planned else ""
+    return [
+        f"- **Rate:** {rate.failed} of {rate.runs} runs failed as declared (the bug is nondeterministic: REPRODUCED "
+        f"needs {rate.needed} of {rate.planned}, FIXED and PASSES-WITH-FIX need 0){stopped}; each run a fresh world, "
+        f"{rate.seconds:.1f} s in all ({rate.seconds / rate.runs:.2f} s a run)"
+    ]
+
+
+def _measured(test: TestRecord) -> list[str]:
+    return [
+        f"- **Measured:** {m.what}: {m.seconds * 1e3:.1f} ms, against {m.reference}: {m.reference_seconds * 1e3:.1f} "
+        f"ms (the least of {m.repeats} interleaved runs each, the slowest rank's): {m.ratio:.2f}x; slow from "
+        f"{m.limit:g}x, so {'slow' if m.slow else 'not slow'} with a margin of {m.margin:.1f}x"
+        for m in test.measurements
+    ]
 
 
 def _prerequisites(test: TestRecord) -> list[str]:
@@ -360,6 +381,7 @@ def _failures(test: TestRecord) -> list[str]:
 
 def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[str]:
     lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test), *_prerequisites(test)]
+    lines += [*_rate(test), *_measured(test)]
     outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
     if test.variant:
         outcome += f" ({test.variant} variant)"
@@ -380,7 +402,8 @@ def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[
 def _counts(tests: Sequence[TestRecord]) -> str:
     counts: dict[str, int] = {}
     for t in tests:
-        counts[_label(t)] = counts.get(_label(t), 0) + 1
+        word = t.verdict.value if t.verdict else t.outcome.upper()  # a rate is the test's, not the count's
+        counts[word] = counts.get(word, 0) + 1
     return ", ".join(f"{n} {label.lower()}" for label, n in counts.items()) or "no tests"
 
 

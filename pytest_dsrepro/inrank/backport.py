@@ -70,6 +70,12 @@ def _point_super_at(new_class: type, live_class: type) -> None:
 
 def backport(monkeypatch: pytest.MonkeyPatch, module_name: str, edits: Sequence[tuple[str, str]]) -> list[str]:
     """Apply regex ``edits`` (pattern, replacement) to ``module_name``'s source; return what was patched."""
+    if not isinstance(module_name, str):
+        given = f"the module object {module_name.__name__!r}" if inspect.ismodule(module_name) else repr(module_name)
+        raise TypeError(
+            f"backport(): module_name must be the module's dotted name as a string, such as "
+            f"'deepspeed.runtime.engine', not {given}: the source it recompiles is found by that name"
+        )
     module = importlib.import_module(module_name)
     original = inspect.getsource(module)
     source = original

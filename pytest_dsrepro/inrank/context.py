@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+# Absolute, as in ``inrank.perf``: ``dsrepro export`` inlines ``measured`` into standalone scripts.
+from pytest_dsrepro.core.outcome import Measurement
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -26,6 +29,7 @@ class RankContext:
 
 
 _current: RankContext | None = None
+_measured: list[Measurement] = []  # what the running body timed (``inrank.perf``), for its rank's report
 
 
 def current() -> RankContext:
@@ -37,10 +41,21 @@ def current() -> RankContext:
 
 @contextmanager
 def running(ctx: RankContext) -> Iterator[RankContext]:
-    """Make ``ctx`` the current rank while a body runs."""
+    """Make ``ctx`` the current rank while a body runs (with nothing timed yet)."""
     global _current
     _current = ctx
+    _measured.clear()
     try:
         yield ctx
     finally:
         _current = None
+
+
+def measured(measurement: Measurement) -> None:
+    """Keep what the running body timed: its rank's report carries it to the verdict."""
+    _measured.append(measurement)
+
+
+def measurements() -> tuple[Measurement, ...]:
+    """What the last body to run in this process timed, in order."""
+    return tuple(_measured)

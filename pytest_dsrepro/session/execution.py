@@ -13,6 +13,7 @@ import hashlib
 import os
 import pickle
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,7 +26,18 @@ from packaging.version import Version
 
 from ..core import source
 from ..core.errors import HarnessError, MarkerError
-from ..core.gates import FIXED, Judgement, Reason, Verdict, holding, installed_deepspeed, judge
+from ..core.gates import (
+    FIXED,
+    Ending,
+    Judgement,
+    Nondeterministic,
+    Reason,
+    Verdict,
+    ending,
+    holding,
+    installed_deepspeed,
+    judge_runs,
+)
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.paths import unwritable
 from ..core.worlds import settle_backend
@@ -34,7 +46,18 @@ from ..worlds.client import RunStops, WorldInterrupted, WorldRunner
 from ..worlds.protocol import RankJob, TestRef
 from . import markers
 from .launched import LAUNCHED_KEY
-from .stash import JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SETTINGS_KEY, SOURCES_KEY, Marks, Prepared
+from .stash import (
+    JUDGEMENT_KEY,
+    MARKS_KEY,
+    OUTCOME_KEY,
+    PREPARED_KEY,
+    SERIES_KEY,
+    SETTINGS_KEY,
+    SOURCES_KEY,
+    Marks,
+    Prepared,
+    Series,
+)
 
 RUNNER_KEY = pytest.StashKey[WorldRunner]()
 
@@ -150,6 +173,15 @@ def _with_prerequisites(judgement: Judgement, marks: Marks, version: Version) ->
     return dataclasses.replace(judgement, message=judgement.message + note, prerequisites=applied)
 
 
+def _with_measurements(judgement: Judgement, outcome: WorldOutcome | None) -> Judgement:
+    """The judgement, saying what the body timed against its reference (``inrank.perf``), with the margin."""
+    measured = outcome.measurements if outcome is not None else ()
+    if not measured:
+        return judgement
+    note = "".join(f"; measured: {m.describe()}" for m in measured)
+    return dataclasses.replace(judgement, message=judgement.message + note)
+
+
 #: pytest's xunit-style methods of a test class: they run in the pytest process, so what they set never reaches ranks.
 XUNIT_METHODS = ("setup_method", "teardown_method", "setup_class", "teardown_class")
 
@@ -192,15 +224,25 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     deepspeed = engines or _imports_deepspeed(item)
     launched_run = item.config.stash.get(LAUNCHED_KEY, None)
+    world: Callable[[int], WorldOutcome]
     if launched_run is not None:
-        outcome = launched_run.run(function, kwargs, fixes, prepared, deepspeed=deepspeed)
+
+        def world(run: int) -> WorldOutcome:
+            return launched_run.run(function, kwargs, fixes, prepared, deepspeed=deepspeed, run=run)
+
     else:
         _check_unchanged(item)
         job = RankJob(
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout, deepspeed=deepspeed,
         )  # fmt: skip
-        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size, engines)
+        runner = item.config.stash[RUNNER_KEY]
+
+        def world(run: int) -> WorldOutcome:
+            return _run_spawned(runner, job, prepared.spec.size, engines)
+
+    plan = marks.nondeterministic
+    outcome = world(0) if plan is None else _series(item, marks, plan, world)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         _warn_returned(item.nodeid, function, outcome)
@@ -209,6 +251,36 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     if declared is not None:
         _declare(declared)
     raise WorldFailed(outcome)
+
+
+def _series(
+    item: pytest.Function, marks: Marks, plan: Nondeterministic, world: Callable[[int], WorldOutcome]
+) -> WorldOutcome:
+    """Up to ``plan.runs`` worlds, one after the other on the same fork server, kept for the judge; the one the
+    user is shown. The series stops at a run that ended otherwise than passing or failing as declared (the verdict
+    is UNEXPECTED then, whatever the others would do) or that the body skipped or xfailed."""
+    version = installed_deepspeed()
+    where = f"@pytest.mark.ds_version on {item.nodeid}"
+    outcomes: list[WorldOutcome] = []
+    started = time.monotonic()
+    shown: WorldOutcome | None = None
+    for run in range(plan.runs):
+        outcome = world(run)
+        outcomes.append(outcome)
+        if outcome.declared is not None:
+            shown = outcome
+            break
+        try:
+            how = ending(marks.gates, marks.variant, version, outcome.failures, where) if version else Ending.OTHER
+        except MarkerError:  # ranges that overlap: the judge says so
+            how = Ending.OTHER
+        if how is Ending.OTHER:
+            shown = outcome
+            break
+        if shown is None and how is Ending.DECLARED:
+            shown = outcome
+    item.stash[SERIES_KEY] = Series(tuple(outcomes), time.monotonic() - started)
+    return shown or outcomes[-1]
 
 
 def _declare(result: RankResult) -> NoReturn:
@@ -376,11 +448,15 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     version = installed_deepspeed()
     if version is None:
         markers.fail(f"{where}: DeepSpeed is not installed, so no release can be judged")
+    series = item.stash.get(SERIES_KEY, None)
+    runs = [o.failures for o in series.outcomes] if series is not None else [_failures(exc)]
     try:
-        judgement = judge(marks.gates, marks.variant, version, _failures(exc), where)
+        judgement = judge_runs(
+            marks.gates, marks.variant, version, runs, where, marks.nondeterministic, series.seconds if series else 0
+        )
     except MarkerError as error:
         markers.fail(str(error))
-    judgement = _with_prerequisites(judgement, marks, version)
+    judgement = _with_measurements(_with_prerequisites(judgement, marks, version), item.stash.get(OUTCOME_KEY, None))
     item.stash[JUDGEMENT_KEY] = judgement
     if judgement.verdict is Verdict.REPRODUCED:
         pytest.xfail(judgement.message)

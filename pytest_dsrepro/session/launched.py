@@ -72,11 +72,13 @@ class LaunchedRun:
         prepared: Prepared,
         *,
         deepspeed: bool = False,
+        run: int = 0,
     ) -> WorldOutcome:
-        """The body as one world across every rank; the outcome is rank 0's, the same on every rank."""
+        """The body as one world across every rank; the outcome is rank 0's, the same on every rank. ``run``: which
+        world of a nondeterministic verdict's series (every rank runs the same series: it stops on one outcome)."""
         self.arrived = None
         spec = prepared.spec
-        return self.ranks.run(fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed)
+        return self.ranks.run(fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, run=run)
 
     def environment(self, environment: Environment) -> Environment:
         """What the worlds of this run really ran on: the launcher's world size, this node's devices, the backend

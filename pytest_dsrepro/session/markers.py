@@ -9,7 +9,17 @@ import pytest
 from ..core import configs
 from ..core.configs import PRESETS
 from ..core.errors import MarkerError
-from ..core.gates import FIXED, STOCK, Condition, VersionGate, common_fix, parse_condition, parse_gates
+from ..core.gates import (
+    FIXED,
+    STOCK,
+    Condition,
+    Nondeterministic,
+    VersionGate,
+    common_fix,
+    parse_condition,
+    parse_gates,
+    parse_nondeterministic,
+)
 from ..core.options import Settings
 from ..core.premises import PARAMETERS as PREMISE_PARAMETERS
 from ..core.premises import Premise, own_config_problem
@@ -34,6 +44,9 @@ MARKERS = {
     "ds_not_applicable": "ds_not_applicable(releases, reason): on DeepSpeed releases in `releases` the test does not "
     "run (the API it needs is missing, another bug makes it meaningless); its verdict there is NOT-APPLICABLE, with "
     "`reason`, never a silent skip.",
+    "ds_nondeterministic": "ds_nondeterministic(runs, failures=1): the bug shows in some runs only (a race), so each "
+    "verdict runs the body `runs` times, each in a fresh world, and is judged by its rate: REPRODUCED when at least "
+    "`failures` runs fail as declared (said as 'REPRODUCED 9/20'), FIXED and PASSES-WITH-FIX only when none fails.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
     "ds_premise": f"ds_premise({'=, '.join(PREMISE_PARAMETERS)}=): what a DeepSpeed config must have for the "
@@ -75,6 +88,21 @@ def premise(node: pytest.Item) -> Premise | None:
     return parse_premise(mark.args, mark.kwargs, f"@pytest.mark.ds_premise on {node.nodeid}")
 
 
+def nondeterministic(item: pytest.Item, gated: bool, world: bool) -> Nondeterministic | None:
+    """A test's ``ds_nondeterministic`` marker, validated: one per test, on a gated world test."""
+    marks = list(item.iter_markers("ds_nondeterministic"))
+    if not marks:
+        return None
+    where = f"@pytest.mark.ds_nondeterministic on {item.nodeid}"
+    if len(marks) > 1:
+        raise MarkerError(f"{where}: one marker per test (it has {len(marks)}), with the runs and failures it needs")
+    if not gated:
+        raise MarkerError(f"{where}: a rate is judged against the test's ds_version gates, and it has none")
+    if not world:
+        raise MarkerError(f"{where}: each run is a fresh world, and this is no world test (add @pytest.mark.ds_world)")
+    return parse_nondeterministic(marks[0].args, dict(marks[0].kwargs), where)
+
+
 def variant(item: pytest.Item) -> str | None:
     """``"stock"`` or ``"fixed"`` for tests whose ``ds_version`` declares a fix (see ``parametrize.variants``)."""
     callspec = getattr(item, "callspec", None)
@@ -94,6 +122,7 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
         world=spec, gates=found, fix=common_fix(found), variant=variant(item),
         prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
         premise=premise(item),
+        nondeterministic=nondeterministic(item, bool(found), spec is not None),
     )  # fmt: skip
 
 

@@ -32,7 +32,9 @@ PROPERTY = "dsrepro"
 #: The JUnit ``<property>`` names on a test's ``<testcase>`` (``PROPERTY`` + ``.`` + one of these).
 #: The verdicts whose summary line says why (the rest are what the declared range predicts).
 EXPLAINED = (Verdict.UNEXPECTED.value, Verdict.NOT_APPLICABLE.value, Verdict.SKIPPED.value)
-JUNIT_NAMES = ("verdict", "reason", "deepspeed", "repro", "variant", "ranks", "attempts")
+#: The verdicts of a body that passed as its range predicts: their record has no error line.
+PASSING = (Verdict.FIXED, Verdict.NOT_YET_AFFECTED, Verdict.PASSES_WITH_FIX)
+JUNIT_NAMES = ("verdict", "reason", "deepspeed", "repro", "variant", "ranks", "attempts", "rate", "margin", "measured")
 
 
 def repro_meta(item: pytest.Item) -> ReproMeta | None:
@@ -53,7 +55,7 @@ def _outcome_word(report: pytest.TestReport) -> str:
 
 
 def _error_line(report: pytest.TestReport, judgement: Judgement | None) -> str | None:
-    if judgement is not None and judgement.verdict not in (Verdict.FIXED, Verdict.PASSES_WITH_FIX):
+    if judgement is not None and judgement.verdict not in PASSING:
         return judgement.message.splitlines()[0]
     if report.skipped and isinstance(report.longrepr, tuple):
         return str(report.longrepr[2]).removeprefix("Skipped: ")
@@ -109,6 +111,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     if judgement is None and report.skipped and not hasattr(report, "wasxfail") and gated:
         verdict, reason = Verdict.SKIPPED, None  # a gated test that never got judged: no reason to give
     config = item.stash.get(CONFIG_KEY, None)
+    outcome = item.stash.get(OUTCOME_KEY, None)
     meta = repro_meta(item)
     return TestRecord(
         nodeid=item.nodeid,
@@ -121,11 +124,13 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         duration=round(report.duration, 3),
         config=config.config if config else None,
         config_notes=config.notes if config else (),
-        ranks=results.rank_stories(item.stash.get(OUTCOME_KEY, None)),
+        ranks=results.rank_stories(outcome),
         longrepr=(report.longreprtext or None) if report.failed else None,
         world_size=prepared.spec.size if prepared is not None else None,
         source=repro_source(item, marks.fix if marks is not None else None) if gated or meta else None,
         prerequisites=judgement.prerequisites if judgement else (),
+        rate=judgement.rate if judgement else None,
+        measurements=outcome.measurements if outcome is not None else (),
     )
 
 
@@ -145,6 +150,9 @@ def junit_properties(test: TestRecord, deepspeed: str | None) -> list[tuple[str,
         "variant": test.variant,
         "ranks": None if test.world_size is None else str(test.world_size),
         "attempts": str(test.attempts),
+        "rate": None if test.rate is None else str(test.rate),  # runs failed as declared / runs made
+        "margin": f"{min(m.margin for m in test.measurements):.2f}" if test.measurements else None,
+        "measured": "; ".join(m.describe() for m in test.measurements) or None,
     }
     return [(f"{PROPERTY}.{name}", value) for name in JUNIT_NAMES if (value := values[name]) is not None]
 
@@ -201,12 +209,14 @@ class Run:
     def summary_lines(self) -> list[str]:
         """The terminal summary: one line per gated test, its verdict first."""
         gated = [t for t in self.tests if t.verdict or t.repro]
-        labels = [t.verdict.value if t.verdict else t.outcome.upper() for t in gated]
+        labels = [t.label for t in gated]
         width = max(map(len, labels), default=0)
         lines = []
         for label, t in zip(labels, gated, strict=True):
-            why = f"  -- {t.error}" if label in EXPLAINED else ""
+            word = t.verdict.value if t.verdict else t.outcome.upper()
+            why = f"  -- {t.error}" if word in EXPLAINED else ""
             why += "".join(f"  (prerequisite fix for {p})" for p in t.prerequisites)
+            why += "".join(f"  ({m.brief})" for m in t.measurements)
             tries = f"  ({t.attempts} attempts)" if t.attempts > 1 else ""
             lines.append(f"{label:<{width}}  {t.nodeid}{tries}{why}")
         return lines

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from ..core.configs import ResolvedConfig
-from ..core.gates import Condition, Fix, Judgement, VersionGate
+from ..core.gates import Condition, Fix, Judgement, Nondeterministic, VersionGate
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
 from ..core.premises import Premise
@@ -25,6 +25,7 @@ class Marks:
     prerequisites: tuple[Condition, ...] = ()  # ds_prerequisite: fixes applied before the body on their releases
     not_applicable: tuple[Condition, ...] = ()  # ds_not_applicable: releases where the body does not run
     premise: Premise | None = None  # ds_premise: what a config must have for the bug to be possible
+    nondeterministic: Nondeterministic | None = None  # ds_nondeterministic: runs per verdict, judged by their rate
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,20 @@ class Prepared:
     backend: str  # gloo or nccl
 
 
+@dataclass(frozen=True)
+class Series:
+    """The worlds one nondeterministic verdict ran, in order, and their wall time all together."""
+
+    outcomes: tuple[WorldOutcome, ...]
+    seconds: float
+
+
 SETTINGS_KEY = pytest.StashKey[Settings]()
 MARKS_KEY = pytest.StashKey[Marks]()
 PREPARED_KEY = pytest.StashKey[Prepared]()
 CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
 OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
 JUDGEMENT_KEY = pytest.StashKey[Judgement]()
+SERIES_KEY = pytest.StashKey[Series]()
 #: Each test file's digest when pytest collected it: ranks import the file again, which must still be that code.
 SOURCES_KEY = pytest.StashKey[dict[str, str | None]]()

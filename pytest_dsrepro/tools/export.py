@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 
 from ..core import configs, source, versions
-from ..core.gates import oldest_first
+from ..core.errors import MarkerError
+from ..core.gates import Nondeterministic, oldest_first, parse_nondeterministic
 from ..core.results import ReproMeta, repro_meta
 
 __all__ = ["Collected", "ExportError", "collect", "describe", "render", "run"]
@@ -70,6 +71,7 @@ class Collected:
     world_size: int
     variant: str | None
     others: tuple[str, ...] = field(default=())  # node ids of the test's other parametrizations
+    nondeterministic: Nondeterministic | None = None  # the bug shows in some runs only (``ds_nondeterministic``)
 
 
 # ---------------------------------------------------------------------------------------------------- collecting
@@ -158,6 +160,11 @@ def describe(item: pytest.Item, world_size: int) -> Collected:
     params = _params(item)
     config = params.get("ds_config")
     name, spec = config if isinstance(config, tuple) else (None, None)
+    rate = item.get_closest_marker("ds_nondeterministic")
+    try:
+        plan = None if rate is None else parse_nondeterministic(rate.args, dict(rate.kwargs), item.nodeid)
+    except MarkerError as exc:
+        raise ExportError(f"@pytest.mark.ds_nondeterministic on {exc}") from None
     return Collected(
         nodeid=item.nodeid,
         path=Path(str(item.path)),
@@ -170,6 +177,7 @@ def describe(item: pytest.Item, world_size: int) -> Collected:
         config_spec=spec,
         world_size=_world_size(item, world_size),
         variant=params.get("ds_variant"),
+        nondeterministic=plan,
     )
 
 
@@ -385,6 +393,7 @@ def render(test: Collected, file_name: str = "repro.py") -> str:
         "root_cause": "\n    ".join(_wrap(meta.root_cause or "-", 112)),
         "affected": _affected_lines(test),
         "fixed_in": fixed + (f" ({meta.fix_ref})" if meta.fix_ref else ""),
+        "rate": _rate_note(test.nondeterministic),
         "world_size": str(test.world_size),
         "deepspeed": versions.installed_text("deepspeed") or "X.Y.Z",
         "file": file_name,
@@ -416,6 +425,16 @@ def render(test: Collected, file_name: str = "repro.py") -> str:
 
 def _template(name: str) -> str:
     return resources.files("pytest_dsrepro.tools").joinpath(f"templates/{name}").read_text()
+
+
+def _rate_note(plan: Nondeterministic | None) -> str:
+    """For a bug that shows in some runs only: what one run of the script is worth."""
+    if plan is None:
+        return ""
+    return (
+        f"\nThe bug shows in some runs only: the repro judges it over {plan.runs} runs, each a fresh world, and calls "
+        f"it\nreproduced from {plan.failures} failing ones. One passing run of this script says little: run it again."
+    )
 
 
 def _wrap(text: str, width: int) -> list[str]:

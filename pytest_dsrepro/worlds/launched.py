@@ -124,13 +124,15 @@ class LaunchedWorld:
 
     # ---- the store ----------------------------------------------------------------------------------------------
 
-    def _store(self, seq: int, watcher: bool = False) -> Any:
-        """The keys of the ``seq``-th world test (0: the session's own)."""
+    def _store(self, seq: int, watcher: bool = False, run: int = 0) -> Any:
+        """The keys of the ``seq``-th world test (0: the session's own); ``run``: of its ``run``-th world when a
+        nondeterministic verdict runs several (each on keys of its own)."""
         import torch.distributed as dist
 
         if self._stores is None:
             self._stores = launcher.connect(self.connect_timeout)
-        return dist.PrefixStore(str(seq), self._stores[watcher])  # type: ignore[attr-defined]
+        prefix = str(seq) if run == 0 else f"{seq}.{run}"
+        return dist.PrefixStore(prefix, self._stores[watcher])  # type: ignore[attr-defined]
 
     def _count(self, store: Any, name: str) -> None:
         """Count this rank in; the last one sets ``all-<name>``, which every rank may wait for."""
@@ -232,9 +234,11 @@ class LaunchedWorld:
         timeout: float,
         *,
         deepspeed: bool = False,
+        run: int = 0,
     ) -> WorldOutcome:
-        """Run the body of the test all ranks arrived at, as one world; every rank returns the same outcome."""
-        store = self._store(self.seq)
+        """Run the body of the test all ranks arrived at, as one world; every rank returns the same outcome.
+        ``run``: which world of a nondeterministic verdict's series this is (each starts anew on its own keys)."""
+        store = self._store(self.seq, run=run)
         if self.world.rank == 0:
             _post_arguments(store, kwargs)
         self._start(store, timeout)
@@ -255,7 +259,7 @@ class LaunchedWorld:
             # Interrupted escapes run_body only when it came after the body, as run_body reported it: the watcher's
             # result stands either way.
             before = _children()
-            watch = _Watch(self, self._store(self.seq, watcher=True), deadline, timeout)
+            watch = _Watch(self, self._store(self.seq, watcher=True, run=run), deadline, timeout)
             with watch, contextlib.suppress(Interrupted):
                 report = watch.interruptible(inrank.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed)
             _kill_what_it_started(before)

@@ -29,7 +29,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from ..core.outcome import ErrorInfo, RankResult, Status
+from ..core.outcome import ErrorInfo, Measurement, RankResult, Status
 
 # ---- what the fork server found -------------------------------------------------------------------------------
 
@@ -267,11 +267,13 @@ class RankReport:
     at: float | None = None  # when the body (or the world's setup) ended, on time.monotonic()'s clock
     where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
     returned: str = ""  # the type of what the body returned, when it was not None
+    fix: str = ""  # the fix that raised while it was being applied (the body never ran)
+    measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``)
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
         at = None if self.at is None or started is None else max(0.0, self.at - started)
         return RankResult(
             rank, self.status, error=self.error, detail=self.detail, output=output, at=at, where=self.where,
-            returned=self.returned,
+            returned=self.returned, fix=self.fix, measurements=self.measurements,
         )  # fmt: skip

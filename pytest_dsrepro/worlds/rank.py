@@ -8,6 +8,7 @@ one ``RankReport`` out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -173,18 +174,26 @@ def bind_deepspeed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
+def _fix_name(fix: Fix) -> str:
+    return str(getattr(fix, "__qualname__", None) or repr(fix))
+
+
 def run_body(
     fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext, *, deepspeed: bool = False
 ) -> RankReport:
     """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
     DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures, and run the body; report how it
-    ended (a rank fixture's failing teardown fails the rank)."""
+    ended (a rank fixture's failing teardown fails the rank; a fix that raises is named: the body never ran) and
+    what the body timed."""
     import pytest
 
+    applying = ""
     try:
         with context.running(ctx), pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
             for fix in fixes:
+                applying = _fix_name(fix)
                 fix(monkeypatch)
+            applying = ""
             if deepspeed:
                 bind_deepspeed(ctx.backend)
             result = fn(**_arguments(kwargs, ctx, stack))  # rank fixtures are torn down on leaving, fixes still on
@@ -193,8 +202,11 @@ def run_body(
         return RankReport(status, detail=str(exc.msg), at=time.monotonic(), where=called_at(exc.__traceback__))
     except BaseException as exc:  # noqa: BLE001 - every way a body can fail is reported
         tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
-        return _failed(exc, "", "".join(traceback.format_exception(type(exc), exc, tb)))
-    return RankReport(Status.PASSED, at=time.monotonic(), returned="" if result is None else repr(type(result)))
+        heading = f"the fix {applying} raised while it was being applied; the body never ran:\n" if applying else ""
+        failed = _failed(exc, heading, "".join(traceback.format_exception(type(exc), exc, tb)))
+        return dataclasses.replace(failed, fix=applying, measurements=context.measurements())
+    returned = "" if result is None else repr(type(result))
+    return RankReport(Status.PASSED, at=time.monotonic(), returned=returned, measurements=context.measurements())
 
 
 def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: CodeType | None = None) -> RankReport:
