@@ -15,8 +15,18 @@ if TYPE_CHECKING:
     from .inrank.engine import ConfigRejected, EngineFactory
     from .inrank.fixtures import rank_fixture
     from .session.execution import WorldFailed
+    from .session.inworld import run_in_world
 
-__all__ = ["ConfigRejected", "EngineFactory", "RankContext", "Verdict", "WorldFailed", "current", "rank_fixture"]
+__all__ = [
+    "ConfigRejected",
+    "EngineFactory",
+    "RankContext",
+    "Verdict",
+    "WorldFailed",
+    "current",
+    "rank_fixture",
+    "run_in_world",
+]
 
 _WHERE = {
     "ConfigRejected": "inrank.engine",
@@ -26,6 +36,7 @@ _WHERE = {
     "rank_fixture": "inrank.fixtures",
     "Verdict": "core.gates",
     "WorldFailed": "session.execution",
+    "run_in_world": "session.inworld",
 }
 
 

@@ -21,6 +21,7 @@ from ..core.options import Launched, Settings
 from ..core.outcome import WorldOutcome
 from ..core.results import Environment
 from ..core.worlds import WorldSpec
+from ..inrank.fixtures import RankFixture
 from ..worlds import launcher
 from ..worlds.launched import LaunchedWorld, stop_as_interrupted
 from ..worlds.rank import Fix
@@ -55,6 +56,11 @@ class LaunchedRun:
         lacking = self.uncollected.get(item.nodeid)
         if lacking is not None:
             markers.fail(f"{item.nodeid}: {lacking}; every world test must run on every rank")
+        if not (spec.process_group and spec.launcher_env):
+            pytest.skip(
+                "ds_world(process_group=False/launcher_env=False) needs worlds that pytest-dsrepro starts itself; "
+                "under an external launcher every rank already has the launcher's variables and process group"
+            )
         self.arrived = item.nodeid
         problem = self.ranks.arrive(item.nodeid, spec.timeout)
         if problem is not None:
@@ -72,11 +78,12 @@ class LaunchedRun:
         prepared: Prepared,
         *,
         deepspeed: bool = False,
+        setup: Sequence[RankFixture] = (),
     ) -> WorldOutcome:
         """The body as one world across every rank; the outcome is rank 0's, the same on every rank."""
         self.arrived = None
         spec = prepared.spec
-        return self.ranks.run(fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed)
+        return self.ranks.run(fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, setup=setup)
 
     def environment(self, environment: Environment) -> Environment:
         """What the worlds of this run really ran on: the launcher's world size, this node's devices, the backend

@@ -16,9 +16,12 @@ from ..core.worlds import world_spec
 from .stash import Marks
 
 MARKERS = {
-    "ds_world": "ds_world(size=None, backend=None, timeout=None): run the test body in every rank of a fresh "
-    "torch.distributed world started by pytest-dsrepro (size defaults to --ds-world-size, backend to "
-    "--ds-backend, timeout to --ds-timeout). Fixtures ds_rank and ds_world_size tell a rank who it is.",
+    "ds_world": "ds_world(size=None, backend=None, timeout=None, process_group=True, launcher_env=True, reuse=False): "
+    "run the test body in every rank of a fresh torch.distributed world started by pytest-dsrepro (size defaults to "
+    "--ds-world-size, backend to --ds-backend, timeout to --ds-timeout; a list of sizes makes one test per size). "
+    "process_group=False: no default process group (nor DeepSpeed's comm layer bound); launcher_env=False: no RANK, "
+    "WORLD_SIZE, MASTER_ADDR, ... variables; reuse: accepted, no effect yet. Markers on the module, class and "
+    "function merge, the closest setting each argument. Fixtures ds_rank and ds_world_size tell a rank who it is.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
     f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
     "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the "
@@ -71,14 +74,36 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
     found = gates(item)
     check_repro(item)
-    world = item.get_closest_marker("ds_world")
+    world = world_arguments(item)
     spec = None
     if world is not None:
-        spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
+        args, kwargs = world
+        callspec = getattr(item, "callspec", None)
+        if (
+            isinstance(kwargs.get("size"), (list, tuple))
+            and callspec is not None
+            and "ds_world_size" in callspec.params
+        ):
+            kwargs["size"] = callspec.params["ds_world_size"]  # one of the sizes (``parametrize.sizes``)
+        spec = world_spec(args, kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
     return Marks(
         world=spec, gates=found, fix=common_fix(found), variant=variant(item),
         prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
     )  # fmt: skip
+
+
+def world_arguments(node: pytest.Item) -> tuple[tuple[object, ...], dict[str, object]] | None:
+    """A test's ``ds_world`` markers merged, the closest setting each argument (function over class over module; an
+    argument given as None sets nothing); None when it has none."""
+    found = list(node.iter_markers("ds_world"))
+    if not found:
+        return None
+    args: tuple[object, ...] = ()
+    kwargs: dict[str, object] = {}
+    for mark in reversed(found):
+        args += mark.args
+        kwargs.update((k, v) for k, v in mark.kwargs.items() if v is not None)
+    return args, kwargs
 
 
 def check_config(item: pytest.Item) -> None:
