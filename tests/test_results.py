@@ -90,8 +90,8 @@ def _broken(change: Any) -> dict[str, Any]:
     ("change", "message"),
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
-        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 4 only"),
-        (lambda d: d.update(schema="4"), "schema '4': this pytest-dsrepro reads results files of schema 4 only"),
+        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 5 only"),
+        (lambda d: d.update(schema="5"), "schema '5': this pytest-dsrepro reads results files of schema 5 only"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),
@@ -135,7 +135,7 @@ def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> No
 def test_records_are_checked_when_built_too() -> None:
     with pytest.raises(ValueError, match=r"t.py::x: verdict UNEXPECTED without a reason"):
         dataclasses.replace(PLAIN, nodeid="t.py::x", verdict=Verdict.UNEXPECTED)
-    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 4 only"):
+    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 5 only"):
         RunRecord(schema=1, environment=ENV)
     skipped = dataclasses.replace(PLAIN, verdict=Verdict.SKIPPED, outcome="skipped")  # a gated test never judged
     assert skipped.reason is None

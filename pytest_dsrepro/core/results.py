@@ -31,6 +31,7 @@ __all__ = [
     "OUTCOMES",
     "SCHEMA",
     "Environment",
+    "Origin",
     "RankStory",
     "ReproMeta",
     "ResultsFile",
@@ -51,8 +52,10 @@ __all__ = [
 #: ``platform``) and always have every field. 3: test records carry their world's size, the attempts pytest made
 #: (reruns) and the repro's source; environments carry pytest's and the plugin's versions, the accelerator, and
 #: DeepSpeed's ``ds_report`` and torch's environment summary when a report asked for them. 4: test records carry
-#: the prerequisite fixes applied to the run (``ds_prerequisite``); verdict NOT-APPLICABLE.
-SCHEMA = 4
+#: the prerequisite fixes applied to the run (``ds_prerequisite``); verdict NOT-APPLICABLE. 5: test records carry
+#: ``origin``, where a test that is not the catalogue's came from (``ds_origin``: DeepSpeed's own tests run by ``dsrepro
+#: upstream``, with the project, the full revision of its checkout, and a readable name of that revision).
+SCHEMA = 5
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -331,6 +334,45 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where a test that is not the catalogue's came from: a project's checkout at a revision (``ds_origin``).
+
+    ``revision`` is the checkout's full commit id, with ``+dirty`` when its tests had uncommitted changes;
+    ``described`` names it for people (``v0.19.5-46-gedaa722``); None when unknown.
+    """
+
+    project: str
+    revision: str
+    described: str | None = None
+
+    @property
+    def short(self) -> str:
+        """``DeepSpeed@edaa722`` (``+dirty`` kept): how a row names the revision its test came from."""
+        commit, plus, rest = self.revision.partition("+")
+        return f"{self.project}@{commit[:10]}{plus}{rest}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "origin") -> Origin:
+        f = _Fields(data, where, _names(cls))
+        return cls(f.text("project"), f.text("revision"), f.optional_text("described"))
+
+    @classmethod
+    def from_marker(cls, args: Sequence[object], kwargs: Mapping[str, object]) -> Origin:
+        """A ``ds_origin(project, revision, described=None)`` marker's origin; ``ValueError`` names what is wrong."""
+        given: dict[str, object] = dict(zip(_names(cls), args, strict=False))
+        given.update(kwargs)
+        unknown = sorted(set(given) - set(_names(cls)))
+        if unknown or len(args) > len(_names(cls)):
+            raise ValueError(
+                f"unexpected argument(s) {', '.join(unknown) or repr(args)}; takes {', '.join(_names(cls))}"
+            )
+        return cls.from_json({name: given.get(name) for name in _names(cls)}, "ds_origin")
+
+
+@dataclass(frozen=True)
 class RankStory:
     """Ranks that ended the same way, told once: their label (``ranks 0-1``), error line, traceback, output tail."""
 
@@ -396,6 +438,7 @@ class TestRecord:
     attempts: int = 1  # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
     source: Source | None = None
     prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
+    origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
@@ -424,6 +467,7 @@ class TestRecord:
             "attempts": self.attempts,
             "source": self.source.to_json() if self.source else None,
             "prerequisites": list(self.prerequisites),
+            "origin": self.origin.to_json() if self.origin else None,
         }
 
     @classmethod
@@ -433,6 +477,7 @@ class TestRecord:
         f = _Fields(data, where, _names(cls))
         repro = f.optional_object("repro")
         source = f.optional_object("source")
+        origin = f.optional_object("origin")
         verdict = f.optional_choice("verdict", [v.value for v in Verdict])
         reason = f.optional_choice("reason", [r.value for r in Reason])
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
@@ -455,6 +500,7 @@ class TestRecord:
             attempts=f.count("attempts", least=1),
             source=None if source is None else Source.from_json(source, f"{where}.source"),
             prerequisites=f.texts("prerequisites"),
+            origin=None if origin is None else Origin.from_json(origin, f"{where}.origin"),
         )
 
 
