@@ -55,9 +55,7 @@ def test_upstream_classes_run_in_the_plugins_worlds(ds_checkout: Path, run: RunP
     skips and helpers, distributed fixtures by name and in the newer form, class_tmpdir, a timeout that ends one test
     with every rank's stack and not the session, a file that needs a newer DeepSpeed: each in one run."""
     out = tmp_path / "results"
-    result = run(
-        *PLUGIN, "unit", "--ignore=unit/runtime/test_broken.py", "-v", "-rs", "--ds-results", str(out)
-    )
+    result = run(*PLUGIN, "unit", "--ignore=unit/runtime/test_broken.py", "-v", "-rs", "--ds-results", str(out))
     revision = _git(ds_checkout, "rev-parse", "HEAD")
     result.stdout.fnmatch_lines(
         [
