@@ -22,7 +22,8 @@ Part 2, ``--regressions``: the tests of fix PRs (``--regression-files``) on seve
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --regressions         # part 2
 
 Each file's figures are kept in ``OUT/files/*.json`` as they are measured: a run that is stopped resumes where it
-was (``--fresh`` measures again). Run it niced on a shared machine; the load average at each file is recorded.
+was (``--fresh`` measures again). Run it niced on a shared machine; the load average at each file is recorded. Each
+side keeps DeepSpeed's JIT-built ops in a directory of its own under OUT, built before anything is timed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, results
-from pytest_dsrepro.core.options import default_cache_dir
+from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
 from pytest_dsrepro.tools import bisect, install, matrix, upstream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,20 +158,29 @@ def environments(args: argparse.Namespace) -> dict[str, str]:
 #: DeepSpeed's CPU ops that the tests' engines JIT-build in their ranks on first use (Adam, offloaded optimizers).
 OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder")
 _BUILD = "import deepspeed.ops.op_builder as b\nfor name in {ops!r}:\n    getattr(b, name)().load(verbose=False)\n"
-#: Where the plugin's ranks build them: the directory the fork server keeps DeepSpeed's comm op in.
-_PLUGIN_DIRECTORY = (
-    "import os\nfrom pytest_dsrepro.worlds.comm_op import op_directory\n"
-    "os.environ['TORCH_EXTENSIONS_DIR'] = str(op_directory())\n"
-)
+#: Each side's comm op first, where its ranks load it: the plugin's fork server keeps it (and sets
+#: TORCH_EXTENSIONS_DIR to it, where the ranks then build the other ops); DeepSpeed's ranks build it themselves.
+_COMM_OP = {
+    "plugin": "from pytest_dsrepro.worlds.comm_op import warm_up\nwarm_up()\n",
+    "deepspeed": "from deepspeed.comm.torch import build_shm_op\nbuild_shm_op()\n",
+}
 
 
-def warm_ops(pythons: dict[str, str], environ: dict[str, str]) -> None:
+def side_environ(side: str, base: dict[str, str], out: Path) -> dict[str, str]:
+    """Each side's own place for DeepSpeed's JIT-built ops, apart from every other process on the machine: a build
+    by another session's environment (other include paths) makes torch rebuild an op where the ranks load it."""
+    if side == "plugin":
+        return {**base, CACHE_ENV: str(out / "cache-plugin")}
+    return {**base, "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions-deepspeed")}
+
+
+def warm_ops(pythons: dict[str, str], environs: dict[str, dict[str, str]]) -> None:
     """Build the ops each side's ranks would build on first use, before anything is timed: a first build takes
     minutes, and it would land on whichever file happens to come first, in one harness and not the other."""
     for side, python in pythons.items():
-        code = (_PLUGIN_DIRECTORY if side == "plugin" else "") + _BUILD.format(ops=OPS)
         started = time.monotonic()
-        subprocess.run([python, "-c", code], env=environ, check=True, capture_output=True)
+        code = _COMM_OP[side] + _BUILD.format(ops=OPS)
+        subprocess.run([python, "-c", code], env=environs[side], check=True, capture_output=True)
         print(f"{side}: DeepSpeed's CPU ops ready in {time.monotonic() - started:.0f}s", flush=True)
 
 
@@ -214,11 +224,12 @@ def differences(runs: list[FileRun]) -> list[str]:
 
 def measure(args: argparse.Namespace, tests: Path) -> None:
     pythons = environments(args)
-    environ = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu"}
-    warm_ops(pythons, environ)
+    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu"}
+    environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
+    warm_ops(pythons, environs)
     files = args.files or default_files(tests)
     if not args.files:
-        counts = collected(pythons["plugin"], tests, files, environ)
+        counts = collected(pythons["plugin"], tests, files, environs["plugin"])
         files = [f for f in files if 0 < counts.get(f, 0) <= args.max_tests]
         print(
             f"{len(files)} files of at most {args.max_tests} tests ({sum(counts[f] for f in files)} tests)", flush=True
@@ -237,7 +248,7 @@ def measure(args: argparse.Namespace, tests: Path) -> None:
         for side in order:
             if side in run.sides:
                 continue
-            run.sides[side] = run_file(pythons[side], tests, path, side, environ, args.timeout)
+            run.sides[side] = run_file(pythons[side], tests, path, side, environs[side], args.timeout)
             kept.write_text(json.dumps(asdict(run), indent=1))
             got = run.sides[side]
             print(f"[{index + 1}/{len(files)}] {path} {side}: {got.count('passed')} passed, "
