@@ -51,11 +51,8 @@ def sizes(metafunc: pytest.Metafunc) -> None:
         found = world_sizes(world[1].get("size"), metafunc.config.stash[SETTINGS_KEY].max_world_size, where)
     except MarkerError as exc:
         markers.fail(str(exc))
-    if found is None:
-        return
-    if "ds_world_size" not in metafunc.fixturenames:
-        metafunc.fixturenames.append("ds_world_size")
-    metafunc.parametrize("ds_world_size", found, ids=[size_id(n) for n in found], indirect=True)
+    if found is not None:
+        _parametrize(metafunc, "ds_world_size", list(found), [size_id(n) for n in found])
 
 
 def variants(metafunc: pytest.Metafunc) -> None:
@@ -63,8 +60,12 @@ def variants(metafunc: pytest.Metafunc) -> None:
         fix = common_fix(markers.gates(metafunc.definition))
     except MarkerError as exc:
         markers.fail(str(exc))
-    if fix is None:
-        return
-    if "ds_variant" not in metafunc.fixturenames:
-        metafunc.fixturenames.append("ds_variant")
-    metafunc.parametrize("ds_variant", list(markers.VARIANTS), indirect=True)
+    if fix is not None:
+        _parametrize(metafunc, "ds_variant", list(markers.VARIANTS))
+
+
+def _parametrize(metafunc: pytest.Metafunc, fixture: str, values: list[object], ids: list[str] | None = None) -> None:
+    """One test per value of the plugin's own ``fixture``, whether or not the test names it."""
+    if fixture not in metafunc.fixturenames:
+        metafunc.fixturenames.append(fixture)
+    metafunc.parametrize(fixture, values, ids=ids, indirect=True)
