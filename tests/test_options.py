@@ -56,7 +56,7 @@ def test_good_option_text() -> None:
         ({"timeout": float("inf")}, "timeout=inf must be a number of seconds > 0"),
         (
             {"typo": 1},
-            "unexpected argument(s) typo; takes size=, backend=, timeout=, process_group=, launcher_env=, reuse=",
+            "unexpected argument(s) typo; takes size=, backend=, timeout=, reuse=, process_group=, launcher_env=",
         ),
         ({"size": 100000}, "size=100000 " + LIMIT_WORDS),
         ({"process_group": "no"}, "process_group='no' must be True or False"),

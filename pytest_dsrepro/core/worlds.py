@@ -12,8 +12,7 @@ from .options import Settings
 
 T = TypeVar("T")
 
-WORLD_ARGUMENTS = ("size", "backend", "timeout", "process_group", "launcher_env", "reuse")
-_SIGNATURE = "size=, backend=, timeout=, process_group=, launcher_env=, reuse="
+WORLD_ARGUMENTS = ("size", "backend", "timeout", "reuse", "process_group", "launcher_env")
 
 
 @dataclass(frozen=True)
@@ -21,18 +20,25 @@ class WorldSpec:
     size: int
     backend: str  # auto, gloo or nccl; "auto" is settled when the devices are known
     timeout: float
+    reuse: bool = False  # the tests under the marker may run one after another on the same ranks
     process_group: bool = True  # each rank joins the world's default process group before the body
     launcher_env: bool = True  # each rank gets the variables torchrun sets (RANK, WORLD_SIZE, MASTER_PORT, ...)
-    reuse: bool = False  # the test declares that its ranks may be reused (accepted; no effect yet)
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise options.OptionError("must be True or False")
+    return value
 
 
 def world_spec(args: tuple[object, ...], kwargs: Mapping[str, object], settings: Settings, where: str) -> WorldSpec:
-    """The world of a ``ds_world(size=None, backend=None, timeout=None, process_group=True, launcher_env=True,
-    reuse=False)`` marker; unset values come from settings. A list of sizes is refused here: collection has made
+    """The world of a ``ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True,
+    launcher_env=True)`` marker; unset values come from settings. A list of sizes is refused here: collection has made
     one test per size by then (``world_sizes``), each with its own size."""
     unexpected = [repr(a) for a in args] + sorted(set(kwargs) - set(WORLD_ARGUMENTS))
     if unexpected:
-        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes {_SIGNATURE}")
+        takes = ", ".join(f"{name}=" for name in WORLD_ARGUMENTS)
+        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes {takes}")
     if isinstance(kwargs.get("size"), (list, tuple)):
         raise MarkerError(
             f"{where}: size={kwargs['size']!r} makes one test per size when pytest collects the test; this marker "
@@ -42,9 +48,9 @@ def world_spec(args: tuple[object, ...], kwargs: Mapping[str, object], settings:
         size=_argument(kwargs, "size", _size_within(settings.max_world_size), settings.world_size, where),
         backend=_argument(kwargs, "backend", options.backend, settings.backend, where),
         timeout=_argument(kwargs, "timeout", options.seconds, settings.timeout, where),
+        reuse=_argument(kwargs, "reuse", _flag, False, where),
         process_group=_argument(kwargs, "process_group", _flag, True, where),
         launcher_env=_argument(kwargs, "launcher_env", _flag, True, where),
-        reuse=_argument(kwargs, "reuse", _flag, False, where),
     )
 
 
@@ -66,12 +72,6 @@ def world_sizes(value: object, limit: int | None, where: str) -> tuple[int, ...]
 def size_id(size: int) -> str:
     """The test id of one size of ``ds_world(size=[...])``: ``1rank``, ``2ranks``."""
     return f"{size}rank" if size == 1 else f"{size}ranks"
-
-
-def _flag(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise options.OptionError("must be True or False")
-    return value
 
 
 def _size_within(limit: int | None) -> Callable[[object], int]:
