@@ -16,11 +16,11 @@ from ..core.worlds import world_spec
 from .stash import Marks
 
 MARKERS = {
-    "ds_world": "ds_world(size=None, backend=None, timeout=None, process_group=True, launcher_env=True, reuse=False): "
+    "ds_world": "ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True, launcher_env=True): "
     "run the test body in every rank of a fresh torch.distributed world started by pytest-dsrepro (size defaults to "
     "--ds-world-size, backend to --ds-backend, timeout to --ds-timeout; a list of sizes makes one test per size). "
-    "process_group=False: no default process group (nor DeepSpeed's comm layer bound); launcher_env=False: no RANK, "
-    "WORLD_SIZE, MASTER_ADDR, ... variables; reuse: accepted, no effect yet. Markers on the module, class and "
+    "reuse: declared, no effect yet. process_group=False: no default process group (nor DeepSpeed's comm layer "
+    "bound); launcher_env=False: no RANK, WORLD_SIZE, MASTER_ADDR, ... variables. Markers on the module, class and "
     "function merge, the closest setting each argument. Fixtures ds_rank and ds_world_size tell a rank who it is.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
     f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
