@@ -115,6 +115,22 @@ def test_a_file_that_needs_a_newer_release_is_not_applicable_per_node_id(ds_chec
     result.assert_outcomes(skipped=1, errors=1)
 
 
+def test_a_deepspeed_that_does_not_import_is_one_line_before_anything_runs(
+    ds_checkout: Path, pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the checkout's root ``python -m pytest`` puts the checkout's unbuilt ``deepspeed/`` first."""
+    monkeypatch.chdir(ds_checkout)
+    result = run(*PLUGIN, "tests/unit/comm")
+    result.stderr.fnmatch_lines(
+        [
+            f"ERROR: pytest_dsrepro.upstream: DeepSpeed from {ds_checkout / 'deepspeed'} does not import: "
+            'ImportError("the checkout\'s unbuilt deepspeed/ was imported instead of the installed release")'
+        ]
+    )
+    assert "Traceback" not in result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
 def test_dsrepro_upstream_runs_node_ids_from_where_you_are(ds_checkout: Path, tmp_path: Path, process_tag: str) -> None:
     out = tmp_path / "results"
     (ds_checkout / "tests" / "unit" / "comm" / "test_worlds.py").write_text(

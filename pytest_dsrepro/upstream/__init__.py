@@ -31,8 +31,14 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     """Import the installed DeepSpeed before DeepSpeed's tests/conftest.py puts its checkout first on ``sys.path``:
     the tests then run against the release installed here (what the fork server's ranks import), never against the
     checkout's sources, whatever release they came from."""
-    if importlib.util.find_spec("deepspeed") is not None:
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None:
+        return
+    try:
         importlib.import_module("deepspeed")
+    except Exception as exc:  # whatever a broken DeepSpeed raises: one line, before anything runs
+        where = os.path.dirname(spec.origin or "?")
+        raise pytest.UsageError(f"pytest_dsrepro.upstream: DeepSpeed from {where} does not import: {exc!r}") from exc
 
 
 def pytest_configure(config: pytest.Config) -> None:
