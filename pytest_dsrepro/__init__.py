@@ -16,10 +16,11 @@ if TYPE_CHECKING:
     from .inrank.fixtures import rank_fixture
     from .inrank.perf import Slowdown, slowdown
     from .session.execution import WorldFailed
+    from .session.inworld import run_in_world
 
 __all__ = [
     "ConfigRejected", "EngineFactory", "RankContext", "Slowdown", "Verdict", "WorldFailed", "current", "rank_fixture",
-    "slowdown",
+    "run_in_world", "slowdown",
 ]  # fmt: skip
 
 _WHERE = {
@@ -32,6 +33,7 @@ _WHERE = {
     "slowdown": "inrank.perf",
     "Verdict": "core.gates",
     "WorldFailed": "session.execution",
+    "run_in_world": "session.inworld",
 }
 
 

@@ -61,6 +61,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     parametrize.configs(metafunc)
+    parametrize.sizes(metafunc)
     parametrize.variants(metafunc)
 
 

@@ -21,6 +21,9 @@ import pytest
 
 from pytest_dsrepro.core.options import CACHE_ENV, OPTIONS, default_cache_dir
 
+#: Files that tests copy into their pytester directories (pyproject's pytester_example_dir), never collected here.
+collect_ignore = ["examples"]
+
 TAG = "DSREPRO_TEST_TAG"
 #: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).
 REAL_CACHE = str(default_cache_dir())

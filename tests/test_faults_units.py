@@ -147,7 +147,7 @@ def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up i
 
 R.init_default_group = slow_to_connect
 ref = TestRef("bodies", str(workdir / "bodies.py"), "test_body", (str(workdir), *sys.path), str(workdir))
-job = RankJob(ref, pickle.dumps(({"rank": RankValue("rank")}, [])), "gloo", 60.0)
+job = RankJob(ref, pickle.dumps(({"rank": RankValue("rank")}, [], ())), "gloo", 60.0)
 report = R.run_rank(job, rank, 2, R.Meeting(port, world=1))
 print(report.status.value, report.error.summary if report.error else "")
 """

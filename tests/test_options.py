@@ -10,7 +10,7 @@ import pytest
 from pytest_dsrepro.core import options
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.options import OPTIONS, Settings, SettingsError
-from pytest_dsrepro.core.worlds import WorldSpec, ds_accelerator, settle_backend, world_spec
+from pytest_dsrepro.core.worlds import WorldSpec, ds_accelerator, settle_backend, size_id, world_sizes, world_spec
 
 SETTINGS = Settings(2, "auto", 300.0, 1800.0, None, None, Path("/cache"), max_world_size=16)
 LIMIT_WORDS = (
@@ -54,13 +54,50 @@ def test_good_option_text() -> None:
         ({"backend": "mpi"}, "backend='mpi' must be one of auto, gloo, nccl"),
         ({"timeout": -1}, "timeout=-1 must be a number of seconds > 0"),
         ({"timeout": float("inf")}, "timeout=inf must be a number of seconds > 0"),
-        ({"typo": 1}, "unexpected argument(s) typo; takes size=, backend=, timeout="),
+        (
+            {"typo": 1},
+            "unexpected argument(s) typo; takes size=, backend=, timeout=, reuse=, process_group=, launcher_env=",
+        ),
         ({"size": 100000}, "size=100000 " + LIMIT_WORDS),
+        ({"process_group": "no"}, "process_group='no' must be True or False"),
+        ({"launcher_env": 0}, "launcher_env=0 must be True or False"),
+        ({"reuse": 1}, "reuse=1 must be True or False"),
+        (
+            {"size": [1, 2]},
+            "size=[1, 2] makes one test per size when pytest collects the test; this marker was added after collection, so give it one size",
+        ),
     ],
 )
 def test_bad_world_marker_values_get_the_options_words(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(MarkerError, match="^here: " + re.escape(message) + "$"):
         world_spec((), kwargs, SETTINGS, "here")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], "size=[] names no world size; give one size or a list of them"),
+        ([1, 0], "size=[1, 0]: each size must be a whole number >= 1"),
+        ([2, 2], "size=[2, 2] names a size twice"),
+        ([1, 100000], "size=[1, 100000]: each size " + LIMIT_WORDS),
+    ],
+)
+def test_bad_lists_of_world_sizes_name_the_marker(value: list[int], message: str) -> None:
+    with pytest.raises(MarkerError, match="^here: " + re.escape(message) + "$"):
+        world_sizes(value, SETTINGS.max_world_size, "here")
+
+
+def test_a_list_of_world_sizes_and_their_ids() -> None:
+    assert world_sizes((1, 2, 4), None, "here") == (1, 2, 4)
+    assert world_sizes(2, None, "here") is None
+    assert [size_id(n) for n in (1, 2)] == ["1rank", "2ranks"]
+
+
+def test_world_flags_default_to_a_world_as_torchrun_makes_it() -> None:
+    spec = world_spec((), {}, SETTINGS, "here")
+    assert (spec.process_group, spec.launcher_env, spec.reuse) == (True, True, False)
+    spec = world_spec((), {"process_group": False, "launcher_env": False, "reuse": True}, SETTINGS, "here")
+    assert (spec.process_group, spec.launcher_env, spec.reuse) == (False, False, True)
 
 
 def test_positional_world_arguments_are_refused() -> None:

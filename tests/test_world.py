@@ -444,10 +444,11 @@ def test_markers_and_options_are_documented(pytester: pytest.Pytester, run: RunP
     markers = run("--markers")
     markers.stdout.fnmatch_lines(
         [
-            "@pytest.mark.ds_world(size=None, backend=None, timeout=None):*",
+            "@pytest.mark.ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True, launcher_env=True):*",
             "@pytest.mark.ds_config(*presets_or_dicts):*",
             "@pytest.mark.ds_version(affected, raises*",
             "@pytest.mark.ds_repro(*",
+            "@pytest.mark.ds_origin(project, revision, described=None):*",
         ]
     )
     helptext = run("--help")

@@ -221,7 +221,7 @@ def _real_job(tmp_path: Path, name: str, timeout: float = 120.0) -> RankJob:
     if name == "test_one_fails":
         kwargs.pop("world_size")
     ref = TestRef("dsrepro_bodies", str(module), name, (str(tmp_path), *sys.path), str(tmp_path))
-    return RankJob(ref, pickle.dumps((kwargs, [])), "gloo", timeout)
+    return RankJob(ref, pickle.dumps((kwargs, [], ())), "gloo", timeout)
 
 
 def _server_children(runner: WorldRunner, timeout: float = 10.0) -> list[psutil.Process]:

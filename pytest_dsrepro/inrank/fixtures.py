@@ -14,6 +14,8 @@ In the pytest process it resolves its own arguments as any fixture does, then st
 :class:`RankFixture` (a picklable reference to the function, with those arguments). Each rank calls the function
 after rendezvous, with its own ``ds_rank``/``ds_world_size`` and after the repro's fixes, and tears it down after the
 body (generator fixtures), last set up first torn down. A failing setup or teardown fails that rank.
+``@rank_fixture(autouse=True)`` (or a rank fixture named in ``@pytest.mark.usefixtures``) runs in the ranks of tests
+that do not name it, before the ones they name.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import pytest
 
@@ -49,8 +51,19 @@ class RankFixture:
         return _DEFINED[key]
 
 
-def rank_fixture(function: F | None = None, *, name: str | None = None) -> Any:
-    """Declare a function-scoped fixture that runs in every rank (see the module's docstring)."""
+@overload
+def rank_fixture(function: F) -> F: ...
+
+
+@overload
+def rank_fixture(*, name: str | None = None, autouse: bool = False) -> Callable[[F], F]: ...
+
+
+def rank_fixture(function: F | None = None, *, name: str | None = None, autouse: bool = False) -> Any:
+    """Declare a function-scoped fixture that runs in every rank (see the module's docstring). ``autouse=True``: it
+    runs in the ranks of every world test in its scope (module, class, conftest.py), named by the test or not; a test
+    that is not a world test has no ranks, and the fixture does nothing there (its arguments are then not even
+    resolved: they are looked up when a world test uses it, so they cannot be parametrized fixtures)."""
 
     def declare(fn: F) -> Any:
         _DEFINED[(fn.__module__, fn.__qualname__)] = fn
@@ -59,14 +72,28 @@ def rank_fixture(function: F | None = None, *, name: str | None = None) -> Any:
         def reference(**kwargs: Any) -> RankFixture:
             return RankFixture(fn.__module__, fn.__qualname__, kwargs)
 
-        return pytest.fixture(reference, name=name or fn.__name__)
+        def in_world_tests(request: pytest.FixtureRequest) -> RankFixture | None:
+            """Autouse: its arguments are resolved for world tests only (``ds_rank`` exists nowhere else)."""
+            if request.node.get_closest_marker("ds_world") is None:
+                return None
+            kwargs = {arg: request.getfixturevalue(arg) for arg in inspect.signature(fn).parameters}
+            return RankFixture(fn.__module__, fn.__qualname__, kwargs)
+
+        fixture = in_world_tests if autouse else reference
+        return pytest.fixture(fixture, name=name or fn.__name__, autouse=autouse)
 
     return declare(function) if function is not None else declare
 
 
-def arguments(kwargs: dict[str, Any], stack: contextlib.ExitStack, substitute: Callable[[Any], Any]) -> dict[str, Any]:
+def arguments(
+    kwargs: dict[str, Any],
+    stack: contextlib.ExitStack,
+    substitute: Callable[[Any], Any],
+    setup: Sequence[RankFixture] = (),
+) -> dict[str, Any]:
     """The body's arguments in this rank: rank fixtures set up (each once, however many use it; teardowns pushed on
-    ``stack``), and every other value given to ``substitute`` (which puts the rank's own values in place)."""
+    ``stack``), and every other value given to ``substitute`` (which puts the rank's own values in place). ``setup``:
+    rank fixtures the body does not name (autouse, ``usefixtures``), set up first, in pytest's order."""
     done: dict[int, Any] = {}  # by identity: one fixture used twice was pickled, and so unpickled, as one object
 
     def enter(value: Any) -> Any:
@@ -81,4 +108,6 @@ def arguments(kwargs: dict[str, Any], stack: contextlib.ExitStack, substitute: C
                 done[id(value)] = fn(**args)
         return done[id(value)]
 
+    for fixture in setup:
+        enter(fixture)
     return {k: enter(v) for k, v in kwargs.items()}

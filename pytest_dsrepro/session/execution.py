@@ -41,6 +41,7 @@ from ..core.gates import (
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.paths import unwritable
 from ..core.worlds import settle_backend
+from ..inrank.fixtures import RankFixture
 from ..worlds import comm_op, leases
 from ..worlds.client import RunStops, WorldInterrupted, WorldRunner
 from ..worlds.protocol import RankJob, TestRef
@@ -222,24 +223,27 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     fixes = [c.fix for c in holding(marks.prerequisites, installed_deepspeed()) if c.fix is not None]
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
-    deepspeed = engines or _imports_deepspeed(item)
+    spec = prepared.spec
+    deepspeed = (engines or _imports_deepspeed(item)) and spec.process_group
+    setup = unnamed_rank_fixtures(item, kwargs)
     launched_run = item.config.stash.get(LAUNCHED_KEY, None)
     world: Callable[[int], WorldOutcome]
     if launched_run is not None:
 
         def world(run: int) -> WorldOutcome:
-            return launched_run.run(function, kwargs, fixes, prepared, deepspeed=deepspeed, run=run)
+            return launched_run.run(function, kwargs, fixes, prepared, deepspeed=deepspeed, run=run, setup=setup)
 
     else:
         _check_unchanged(item)
         job = RankJob(
-            test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
-            timeout=prepared.spec.timeout, deepspeed=deepspeed,
+            test=_reference(item), payload=payload(item.nodeid, kwargs, fixes, setup), backend=prepared.backend,
+            timeout=spec.timeout, deepspeed=deepspeed, process_group=spec.process_group,
+            launcher_env=spec.launcher_env,
         )  # fmt: skip
         runner = item.config.stash[RUNNER_KEY]
 
         def world(run: int) -> WorldOutcome:
-            return _run_spawned(runner, job, prepared.spec.size, engines)
+            return run_spawned(runner, job, spec.size, engines)
 
     plan = marks.nondeterministic
     outcome = world(0) if plan is None else _series(item, marks, plan, world)
@@ -249,7 +253,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         return
     declared = outcome.declared
     if declared is not None:
-        _declare(declared)
+        declare(declared)
     raise WorldFailed(outcome)
 
 
@@ -283,7 +287,7 @@ def _series(
     return shown or outcomes[-1]
 
 
-def _declare(result: RankResult) -> NoReturn:
+def declare(result: RankResult) -> NoReturn:
     """Skip or xfail the test as the body did in its rank, reported at the body's line."""
     __tracebackhide__ = True
     reason = result.detail
@@ -317,7 +321,14 @@ def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutc
         )
 
 
-def _run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
+def unnamed_rank_fixtures(item: pytest.Function, kwargs: dict[str, Any]) -> tuple[RankFixture, ...]:
+    """The rank fixtures of the test's closure that the body does not name (autouse, ``usefixtures``), in pytest's
+    order: every rank sets them up before the body's own."""
+    values = [item.funcargs.get(name) for name in item.fixturenames if name not in kwargs]
+    return tuple(v for v in values if isinstance(v, RankFixture))
+
+
+def run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
     """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
@@ -338,8 +349,14 @@ def _reference(item: pytest.Function) -> TestRef:
     assert module.__file__ is not None
     cls = getattr(item, "cls", None)
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
-    rewrite = item.config.getoption("assertmode") == "rewrite"
-    return TestRef(module.__name__, module.__file__, qualname, tuple(sys.path), os.getcwd(), rewrite)
+    return reference(module.__name__, module.__file__, qualname, item.config)
+
+
+def reference(module: str, path: str, qualname: str, config: pytest.Config) -> TestRef:
+    """A function (``qualname`` may name a method: the rank makes the instance) of the module at ``path``, with what
+    a rank needs to import it as pytest did: ``sys.path``, the working directory, assertion rewriting."""
+    rewrite = config.getoption("assertmode") == "rewrite"
+    return TestRef(module, path, qualname, tuple(sys.path), os.getcwd(), rewrite)
 
 
 def remember_source(item: pytest.Item) -> None:
@@ -369,8 +386,11 @@ def _check_unchanged(item: pytest.Function) -> None:
 
 
 def _imports_deepspeed(item: pytest.Function) -> bool:
-    """Does the test's module import DeepSpeed (anywhere in it)? Its ranks then get DeepSpeed's comm layer bound."""
-    path = getattr(item.module, "__file__", None)
+    return imports_deepspeed(getattr(item.module, "__file__", None))
+
+
+def imports_deepspeed(path: str | None) -> bool:
+    """Does the module at ``path`` import DeepSpeed (anywhere)? Its ranks then get DeepSpeed's comm layer bound."""
     try:
         return path is not None and source.imports(Path(path).read_text(), "deepspeed")
     except OSError:
@@ -394,7 +414,7 @@ STAY_IN_PYTEST = {
 }
 
 
-def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) -> bytes:
+def payload(where: str, kwargs: dict[str, Any], fixes: list[Any], setup: tuple[RankFixture, ...] = ()) -> bytes:
     """Pickle what the ranks need, naming the fixture that cannot travel instead of failing deep in pickle.
 
     Pickled once; each value is tried on its own only when that fails, to name the culprit.
@@ -403,18 +423,19 @@ def _payload(item: pytest.Function, kwargs: dict[str, Any], fixes: list[Any]) ->
     if staying:
         name = staying[0]
         raise HarnessError(
-            f"{item.nodeid}: pytest's fixture {name!r} lives in the pytest process and cannot reach the ranks; in a "
+            f"{where}: pytest's fixture {name!r} lives in the pytest process and cannot reach the ranks; in a "
             f"world test, {STAY_IN_PYTEST[name]}"
         )
     try:
-        return pickle.dumps((kwargs, fixes))
+        return pickle.dumps((kwargs, fixes, setup))
     except Exception:  # whatever pickle raises (it re-raises), the fixture is named below
-        for name, value in kwargs.items():
+        named = {**{f.qualname: f for f in setup}, **kwargs}
+        for name, value in named.items():
             try:
                 pickle.dumps(value)
             except Exception as exc:  # noqa: BLE001
                 raise HarnessError(
-                    f"{item.nodeid}: fixture or parameter {name!r} cannot be sent to the ranks "
+                    f"{where}: fixture or parameter {name!r} cannot be sent to the ranks "
                     f"({type(exc).__name__}: {exc}); world tests receive only picklable values"
                 ) from None
         raise

@@ -21,6 +21,7 @@ from ..core.options import Launched, Settings
 from ..core.outcome import WorldOutcome
 from ..core.results import Environment
 from ..core.worlds import WorldSpec
+from ..inrank.fixtures import RankFixture
 from ..worlds import launcher
 from ..worlds.launched import LaunchedWorld, stop_as_interrupted
 from ..worlds.rank import Fix
@@ -55,6 +56,11 @@ class LaunchedRun:
         lacking = self.uncollected.get(item.nodeid)
         if lacking is not None:
             markers.fail(f"{item.nodeid}: {lacking}; every world test must run on every rank")
+        if not (spec.process_group and spec.launcher_env):
+            pytest.skip(
+                "ds_world(process_group=False/launcher_env=False) needs worlds that pytest-dsrepro starts itself; "
+                "under an external launcher every rank already has the launcher's variables and process group"
+            )
         self.arrived = item.nodeid
         problem = self.ranks.arrive(item.nodeid, spec.timeout)
         if problem is not None:
@@ -73,12 +79,15 @@ class LaunchedRun:
         *,
         deepspeed: bool = False,
         run: int = 0,
+        setup: Sequence[RankFixture] = (),
     ) -> WorldOutcome:
         """The body as one world across every rank; the outcome is rank 0's, the same on every rank. ``run``: which
         world of a nondeterministic verdict's series (every rank runs the same series: it stops on one outcome)."""
         self.arrived = None
         spec = prepared.spec
-        return self.ranks.run(fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, run=run)
+        return self.ranks.run(
+            fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, run=run, setup=setup
+        )
 
     def environment(self, environment: Environment) -> Environment:
         """What the worlds of this run really ran on: the launcher's world size, this node's devices, the backend

@@ -24,14 +24,17 @@ from ..core.options import Settings
 from ..core.premises import PARAMETERS as PREMISE_PARAMETERS
 from ..core.premises import Premise, own_config_problem
 from ..core.premises import parse as parse_premise
-from ..core.results import REPRO_PARAMETERS
+from ..core.results import REPRO_PARAMETERS, Origin
 from ..core.worlds import world_spec
 from .stash import Marks
 
 MARKERS = {
-    "ds_world": "ds_world(size=None, backend=None, timeout=None): run the test body in every rank of a fresh "
-    "torch.distributed world started by pytest-dsrepro (size defaults to --ds-world-size, backend to "
-    "--ds-backend, timeout to --ds-timeout). Fixtures ds_rank and ds_world_size tell a rank who it is.",
+    "ds_world": "ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True, launcher_env=True): "
+    "run the test body in every rank of a fresh torch.distributed world started by pytest-dsrepro (size defaults to "
+    "--ds-world-size, backend to --ds-backend, timeout to --ds-timeout; a list of sizes makes one test per size). "
+    "reuse: declared, no effect yet. process_group=False: no default process group (nor DeepSpeed's comm layer "
+    "bound); launcher_env=False: no RANK, WORLD_SIZE, MASTER_ADDR, ... variables. Markers on the module, class and "
+    "function merge, the closest setting each argument. Fixtures ds_rank and ds_world_size tell a rank who it is.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
     f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
     "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the "
@@ -53,6 +56,8 @@ MARKERS = {
     "repro's bug to be possible (ZeRO stage, precision fp32/fp16/bf16, offload devices, an optimizer section or not, "
     "gradient accumulation as a number or '>=3', other dotted keys); `sets` (with `because`) is what a scan puts on "
     "top of a user's config. Checked against the repro's own configs at setup; used by --ds-scan.",
+    "ds_origin": "ds_origin(project, revision, described=None): the test comes from another project's test-suite "
+    "at that revision (`-p pytest_dsrepro.upstream` marks DeepSpeed's own tests so); results and the matrix name it.",
 }
 VARIANTS = (STOCK, FIXED)
 
@@ -114,16 +119,50 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
     found = gates(item)
     check_repro(item)
-    world = item.get_closest_marker("ds_world")
+    origin(item)
+    world = world_arguments(item)
     spec = None
     if world is not None:
-        spec = world_spec(world.args, world.kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
+        args, kwargs = world
+        callspec = getattr(item, "callspec", None)
+        if (
+            isinstance(kwargs.get("size"), (list, tuple))
+            and callspec is not None
+            and "ds_world_size" in callspec.params
+        ):
+            kwargs["size"] = callspec.params["ds_world_size"]  # one of the sizes (``parametrize.sizes``)
+        spec = world_spec(args, kwargs, settings, f"@pytest.mark.ds_world on {item.nodeid}")
     return Marks(
         world=spec, gates=found, fix=common_fix(found), variant=variant(item),
         prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
         premise=premise(item),
         nondeterministic=nondeterministic(item, bool(found), spec is not None),
     )  # fmt: skip
+
+
+def world_arguments(node: pytest.Item) -> tuple[tuple[object, ...], dict[str, object]] | None:
+    """A test's ``ds_world`` markers merged, the closest setting each argument (function over class over module; an
+    argument given as None sets nothing); None when it has none."""
+    found = list(node.iter_markers("ds_world"))
+    if not found:
+        return None
+    args: tuple[object, ...] = ()
+    kwargs: dict[str, object] = {}
+    for mark in reversed(found):
+        args += mark.args
+        kwargs.update((k, v) for k, v in mark.kwargs.items() if v is not None)
+    return args, kwargs
+
+
+def origin(item: pytest.Item) -> Origin | None:
+    """Where the test came from (``ds_origin``), validated (``MarkerError``); None for a test of this project."""
+    mark = item.get_closest_marker("ds_origin")
+    if mark is None:
+        return None
+    try:
+        return Origin.from_marker(mark.args, mark.kwargs)
+    except ValueError as exc:
+        raise MarkerError(f"@pytest.mark.ds_origin on {item.nodeid}: {exc}") from None
 
 
 def check_config(item: pytest.Item, premise: Premise | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Collection-time expansion: one test per ``ds_config`` entry, and ``[stock]``/``[fixed]`` when a fix is declared."""
+"""Collection-time expansion: one test per ``ds_config`` entry, one per size of ``ds_world(size=[1, 2])``, and
+``[stock]``/``[fixed]`` when a fix is declared."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 
 from ..core.errors import MarkerError
 from ..core.gates import common_fix
+from ..core.worlds import size_id, world_sizes
 from . import markers
+from .stash import SETTINGS_KEY
 
 _PARAM_TYPE = type(pytest.param(None))
 
@@ -37,13 +40,32 @@ def configs(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("ds_config", named, ids=[name for name, _ in named], indirect=True)
 
 
+def sizes(metafunc: pytest.Metafunc) -> None:
+    """``ds_world(size=[1, 2])``: one test per size (ids ``1rank``, ``2ranks``), the size its ``ds_world_size``
+    parameter (``markers.parse`` reads it)."""
+    world = markers.world_arguments(metafunc.definition)
+    if world is None:
+        return
+    where = f"@pytest.mark.ds_world on {metafunc.definition.nodeid}"
+    try:
+        found = world_sizes(world[1].get("size"), metafunc.config.stash[SETTINGS_KEY].max_world_size, where)
+    except MarkerError as exc:
+        markers.fail(str(exc))
+    if found is not None:
+        _parametrize(metafunc, "ds_world_size", list(found), [size_id(n) for n in found])
+
+
 def variants(metafunc: pytest.Metafunc) -> None:
     try:
         fix = common_fix(markers.gates(metafunc.definition))
     except MarkerError as exc:
         markers.fail(str(exc))
-    if fix is None:
-        return
-    if "ds_variant" not in metafunc.fixturenames:
-        metafunc.fixturenames.append("ds_variant")
-    metafunc.parametrize("ds_variant", list(markers.VARIANTS), indirect=True)
+    if fix is not None:
+        _parametrize(metafunc, "ds_variant", list(markers.VARIANTS))
+
+
+def _parametrize(metafunc: pytest.Metafunc, fixture: str, values: list[object], ids: list[str] | None = None) -> None:
+    """One test per value of the plugin's own ``fixture``, whether or not the test names it."""
+    if fixture not in metafunc.fixturenames:
+        metafunc.fixturenames.append(fixture)
+    metafunc.parametrize(fixture, values, ids=ids, indirect=True)

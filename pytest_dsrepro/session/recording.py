@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from ..core import results
+from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
 from ..core.report import Neutral, render_markdown
-from ..core.results import Environment, ReproMeta, RunRecord, Source, TestRecord
+from ..core.results import Environment, Origin, ReproMeta, RunRecord, Source, TestRecord
 from ..core.source import module_slice
 from . import markers
 from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY
@@ -131,7 +132,16 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         prerequisites=judgement.prerequisites if judgement else (),
         rate=judgement.rate if judgement else None,
         measurements=outcome.measurements if outcome is not None else (),
+        origin=_origin(item),
     )
+
+
+def _origin(item: pytest.Item) -> Origin | None:
+    """The test's ``ds_origin``; None when its marker is wrong (its setup failed saying so)."""
+    try:
+        return markers.origin(item)
+    except MarkerError:
+        return None
 
 
 def attach(item: pytest.Item, report: pytest.TestReport) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import install, matrix
+from . import install, matrix, upstream
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -229,6 +229,12 @@ COMMANDS = (
         matrix.run,
     ),
     Command(
+        "upstream",
+        "run DeepSpeed's own tests/unit files, unchanged, in these worlds (on releases too)",
+        upstream.add_arguments,
+        upstream.run,
+    ),
+    Command(
         "export",
         "write one test as a standalone script for torchrun (torch and DeepSpeed only)",
         _export_arguments,
@@ -256,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    if argv[:1] == ["bisect"] and "--" in argv:
+    if argv[:1] in (["bisect"], ["upstream"]) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser()

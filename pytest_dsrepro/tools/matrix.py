@@ -18,6 +18,9 @@ SKIPPED.
 - **Prerequisites in the open**: a cell whose run had another bug's fix applied first (``ds_prerequisite``) is
   marked ``+``, and the notes say which fix, for which releases.
 - **What changed**: with ``--since OLD_DIR``, cells that differ from the matrix of those older files are marked ``~``.
+- **Upstream tests** (``dsrepro upstream``): DeepSpeed's own tests, each a row named by the revision its tests came
+  from and its node id; a cell is what pytest said (PASSED, FAILED, ERROR), or NOT-APPLICABLE / SKIPPED with why.
+  They declare nothing, so they are never UNEXPECTED.
 - **120 columns**: the terminal table uses the verdicts' names when they fit, else short names (with a legend), and
   splits the releases into several tables when even those do not fit; long labels wrap.
 
@@ -84,7 +87,14 @@ SHORT = {
     Verdict.SKIPPED.value: "SKIP",
     NOT_RUN: "-",
     UNAVAILABLE: "n/a",
+    "PASSED": "PASS",
+    "FAILED": "FAIL",
+    "ERROR": "ERROR",
+    "XFAILED": "XFAIL",
+    "XPASSED": "XPASS",
 }
+#: What an upstream test's cell says when no verdict judged it: pytest's outcome.
+OBSERVED = ("passed", "failed", "error", "xfailed", "xpassed")
 
 
 class MatrixError(Exception):
@@ -143,7 +153,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Cell:
-    verdict: Verdict
+    verdict: Verdict | None  # None: an upstream test's outcome, which no declared range judges
     outcome: str | None = None
     error: str | None = None
     reason: Reason | None = None
@@ -151,6 +161,11 @@ class Cell:
     contradicts: bool = False  # the outcome contradicts the row's declared range
     before: str | None = None  # with --since: what the cell was (a verdict, "not run"), when it changed
     prerequisites: tuple[str, ...] = ()  # the other bugs' fixes applied first (ds_prerequisite), with their reasons
+
+    @property
+    def word(self) -> str:
+        """What the cell says: its verdict, else (an upstream test) pytest's outcome in capitals."""
+        return self.verdict.value if self.verdict is not None else (self.outcome or "?").upper()
 
     @property
     def note(self) -> str | None:
@@ -202,7 +217,7 @@ class Matrix:
             for r in self.rows:
                 cell = self.cell(r, c)
                 if cell is not None and cell.before is not None:
-                    found.append((r, c, cell.before, cell.verdict.value))
+                    found.append((r, c, cell.before, cell.word))
         return found
 
     def _where(self, keep: object) -> list[tuple[Row, Column, Cell]]:
@@ -219,7 +234,7 @@ class Matrix:
         if column.unavailable:
             return UNAVAILABLE
         cell = self.cell(row, column)
-        return cell.verdict.value if cell else NOT_RUN
+        return cell.word if cell else NOT_RUN
 
     def not_verdicts(self) -> list[tuple[str, Row, list[str]]]:
         """Why each cell without a judged run (NOT-APPLICABLE, SKIPPED, not run) is what it is: ``(why, row,
@@ -281,6 +296,8 @@ def _cell_of(record: TestRecord, source: Path) -> Cell | None:
     if record.verdict is not None:
         return Cell(record.verdict, record.outcome, record.error, record.reason, source,
                     prerequisites=record.prerequisites)  # fmt: skip
+    if record.origin is not None and record.outcome in OBSERVED:
+        return Cell(None, record.outcome, record.error, None, source)
     if record.outcome in ("failed", "error", "xpassed"):
         why = f"no verdict, pytest outcome {record.outcome}: {record.error or 'no error recorded'}"
         return Cell(Verdict.UNEXPECTED, record.outcome, why, None, source)
@@ -345,11 +362,13 @@ class _About:
     upstream: str | None
     variant: str | None
     declared: tuple[str, ...]
+    origin: str | None = None  # an upstream test's revision (``Origin.short``): its row is labelled by it
 
     def updated(self, record: TestRecord) -> _About:
         about = record.repro
         return _About(
-            repro=(about.id if about else None) or self.repro,
+            origin=record.origin.short if record.origin else self.origin,
+            repro=(about.id if about else None) or (record.origin.short if record.origin else self.repro),
             title=(about.title if about else None) or self.title,
             upstream=(about.upstream if about else None) or self.upstream,
             variant=record.variant or self.variant,
@@ -373,10 +392,11 @@ def _collect(
             continue
         for record in f.run.tests:
             cell = _cell_of(record, f.path)
+            key = _row_key(record)
             if record.nodeid and cell is not None:
-                about[record.nodeid] = about.get(record.nodeid, _NOBODY).updated(record)
-                cells[(record.nodeid, f.run.version)] = cell
-                seen.setdefault((record.nodeid, f.run.version), []).insert(0, (cell.verdict.value, f.path))
+                about[key] = about.get(key, _NOBODY).updated(record)
+                cells[(key, f.run.version)] = cell
+                seen.setdefault((key, f.run.version), []).insert(0, (cell.word, f.path))
     disagreements = tuple(
         Disagreement(nodeid, version, tuple(verdicts))
         for (nodeid, version), verdicts in seen.items()
@@ -385,17 +405,25 @@ def _collect(
     return cells, about, disagreements
 
 
+def _row_key(record: TestRecord) -> str:
+    """A row's key: the node id; an upstream test's prefixed with the revision its tests came from (two revisions of
+    one test are two rows)."""
+    return f"{record.origin.short} {record.nodeid}" if record.origin else record.nodeid
+
+
 def _rows(about: Mapping[str, _About]) -> tuple[Row, ...]:
     per_repro: dict[str, list[str]] = {}
+    upstream = [Row(a.repro, key, key) for key, a in about.items() if a.origin is not None]
     for nodeid, a in about.items():
-        per_repro.setdefault(a.repro, []).append(nodeid)
+        if a.origin is None:
+            per_repro.setdefault(a.repro, []).append(nodeid)
     rows = [
         Row(repro, nodeid, label, about[nodeid].title, about[nodeid].upstream, about[nodeid].variant,
             about[nodeid].declared)
         for repro, nodeids in per_repro.items()
         for nodeid, label in _labels(repro, nodeids).items()
     ]  # fmt: skip
-    return tuple(sorted(rows, key=lambda r: (_row_order(r), r.nodeid)))
+    return tuple(sorted(rows + upstream, key=lambda r: (_row_order(r), r.nodeid)))
 
 
 def merge(files: Sequence[ResultsFile], warnings: Sequence[str] = ()) -> Matrix:
@@ -450,11 +478,11 @@ def since(matrix: Matrix, old: Matrix, paths: Sequence[Path] = ()) -> Matrix:
     columns = {c.version: c for c in matrix.columns}
     for (nodeid, version), cell in matrix.cells.items():
         was = before(nodeid, version)
-        if was != cell.verdict.value and not columns[version].unavailable:
+        if was != cell.word and not columns[version].unavailable:
             cells[(nodeid, version)] = dataclasses.replace(cell, before=was)
     new_rows = {r.nodeid for r in matrix.rows}
     gone = tuple(
-        (r.label, c.version, cell.verdict.value)
+        (r.label, c.version, cell.word)
         for (nodeid, version), cell in old.cells.items()
         if (r := old_rows[nodeid]) and (c := old_columns[version])
         and (nodeid not in new_rows or (nodeid, version) not in matrix.cells)
@@ -480,6 +508,8 @@ def _one_line(text: str) -> str:
 
 def _summary(matrix: Matrix) -> str:
     counts = [f"{matrix.count(v)} {v.value}" for v in Verdict if matrix.count(v)]
+    observed = [c.word for c in matrix.cells.values() if c.verdict is None]
+    counts += [f"{observed.count(word)} {word} (upstream tests)" for word in sorted(set(observed))]
     unavailable = sum(1 for c in matrix.columns if c.unavailable)
     if unavailable:
         counts.append(f"{unavailable} release{'s' * (unavailable != 1)} unavailable")
@@ -501,6 +531,9 @@ _ANSI = {
     Verdict.SKIPPED.value: "\033[2m",
     UNAVAILABLE: "\033[2m",
     NOT_RUN: "\033[2m",
+    "PASSED": "\033[32m",
+    "FAILED": "\033[31m",
+    "ERROR": "\033[31m",
 }
 
 
@@ -632,7 +665,7 @@ def _against(matrix: Matrix, width: int) -> list[str]:
         side = "inside" if r.declares_affected(c.version) else "outside"
         what = "passed" if cell.reason is not None and cell.reason.body_failed is False else "failed"
         reason = cell.reason.value if cell.reason else ""
-        why = f"the body {what} {side} the declared range ({' or '.join(r.declared)}): {cell.verdict.value}, {reason}"
+        why = f"the body {what} {side} the declared range ({' or '.join(r.declared)}): {cell.word}, {reason}"
         lines += _wrapped(f"  {c.version}  {r.label}: ", why, width)
     return lines
 
@@ -726,7 +759,7 @@ def _md_cell(matrix: Matrix, row: Row, column: Column, notes: _Notes) -> str:
     cell = matrix.cell(row, column)
     if cell is None:
         return f"_{NOT_RUN}_" + notes.ref(f"not run: no results file of {column.version} ran this test")
-    text = f"**{cell.verdict.value}**" if cell.verdict is Verdict.UNEXPECTED else cell.verdict.value
+    text = f"**{cell.word}**" if cell.verdict is Verdict.UNEXPECTED else cell.word
     refs = []
     if cell.note:
         refs.append(notes.ref(cell.note))
@@ -835,7 +868,7 @@ def _html_cell(matrix: Matrix, row: Row, column: Column) -> str:
     if cell is None:
         return f'<td class="not-run" title="no results file of {e(column.version)} ran this test">{NOT_RUN}</td>'
     tips = [_one_line(cell.note)] if cell.note else []
-    classes = [cell.verdict.value]
+    classes = [cell.word]
     if cell.prerequisites:
         classes.append("prerequisite")
         tips += [f"with the prerequisite fix for {p}" for p in cell.prerequisites]
@@ -846,7 +879,7 @@ def _html_cell(matrix: Matrix, row: Row, column: Column) -> str:
         classes.append("changed")
         tips.append(f"was {cell.before}")
     tip = f' title="{e("; ".join(tips))}"' if tips else ""
-    return f'<td class="{e(" ".join(classes))}"{tip}>{e(cell.verdict.value)}{e(cell.marks)}</td>'
+    return f'<td class="{e(" ".join(classes))}"{tip}>{e(cell.word)}{e(cell.marks)}</td>'
 
 
 def render_html(matrix: Matrix) -> str:
@@ -888,7 +921,7 @@ def render_html(matrix: Matrix) -> str:
         f"<li><b>{e(c.version)}</b>: {e(c.unavailable_line or '')}</li>" for c in matrix.columns if c.unavailable
     ]
     against = [
-        f"<li><b>{e(c.version)}</b> <code>{e(r.nodeid)}</code>: {e(cell.verdict.value)} "
+        f"<li><b>{e(c.version)}</b> <code>{e(r.nodeid)}</code>: {e(cell.word)} "
         f"({e(cell.reason.value if cell.reason else '')}) against the declared range {e(' or '.join(r.declared))}</li>"
         for r, c, cell in matrix.contradictions()
     ]

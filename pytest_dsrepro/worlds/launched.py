@@ -43,6 +43,7 @@ from ..core.errors import HarnessError
 from ..core.options import Launched
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, rank_ranges
 from ..inrank.context import RankContext
+from ..inrank.fixtures import RankFixture
 from . import launcher
 from . import rank as inrank
 from .client import FAILURE_GRACE
@@ -235,6 +236,7 @@ class LaunchedWorld:
         *,
         deepspeed: bool = False,
         run: int = 0,
+        setup: Sequence[RankFixture] = (),
     ) -> WorldOutcome:
         """Run the body of the test all ranks arrived at, as one world; every rank returns the same outcome.
         ``run``: which world of a nondeterministic verdict's series this is (each starts anew on its own keys)."""
@@ -261,7 +263,7 @@ class LaunchedWorld:
             before = _children()
             watch = _Watch(self, self._store(self.seq, watcher=True, run=run), deadline, timeout)
             with watch, contextlib.suppress(Interrupted):
-                report = watch.interruptible(inrank.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed)
+                report = watch.interruptible(inrank.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed, setup=setup)
             _kill_what_it_started(before)
             if watch.fired is not None:
                 result = watch.fired

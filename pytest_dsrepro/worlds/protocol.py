@@ -244,11 +244,13 @@ class RankJob:
     module is imported (parametrize values and fixes may be defined in it)."""
 
     test: TestRef
-    payload: bytes  # pickle of (kwargs, fixes)
+    payload: bytes  # pickle of (kwargs, fixes, setup): setup, the rank fixtures the body does not name
     backend: str
     timeout: float
     environ: EnvironChanges = EnvironChanges()  # filled in by the client, which knows the server's environment
     deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
+    process_group: bool = True  # each rank joins the world's default process group before the body
+    launcher_env: bool = True  # each rank gets torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...)
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

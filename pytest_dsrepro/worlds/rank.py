@@ -104,6 +104,28 @@ def set_rank_environment(rank: int, world_size: int, port: int) -> None:
     )
 
 
+#: Store key under which rank 0 of a world without the plugin's process group publishes its own master port.
+MASTER_PORT_KEY = "dsrepro/master_port"
+
+
+def own_master_port(store: Any, rank: int, timeout: float) -> tuple[int, Any]:
+    """A ``MASTER_PORT`` for a world whose body makes its own process group (``init_process_group()`` reads it):
+    rank 0 hosts a TCPStore on a loopback port the OS picks and publishes it on the world's store; every rank reads
+    it. The store is multi-tenant, so the ``env://`` rendezvous of rank 0's body serves on it instead of binding
+    the port again (no free port guessed, no bind-and-close race). Returns the port and the store, which must stay
+    alive as long as the rank."""
+    import torch.distributed as dist
+
+    server = None
+    if rank == 0:
+        server = dist.TCPStore(  # type: ignore[attr-defined]
+            LOOPBACK, 0, None, True, timeout=_timeout(timeout), wait_for_workers=False, multi_tenant=True
+        )
+        store.set(MASTER_PORT_KEY, str(server.port))
+    store.wait([MASTER_PORT_KEY], _timeout(timeout))
+    return int(store.get(MASTER_PORT_KEY)), server
+
+
 def init_default_group(backend: str, store: Any, rank: int, world_size: int, timeout: float) -> None:
     import torch
     import torch.distributed as dist
@@ -136,14 +158,16 @@ def agree_connected(store: Any, world_size: int, timeout: float) -> None:
     store.wait([ALL_CONNECTED], _timeout(timeout))
 
 
-def _arguments(kwargs: dict[str, Any], ctx: RankContext, stack: contextlib.ExitStack) -> dict[str, Any]:
+def _arguments(
+    kwargs: dict[str, Any], ctx: RankContext, stack: contextlib.ExitStack, setup: Sequence[fixtures.RankFixture]
+) -> dict[str, Any]:
     """The body's arguments in this rank: per-rank values in place of their placeholders, rank fixtures set up."""
     values = {"rank": ctx.rank, "world_size": ctx.world_size}
 
     def substitute(v: Any) -> Any:
         return values[v.name] if isinstance(v, RankValue) else v
 
-    return fixtures.arguments(kwargs, stack, substitute)
+    return fixtures.arguments(kwargs, stack, substitute, setup)
 
 
 def _failed(exc: BaseException, heading: str, traceback_text: str) -> RankReport:
@@ -179,12 +203,18 @@ def _fix_name(fix: Fix) -> str:
 
 
 def run_body(
-    fn: Callable[..., Any], kwargs: dict[str, Any], fixes: Sequence[Fix], ctx: RankContext, *, deepspeed: bool = False
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    fixes: Sequence[Fix],
+    ctx: RankContext,
+    *,
+    deepspeed: bool = False,
+    setup: Sequence[fixtures.RankFixture] = (),
 ) -> RankReport:
     """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
-    DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures, and run the body; report how it
-    ended (a rank fixture's failing teardown fails the rank; a fix that raises is named: the body never ran) and
-    what the body timed."""
+    DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures (``setup`` first: those the body
+    does not name, autouse ones among them), and run the body; report how it ended (a rank fixture's failing
+    teardown fails the rank; a fix that raises is named: the body never ran) and what the body timed."""
     import pytest
 
     applying = ""
@@ -196,7 +226,7 @@ def run_body(
             applying = ""
             if deepspeed:
                 bind_deepspeed(ctx.backend)
-            result = fn(**_arguments(kwargs, ctx, stack))  # rank fixtures are torn down on leaving, fixes still on
+            result = fn(**_arguments(kwargs, ctx, stack, setup))  # rank fixtures torn down on leaving, fixes still on
     except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
         status = Status.XFAILED if isinstance(exc, pytest.xfail.Exception) else Status.SKIPPED
         return RankReport(status, detail=str(exc.msg), at=time.monotonic(), where=called_at(exc.__traceback__))
@@ -213,20 +243,25 @@ def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: C
     """The whole life of a spawned rank, except process plumbing (see ``server``); ``code``: the test module's code,
     compiled by the fork server for every rank of the world (None: compiled here)."""
     job.environ.apply(os.environ)
+    master = None  # a world without the plugin's process group: (port, rank 0's own store), alive with the rank
     try:
         store = rendezvous(meeting.port, meeting.world, job.timeout)
-        set_rank_environment(rank, world_size, meeting.port)
-        init_default_group(job.backend, store, rank, world_size, job.timeout)
+        if job.launcher_env:
+            if not job.process_group:  # the body makes the group, on a MASTER_PORT nobody else serves
+                master = own_master_port(store, rank, job.timeout)
+            set_rank_environment(rank, world_size, master[0] if master else meeting.port)
+        if job.process_group:
+            init_default_group(job.backend, store, rank, world_size, job.timeout)
         agree_connected(store, world_size, job.timeout)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "world setup failed:\n", traceback.format_exc())
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
     try:
         fn = resolve_test(job.test, code)
-        kwargs, fixes = pickle.loads(job.payload)
+        kwargs, fixes, setup = pickle.loads(job.payload)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "loading the test failed:\n", traceback.format_exc())
-    report = run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed)
+    report = run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup)
     import torch.distributed as dist
 
     if dist.is_initialized() and report.status is Status.PASSED:

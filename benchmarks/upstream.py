@@ -1,0 +1,301 @@
+"""DeepSpeed's own test files through ``dsrepro upstream`` and through DeepSpeed's own harness, side by side
+(issue 21), and upstream regression tests of fix PRs across releases.
+
+Part 1, the files: every test file of a DeepSpeed checkout's ``tests/unit/{runtime/zero, v1/zero, checkpoint, comm,
+v1/moe, runtime/half_precision}`` and ``tests/unit/runtime/test_*.py`` with at most ``--max-tests`` tests (or the
+``--files`` given), each run twice, one after the other, in alternating order: ``pytest -p pytest_dsrepro.upstream
+FILE`` in one environment, plain ``pytest FILE`` (DeepSpeed's harness) in another, both from the checkout's
+``tests/`` with the same ``LOCAL_SIZE`` (DeepSpeed's CPU accelerator counts devices by it: without it, it counts CPU
+sockets and skips every multi-rank test; it also sizes device-count-dependent class bodies alike in both runs).
+Per file: passed/failed/errors/skipped and wall time for each, and every test whose outcome differs.
+
+Environments (uv, the recipe of ``dsrepro install``, kept under ``--cache-dir``): DeepSpeed ``--release`` with this
+plugin and pytest as installed here; DeepSpeed's harness gets the same release with the pytest DeepSpeed pins for its
+tests (``--deepspeed-pytest``, default ``<8.4``: its ``DistributedFixture`` relies on what pytest >= 8.4 dropped).
+
+Part 2, ``--regressions``: the tests of fix PRs (``--regression-files``) on several releases
+(``--regression-releases``) through ``dsrepro upstream --release``, shown as ``dsrepro matrix`` shows them.
+
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out upstream-bench          # part 1, every file
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --files unit/runtime/zero/test_zero_leaf_module.py
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --only plugin         # one side only
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --regressions         # part 2
+
+Each file's figures are kept in ``OUT/files/*.json`` as they are measured: a run that is stopped resumes where it
+was (``--fresh`` measures again). Run it niced on a shared machine; the load average at each file is recorded. Each
+side keeps DeepSpeed's JIT-built ops in a directory of its own under OUT, built before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from packaging.version import Version
+
+from pytest_dsrepro.core import checkout, results
+from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
+from pytest_dsrepro.tools import bisect, install, matrix, upstream
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRECTORIES = ("unit/runtime/zero", "unit/v1/zero", "unit/checkpoint", "unit/comm", "unit/v1/moe",
+               "unit/runtime/half_precision")  # fmt: skip
+TOP_LEVEL = "unit/runtime"  # its test_*.py files, not its subdirectories
+SIDES = ("plugin", "deepspeed")
+#: A JUnit testcase's child elements and the outcome each says, first found first.
+OUTCOME_TAGS = (("failure", "failed"), ("error", "error"), ("skipped", "skipped"))
+#: The tests of fix PRs whose history says where they were affected (docs/upstream-run.md): PR -> file.
+REGRESSIONS = {
+    "#7302": "unit/runtime/zero/test_zero_grad_clip.py",
+    "#7967": "unit/v1/zero/test_zero_cpu_offload_grad_accum.py",
+    "#8137": "unit/comm/test_comms_logger.py::test_stop_profiling_comms_disables_prof_all",
+    "#8144": "unit/runtime/zero/test_zero_hook_attribute_delegation.py",
+    "#8158": "unit/runtime/zero/test_zero_allreduce_fetch_params.py",
+    "#8009": "unit/runtime/zero/test_zero_late_module_attach.py",
+    "#8113": "unit/runtime/zero/test_zero_autocast_mixed_dtype.py",
+}
+REGRESSION_RELEASES = ("0.16.4", "0.17.6", "0.18.3", "0.19.2", "0.19.3", "0.19.4", "0.19.8")
+
+
+@dataclass
+class Side:
+    """One harness's run of one file."""
+
+    seconds: float
+    exit_code: int
+    outcomes: dict[str, str]  # test -> passed, failed, error, skipped
+    load: float  # the 1-minute load average when it started
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for o in self.outcomes.values() if o == outcome)
+
+
+@dataclass
+class FileRun:
+    path: str
+    sides: dict[str, Side] = field(default_factory=dict)
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """Each test of a JUnit XML report and how it ended (a collection error is a test named after its file)."""
+    if not path.exists():
+        return {}
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        tags = {child.tag for child in case}
+        words = [
+            word for tag, word in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")) if tag in tags
+        ]
+        outcomes[name] = (words or ["passed"])[0]  # a failed call that then errored at teardown counts as failed
+    return outcomes
+
+
+def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, str], timeout: float) -> Side:
+    with tempfile.TemporaryDirectory(prefix="dsrepro-upstream-bench-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        command = [python, "-m", "pytest", path, "-p", "no:cacheprovider", f"--junitxml={report}", "-q"]
+        if side == "plugin":
+            command[3:3] = ["-p", upstream.PLUGIN]
+        load = os.getloadavg()[0]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(command, cwd=tests, env=environ, capture_output=True, text=True, timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+        seconds = time.monotonic() - started
+        return Side(round(seconds, 1), code, junit_outcomes(report), round(load, 2))
+
+
+def collected(python: str, tests: Path, paths: list[str], environ: dict[str, str]) -> dict[str, int]:
+    """How many tests pytest (with the plugin) collects in each file."""
+    lister = (
+        "import collections, json, sys, pytest\n"
+        "class L:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        c = collections.Counter(i.nodeid.split('::')[0] for i in session.items)\n"
+        "        print('COUNTS ' + json.dumps(c))\n"
+        "pytest.main(['-p', 'pytest_dsrepro.upstream', '-p', 'no:cacheprovider', '--co', '-q',\n"
+        "             '--continue-on-collection-errors', *sys.argv[1:]], plugins=[L()])\n"
+    )
+    proc = subprocess.run([python, "-c", lister, *paths], cwd=tests, env=environ, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("COUNTS ")), "COUNTS {}")
+    return dict(json.loads(line.removeprefix("COUNTS ")))
+
+
+def default_files(tests: Path) -> list[str]:
+    found = [p for d in DIRECTORIES for p in sorted((tests / d).rglob("test_*.py"))]
+    found += sorted((tests / TOP_LEVEL).glob("test_*.py"))
+    return [p.relative_to(tests).as_posix() for p in found]
+
+
+def environments(args: argparse.Namespace) -> dict[str, str]:
+    """The interpreter of each side: the release with this plugin; the release with DeepSpeed's pinned pytest."""
+    cache = args.cache_dir or default_cache_dir()
+    constraints = install.find_constraints(cwd=ROOT)
+    if constraints is None:
+        raise SystemExit("no constraints.txt pinning torch (run it from a pytest-dsrepro checkout)")
+    plugin = bisect.release_environment(cache, constraints)(Version(args.release)).python
+    directory = cache / "envs" / f"deepspeed-harness-{args.release}-pytest{args.deepspeed_pytest.replace('<', 'lt')}"
+    python = install.environment_python(directory)
+    result = install.install_deepspeed(args.release, python=python, constraints=constraints, cache_dir=cache)
+    if not result.ok:
+        raise SystemExit(f"deepspeed {args.release} for DeepSpeed's harness: {result.reason}")
+    uv = [install.uv_binary(), "pip", "install", "-q", "--python", python, "-c", str(constraints)]
+    subprocess.run([*uv, f"pytest{args.deepspeed_pytest}"], check=True, env=install._env())
+    return {"plugin": plugin, "deepspeed": python}
+
+
+#: DeepSpeed's CPU ops that the tests' engines JIT-build in their ranks on first use (Adam, offloaded optimizers).
+OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder")
+_BUILD = "import deepspeed.ops.op_builder as b\nfor name in {ops!r}:\n    getattr(b, name)().load(verbose=False)\n"
+#: Each side's comm op first, where its ranks load it: the plugin's fork server keeps it (and sets
+#: TORCH_EXTENSIONS_DIR to it, where the ranks then build the other ops); DeepSpeed's ranks build it themselves.
+_COMM_OP = {
+    "plugin": "from pytest_dsrepro.worlds.comm_op import warm_up\nwarm_up()\n",
+    "deepspeed": "from deepspeed.comm.torch import build_shm_op\nbuild_shm_op()\n",
+}
+
+
+def side_environ(side: str, base: dict[str, str], out: Path) -> dict[str, str]:
+    """Each side's own place for DeepSpeed's JIT-built ops, apart from every other process on the machine: a build
+    by another session's environment (other include paths) makes torch rebuild an op where the ranks load it."""
+    if side == "plugin":
+        return {**base, CACHE_ENV: str(out / "cache-plugin")}
+    return {**base, "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions-deepspeed")}
+
+
+def warm_ops(pythons: dict[str, str], environs: dict[str, dict[str, str]]) -> None:
+    """Build the ops each side's ranks would build on first use, before anything is timed: a first build takes
+    minutes, and it would land on whichever file happens to come first, in one harness and not the other."""
+    for side, python in pythons.items():
+        started = time.monotonic()
+        code = _COMM_OP[side] + _BUILD.format(ops=OPS)
+        subprocess.run([python, "-c", code], env=environs[side], check=True, capture_output=True)
+        print(f"{side}: DeepSpeed's CPU ops ready in {time.monotonic() - started:.0f}s", flush=True)
+
+
+def table(runs: list[FileRun]) -> str:
+    """The per-file table (Markdown) and its totals."""
+    head = "| file | plugin p/f/e/s | plugin s | DeepSpeed p/f/e/s | DeepSpeed s | ratio |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    totals = {s: [0, 0, 0, 0, 0.0] for s in SIDES}
+    for run in runs:
+        cells = []
+        for s in SIDES:
+            side = run.sides.get(s)
+            if side is None:
+                cells += ["-", "-"]
+                continue
+            counts = [side.count(o) for o in ("passed", "failed", "error", "skipped")]
+            totals[s] = [*(a + b for a, b in zip(totals[s][:4], counts, strict=True)), totals[s][4] + side.seconds]
+            cells += ["/".join(map(str, counts)), f"{side.seconds:.0f}"]
+        both = all(s in run.sides for s in SIDES)
+        ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if both else "-"
+        lines.append(f"| {run.path} | {' | '.join(cells)} | {ratio} |")
+    t = [f"{'/'.join(str(int(x)) for x in totals[s][:4])} | {totals[s][4]:.0f}" for s in SIDES]
+    ratio = totals["plugin"][4] / totals["deepspeed"][4] if totals["deepspeed"][4] else 0
+    lines.append(f"| **{len(runs)} files** | {t[0]} | {t[1]} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def differences(runs: list[FileRun]) -> list[str]:
+    """Every test whose outcome differs between the two harnesses (or that only one of them ran)."""
+    found = []
+    for run in runs:
+        if not all(s in run.sides for s in SIDES):
+            continue
+        plugin, deepspeed = run.sides["plugin"].outcomes, run.sides["deepspeed"].outcomes
+        for test in sorted(set(plugin) | set(deepspeed)):
+            a, b = plugin.get(test, "not run"), deepspeed.get(test, "not run")
+            if a != b:
+                found.append(f"{test}: plugin {a}, DeepSpeed {b}")
+    return found
+
+
+def measure(args: argparse.Namespace, tests: Path) -> None:
+    pythons = environments(args)
+    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu"}
+    environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
+    warm_ops(pythons, environs)
+    files = args.files or default_files(tests)
+    if not args.files:
+        counts = collected(pythons["plugin"], tests, files, environs["plugin"])
+        files = [f for f in files if 0 < counts.get(f, 0) <= args.max_tests]
+        print(
+            f"{len(files)} files of at most {args.max_tests} tests ({sum(counts[f] for f in files)} tests)", flush=True
+        )
+    store = args.out / "files"
+    store.mkdir(parents=True, exist_ok=True)
+    sides = [args.only] if args.only else list(SIDES)
+    runs = []
+    for index, path in enumerate(files):
+        kept = store / (path.replace("/", "__") + ".json")
+        run = FileRun(path)
+        if kept.exists() and not args.fresh:
+            data = json.loads(kept.read_text())
+            run.sides = {s: Side(**v) for s, v in data["sides"].items()}
+        order = sides if index % 2 == 0 else sides[::-1]
+        for side in order:
+            if side in run.sides:
+                continue
+            run.sides[side] = run_file(pythons[side], tests, path, side, environs[side], args.timeout)
+            kept.write_text(json.dumps(asdict(run), indent=1))
+            got = run.sides[side]
+            print(f"[{index + 1}/{len(files)}] {path} {side}: {got.count('passed')} passed, "
+                  f"{got.count('failed')} failed, {got.count('error')} errors, {got.count('skipped')} skipped "
+                  f"in {got.seconds:.0f}s (load {got.load})", flush=True)  # fmt: skip
+        runs.append(run)
+    report = table(runs) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
+    (args.out / "files.md").write_text(report + "\n")
+    print(report)
+
+
+def regressions(args: argparse.Namespace, found: checkout.Checkout) -> None:
+    """The fix PRs' tests on each release (``dsrepro upstream --release``), then the matrix of what they said."""
+    out = (args.out / "regressions").resolve()
+    options = argparse.Namespace(results=out, cache_dir=args.cache_dir, constraints=None, log_dir=None,
+                                 pytest_args=["-p", "no:cacheprovider"])  # fmt: skip
+    targets = list(REGRESSIONS.values())
+    upstream.run_releases(options, found, targets, list(args.regression_releases))
+    files, warnings = results.read_all([out])
+    merged = matrix.merge(files, warnings)
+    print(matrix.render_terminal(merged, width=200))
+    (args.out / "regressions.md").write_text(matrix.render_markdown(merged))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkout", type=Path, required=True, help="a DeepSpeed git checkout")
+    parser.add_argument("--out", type=Path, required=True, help="where figures are kept (resumable)")
+    parser.add_argument("--files", nargs="+", help="test files, relative to the checkout's tests/")
+    parser.add_argument("--max-tests", type=int, default=30, help="without --files: files of at most this many tests")
+    parser.add_argument("--only", choices=SIDES, help="measure one harness only")
+    parser.add_argument("--release", default="0.19.8", help="the DeepSpeed release both harnesses run")
+    parser.add_argument("--deepspeed-pytest", default="<8.4", help="pytest for DeepSpeed's harness (its pin)")
+    parser.add_argument("--local-size", type=int, default=8, help="LOCAL_SIZE for both runs")
+    parser.add_argument("--timeout", type=float, default=5400.0, help="seconds one file may take")
+    parser.add_argument("--cache-dir", type=Path, help="release environments (default: the plugin's cache)")
+    parser.add_argument("--fresh", action="store_true", help="measure again what OUT already holds")
+    parser.add_argument("--regressions", action="store_true", help="part 2: fix PRs' tests across releases")
+    parser.add_argument("--regression-releases", nargs="+", default=list(REGRESSION_RELEASES))
+    args = parser.parse_args()
+    found = checkout.read(args.checkout)
+    print(f"DeepSpeed's tests from {found.describe()}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.regressions:
+        regressions(args, found)
+    else:
+        measure(args, found.tests)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

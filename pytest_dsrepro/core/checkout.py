@@ -1,0 +1,73 @@
+"""A DeepSpeed source checkout whose own tests run here (``dsrepro upstream``): where it is and which revision.
+
+Read with git (a subprocess), nothing imported. The revision is what results and the matrix name an upstream test's
+row by, so it is read from the checkout itself, never taken from a caller.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+#: What makes a directory a DeepSpeed checkout whose tests can run: DeepSpeed's harness and its test configuration.
+MARKS = ("tests/unit/common.py", "tests/conftest.py", "version.txt")
+#: Where the checkout's tests run from: its pytest.ini, conftest.py and the ``unit`` package live there.
+TESTS = "tests"
+
+
+class CheckoutError(Exception):
+    """Not a DeepSpeed checkout, or not one git can read; the message says which."""
+
+
+@dataclass(frozen=True)
+class Checkout:
+    root: Path
+    revision: str  # the full commit id; "+dirty" when its tests/ has changes git has not committed
+    described: str  # ``git describe --tags --always``: v0.19.5-46-gedaa722
+    version: str  # version.txt: what DeepSpeed built from this checkout would call itself
+
+    @property
+    def tests(self) -> Path:
+        return self.root / TESTS
+
+    @property
+    def dirty(self) -> bool:
+        return self.revision.endswith("+dirty")
+
+    def describe(self) -> str:
+        changes = ", with uncommitted changes under tests/" if self.dirty else ""
+        return f"{self.root} at {self.revision.removesuffix('+dirty')[:12]} ({self.described}){changes}"
+
+
+def find(start: Path) -> Path | None:
+    """The DeepSpeed checkout holding ``start`` (a directory or file in it), or None."""
+    for directory in (start.resolve(), *start.resolve().parents):
+        if all((directory / mark).is_file() for mark in MARKS):
+            return directory
+    return None
+
+
+def _git(root: Path, *args: str) -> str:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CheckoutError(f"git could not read {root}: {exc}") from None
+    if proc.returncode != 0:
+        raise CheckoutError(f"git could not read {root} (git {' '.join(args)}): {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def read(root: Path) -> Checkout:
+    """The checkout at ``root`` as it is now; ``CheckoutError`` when it is not a DeepSpeed git checkout."""
+    missing = [mark for mark in MARKS if not (root / mark).is_file()]
+    if missing:
+        raise CheckoutError(f"{root} is not a DeepSpeed checkout (no {', '.join(missing)})")
+    commit = _git(root, "rev-parse", "HEAD")
+    dirty = bool(_git(root, "status", "--porcelain", "--", TESTS))
+    return Checkout(
+        root=root.resolve(),
+        revision=commit + ("+dirty" if dirty else ""),
+        described=_git(root, "describe", "--tags", "--always"),
+        version=(root / "version.txt").read_text().strip(),
+    )

@@ -1,0 +1,151 @@
+"""Collecting DeepSpeed's test modules: upstream's classes marked as worlds, and test files that need what the
+installed release lacks told as NOT-APPLICABLE instead of collection errors.
+
+Newer test files import what older releases do not have (a fix's new helper, a module added since): on such a
+release the file cannot even be imported, and pytest would report a collection error, as if the run had broken.
+Here each test the command line asked for in such a file (or the file as a whole) becomes one item that the plugin
+judges NOT-APPLICABLE (``ds_not_applicable`` for the installed release), with the import error as its reason. Any
+other collection error (a syntax error, a missing third-party package) stays an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from ..core import versions
+from . import harness
+
+#: The item standing for a whole test file that cannot be imported (no test of it was named on the command line).
+WHOLE_FILE = "(module)"
+
+
+def lacks(exc: BaseException) -> str | None:
+    """The error of a test module's import that says the installed DeepSpeed lacks a name the tests use: an
+    ``ImportError`` from a ``deepspeed`` module, or a missing attribute of one (anywhere in the exception's causes).
+    None for anything else."""
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        seen.add(id(found))
+        if isinstance(found, ImportError) and _deepspeed(found.name):
+            return _one_line(found)
+        if isinstance(found, AttributeError) and _deepspeed(getattr(getattr(found, "obj", None), "__name__", None)):
+            return _one_line(found)
+        found = found.__cause__ or found.__context__
+    return None
+
+
+def _deepspeed(module: object) -> bool:
+    return isinstance(module, str) and (module == "deepspeed" or module.startswith("deepspeed."))
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def requested(args: Iterable[str], invoked: Path, path: Path) -> list[list[str]]:
+    """The node ids the command line asked for inside the test file ``path``, each as its names after the file
+    (``[]``: the whole file, or a directory holding it)."""
+    found = []
+    for arg in args:
+        where, *names = arg.split("::")
+        target = (invoked / where).resolve()
+        if target == path.resolve() or (not names and target in path.resolve().parents):
+            found.append(names)
+    return found or [[]]
+
+
+class Unimportable(pytest.Item):
+    """A test (or a whole file) that cannot be collected on the installed release: NOT-APPLICABLE there, with why."""
+
+    cls = None  # DeepSpeed's conftest.py reads ``item.cls`` of every item it tears down
+
+    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        release = versions.installed_text("deepspeed")
+        self.add_marker(pytest.mark.ds_not_applicable(f"=={release}", reason=f"cannot be collected: {reason}"))
+
+    def runtest(self) -> None:
+        raise AssertionError("not applicable: the plugin skips this test at setup")  # pragma: no cover
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, self.name
+
+
+class _Scope(pytest.Collector):
+    """A class named on the command line in a file that cannot be imported: holds the test named in it."""
+
+    def __init__(self, *, names: Sequence[str], reason: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.names = names
+        self.reason = reason
+
+    def collect(self) -> list[pytest.Item | pytest.Collector]:
+        return [_placeholder(self, self.names, self.reason)]
+
+
+def _placeholder(parent: pytest.Collector, names: Sequence[str], reason: str) -> pytest.Item | pytest.Collector:
+    if len(names) > 1:
+        return _Scope.from_parent(parent, name=names[0], names=names[1:], reason=reason)
+    return Unimportable.from_parent(parent, name=names[0] if names else WHOLE_FILE, reason=reason)
+
+
+@dataclass
+class State:
+    """The session's part of the upstream layer: upstream's harness replaced (undone when pytest ends) and the
+    ``DistributedFixture`` names that have a fixture here."""
+
+    config: pytest.Config
+    monkeypatch: pytest.MonkeyPatch = field(default_factory=pytest.MonkeyPatch)
+    fixtures: set[str] = field(default_factory=set)
+
+    def prepare(self, module: ModuleType) -> None:
+        """Before a module's tests are collected: upstream's harness replaced where its classes come from, and a
+        fixture for each ``DistributedFixture`` class that pytest itself does not take for one (pytest >= 8.4)."""
+        new: dict[str, Any] = {}
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and (harness.is_dist_test(obj) or harness.is_dist_fixture(obj)):
+                harness.install(obj, self.monkeypatch)
+            if harness.is_dist_fixture(obj) and name not in self.fixtures:
+                self.fixtures.add(name)
+                new[f"fixture_{name}"] = harness.distributed_fixture(name, obj)
+        if new:  # plugin fixtures are visible to every test; each finds its own module's class by name
+            holder = ModuleType(f"dsrepro_upstream_fixtures_{len(self.fixtures)}")
+            vars(holder).update(new)
+            self.config.pluginmanager.register(holder, holder.__name__)
+
+    def close(self) -> None:
+        self.monkeypatch.undo()
+
+
+STATE = pytest.StashKey[State]()
+
+
+class UpstreamModule(pytest.Module):
+    """A test module of DeepSpeed's: its ``DistributedTest`` classes run in worlds (``harness``), and an import that
+    fails for a name the installed DeepSpeed lacks makes NOT-APPLICABLE items instead of a collection error."""
+
+    def collect(self) -> list[pytest.Item | pytest.Collector]:
+        try:
+            self.obj  # noqa: B018 - imports the module, as pytest's own collect does first
+        except Exception as exc:  # an import's failure, told by pytest as a CollectError caused by it
+            reason = lacks(exc)
+            if reason is None or versions.installed_text("deepspeed") is None:
+                raise
+            wanted = requested(self.config.args, self.config.invocation_params.dir, self.path)
+            # What pytest reads of a module later (``--collect-only`` prints its docstring) must not import it again.
+            self.obj = ModuleType(self.path.stem, f"cannot be imported on this release: {reason}")
+            return [_placeholder(self, names, reason) for names in wanted]
+        self.config.stash[STATE].prepare(self.obj)
+        children = list(super().collect())
+        for child in children:
+            if isinstance(child, pytest.Class) and harness.is_dist_test(child.obj):
+                harness.mark_world_sizes(child.obj)
+                child.add_marker(pytest.mark.ds_world(**harness.world(child.obj)))
+        return children
