@@ -15,8 +15,8 @@ import pytest
 
 from conftest import RunPytest, deepspeed_version
 from pytest_dsrepro.core import results
-from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status, WorldOutcome
+from pytest_dsrepro.core.gates import Rate, Reason, Verdict
+from pytest_dsrepro.core.outcome import ErrorInfo, Measurement, RankResult, Status, WorldOutcome
 from pytest_dsrepro.core.results import Environment, RankStory, ReproMeta, RunRecord, Source, TestRecord
 
 ENV = Environment(deepspeed="0.18.3", torch="2.13.0", python="3.11.7", backend="gloo", world_size=2, os="Linux",
@@ -29,10 +29,18 @@ STOCK = TestRecord(
     ranks=(RankStory("ranks 0-1", "AttributeError: x", "Traceback ...", "out"),), longrepr=None, world_size=2,
     attempts=2, source=Source("repros/t.py", "def patch(mp): ...\n\ndef test(): ...\n", "patch"),
 )  # fmt: skip
+RACE = dataclasses.replace(
+    STOCK, nodeid="t.py::race[stock]", attempts=1, error="REPRODUCED 9/20 on deepspeed 0.18.3: ...",
+    rate=Rate(runs=20, planned=20, failed=9, needed=1, seconds=31.5),
+)  # fmt: skip
+SLOW = dataclasses.replace(
+    STOCK, nodeid="t.py::slow[stock]", attempts=1,
+    measurements=(Measurement("backward of 256 tensors", "8 backwards of 32 tensors", 0.79, 0.1, 3.0, 5),),
+)  # fmt: skip
 PLAIN = TestRecord(nodeid="t.py::test_plain", repro=None, variant=None, verdict=None, reason=None, outcome="failed",
                    error="assert 1 == 2", duration=0.1, config=None, longrepr="E   assert 1 == 2")  # fmt: skip
 RUN = RunRecord(created=datetime.datetime(2026, 11, 22, 10, tzinfo=datetime.timezone.utc), environment=ENV,
-                tests=(STOCK, PLAIN))  # fmt: skip
+                tests=(STOCK, PLAIN, RACE, SLOW))  # fmt: skip
 
 
 def test_a_run_survives_json_text() -> None:
@@ -46,6 +54,12 @@ def test_a_run_survives_json_text() -> None:
                                          "ds_report", "torch_env"]  # fmt: skip
     assert data["tests"][0]["attempts"] == 2
     assert data["tests"][0]["source"]["fix"] == "patch"
+    assert (data["tests"][0]["rate"], data["tests"][0]["measurements"]) == (None, [])
+    assert data["tests"][2]["rate"] == {"runs": 20, "planned": 20, "failed": 9, "needed": 1, "seconds": 31.5}
+    assert data["tests"][3]["measurements"] == [{
+        "what": "backward of 256 tensors", "reference": "8 backwards of 32 tensors", "seconds": 0.79,
+        "reference_seconds": 0.1, "limit": 3.0, "repeats": 5,
+    }]  # fmt: skip
     assert RunRecord.from_json(data) == RUN
 
 
@@ -90,8 +104,8 @@ def _broken(change: Any) -> dict[str, Any]:
     ("change", "message"),
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
-        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 4 only"),
-        (lambda d: d.update(schema="4"), "schema '4': this pytest-dsrepro reads results files of schema 4 only"),
+        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 5 only"),
+        (lambda d: d.update(schema="5"), "schema '5': this pytest-dsrepro reads results files of schema 5 only"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),
@@ -101,10 +115,11 @@ def _broken(change: Any) -> dict[str, Any]:
         (lambda d: d["environment"].update(platform=d["environment"].pop("os")), "environment: missing field 'os'"),
         (lambda d: d["environment"].update(world_size="2"), "environment: 'world_size' must be a whole number"),
         (lambda d: d.update(environment=None), "environment must be an object, not null"),
-        (lambda d: d["tests"].append(3), "tests[2] must be an object, not 3"),
+        (lambda d: d["tests"].append(3), "tests[4] must be an object, not 3"),
         (lambda d: d["tests"][0].pop("reason"), "tests[0] (t.py::test[stock]): missing field 'reason'"),
         (lambda d: d["tests"][0].update(verdict="MAYBE"),
-         "tests[0] (t.py::test[stock]): 'verdict' is 'MAYBE', not one of REPRODUCED, FIXED, PASSES-WITH-FIX"),
+         "tests[0] (t.py::test[stock]): 'verdict' is 'MAYBE', not one of REPRODUCED, FIXED, NOT-YET-AFFECTED, "
+         "PASSES-WITH-FIX"),
         (lambda d: d["tests"][0].update(reason="because"), "'reason' is 'because', not one of reproduced, "),
         (lambda d: d["tests"][0].update(verdict="FIXED"),
          "tests[0] (t.py::test[stock]): verdict FIXED does not follow from reason 'reproduced' (REPRODUCED)"),
@@ -125,6 +140,16 @@ def _broken(change: Any) -> dict[str, Any]:
         (lambda d: d["environment"].update(ds_report=3), "environment: 'ds_report' must be a string, not 3"),
         (lambda d: d["tests"][0]["repro"].update(affected=">=0.1"),
          "tests[0] (t.py::test[stock]).repro: 'affected' must be a list of strings, not a string"),
+        (lambda d: d["tests"][2].update(rate=9), "tests[2] (t.py::race[stock]): 'rate' must be an object or null, not 9"),
+        (lambda d: d["tests"][2]["rate"].pop("needed"), "tests[2] (t.py::race[stock]).rate: missing field 'needed'"),
+        (lambda d: d["tests"][2]["rate"].update(failed=21),
+         "tests[2] (t.py::race[stock]).rate: runs 20, planned 20, failed 21, needed 1 do not add up"),
+        (lambda d: d["tests"][3].update(measurements={}),
+         "tests[3] (t.py::slow[stock]): 'measurements' must be a list, not an object"),
+        (lambda d: d["tests"][3]["measurements"][0].update(limit="3x"),
+         "tests[3] (t.py::slow[stock]).measurements[0]: 'limit' must be a number >= 0, not a string"),
+        (lambda d: d["tests"][3]["measurements"][0].update(repeats=0),
+         "tests[3] (t.py::slow[stock]).measurements[0]: 'repeats' must be a whole number >= 1, not 0"),
     ],
 )  # fmt: skip
 def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> None:
@@ -135,7 +160,7 @@ def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> No
 def test_records_are_checked_when_built_too() -> None:
     with pytest.raises(ValueError, match=r"t.py::x: verdict UNEXPECTED without a reason"):
         dataclasses.replace(PLAIN, nodeid="t.py::x", verdict=Verdict.UNEXPECTED)
-    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 4 only"):
+    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 5 only"):
         RunRecord(schema=1, environment=ENV)
     skipped = dataclasses.replace(PLAIN, verdict=Verdict.SKIPPED, outcome="skipped")  # a gated test never judged
     assert skipped.reason is None
@@ -184,12 +209,13 @@ def test_summary_lines_put_the_verdict_first() -> None:
     harness = dataclasses.replace(PLAIN, nodeid="t.py::h", repro=REPRO, verdict=Verdict.UNEXPECTED,
                                   reason=Reason.HARNESS_ERROR, error="no world ran: server died")  # fmt: skip
     plain_pass = dataclasses.replace(PLAIN, nodeid="t.py::ok", outcome="passed", error=None)
-    run = Run([STOCK, harness, plain_pass])
+    run = Run([STOCK, harness, plain_pass, RACE])
     assert run.summary_lines() == [
-        "REPRODUCED  t.py::test[stock]  (2 attempts)",
-        "UNEXPECTED  t.py::h  -- no world ran: server died",
+        "REPRODUCED       t.py::test[stock]  (2 attempts)",
+        "UNEXPECTED       t.py::h  -- no world ran: server died",
+        "REPRODUCED 9/20  t.py::race[stock]",
     ]
-    assert run.record(ENV).tests == (STOCK, harness, plain_pass)
+    assert run.record(ENV).tests == (STOCK, harness, plain_pass, RACE)
 
 
 REPRO_FILE = """

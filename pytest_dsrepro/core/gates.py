@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import versions
 from .errors import MarkerError
-from .outcome import RankResult, Status, group_ranks
+from .outcome import Measurement, RankResult, Status, group_ranks
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -27,8 +27,9 @@ STOCK, FIXED = "stock", "fixed"
 
 
 class Verdict(str, enum.Enum):
-    REPRODUCED = "REPRODUCED"  # stock, affected release, failed as declared
-    FIXED = "FIXED"  # stock, unaffected release, passed
+    REPRODUCED = "REPRODUCED"  # stock, affected release, failed as declared (a nondeterministic repro: often enough)
+    FIXED = "FIXED"  # stock, a release after (or between) the affected ranges, passed
+    NOT_YET_AFFECTED = "NOT-YET-AFFECTED"  # stock, a release older than every affected range, passed
     PASSES_WITH_FIX = "PASSES-WITH-FIX"  # the fix variant passed
     UNEXPECTED = "UNEXPECTED"  # anything else
     NOT_APPLICABLE = "NOT-APPLICABLE"  # declared not applicable on this release (ds_not_applicable): no body ran
@@ -39,13 +40,16 @@ class Reason(str, enum.Enum):
     """Why a run earned its verdict; what tools read instead of the verdict's wording."""
 
     REPRODUCED = "reproduced"
-    NOT_AFFECTED = "not-affected"
+    NOT_AFFECTED = "not-affected"  # passed after (or between) the affected ranges: FIXED
+    NOT_YET_AFFECTED = "not-yet-affected"  # passed before every affected range: the bug is not there yet
     FIX_HOLDS = "fix-holds"
-    DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected
+    DID_NOT_REPRODUCE = "did-not-reproduce"  # the body passed where the bug was expected (or failed too rarely)
     FAILED_DIFFERENTLY = "failed-differently"
-    REGRESSION = "regression"  # failed on a release newer than (or between) the affected ranges
-    BEFORE_AFFECTED = "failed-before-affected-range"  # failed on a release older than every affected range
+    REGRESSION = "regression"  # failed as declared on a release newer than (or between) the affected ranges
+    BEFORE_AFFECTED = "failed-before-affected-range"  # failed as declared on a release older than every range
+    OUTSIDE_RANGE = "failed-outside-affected-range"  # failed outside the ranges, and not with the declared error
     FIX_DOES_NOT_HOLD = "fix-does-not-hold"
+    FIX_RAISED = "fix-raised"  # a fix raised while it was being applied: the body never ran
     HARNESS_ERROR = "harness-error"  # no world ran: nothing is known about the bug
     NOT_APPLICABLE = "not-applicable"  # the repro declares this release out of its reach, and why
 
@@ -55,18 +59,51 @@ class Reason(str, enum.Enum):
 
     @property
     def body_failed(self) -> bool | None:
-        """Did the test body fail? None when no body ran (a harness error)."""
-        if self in (Reason.HARNESS_ERROR, Reason.NOT_APPLICABLE):
+        """Did the test body fail? None when no body ran (a harness error, a fix that raised)."""
+        if self in (Reason.HARNESS_ERROR, Reason.NOT_APPLICABLE, Reason.FIX_RAISED):
             return None
-        return self not in (Reason.NOT_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
+        return self not in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED, Reason.FIX_HOLDS, Reason.DID_NOT_REPRODUCE)
 
 
 _VERDICTS = {
     Reason.REPRODUCED: Verdict.REPRODUCED,
     Reason.NOT_AFFECTED: Verdict.FIXED,
+    Reason.NOT_YET_AFFECTED: Verdict.NOT_YET_AFFECTED,
     Reason.FIX_HOLDS: Verdict.PASSES_WITH_FIX,
     Reason.NOT_APPLICABLE: Verdict.NOT_APPLICABLE,
 }
+
+
+@dataclass(frozen=True)
+class Nondeterministic:
+    """``ds_nondeterministic(runs, failures=1)``: the bug shows in some runs only (a race), so each verdict runs the
+    body ``runs`` times, each in a fresh world; REPRODUCED needs ``failures`` of them to fail as declared, FIXED and
+    PASSES-WITH-FIX need none to fail."""
+
+    runs: int
+    failures: int = 1
+
+
+#: The most runs one verdict may ask for: a series runs inside one pytest item.
+MAX_RUNS = 1000
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How the runs of one nondeterministic verdict went: ``failed`` of ``runs`` failed with the declared error.
+
+    ``runs`` is less than ``planned`` when a run ended otherwise (a different error, a crash, a hang, a fix that
+    raised): the verdict is UNEXPECTED whatever the rest would do, so the series stops there.
+    """
+
+    runs: int
+    planned: int
+    failed: int
+    needed: int  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
+    seconds: float  # the runs' wall time, all together
+
+    def __str__(self) -> str:
+        return f"{self.failed}/{self.runs}"
 
 
 @dataclass(frozen=True)
@@ -109,6 +146,8 @@ class Judgement:
     reason: Reason
     message: str
     prerequisites: tuple[str, ...] = ()  # the prerequisites applied to the run (``Condition.describe``)
+    rate: Rate | None = None  # a nondeterministic repro's runs (``ds_nondeterministic``)
+    measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference (``inrank.perf``)
 
     @property
     def verdict(self) -> Verdict:

@@ -83,6 +83,53 @@ class ErrorInfo:
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """One timing a body took against a reference timed in the same run, interleaved with it (``inrank.perf``).
+
+    Both times are the least of their repeats (load only ever adds time) and the same in every rank (the ranks agree
+    on the slowest), so ``ratio`` is one number for the world; ``limit`` is the ratio at and above which the subject
+    counts as the slowdown.
+    """
+
+    what: str  # what was timed, in words ("backward of 256 parameter tensors")
+    reference: str  # what it was timed against, doing the same work the healthy way ("8 backwards of 32 tensors")
+    seconds: float
+    reference_seconds: float
+    limit: float
+    repeats: int
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.reference_seconds if self.reference_seconds > 0 else math.inf
+
+    @property
+    def slow(self) -> bool:
+        return self.ratio >= self.limit
+
+    @property
+    def margin(self) -> float:
+        """How many times over the ratio would have to change for the verdict to flip (> 1: the side it is on)."""
+        ratio = self.ratio
+        if ratio <= 0:
+            return math.inf
+        return ratio / self.limit if self.slow else self.limit / ratio
+
+    @property
+    def brief(self) -> str:
+        """``timed 7.91x its reference (limit 3x, margin 2.6x)``: for a line that names the test already."""
+        return f"timed {self.ratio:.2f}x its reference (limit {self.limit:g}x, margin {self.margin:.1f}x)"
+
+    def describe(self) -> str:
+        """``backward of 256 tensors took 7.91x 8 backwards of 32 tensors (limit 3x: slow, margin 2.6x)``."""
+        side = "slow" if self.slow else "not slow"
+        return (
+            f"{self.what} took {self.ratio:.2f}x {self.reference} ({self.seconds * 1e3:.1f} ms against "
+            f"{self.reference_seconds * 1e3:.1f} ms, least of {self.repeats}; limit {self.limit:g}x: {side}, "
+            f"margin {self.margin:.1f}x)"
+        )
+
+
+@dataclass(frozen=True)
 class RankResult:
     rank: int
     status: Status
@@ -93,6 +140,8 @@ class RankResult:
     at: float | None = None  # seconds into the world when it failed or ended on its own (None: not known)
     where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
     returned: str = ""  # the type the body returned when it was not None, as pytest names it ("<class 'int'>")
+    fix: str = ""  # the fix that raised while it was being applied (the body never ran); "": not a fix's failure
+    measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``), in the order it did
 
     @property
     def lost_peer(self) -> bool:
@@ -140,6 +189,11 @@ class WorldOutcome:
     @property
     def errors(self) -> tuple[ErrorInfo, ...]:
         return tuple(r.error for r in self.failures if r.error is not None)
+
+    @property
+    def measurements(self) -> tuple[Measurement, ...]:
+        """What the body timed, as the ranks agreed on it: the lowest rank's that timed anything."""
+        return next((r.measurements for r in sorted(self.ranks, key=lambda r: r.rank) if r.measurements), ())
 
 
 def by_cause(results: Iterable[RankResult]) -> list[RankResult]:

@@ -24,8 +24,8 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from . import versions
-from .gates import Reason, Verdict
-from .outcome import Status, WorldOutcome, group_ranks
+from .gates import Rate, Reason, Verdict
+from .outcome import Measurement, Status, WorldOutcome, group_ranks
 
 __all__ = [
     "OUTCOMES",
@@ -51,8 +51,13 @@ __all__ = [
 #: ``platform``) and always have every field. 3: test records carry their world's size, the attempts pytest made
 #: (reruns) and the repro's source; environments carry pytest's and the plugin's versions, the accelerator, and
 #: DeepSpeed's ``ds_report`` and torch's environment summary when a report asked for them. 4: test records carry
-#: the prerequisite fixes applied to the run (``ds_prerequisite``); verdict NOT-APPLICABLE.
-SCHEMA = 4
+#: the prerequisite fixes applied to the run (``ds_prerequisite``); verdict NOT-APPLICABLE. 5: verdict
+#: NOT-YET-AFFECTED (reason ``not-yet-affected``), reasons ``failed-outside-affected-range`` and ``fix-raised``; test
+#: records carry ``rate`` (a nondeterministic repro's series: ``runs`` made of ``planned``, ``failed`` of them as
+#: declared, ``needed`` for REPRODUCED, ``seconds`` of all runs; null for one run) and ``measurements`` (what the
+#: body timed against a reference in the same run: ``what``, ``reference``, ``seconds``, ``reference_seconds``,
+#: ``limit`` (the ratio from which it is the slowdown), ``repeats``; the ratio and margin follow from them).
+SCHEMA = 5
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -132,6 +137,12 @@ class _Fields:
         if not isinstance(value, list):
             raise self._bad(name, "a list")
         return [(item, f"{at}[{i}]") for i, item in enumerate(value)]
+
+    def number(self, name: str, least: float = 0.0) -> float:
+        value = self.data[name]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= least:
+            raise self._bad(name, f"a number >= {least:g}")
+        return float(value)
 
     def optional_object(self, name: str) -> dict[str, Any] | None:
         value = self.data[name]
@@ -369,6 +380,36 @@ def _tail(output: str) -> str:
     return kept.partition("\n")[2] if "\n" in kept[:-1] else kept
 
 
+def _rate_json(rate: Rate) -> dict[str, Any]:
+    return dataclasses.asdict(rate)
+
+
+def _rate_from_json(data: object, where: str) -> Rate:
+    f = _Fields(data, where, _names(Rate))
+    runs, planned = f.count("runs", least=1), f.count("planned", least=1)
+    rate = Rate(runs, planned, f.count("failed"), f.count("needed", least=1), f.seconds("seconds"))
+    if runs > planned or rate.failed > runs or rate.needed > planned:
+        raise ValueError(f"{where}: runs {runs}, planned {planned}, failed {rate.failed}, needed {rate.needed} do not "
+                         "add up (failed <= runs <= planned, needed <= planned)")  # fmt: skip
+    return rate
+
+
+def _measurement_json(measurement: Measurement) -> dict[str, Any]:
+    return dataclasses.asdict(measurement)
+
+
+def _measurement_from_json(data: object, where: str) -> Measurement:
+    f = _Fields(data, where, _names(Measurement))
+    return Measurement(
+        what=f.text("what"),
+        reference=f.text("reference"),
+        seconds=f.seconds("seconds"),
+        reference_seconds=f.seconds("reference_seconds"),
+        limit=f.number("limit", least=0.0),
+        repeats=f.count("repeats", least=1),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class TestRecord:
     """One test report (the call, or a setup/teardown that failed).
@@ -396,6 +437,14 @@ class TestRecord:
     attempts: int = 1  # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
     source: Source | None = None
     prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
+    rate: Rate | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
+    measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference, in the same run
+
+    @property
+    def label(self) -> str:
+        """The verdict as users read it (``REPRODUCED 9/20`` for a series); pytest's outcome for a test without one."""
+        word = self.verdict.value if self.verdict else self.outcome.upper()
+        return f"{word} {self.rate}" if self.rate is not None and self.verdict else word
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
@@ -424,6 +473,8 @@ class TestRecord:
             "attempts": self.attempts,
             "source": self.source.to_json() if self.source else None,
             "prerequisites": list(self.prerequisites),
+            "rate": None if self.rate is None else _rate_json(self.rate),
+            "measurements": [_measurement_json(m) for m in self.measurements],
         }
 
     @classmethod
@@ -433,6 +484,7 @@ class TestRecord:
         f = _Fields(data, where, _names(cls))
         repro = f.optional_object("repro")
         source = f.optional_object("source")
+        rate = f.optional_object("rate")
         verdict = f.optional_choice("verdict", [v.value for v in Verdict])
         reason = f.optional_choice("reason", [r.value for r in Reason])
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
@@ -455,6 +507,10 @@ class TestRecord:
             attempts=f.count("attempts", least=1),
             source=None if source is None else Source.from_json(source, f"{where}.source"),
             prerequisites=f.texts("prerequisites"),
+            rate=None if rate is None else _rate_from_json(rate, f"{where}.rate"),
+            measurements=tuple(
+                _measurement_from_json(item, at) for item, at in f.items("measurements", f"{where}.measurements")
+            ),
         )
 
 

@@ -201,12 +201,14 @@ class Run:
     def summary_lines(self) -> list[str]:
         """The terminal summary: one line per gated test, its verdict first."""
         gated = [t for t in self.tests if t.verdict or t.repro]
-        labels = [t.verdict.value if t.verdict else t.outcome.upper() for t in gated]
+        labels = [t.label for t in gated]
         width = max(map(len, labels), default=0)
         lines = []
         for label, t in zip(labels, gated, strict=True):
-            why = f"  -- {t.error}" if label in EXPLAINED else ""
+            word = t.verdict.value if t.verdict else t.outcome.upper()
+            why = f"  -- {t.error}" if word in EXPLAINED else ""
             why += "".join(f"  (prerequisite fix for {p})" for p in t.prerequisites)
+            why += "".join(f"  ({m.brief})" for m in t.measurements)
             tries = f"  ({t.attempts} attempts)" if t.attempts > 1 else ""
             lines.append(f"{label:<{width}}  {t.nodeid}{tries}{why}")
         return lines

@@ -77,6 +77,7 @@ LABEL_WIDTH = 36
 SHORT = {
     Verdict.REPRODUCED.value: "REPRO",
     Verdict.FIXED.value: "FIXED",
+    Verdict.NOT_YET_AFFECTED.value: "N/YET",
     Verdict.PASSES_WITH_FIX.value: "W/FIX",
     Verdict.UNEXPECTED.value: "UNEXP",
     Verdict.NOT_APPLICABLE.value: "N/APP",
@@ -493,6 +494,7 @@ def _summary(matrix: Matrix) -> str:
 _ANSI = {
     Verdict.REPRODUCED.value: "\033[33m",
     Verdict.FIXED.value: "\033[32m",
+    Verdict.NOT_YET_AFFECTED.value: "\033[2;32m",
     Verdict.PASSES_WITH_FIX.value: "\033[36m",
     Verdict.UNEXPECTED.value: "\033[1;31m",
     Verdict.NOT_APPLICABLE.value: "\033[2m",
@@ -799,6 +801,7 @@ th.row, td.row { text-align: left; }
 th small { display: block; font-weight: normal; color: #555; }
 td.REPRODUCED { background: #fde2a7; }
 td.FIXED { background: #bfe8c0; }
+td.NOT-YET-AFFECTED { background: #e6f4e6; }
 td.PASSES-WITH-FIX { background: #b9e3ee; }
 td.UNEXPECTED { background: #f4a3a3; font-weight: bold; }
 td.SKIPPED, td.NOT-APPLICABLE, td.not-run { background: #eee; color: #777; }
@@ -812,7 +815,8 @@ td.changed { box-shadow: inset 0 0 0 3px #36c; }
 
 _LEGEND = {
     Verdict.REPRODUCED: "the bug shows on this release as declared",
-    Verdict.FIXED: "stock code passes: the release is not affected",
+    Verdict.FIXED: "stock code passes on a release after the affected range",
+    Verdict.NOT_YET_AFFECTED: "stock code passes on a release older than the affected range",
     Verdict.PASSES_WITH_FIX: "the repro's fix makes it pass",
     Verdict.UNEXPECTED: "anything else: look at it",
     Verdict.NOT_APPLICABLE: "the repro declares this release out of its reach (reason on hover)",
