@@ -9,6 +9,7 @@ its line in the evidence below the table (and that to the results file). No scri
 
 from __future__ import annotations
 
+import functools
 import html
 import os
 from collections.abc import Sequence
@@ -172,7 +173,9 @@ def _body(matrix: Matrix) -> str:
     return "\n".join(rows)
 
 
+@functools.lru_cache(maxsize=1024)
 def _file_link(path: Path | None, links: Path | None) -> str:
+    """A results file, linked from the page's directory (the same few files on every line: kept)."""
     if path is None:
         return ""
     e = html.escape

@@ -8,8 +8,9 @@ renderers read this model and decide nothing about the results themselves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,11 +107,17 @@ class Row:
 
     def declares_affected(self, version: str) -> bool | None:
         """Does the declared range include ``version``? None when that cannot be said."""
-        try:
-            v = Version(version)
-            return any(SpecifierSet(d).contains(v, prereleases=True) for d in self.declared)
-        except (InvalidVersion, InvalidSpecifier):
-            return None
+        return _declares(self.declared, version)
+
+
+@functools.lru_cache(maxsize=4096)
+def _declares(declared: tuple[str, ...], version: str) -> bool | None:
+    """Whether ``declared`` includes ``version`` (asked for every cell, of a few ranges and releases: kept)."""
+    try:
+        v = Version(version)
+        return any(SpecifierSet(d).contains(v, prereleases=True) for d in declared)
+    except (InvalidVersion, InvalidSpecifier):
+        return None
 
 
 @dataclass(frozen=True)
@@ -188,17 +195,24 @@ class Matrix:
         """A test's name in notes (its node id when no row has it)."""
         return next((r.test_name(nodeid) for r in self.rows if nodeid in r.nodeids), nodeid)
 
-    def placed(self) -> Iterator[Placed]:
-        """Every run in a column that can hold runs, column by column, row by row."""
+    def placed(self) -> tuple[Placed, ...]:
+        """Every run in a column that can hold runs, column by column, row by row (worked out once)."""
+        return self._placed
+
+    @functools.cached_property
+    def _placed(self) -> tuple[Placed, ...]:
+        found = []
         for c in self.columns:
             if c.blank:
                 continue
             for r in self.rows:
-                cell = self.cell(r, c)
-                yield from ((r, c, run) for run in (cell.runs if cell else ()))
+                cell = self.cells.get((r.key, c.version))
+                found += [(r, c, run) for run in (cell.runs if cell else ())]
+        return tuple(found)
 
-    def count(self, verdict: Verdict) -> int:
-        return sum(1 for _, _, run in self.placed() if run.verdict is verdict)
+    def counts(self) -> Counter[Verdict]:
+        """How many runs have each verdict."""
+        return Counter(run.verdict for _, _, run in self.placed())
 
     def unexpected(self) -> list[Placed]:
         return [p for p in self.placed() if p[2].verdict is Verdict.UNEXPECTED]
@@ -387,8 +401,14 @@ class _About:
             title=(about.title if about else None) or self.title,
             upstream=(about.upstream if about else None) or self.upstream,
             variant=record.variant or self.variant,
-            declared=tuple(oldest_first(about.affected)) if about and about.affected else self.declared,
+            declared=_oldest_first(about.affected) if about and about.affected else self.declared,
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _oldest_first(affected: tuple[str, ...]) -> tuple[str, ...]:
+    """The gates' reading order of a test's ranges (the same few ranges on every record of it: kept)."""
+    return tuple(oldest_first(affected))
 
 
 _NOBODY = _About(NOT_A_REPRO, None, None, None, ())

@@ -149,7 +149,8 @@ def marks_used(matrix: Matrix) -> list[str]:
 
 def summary(matrix: Matrix) -> str:
     """The counts of runs per verdict, then what else the reader must know at once."""
-    counts = [f"{matrix.count(v)} {v.value}" for v in Verdict if matrix.count(v)]
+    found = matrix.counts()
+    counts = [f"{found[v]} {v.value}" for v in Verdict if found[v]]
     blank = sum(1 for c in matrix.columns if c.unavailable)
     if blank:
         counts.append(f"{blank} release{'s' * (blank != 1)} unavailable")
