@@ -9,6 +9,9 @@ terminal's widest line and line count, the Markdown table's widest line, the pag
 page's width at a 1400-pixel window (``document.documentElement.scrollWidth``) with a screenshot.
 
     python benchmarks/matrix.py [--bugs 21] [--rounds 5] [--against CHECKOUT] [--browser chromium] [--shots DIR]
+    python benchmarks/matrix.py --page docs/matrix-observed.html --browser chromium --shot docs/matrix-observed.png
+
+The second form measures a page already written, and keeps its screenshot.
 """
 
 from __future__ import annotations
@@ -91,14 +94,15 @@ def _matrix(checkout: Path, results: Path, out: Path) -> tuple[float, str]:
 
 def _browser_width(browser: str, page: Path, shot: Path | None) -> int:
     """The page's width in ``browser`` at a 1400-pixel window: a copy that writes its scrollWidth into its title."""
-    probe = page.with_name("probe.html")
+    probe = page.with_name(f".{page.stem}-probe.html")
     script = "<script>document.title = 'W=' + document.documentElement.scrollWidth</script></body>"
     probe.write_text(page.read_text().replace("</body>", script))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--window-size={WINDOW}"]
     dom = subprocess.run([browser, *flags, "--hide-scrollbars", "--dump-dom", probe.as_uri()], capture_output=True,
                          text=True, timeout=120).stdout  # fmt: skip
     if shot is not None:
-        subprocess.run([browser, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+        subprocess.run([browser, *flags, f"--screenshot={shot.resolve()}", page.as_uri()], capture_output=True, timeout=120)
+    probe.unlink()
     found = re.search(r"<title>W=(\d+)</title>", dom)
     return int(found.group(1)) if found else -1
 
@@ -110,10 +114,18 @@ def main() -> None:
     parser.add_argument("--against", type=Path, action="append", default=[], help="another checkout to compare")
     parser.add_argument("--browser", default=None, help="a headless browser to measure the page with (chromium)")
     parser.add_argument("--shots", type=Path, default=None, help="where the browser's screenshots go")
+    parser.add_argument("--page", type=Path, default=None, help="measure this page only (with --browser)")
+    parser.add_argument("--shot", type=Path, default=None, help="the page's screenshot (with --page)")
     parser.add_argument("--write", type=Path, default=None, help=argparse.SUPPRESS)  # a checkout's own catalogue
     args = parser.parse_args()
     if args.write is not None:
         print(write_catalogue(args.write, args.bugs))
+        return
+    if args.page is not None:
+        if not args.browser:
+            parser.error("--page needs --browser")
+        width = _browser_width(shutil.which(args.browser) or args.browser, args.page.resolve(), args.shot)
+        print(json.dumps({"page": str(args.page), "width at a 1400 px window": width}))
         return
     checkouts = [ROOT, *(p.resolve() for p in args.against)]
     with tempfile.TemporaryDirectory(prefix="dsrepro-matrix-bench-") as tmp:

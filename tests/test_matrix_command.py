@@ -209,3 +209,15 @@ def test_the_exit_codes_are_in_the_help() -> None:
                          text=True, check=True)  # fmt: skip
     assert ("Exit codes: 0 as declared, 1 an UNEXPECTED run, 2 usage, 3 an output not saved, 4 results files that "
             "could not be read.") in " ".join(run.stdout.split())  # fmt: skip
+
+
+def test_the_observed_matrix_is_one_command(results_dir: Path, tmp_path: Path) -> None:
+    """What docs/matrix.md gives for regenerating docs/matrix-observed.md: the three files under one name, the page
+    saying when, where and how long, the Markdown showing its image."""
+    run = dsrepro_matrix(results_dir, "--out", tmp_path / "docs", "--name", "matrix-observed")
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == [
+        "matrix-observed.html", "matrix-observed.md", "matrix-observed.svg"]  # fmt: skip
+    md = (tmp_path / "docs" / "matrix-observed.md").read_text()
+    assert "![the matrix as an image](matrix-observed.svg)" in md
+    assert "Run 2026-11-22 on Linux; the tests of a release took 2 s (their durations added up)." in md

@@ -60,11 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="where matrix.md, matrix.html and matrix.svg go (default: the first results directory)",
+        help="where NAME.md, NAME.html and NAME.svg go (default: the first results directory)",
     )
-    parser.add_argument("--markdown", type=Path, default=None, help="Markdown output (default: DIR/matrix.md)")
-    parser.add_argument("--html", type=Path, default=None, help="HTML output (default: DIR/matrix.html)")
-    parser.add_argument("--svg", type=Path, default=None, help="SVG image output (default: DIR/matrix.svg)")
+    parser.add_argument("--name", default="matrix", help="the files' name before .md, .html, .svg (default: matrix)")
+    parser.add_argument("--markdown", type=Path, default=None, help="Markdown output (default: DIR/NAME.md)")
+    parser.add_argument("--html", type=Path, default=None, help="HTML output (default: DIR/NAME.html)")
+    parser.add_argument("--svg", type=Path, default=None, help="SVG image output (default: DIR/NAME.svg)")
     parser.add_argument("--no-write", action="store_true", help="print only; write no files")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto", help="terminal colours")
     parser.add_argument(
@@ -110,9 +111,9 @@ def _outputs(args: argparse.Namespace, paths: Sequence[Path]) -> list[tuple[Path
     if args.no_write:
         return []
     base = args.out or (paths[0] if paths[0].is_dir() else paths[0].parent)
-    markdown = args.markdown or base / "matrix.md"
-    html = args.html or base / "matrix.html"
-    svg = args.svg or base / "matrix.svg"
+    markdown = args.markdown or base / f"{args.name}.md"
+    html = args.html or base / f"{args.name}.html"
+    svg = args.svg or base / f"{args.name}.svg"
     return [
         (markdown, lambda m, p: render_markdown(m, image=_relative(svg, p.parent))),
         (html, lambda m, p: render_html(m, links=p.parent)),

@@ -26,7 +26,7 @@ MARGIN = 16
 #: Between cells (``border-spacing``).
 SPACING = 1
 #: A release column's width: what reads well, and the least that still shows two symbols.
-CELL, MIN_CELL = 34, 24
+CELL, MIN_CELL = 30, 24
 #: The least the two name columns get together; their share of the rest follows their longest names.
 MIN_LABELS = 300
 #: A name's width is estimated at this many pixels a character (12 px sans-serif) plus padding.
@@ -232,7 +232,9 @@ def render_html(matrix: Matrix, links: Path | None = None) -> str:
     ) + "".join(f'<li><span class="key">{e(m)}</span>{e(symbols.MARKS[m])}</li>' for m in symbols.marks_used(matrix))
     raised = "".join(f"<li><b>{e(name)}</b> on {e(versions)}: <code>{e(text)}</code></li>"
                      for name, text, versions in symbols.raised(matrix))  # fmt: skip
-    environments = "".join(f"<p>{e(line)}</p>" for line in symbols.environments(matrix))
+    environments = "".join(
+        f"<p>{e(line)}</p>" for line in [*symbols.environments(matrix), symbols.when(matrix)] if line
+    )
     sources = "".join(f"<li>{_file_link(p, links)}</li>" for c in matrix.columns for p in c.sources)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>DeepSpeed repro matrix</title>

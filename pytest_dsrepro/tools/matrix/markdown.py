@@ -36,7 +36,7 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
     which releases, the notes; ``image``: the SVG's path relative to the page, shown above the table."""
     links: dict[str, int] = {}
     out = ["# DeepSpeed repro matrix", "", f"{symbols.headline(matrix)}.", ""]
-    out += [f"{line}." for line in symbols.environments(matrix)] + [""]
+    out += [f"{line}." for line in [*symbols.environments(matrix), symbols.when(matrix)] if line] + [""]
     if image:
         out += [f"![the matrix as an image]({image})", ""]
     out += [f"Legend ({symbols.SHAPE}; {symbols.RANGE}):", ""]

@@ -8,6 +8,7 @@ renderers read this model and decide nothing about the results themselves.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,6 +49,9 @@ class Column:
     sources: tuple[Path, ...] = ()  # every file of the release, newest first
     world_sizes: tuple[int, ...] = ()  # the sizes of the worlds its tests really ran in
     unreadable: tuple[Unreadable, ...] = ()  # files about this release that could not be read
+    created: datetime.datetime | None = None  # when its newest file was written
+    machine: str | None = None  # where its newest run ran: CPU model and count, operating system
+    seconds: float = 0.0  # its runs' durations, added up
 
     @property
     def blank(self) -> bool:
@@ -135,6 +139,7 @@ class Run:
     raised: str | None = None  # what the ranks that failed raised (``ranks 0-1: ValueError: ...``), release-free
     rate: Rate | None = None  # a nondeterministic repro's series of runs
     measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference
+    duration: float = 0.0  # seconds pytest took for it
     contradicts: bool = False  # the outcome contradicts the row's declared range
     before: str | None = None  # with --since: what the test was (a verdict, "not run"), when it changed
 
@@ -327,7 +332,7 @@ def _run_of(record: TestRecord, source: Path) -> Run | None:
             return None
     raised = "; ".join(f"{story.ranks}: {story.error}" for story in record.ranks) or None
     return Run(record.nodeid, verdict, record.reason, record.outcome, error, source, record.prerequisites,
-               record.world_size, raised, record.rate, record.measurements)  # fmt: skip
+               record.world_size, raised, record.rate, record.measurements, record.duration)  # fmt: skip
 
 
 def _test_part(nodeid: str) -> str:
@@ -362,15 +367,17 @@ def _age(f: ResultsFile) -> tuple[object, float, str]:
 
 
 def _column(
-    version: str, files: Sequence[ResultsFile], unreadable: Sequence[Unreadable], sizes: Iterable[int]
+    version: str, files: Sequence[ResultsFile], unreadable: Sequence[Unreadable], runs: Sequence[Run]
 ) -> Column:
-    """A release's column from its files (oldest first): the newest file's environment; unavailable only when the
-    newest file says so (a later run that worked makes an older unavailability history)."""
+    """A release's column from its files (oldest first) and the runs that are its cells: the newest file's
+    environment; unavailable only when the newest file says so (a later run that worked makes an older
+    unavailability history)."""
     if not files:
         return Column(version, unreadable=tuple(unreadable))
     newest = files[-1]
-    runs = [f for f in files if not f.run.unavailable]
-    env = (runs[-1] if runs and not newest.run.unavailable else newest).run.environment
+    ran = [f for f in files if not f.run.unavailable]
+    env = (ran[-1] if ran and not newest.run.unavailable else newest).run.environment
+    cpus = f"{env.cpu_count} CPUs" if env.cpu_count else None
     return Column(
         version=version,
         torch=env.torch,
@@ -379,8 +386,11 @@ def _column(
         unavailable=newest.run.unavailable,
         source=newest.path,
         sources=tuple(f.path for f in reversed(files)),
-        world_sizes=tuple(sorted(set(sizes))),
+        world_sizes=tuple(sorted({r.world_size for r in runs if r.world_size})),
         unreadable=tuple(unreadable),
+        created=newest.created,
+        machine=", ".join(filter(None, (env.cpu, cpus, env.os))) or None,
+        seconds=sum(r.duration for r in runs),
     )
 
 
@@ -481,12 +491,11 @@ def merge(files: Sequence[ResultsFile], unreadable: Sequence[Unreadable] = ()) -
         if u.kind in DAMAGE and u.release:
             damage.setdefault(u.release, []).append(u)
     runs, about, disagreements = _collect(files)
-    sizes: dict[str, set[int]] = {}
+    per_version: dict[str, list[Run]] = {}
     for (_, version), run in runs.items():
-        if run.world_size:
-            sizes.setdefault(version, set()).add(run.world_size)
+        per_version.setdefault(version, []).append(run)
     columns = tuple(
-        _column(v, by_version.get(v, ()), damage.get(v, ()), sizes.get(v, ()))
+        _column(v, by_version.get(v, ()), damage.get(v, ()), per_version.get(v, ()))
         for v in sorted(by_version.keys() | damage.keys(), key=version_key)
     )
     # What older runs of a release that cannot run now said is history, not a cell.

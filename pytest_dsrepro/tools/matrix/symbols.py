@@ -189,6 +189,21 @@ def environments(matrix: Matrix) -> list[str]:
     return [f"{line}: {spans(matrix.columns, versions)}" for line, versions in by_line.items()]
 
 
+def when(matrix: Matrix) -> str | None:
+    """When and where the runs were made, and how long each release's tests took: what a page of observations
+    says of itself."""
+    ran = [c for c in matrix.columns if not c.blank]
+    if not ran:
+        return None
+    days = sorted({c.created.date().isoformat() for c in ran if c.created})
+    machines = sorted({c.machine for c in ran if c.machine})
+    seconds = sorted(c.seconds for c in ran)
+    said = f"Run {days[0]}" + (f" to {days[-1]}" if len(days) > 1 else "") if days else "Run"
+    said += f" on {'; '.join(machines)}" if machines else ""
+    took = f"{seconds[0]:.0f}" + (f"-{seconds[-1]:.0f}" if round(seconds[-1]) != round(seconds[0]) else "")
+    return f"{said}; the tests of a release took {took} s (their durations added up)"
+
+
 def worlds(matrix: Matrix) -> str:
     """``every test in a world of 2 ranks``, or each size with how many runs used it."""
     sizes = matrix.world_sizes()
