@@ -101,10 +101,57 @@ def _browser_width(browser: str, page: Path, shot: Path | None) -> int:
     dom = subprocess.run([browser, *flags, "--hide-scrollbars", "--dump-dom", probe.as_uri()], capture_output=True,
                          text=True, timeout=120).stdout  # fmt: skip
     if shot is not None:
-        subprocess.run([browser, *flags, f"--screenshot={shot.resolve()}", page.as_uri()], capture_output=True, timeout=120)
+        subprocess.run(
+            [browser, *flags, f"--screenshot={shot.resolve()}", page.as_uri()], capture_output=True, timeout=120
+        )
     probe.unlink()
     found = re.search(r"<title>W=(\d+)</title>", dom)
     return int(found.group(1)) if found else -1
+
+
+def _figures(
+    checkout: Path, out: Path, printed: str, times: list[float], args: argparse.Namespace
+) -> dict[str, object]:
+    """What one checkout's ``dsrepro matrix`` made of the catalogue: time, and the size of each form."""
+    md = (out / "matrix.md").read_text().splitlines()
+    page = out / "matrix.html"
+    lines = printed.splitlines()
+    figures: dict[str, object] = {
+        "checkout": str(checkout),
+        "seconds (median)": round(statistics.median(times), 3),
+        "terminal: widest line, lines": (max(map(len, lines)), len(lines)),
+        "markdown: widest table line": max(len(ln) for ln in md if ln.startswith("|")),
+        "html bytes": page.stat().st_size,
+    }
+    if args.browser:
+        shot = args.shots / f"{out.name}.png" if args.shots else None
+        if shot is not None:
+            shot.parent.mkdir(parents=True, exist_ok=True)
+        browser = shutil.which(args.browser) or args.browser
+        figures["html width at a 1400 px window"] = _browser_width(browser, page, shot)
+    return figures
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Each checkout writes the catalogue in its own schema, then runs ``dsrepro matrix`` on it, rounds interleaved."""
+    checkouts = [ROOT, *(p.resolve() for p in args.against)]
+    with tempfile.TemporaryDirectory(prefix="dsrepro-matrix-bench-") as tmp:
+        work = Path(tmp)
+        for n, checkout in enumerate(checkouts):
+            made = subprocess.run([sys.executable, __file__, "--write", str(work / f"r{n}"), "--bugs", str(args.bugs)],
+                                  env=_env(checkout), capture_output=True, text=True, check=True)  # fmt: skip
+            print(f"{checkout}: {made.stdout.strip()} records")
+        times: dict[Path, list[float]] = {c: [] for c in checkouts}
+        printed: dict[Path, str] = {}
+        for _ in range(args.rounds):  # interleaved: a busy machine slows every checkout alike
+            for n, checkout in enumerate(checkouts):
+                took, printed[checkout] = _matrix(checkout, work / f"r{n}", work / f"out{n}")
+                times[checkout].append(took)
+        for n, checkout in enumerate(checkouts):
+            print(json.dumps(_figures(checkout, work / f"out{n}", printed[checkout], times[checkout], args)))
+        if len(checkouts) > 1:
+            base = statistics.median(times[checkouts[1]])
+            print(f"time ratio, this checkout / {checkouts[1]}: {statistics.median(times[ROOT]) / base:.2f}")
 
 
 def main() -> None:
@@ -120,52 +167,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.write is not None:
         print(write_catalogue(args.write, args.bugs))
-        return
-    if args.page is not None:
+    elif args.page is not None:
         if not args.browser:
             parser.error("--page needs --browser")
         width = _browser_width(shutil.which(args.browser) or args.browser, args.page.resolve(), args.shot)
         print(json.dumps({"page": str(args.page), "width at a 1400 px window": width}))
-        return
-    checkouts = [ROOT, *(p.resolve() for p in args.against)]
-    with tempfile.TemporaryDirectory(prefix="dsrepro-matrix-bench-") as tmp:
-        work = Path(tmp)
-        records = {}
-        for n, checkout in enumerate(checkouts):
-            made = subprocess.run([sys.executable, __file__, "--write", str(work / f"r{n}"), "--bugs", str(args.bugs)],
-                                  env=_env(checkout), capture_output=True, text=True, check=True)  # fmt: skip
-            records[checkout] = int(made.stdout)
-        times: dict[Path, list[float]] = {c: [] for c in checkouts}
-        printed: dict[Path, str] = {}
-        for _ in range(args.rounds):  # interleaved: a busy machine slows every checkout alike
-            for n, checkout in enumerate(checkouts):
-                took, printed[checkout] = _matrix(checkout, work / f"r{n}", work / f"out{n}")
-                times[checkout].append(took)
-        report = []
-        for n, checkout in enumerate(checkouts):
-            md = (work / f"out{n}" / "matrix.md").read_text().splitlines()
-            page = work / f"out{n}" / "matrix.html"
-            lines = printed[checkout].splitlines()
-            figures = {
-                "checkout": str(checkout),
-                "records": records[checkout],
-                "seconds (median)": round(statistics.median(times[checkout]), 3),
-                "terminal: widest line, lines": (max(map(len, lines)), len(lines)),
-                "markdown: widest table line": max(len(ln) for ln in md if ln.startswith("|")),
-                "html bytes": page.stat().st_size,
-            }
-            if args.browser:
-                shot = args.shots / f"matrix-{n}.png" if args.shots else None
-                if shot is not None:
-                    shot.parent.mkdir(parents=True, exist_ok=True)
-                figures["html width at a 1400 px window"] = _browser_width(shutil.which(args.browser) or args.browser,
-                                                                           page, shot)  # fmt: skip
-            report.append(figures)
-        for figures in report:
-            print(json.dumps(figures))
-        if len(checkouts) > 1:
-            base = statistics.median(times[checkouts[1]])
-            print(f"time ratio, this checkout / {checkouts[1]}: {statistics.median(times[ROOT]) / base:.2f}")
+    else:
+        compare(args)
 
 
 if __name__ == "__main__":

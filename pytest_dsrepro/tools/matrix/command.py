@@ -1,7 +1,7 @@
 """``dsrepro matrix``: its arguments, its exit codes, and the order that keeps a run from losing work.
 
-Every output is checked before anything is read or rendered (a file is created beside it and removed), so a
-read-only directory costs a second, not a run. Then the results are read, the table printed and the files written,
+Every output is checked before anything is read or rendered (``core.paths``: tried, not asked), so a read-only
+directory costs a second, not a run. Then the results are read, the table printed and the files written,
 each whole or not at all (a new file renamed over the old one); a file that could not be written is named, and the
 others are still written.
 """
@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ...core.paths import unwritable_file
 from . import model
 from .html import render_html
 from .markdown import render_markdown
@@ -125,29 +126,6 @@ def _relative(path: Path, start: Path) -> str:
     return os.path.relpath(path.absolute(), start.absolute())
 
 
-def unwritable(path: Path) -> str | None:
-    """Why ``path`` could not be written, or None: tried by creating a file beside it (in its nearest existing
-    directory) and removing it again, so nothing is left behind either way."""
-    if path.is_dir():
-        return "is a directory"
-    if path.exists():
-        try:
-            with path.open("a"):
-                return None
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dsrepro-matrix-check-"):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -200,7 +178,7 @@ def _print(matrix: Matrix, color: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     paths: list[Path] = list(args.paths) or [Path("results")]
     outputs = _outputs(args, paths)
-    blocked = [(path, why) for path, _ in outputs if (why := unwritable(path))]
+    blocked = [(path, why) for path, _ in outputs if (why := unwritable_file(path))]
     for path, why in blocked:
         _say(f"cannot write {path}: {why}")
     if blocked:
