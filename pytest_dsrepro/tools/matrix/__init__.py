@@ -2,10 +2,11 @@
 
 - :mod:`.model`: the table as data. Columns are releases in version order (``packaging.version``); rows are bugs
   and their configs, the stock test and its ``[fixed]`` twin in one cell; each run is judged against the row's
-  declared range (``!`` against it, "not yet affected" before it). Several files of one release merge per test
-  (the newest that ran it gives the run: partial re-runs, ``--ds-shard`` slices, CI matrices), and files that
-  disagree are named; ``--since`` marks what changed (``~``); prerequisite fixes are marked (``+``).
-- :mod:`.symbols`: what every form draws for each kind of run, the legend, and the notes below every table.
+  declared range (``!`` against it); prerequisite fixes are marked (``+``), changes since ``--since`` (``~``).
+- :mod:`.build`: the model from results files: several files of one release merge per test (the newest that ran it
+  gives the run: partial re-runs, ``--ds-shard`` slices, CI matrices), files that disagree are named.
+- :mod:`.symbols`: what every form draws for each kind of run, and the legend; :mod:`.notes`: what every form says
+  in words (headline, hover, the notes below every table).
 - One renderer per form: :mod:`.terminal` (120 columns), :mod:`.markdown`, :mod:`.html` (a fixed layout that fits
   1400 pixels), :mod:`.svg` (an image for an issue).
 - :mod:`.command`: the command, its output checks and its exit codes.
@@ -16,10 +17,11 @@ and checked, by ``core.results``; verdicts and reasons are the gates' own ``Verd
 
 from __future__ import annotations
 
+from .build import load, merge, since
 from .command import Exit, add_arguments, exit_code, run
 from .html import render_html
 from .markdown import render_markdown
-from .model import Cell, Column, Disagreement, Matrix, MatrixError, Row, Run, load, merge, since
+from .model import Cell, Column, Disagreement, Matrix, MatrixError, Row, Run
 from .svg import render_svg
 from .terminal import render_terminal
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...core.paths import unwritable_file
-from . import model
+from . import build
 from .html import render_html
 from .markdown import render_markdown
 from .model import Matrix, MatrixError
@@ -153,11 +153,11 @@ def write(path: Path, text: str) -> None:
 
 def _build(args: argparse.Namespace, paths: Sequence[Path]) -> Matrix:
     """The matrix of ``paths``, marked against ``--since``; :class:`MatrixError` (``--since``'s said so)."""
-    matrix = model.merge(*model.load(paths))
+    matrix = build.merge(*build.load(paths))
     if not args.since:
         return matrix
     try:
-        return model.since(matrix, model.merge(*model.load(args.since)), args.since)
+        return build.since(matrix, build.merge(*build.load(args.since)), args.since)
     except MatrixError as exc:
         raise MatrixError(f"--since: {exc}") from None
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import symbols
+from . import notes, symbols
 from .model import Column, Matrix, Row
 
 #: The window the page must fit, the vertical scroll bar it may have, and the page's margin.
@@ -115,7 +115,7 @@ def _cell(matrix: Matrix, row: Row, column: Column, index: int, inside: bool) ->
     if column.blank:
         kind = symbols.blank_kind(column)
         return (f'<td class="cell blank{" in" * inside}"><a href="#e{index}-{e(column.version)}" '
-                f'title="{e(symbols.tip(matrix, row, column))}"><span>{kind.glyph}</span></a></td>')  # fmt: skip
+                f'title="{e(notes.tip(matrix, row, column))}"><span>{kind.glyph}</span></a></td>')  # fmt: skip
     cell = matrix.cell(row, column)
     if cell is not None and any(r.contradicts for r in cell.runs):
         classes.append("contradicts")
@@ -126,7 +126,7 @@ def _cell(matrix: Matrix, row: Row, column: Column, index: int, inside: bool) ->
     )
     marks = f"<i>{e(cell.marks)}</i>" if cell is not None and cell.marks else ""
     return (f'<td class="{" ".join(classes)}"><a href="#e{index}-{e(column.version)}" '
-            f'title="{e(symbols.tip(matrix, row, column))}">{halves}{marks}</a></td>')  # fmt: skip
+            f'title="{e(notes.tip(matrix, row, column))}">{halves}{marks}</a></td>')  # fmt: skip
 
 
 def _head(matrix: Matrix, lay: Layout) -> str:
@@ -194,7 +194,7 @@ def _evidence(matrix: Matrix, links: Path | None) -> str:
             lines = []
             for c in matrix.columns:
                 cell = None if c.blank else matrix.cell(r, c)
-                said = [f"{slot}: {e(symbols.run_line(matrix.run_of(r, c, n)))}" for slot, n in
+                said = [f"{slot}: {e(notes.run_line(matrix.run_of(r, c, n)))}" for slot, n in
                         (("stock", r.stock), ("with the fix", r.fixed)) if n is not None]  # fmt: skip
                 what = e(c.blank_line or "") if c.blank else "<br>".join(said)
                 files = sorted({run.source for run in (cell.runs if cell else ()) if run.source})
@@ -208,7 +208,7 @@ def _evidence(matrix: Matrix, links: Path | None) -> str:
     return "\n".join(parts)
 
 
-def _sections(sections: Sequence[symbols.Section]) -> str:
+def _sections(sections: Sequence[notes.Section]) -> str:
     e = html.escape
     out = []
     for s in sections:
@@ -231,17 +231,15 @@ def render_html(matrix: Matrix, links: Path | None = None) -> str:
         for k in symbols.used(matrix)
     ) + "".join(f'<li><span class="key">{e(m)}</span>{e(symbols.MARKS[m])}</li>' for m in symbols.marks_used(matrix))
     raised = "".join(f"<li><b>{e(name)}</b> on {e(versions)}: <code>{e(text)}</code></li>"
-                     for name, text, versions in symbols.raised(matrix))  # fmt: skip
-    environments = "".join(
-        f"<p>{e(line)}</p>" for line in [*symbols.environments(matrix), symbols.when(matrix)] if line
-    )
+                     for name, text, versions in notes.raised(matrix))  # fmt: skip
+    environments = "".join(f"<p>{e(line)}</p>" for line in [*notes.environments(matrix), notes.when(matrix)] if line)
     sources = "".join(f"<li>{_file_link(p, links)}</li>" for c in matrix.columns for p in c.sources)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>DeepSpeed repro matrix</title>
 <style>{css}</style></head>
 <body>
 <h1>DeepSpeed repro matrix</h1>
-<p>{e(symbols.headline(matrix))}.</p>
+<p>{e(notes.headline(matrix))}.</p>
 {environments}
 <ul class="legend"><li>{e(symbols.SHAPE)}; a dark bar under the cells marks the declared affected range; hover for
 details, click for the evidence</li>{legend}</ul>
@@ -250,7 +248,7 @@ details, click for the evidence</li>{legend}</ul>
 <tbody>
 {_body(matrix)}
 </tbody></table>
-{_sections(symbols.notes(matrix))}
+{_sections(notes.sections(matrix))}
 {f"<h2>What each test raised</h2><ul>{raised}</ul>" if raised else ""}
 <h2>Evidence</h2>
 {_evidence(matrix, links)}

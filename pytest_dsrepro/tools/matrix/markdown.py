@@ -3,7 +3,7 @@ range, one row per bug and config), the bugs with their titles and ranges, what 
 
 from __future__ import annotations
 
-from . import symbols
+from . import notes, symbols
 from .model import Matrix, Row, one_line
 
 
@@ -35,8 +35,8 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
     """A GitHub-flavoured page: the table, the bugs (id, declared range, title, link), what each test raised on
     which releases, the notes; ``image``: the SVG's path relative to the page, shown above the table."""
     links: dict[str, int] = {}
-    out = ["# DeepSpeed repro matrix", "", f"{symbols.headline(matrix)}.", ""]
-    out += [f"{line}." for line in [*symbols.environments(matrix), symbols.when(matrix)] if line] + [""]
+    out = ["# DeepSpeed repro matrix", "", f"{notes.headline(matrix)}.", ""]
+    out += [f"{line}." for line in [*notes.environments(matrix), notes.when(matrix)] if line] + [""]
     if image:
         out += [f"![the matrix as an image]({image})", ""]
     out += [f"Legend ({symbols.SHAPE}; {symbols.RANGE}):", ""]
@@ -61,11 +61,11 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
         upstream = next((r.upstream for r in rows if r.upstream), None)
         out.append(f"- **{_md(repro)}**" + (f" (affected {ranges})" if ranges else "") + (f": {_md(title)}" if title
                    else "") + (f" ({upstream})" if upstream else ""))  # fmt: skip
-    raised = symbols.raised(matrix)
+    raised = notes.raised(matrix)
     if raised:
         out += ["", "## What each test raised", ""]
         out += [f"- {_md(name)} on {versions}: {_code(text)}" for name, text, versions in raised]
-    for section in symbols.notes(matrix):
+    for section in notes.sections(matrix):
         out += ["", f"## {_md(section.title)}", ""]
         out += [f"- {_code(subject) if section.code else _md(subject)}: {_md(text)}" for subject, text in section.items]
     out += ["", "## Sources", ""] + [f"- `{p.name}`" for c in matrix.columns for p in c.sources] + [""]

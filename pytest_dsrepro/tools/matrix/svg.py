@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
-from . import symbols
+from . import notes, symbols
 from .model import Column, Matrix, Row
 
 CELL_W, CELL_H, GAP = 22, 16, 1
@@ -50,7 +50,7 @@ def _cell(matrix: Matrix, row: Row, column: Column, x: float, y: float, inside: 
     kinds = symbols.pair(matrix, row, column)
     drawn = [kinds[0]] if column.blank else [kind for kind in kinds if kind]
     width = CELL_W / max(len(drawn), 1)
-    parts = [f"<title>{e(symbols.tip(matrix, row, column, errors=False))}</title>"]
+    parts = [f"<title>{e(notes.tip(matrix, row, column, errors=False))}</title>"]
     for j, kind in enumerate(k for k in drawn if k):
         hx = x + j * width
         parts.append(f'<rect x="{hx}" y="{y}" width="{width}" height="{CELL_H}" fill="{kind.fill}"/>'
@@ -100,7 +100,7 @@ def render_svg(matrix: Matrix) -> str:
             y += CELL_H + 3
     legend, y = _legend(matrix, y + PAD, right)
     out += legend
-    out.append(f'<text x="{PAD}" y="{y + 12}">{e(symbols.SHAPE)}. {e(symbols.headline(matrix))}</text>')
+    out.append(f'<text x="{PAD}" y="{y + 12}">{e(symbols.SHAPE)}. {e(notes.headline(matrix))}</text>')
     width, height = right + PAD, y + 12 + PAD
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '

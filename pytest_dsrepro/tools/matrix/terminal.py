@@ -12,7 +12,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import symbols
+from . import notes, symbols
 from .model import Column, Matrix, Row, one_line
 
 #: The width the table keeps within (or the terminal's, when narrower).
@@ -187,15 +187,15 @@ def render_terminal(matrix: Matrix, *, color: bool = False, width: int = WIDTH, 
     """Fixed-width tables within ``width``; below them the legend and the notes. Only a word that cannot be broken
     (a long path or node id in a note) can pass the width."""
     layout = _layout(matrix, width)
-    lines = _wrapped("", f"DeepSpeed repro matrix: {symbols.headline(matrix)}", width)
-    for line in symbols.environments(matrix):
+    lines = _wrapped("", f"DeepSpeed repro matrix: {notes.headline(matrix)}", width)
+    for line in notes.environments(matrix):
         lines += _wrapped("", line, width)
     for block in layout.blocks:
         lines.append("")
         lines += _table(matrix, layout, block, color, ascii_only, width)
     legend = "; ".join(f"{glyph} {words}" for glyph, words in symbols.legend(matrix, ascii_only))
     lines += ["", *_wrapped("Legend: ", f"{symbols.SHAPE}; {symbols.RANGE}; {legend}", width)]
-    for section in symbols.notes(matrix):
+    for section in notes.sections(matrix):
         lines += ["", f"{section.title}:"]
         for subject, text in section.items:
             lines += _wrapped(f"  {subject}: ", text, width)
