@@ -31,18 +31,17 @@ class _Layout:
 
 
 def _widths(matrix: Matrix) -> list[int]:
+    """Each column's width: two symbols and the most marks any of its cells has (or its heading, if wider); the last
+    column of a minor release widened where the minor release's heading would not fit above its columns."""
     widths = []
     for c in matrix.columns:
         marks = max((len(cell.marks) for r in matrix.rows if not c.blank and (cell := matrix.cell(r, c))), default=0)
         widths.append(max(2 + marks, len(symbols.head(c.version)[1])))
-    # a minor release's heading must fit over its columns and the space before them: widen the last one if not
-    groups: dict[str, list[int]] = {}
-    for i, c in enumerate(matrix.columns):
-        groups.setdefault(symbols.head(c.version)[0], []).append(i)
-    for prefix, members in groups.items():
-        short = len(prefix) + 1 - sum(1 + widths[i] for i in members) - 1  # and a space before the next
-        if short > 0:
-            widths[members[-1]] += short
+    for group in _groups(matrix.columns):
+        heading = symbols.head(matrix.columns[group[0]].version)[0]
+        short = len(heading) - sum(1 + widths[i] for i in group)  # the group also has its space before it, and
+        if short > 0:  # the heading needs one after it
+            widths[group[-1]] += short
     return widths
 
 
