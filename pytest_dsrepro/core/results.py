@@ -32,6 +32,7 @@ __all__ = [
     "OUTCOMES",
     "SCHEMA",
     "Environment",
+    "Origin",
     "RankStory",
     "ReproMeta",
     "ResultsFile",
@@ -58,7 +59,9 @@ __all__ = [
 #: records carry ``rate`` (a nondeterministic repro's series: ``runs`` made of ``planned``, ``failed`` of them as
 #: declared, ``needed`` for REPRODUCED, ``seconds`` of all runs; null for one run) and ``measurements`` (what the
 #: body timed against a reference in the same run: ``what``, ``reference``, ``seconds``, ``reference_seconds``,
-#: ``limit`` (the ratio from which it is the slowdown), ``repeats``; the ratio and margin follow from them).
+#: ``limit`` (the ratio from which it is the slowdown), ``repeats``; the ratio and margin follow from them), and
+#: ``origin``, where a test that is not the catalogue's came from (``ds_origin``: DeepSpeed's own tests run by
+#: ``dsrepro upstream``, with the project, the full revision of its checkout, and a readable name of that revision).
 SCHEMA = 5
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
@@ -344,6 +347,45 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where a test that is not the catalogue's came from: a project's checkout at a revision (``ds_origin``).
+
+    ``revision`` is the checkout's full commit id, with ``+dirty`` when its tests had uncommitted changes;
+    ``described`` names it for people (``v0.19.5-46-gedaa722``); None when unknown.
+    """
+
+    project: str
+    revision: str
+    described: str | None = None
+
+    @property
+    def short(self) -> str:
+        """``DeepSpeed@edaa722`` (``+dirty`` kept): how a row names the revision its test came from."""
+        commit, plus, rest = self.revision.partition("+")
+        return f"{self.project}@{commit[:10]}{plus}{rest}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "origin") -> Origin:
+        f = _Fields(data, where, _names(cls))
+        return cls(f.text("project"), f.text("revision"), f.optional_text("described"))
+
+    @classmethod
+    def from_marker(cls, args: Sequence[object], kwargs: Mapping[str, object]) -> Origin:
+        """A ``ds_origin(project, revision, described=None)`` marker's origin; ``ValueError`` names what is wrong."""
+        given: dict[str, object] = dict(zip(_names(cls), args, strict=False))
+        given.update(kwargs)
+        unknown = sorted(set(given) - set(_names(cls)))
+        if unknown or len(args) > len(_names(cls)):
+            raise ValueError(
+                f"unexpected argument(s) {', '.join(unknown) or repr(args)}; takes {', '.join(_names(cls))}"
+            )
+        return cls.from_json({name: given.get(name) for name in _names(cls)}, "ds_origin")
+
+
+@dataclass(frozen=True)
 class RankStory:
     """Ranks that ended the same way, told once: their label (``ranks 0-1``), error line, traceback, output tail."""
 
@@ -447,6 +489,7 @@ class TestRecord:
         """The verdict as users read it (``REPRODUCED 9/20`` for a series); pytest's outcome for a test without one."""
         word = self.verdict.value if self.verdict else self.outcome.upper()
         return f"{word} {self.rate}" if self.rate is not None and self.verdict else word
+    origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
@@ -477,6 +520,7 @@ class TestRecord:
             "prerequisites": list(self.prerequisites),
             "rate": None if self.rate is None else _rate_json(self.rate),
             "measurements": [_measurement_json(m) for m in self.measurements],
+            "origin": self.origin.to_json() if self.origin else None,
         }
 
     @classmethod
@@ -487,6 +531,7 @@ class TestRecord:
         repro = f.optional_object("repro")
         source = f.optional_object("source")
         rate = f.optional_object("rate")
+        origin = f.optional_object("origin")
         verdict = f.optional_choice("verdict", [v.value for v in Verdict])
         reason = f.optional_choice("reason", [r.value for r in Reason])
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
@@ -513,6 +558,7 @@ class TestRecord:
             measurements=tuple(
                 _measurement_from_json(item, at) for item, at in f.items("measurements", f"{where}.measurements")
             ),
+            origin=None if origin is None else Origin.from_json(origin, f"{where}.origin"),
         )
 
 

@@ -11,7 +11,7 @@ from ..core.configs import PRESETS
 from ..core.errors import MarkerError
 from ..core.gates import FIXED, STOCK, Condition, VersionGate, common_fix, parse_condition, parse_gates
 from ..core.options import Settings
-from ..core.results import REPRO_PARAMETERS
+from ..core.results import REPRO_PARAMETERS, Origin
 from ..core.worlds import world_spec
 from .stash import Marks
 
@@ -33,6 +33,8 @@ MARKERS = {
     "`reason`, never a silent skip.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
+    "ds_origin": "ds_origin(project, revision, described=None): the test comes from another project's test-suite "
+    "at that revision (`-p pytest_dsrepro.upstream` marks DeepSpeed's own tests so); results and the matrix name it.",
 }
 VARIANTS = (STOCK, FIXED)
 
@@ -71,6 +73,7 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
     found = gates(item)
     check_repro(item)
+    origin(item)
     world = item.get_closest_marker("ds_world")
     spec = None
     if world is not None:
@@ -79,6 +82,17 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
         world=spec, gates=found, fix=common_fix(found), variant=variant(item),
         prerequisites=conditions(item, "ds_prerequisite"), not_applicable=conditions(item, "ds_not_applicable"),
     )  # fmt: skip
+
+
+def origin(item: pytest.Item) -> Origin | None:
+    """Where the test came from (``ds_origin``), validated (``MarkerError``); None for a test of this project."""
+    mark = item.get_closest_marker("ds_origin")
+    if mark is None:
+        return None
+    try:
+        return Origin.from_marker(mark.args, mark.kwargs)
+    except ValueError as exc:
+        raise MarkerError(f"@pytest.mark.ds_origin on {item.nodeid}: {exc}") from None
 
 
 def check_config(item: pytest.Item) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from ..core import results
+from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
 from ..core.report import Neutral, render_markdown
-from ..core.results import Environment, ReproMeta, RunRecord, Source, TestRecord
+from ..core.results import Environment, Origin, ReproMeta, RunRecord, Source, TestRecord
 from ..core.source import module_slice
 from . import markers
 from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY
@@ -126,7 +127,16 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         world_size=prepared.spec.size if prepared is not None else None,
         source=repro_source(item, marks.fix if marks is not None else None) if gated or meta else None,
         prerequisites=judgement.prerequisites if judgement else (),
+        origin=_origin(item),
     )
+
+
+def _origin(item: pytest.Item) -> Origin | None:
+    """The test's ``ds_origin``; None when its marker is wrong (its setup failed saying so)."""
+    try:
+        return markers.origin(item)
+    except MarkerError:
+        return None
 
 
 def attach(item: pytest.Item, report: pytest.TestReport) -> None:
