@@ -483,13 +483,13 @@ class TestRecord:
     prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
     rate: Rate | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
     measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference, in the same run
+    origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
 
     @property
     def label(self) -> str:
         """The verdict as users read it (``REPRODUCED 9/20`` for a series); pytest's outcome for a test without one."""
         word = self.verdict.value if self.verdict else self.outcome.upper()
         return f"{word} {self.rate}" if self.rate is not None and self.verdict else word
-    origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
 
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
