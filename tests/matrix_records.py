@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pytest_dsrepro.core.gates import Rate, Reason, Verdict
 from pytest_dsrepro.core.outcome import Measurement
-from pytest_dsrepro.core.results import Environment, RankStory, ReproMeta, RunRecord, TestRecord
+from pytest_dsrepro.core.results import Environment, Origin, RankStory, ReproMeta, RunRecord, TestRecord
 
 EPILOGUE = "zero3-backward-without-optimizer"
 MODULE_ID = "zero3-module-id-clobbered"
@@ -45,6 +45,7 @@ def rec(
     prerequisites: tuple[str, ...] = (),
     rate: Rate | None = None,
     measurements: tuple[Measurement, ...] = (),
+    origin: Origin | None = None,
 ) -> TestRecord:
     """A test record as the plugin writes it (``raised``: the one rank story's error line)."""
     declared = DECLARED.get(repro or "", ()) if affected is None else affected
@@ -55,7 +56,7 @@ def rec(
     ranks = (RankStory("ranks 0-1", raised, "Traceback ...", ""),) if raised else ()
     return TestRecord(nodeid=nodeid, repro=meta, variant=variant, verdict=judged, reason=reason, outcome=outcome,
                       error=error, duration=1.0, config=None, ranks=ranks, world_size=world_size,
-                      prerequisites=prerequisites, rate=rate, measurements=measurements)  # fmt: skip
+                      prerequisites=prerequisites, rate=rate, measurements=measurements, origin=origin)  # fmt: skip
 
 
 def write(

@@ -18,6 +18,7 @@ from matrix_records import EPI, EPILOGUE, FIXED, MODULE_ID, RELEASES, STOCK, rec
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Rate, Reason, Verdict
 from pytest_dsrepro.core.outcome import Measurement
+from pytest_dsrepro.core.results import Origin
 from pytest_dsrepro.tools import matrix
 from pytest_dsrepro.tools.matrix import MatrixError, load, merge, render_html, render_markdown, render_terminal, symbols
 
@@ -457,6 +458,61 @@ def test_series_and_timings_show_their_rate_and_margin(tmp_path: Path) -> None:
     assert "timed 7.90x its reference (limit 3x, margin 2.6x)" in page
 
 
+def test_deepspeeds_own_tests_are_rows_of_their_own_beside_the_catalogue(tmp_path: Path) -> None:
+    """Tests of DeepSpeed's own suite (``ds_origin``: DeepSpeed at a revision) declare no range: their cells say what
+    pytest said, they are grouped by revision and file after the catalogue's bugs, one test of two revisions is two
+    rows, and a failure is shown and told, never UNEXPECTED."""
+    head = Origin("DeepSpeed", "edaa722" + "0" * 33, "v0.19.5-46-gedaa722")
+    old = Origin("DeepSpeed", "1234567" + "0" * 33, "v0.18.0")
+    zero = "unit/runtime/zero/test_zero.py::TestZero3ParamPartitioningBase::test[True-False]"
+    ckpt = "unit/checkpoint/test_zero_optimizer.py::TestZeROCheckpoint::test_load_optimizer_state[1]"
+    na = "not applicable on deepspeed 0.16.3: deepspeed<0.17: imports deepspeed.runtime.zenflow"
+    write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED", outcome="xfailed"),
+                               rec(zero, None, repro=None, variant=None, origin=head),
+                               rec(ckpt, "NOT-APPLICABLE", repro=None, variant=None, outcome="skipped", error=na,
+                                   origin=head),
+                               rec(zero, None, repro=None, variant=None, origin=old, outcome="failed",
+                                   error="AssertionError: partitions differ", raised="AssertionError: partitions differ")])  # fmt: skip
+    write(tmp_path, "0.16.4", [rec(STOCK, "FIXED"), rec(zero, None, repro=None, variant=None, origin=head),
+                               rec(ckpt, None, repro=None, variant=None, origin=head, outcome="xfailed")])  # fmt: skip
+    m = build([tmp_path])
+    assert [(name, [r.label for r in rows]) for name, rows in m.groups()] == [
+        (MODULE_ID, ["zero3"]),
+        (f"{old.short} unit/runtime/zero/test_zero.py", ["TestZero3ParamPartitioningBase::test[True-False]"]),
+        (f"{head.short} unit/checkpoint/test_zero_optimizer.py", ["TestZeROCheckpoint::test_load_optimizer_state[1]"]),
+        (f"{head.short} unit/runtime/zero/test_zero.py", ["TestZero3ParamPartitioningBase::test[True-False]"]),
+    ]
+    assert m.rows[-1].title == "DeepSpeed's own tests at v0.19.5-46-gedaa722"
+    assert matrix.exit_code(m) == 0  # a test that declares nothing is never UNEXPECTED
+    assert m.counts() == {"REPRODUCED": 1, "FIXED": 1, "NOT-APPLICABLE": 1, "PASSED": 2, "FAILED": 1, "XFAILED": 1}
+    text = render_terminal(m)
+    assert text.startswith("DeepSpeed repro matrix: 1 bug in 1 row, 3 of DeepSpeed's own tests x 2 DeepSpeed releases")
+    assert table_lines(text)[4:] == [
+        f"{old.short} unit/runtime/zero/test_zero.py",
+        "  TestZero3ParamPartitioningBase::test[True-False]",
+        "                                          \u25a0  \u00b7",  # failed; not run on 0.16.4
+        f"{head.short} unit/checkpoint/test_zero_optimizer.py",
+        "  TestZeROCheckpoint::test_load_optimizer_state[1]",
+        "                                          \u2013  x",  # not applicable; xfailed
+        f"{head.short} unit/runtime/zero/test_zero.py",
+        "  TestZero3ParamPartitioningBase::test[True-False]",
+        "                                          \u25a1  \u25a1",  # passed, passed
+    ]
+    said = " ".join(text.split())
+    assert (f"Failed (tests that declare no range): 0.16.3 {old.short} {zero}: AssertionError: partitions differ"
+            in said)  # fmt: skip
+    assert f"{head.short} unit/checkpoint/test_zero_optimizer.py [TestZeROCheckpoint::test_load_optimizer_state[1]]: "\
+           f"NOT-APPLICABLE: {na} (on 0.16.3)" in said  # fmt: skip
+    assert "\u25a1 passed (a test that declares no range)" in said
+    assert "2 PASSED, 1 FAILED, 1 XFAILED" in said
+    md = render_markdown(m)
+    assert (
+        f"| {old.short} unit/runtime/zero/test_zero.py | TestZero3ParamPartitioningBase::test[True-False] | \u25a0 | \u00b7 |"
+        in md
+    )
+    assert "with the fix" not in render_html(m).split("<h2>Evidence</h2>")[1]  # they have no twin
+
+
 # --- Markdown and HTML -------------------------------------------------------------------------------------------
 
 
@@ -626,7 +682,10 @@ def test_a_result_of_each_kind_is_drawn_alike_in_every_form(tmp_path: Path) -> N
     ])  # fmt: skip
     write(tmp_path, "0.16.4", [rec(STOCK, "REPRODUCED", affected=(">=0.16.4",)),
                                rec(FIXED, "PASSES-WITH-FIX", variant="fixed")])  # fmt: skip
-    write(tmp_path, "0.16.5", [rec(STOCK, "FIXED", affected=(">=0.16.4,<0.16.5",))])
+    theirs = Origin("DeepSpeed", "0" * 40)
+    write(tmp_path, "0.16.5", [rec(STOCK, "FIXED", affected=(">=0.16.4,<0.16.5",)), *(
+        rec(f"unit/test_{outcome}.py::test", None, repro=None, variant=None, outcome=outcome, origin=theirs)
+        for outcome in ("passed", "failed", "error", "xfailed", "xpassed"))])  # fmt: skip
     (tmp_path / "results-deepspeed-0.17.0-0000abcd.json").write_text("{")
     m = build([tmp_path])
     forms = {"terminal": render_terminal(m), "markdown": render_markdown(m), "html": render_html(m),

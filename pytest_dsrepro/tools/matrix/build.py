@@ -19,6 +19,7 @@ from .model import (
     DAMAGE,
     NOT_A_REPRO,
     NOT_RUN,
+    OBSERVED,
     UNAVAILABLE,
     Cell,
     Column,
@@ -52,9 +53,10 @@ def version_key(version: str) -> tuple[int, Version | str]:
 
 
 def _run_of(record: TestRecord, source: Path) -> Run | None:
-    """A record's run, or None for a test outside the catalogue's business (ungated and not failing)."""
-    verdict, error = record.verdict, record.error
-    if verdict is None:
+    """A record's run, or None for a test outside the matrix's business (of this project, ungated, not failing)."""
+    verdict: Verdict | None = record.verdict
+    error = record.error
+    if verdict is None and not (record.origin is not None and record.outcome in OBSERVED):
         if record.outcome in ("failed", "error", "xpassed"):
             verdict = Verdict.UNEXPECTED
             error = f"no verdict, pytest outcome {record.outcome}: {error or 'no error recorded'}"
@@ -63,8 +65,14 @@ def _run_of(record: TestRecord, source: Path) -> Run | None:
         else:
             return None
     raised = "; ".join(f"{story.ranks}: {story.error}" for story in record.ranks) or None
-    return Run(record.nodeid, verdict, record.reason, record.outcome, error, source, record.prerequisites,
+    return Run(_test_id(record), verdict, record.reason, record.outcome, error, source, record.prerequisites,
                record.world_size, raised, record.rate, record.measurements, record.duration)  # fmt: skip
+
+
+def _test_id(record: TestRecord) -> str:
+    """A test's id in the matrix: its node id, after the revision it came from for another project's test (one
+    test of two revisions is two tests)."""
+    return f"{record.origin.short} {record.nodeid}" if record.origin else record.nodeid
 
 
 def _test_part(nodeid: str) -> str:
@@ -135,15 +143,19 @@ class _About:
     upstream: str | None
     variant: str | None
     declared: tuple[str, ...]
+    origin: str | None = None  # another project's test: that project at the revision it came from
 
     def updated(self, record: TestRecord) -> _About:
-        about = record.repro
+        about, origin = record.repro, record.origin
         return _About(
-            repro=(about.id if about else None) or self.repro,
-            title=(about.title if about else None) or self.title,
+            # another project's tests are grouped by revision and file
+            repro=(about.id if about else None) or (_test_id(record).split("::")[0] if origin else self.repro),
+            title=(about.title if about else None)
+            or (f"{origin.project}'s own tests at {origin.described or origin.short}" if origin else self.title),
             upstream=(about.upstream if about else None) or self.upstream,
             variant=record.variant or self.variant,
             declared=_oldest_first(about.affected) if about and about.affected else self.declared,
+            origin=origin.short if origin else self.origin,
         )
 
 
@@ -170,9 +182,9 @@ def _collect(
         for record in f.run.tests:
             run = _run_of(record, f.path)
             if record.nodeid and run is not None:
-                about[record.nodeid] = about.get(record.nodeid, _NOBODY).updated(record)
-                runs[(record.nodeid, f.run.version)] = run
-                seen.setdefault((record.nodeid, f.run.version), []).insert(0, (run.verdict.value, f.path))
+                about[run.nodeid] = about.get(run.nodeid, _NOBODY).updated(record)
+                runs[(run.nodeid, f.run.version)] = run
+                seen.setdefault((run.nodeid, f.run.version), []).insert(0, (run.word, f.path))
     disagreements = tuple(
         Disagreement(nodeid, version, tuple(verdicts))
         for (nodeid, version), verdicts in seen.items()
@@ -196,9 +208,10 @@ def _rows(about: Mapping[str, _About]) -> tuple[Row, ...]:
         labels = _apart(pairs)
         for key, pair in pairs.items():
             first = about[pair.get("stock") or pair["fixed"]]
-            rows.append(Row(repro, key, labels[key], pair.get("stock"), pair.get("fixed"), first.title,
-                            first.upstream, first.declared))  # fmt: skip
-    return tuple(sorted(rows, key=lambda r: (r.repro, r.key)))
+            label = _test_part(key) if first.origin else labels[key]  # another project's: the test, whole
+            rows.append(Row(repro, key, label, pair.get("stock"), pair.get("fixed"), first.title, first.upstream,
+                            first.declared, first.origin))  # fmt: skip
+    return tuple(sorted(rows, key=lambda r: (r.origin is not None, r.repro, r.key)))  # this project's first
 
 
 def _judged(row: Row, version: str, run: Run, slot: str) -> Run:
@@ -250,7 +263,7 @@ def merge(files: Sequence[ResultsFile], unreadable: Sequence[Unreadable] = ()) -
 def since(matrix: Matrix, old: Matrix, paths: Sequence[Path] = ()) -> Matrix:
     """``matrix`` with each run that differs from ``old`` marked (its ``before``), and the runs ``old`` had that
     ``matrix`` has not listed (``gone``)."""
-    was = {(run.nodeid, c.version): run.verdict.value for _, c, run in old.placed()}
+    was = {(run.nodeid, c.version): run.word for _, c, run in old.placed()}
     old_blank = {c.version for c in old.columns if c.blank}
     blank = {c.version for c in matrix.columns if c.blank}
 
@@ -258,7 +271,7 @@ def since(matrix: Matrix, old: Matrix, paths: Sequence[Path] = ()) -> Matrix:
         if run is None:
             return None
         before = UNAVAILABLE if version in old_blank else was.get((run.nodeid, version), NOT_RUN)
-        return dataclasses.replace(run, before=before) if before != run.verdict.value else run
+        return dataclasses.replace(run, before=before) if before != run.word else run
 
     cells = {
         (key, version): cell if version in blank else Cell(changed(cell.stock, version), changed(cell.fixed, version))

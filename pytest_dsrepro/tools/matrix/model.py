@@ -94,6 +94,7 @@ class Row:
     title: str | None = None
     upstream: str | None = None
     declared: tuple[str, ...] = ()  # the affected ranges its ds_version markers declare (the newest record's)
+    origin: str | None = None  # another project's test (``ds_origin``): that project at its revision, ``Origin.short``
 
     @property
     def nodeids(self) -> tuple[str, ...]:
@@ -122,12 +123,16 @@ def _declares(declared: tuple[str, ...], version: str) -> bool | None:
         return None
 
 
+#: What pytest said of a test that declares no range (another project's test): shown as it is, never UNEXPECTED.
+OBSERVED = ("passed", "failed", "error", "xfailed", "xpassed")
+
+
 @dataclass(frozen=True)
 class Run:
     """One test on one release: its record's verdict and what the matrix makes of it."""
 
-    nodeid: str
-    verdict: Verdict
+    nodeid: str  # the test's id: its node id, after its origin's revision for another project's test
+    verdict: Verdict | None  # None: another project's test, whose outcome no declared range judges
     reason: Reason | None = None
     outcome: str | None = None
     error: str | None = None
@@ -140,6 +145,11 @@ class Run:
     duration: float = 0.0  # seconds pytest took for it
     contradicts: bool = False  # the outcome contradicts the row's declared range
     before: str | None = None  # with --since: what the test was (a verdict, "not run"), when it changed
+
+    @property
+    def word(self) -> str:
+        """What the run is called: its verdict, else pytest's outcome (``PASSED``, ``FAILED``)."""
+        return self.verdict.value if self.verdict is not None else (self.outcome or "?").upper()
 
     @property
     def marks(self) -> str:
@@ -213,9 +223,9 @@ class Matrix:
                 found += [(r, c, run) for run in (cell.runs if cell else ())]
         return tuple(found)
 
-    def counts(self) -> Counter[Verdict]:
-        """How many runs have each verdict."""
-        return Counter(run.verdict for _, _, run in self.placed())
+    def counts(self) -> Counter[str]:
+        """How many runs have each verdict (or outcome, for tests no verdict judges)."""
+        return Counter(run.word for _, _, run in self.placed())
 
     def unexpected(self) -> list[Placed]:
         return [p for p in self.placed() if p[2].verdict is Verdict.UNEXPECTED]
@@ -233,7 +243,7 @@ class Matrix:
         return tuple(u for u in self.unreadable if u.kind in DAMAGE)
 
     def groups(self) -> list[tuple[str, list[Row]]]:
-        """The rows by repro, in order: each bug with its configs."""
+        """The rows by repro, in order: each bug with its configs (another project's tests: by revision and file)."""
         grouped: dict[str, list[Row]] = {}
         for r in self.rows:
             grouped.setdefault(r.repro, []).append(r)
@@ -251,7 +261,7 @@ class Matrix:
             if run is None:
                 return "not run: no results file of the release ran this test"
             if run.verdict in (Verdict.NOT_APPLICABLE, Verdict.SKIPPED):
-                return f"{run.verdict.value}: {one_line(run.error or 'no reason recorded')}"
+                return f"{run.word}: {one_line(run.error or 'no reason recorded')}"
             return None
 
         return self._grouped(why)

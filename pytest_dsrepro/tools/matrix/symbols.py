@@ -73,6 +73,19 @@ KINDS: dict[str, Kind] = {
             "#666",
         ),
         Kind(Verdict.SKIPPED.value, "s", "s", "skipped", "\033[2m", "#e4e4e4", "#666"),
+        Kind("PASSED", "□", "p", "passed (a test that declares no range)", "\033[32m", "#b7e4c7", "#123"),
+        Kind("FAILED", "■", "f", "failed (a test that declares no range)", "\033[31m", "#8d0801", "#fff"),
+        Kind(
+            "ERROR",
+            "▲",
+            "e",
+            "error in setup or teardown (a test that declares no range)",
+            "\033[35m",
+            "#6a4c93",
+            "#fff",
+        ),
+        Kind("XFAILED", "x", "x", "xfailed (a test that declares no range)", "\033[2;33m", "#f6e58d", "#444"),
+        Kind("XPASSED", "X", "X", "xpassed (a test that declares no range)", "\033[33m", "#ffb4a2", "#222"),
         Kind(NOT_RUN, "·", ".", "not run on this release", "\033[2m", "#ffffff", "#999"),
         Kind(UNAVAILABLE, "/", "/", "the release cannot run here", "\033[2m", "#cfcfcf", "#777"),
         Kind(UNREADABLE, "?", "?", "its results file could not be read", "\033[1;35m", "#c9a0dc", "#222"),
@@ -92,7 +105,7 @@ def kind(run: Run | None) -> Kind:
     if run is None:
         return KINDS[NOT_RUN]
     partly = run.verdict is Verdict.REPRODUCED and run.rate is not None and run.rate.failed < run.rate.runs
-    return KINDS[SOME_RUNS if partly else run.verdict.value]
+    return KINDS[SOME_RUNS if partly else run.word]
 
 
 def blank_kind(column: Column) -> Kind:
