@@ -160,11 +160,20 @@ def test_damaged_results_files_are_named_with_what_to_do_and_fail_the_run(result
 
 
 def test_a_json_file_that_is_no_results_file_is_left_out_and_said(results_dir: Path) -> None:
+    """Named, and not held against the run; a directory of many (a checkout's, a virtualenv's) is counted."""
     (results_dir / "package.json").write_text('{"name": "x"}')
     run = dsrepro_matrix(results_dir, "--no-write")
     assert run.returncode == 0, run.stderr
     said = f"Left out: {results_dir / 'package.json'}: not a pytest-dsrepro results file (no 'schema')"
     assert said in " ".join(run.stdout.split())
+    for i in range(30):
+        (results_dir / "node_modules" / f"p{i}").mkdir(parents=True)
+        (results_dir / "node_modules" / f"p{i}" / "package.json").write_text("{}")
+    run = dsrepro_matrix(results_dir, "--no-write")
+    assert run.returncode == 0, run.stderr
+    left_out = " ".join(run.stdout.split("Left out:")[1].split())
+    assert left_out.count("not a pytest-dsrepro results file (no 'schema')") == 5  # five named, the rest counted
+    assert "26 more JSON files: no pytest-dsrepro results files either" in run.stdout
 
 
 def test_a_ci_matrix_of_shards_and_releases_merges_into_one_table(tmp_path: Path) -> None:

@@ -188,8 +188,15 @@ def _disagreements(matrix: Matrix) -> Section:
     return Section("Files that disagree (the newest gives the cell)", tuple(items))
 
 
+#: How many JSON files that are no results files are named (a directory of other JSON files would bury the table).
+LEFT_OUT = 5
+
+
 def _left_out(matrix: Matrix) -> Section:
-    items = [(str(u.path), u.problem) for u in matrix.unreadable if u not in matrix.damaged]
+    found = [u for u in matrix.unreadable if u not in matrix.damaged]
+    items = [(str(u.path), u.problem) for u in found[:LEFT_OUT]]
+    if len(found) > LEFT_OUT:
+        items.append((f"{len(found) - LEFT_OUT} more JSON files", "no pytest-dsrepro results files either"))
     return Section("Left out", tuple(items), code=True)
 
 
