@@ -165,8 +165,17 @@ class _Fields:
         return None if self.data[name] is None else self.choice(name, choices)
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+#: What a record's verdict and reason may be (asked for every record read).
+_VERDICT_NAMES = tuple(v.value for v in Verdict)
+_REASON_NAMES = tuple(r.value for r in Reason)
+
+
 def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+    """A record's field names (asked for every record read, so kept per class)."""
+    if cls not in _NAMES:
+        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return _NAMES[cls]
 
 
 # --- the records ---------------------------------------------------------------------------------------------------
@@ -532,8 +541,8 @@ class TestRecord:
         source = f.optional_object("source")
         rate = f.optional_object("rate")
         origin = f.optional_object("origin")
-        verdict = f.optional_choice("verdict", [v.value for v in Verdict])
-        reason = f.optional_choice("reason", [r.value for r in Reason])
+        verdict = f.optional_choice("verdict", _VERDICT_NAMES)
+        reason = f.optional_choice("reason", _REASON_NAMES)
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
         if problem:
             raise ValueError(f"{where}: {problem}")

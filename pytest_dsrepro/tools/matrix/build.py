@@ -221,7 +221,8 @@ def _judged(row: Row, version: str, run: Run, slot: str) -> Run:
         return run
     failed = run.reason.body_failed if run.reason is not None else None
     affected = row.declares_affected(version)
-    return dataclasses.replace(run, contradicts=failed is not None and affected is not None and failed != affected)
+    contradicts = failed is not None and affected is not None and failed != affected
+    return dataclasses.replace(run, contradicts=True) if contradicts else run
 
 
 def merge(files: Sequence[ResultsFile], unreadable: Sequence[Unreadable] = ()) -> Matrix:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...core.paths import unwritable_file
-from . import build
+from . import build, symbols
 from .html import render_html
 from .markdown import render_markdown
 from .model import Matrix, MatrixError
@@ -166,10 +166,8 @@ def _print(matrix: Matrix, color: bool) -> None:
     """The terminal table, in letters where the terminal's encoding has no symbols; the damaged files, said again
     on stderr (where a table sent to a file or a pipe leaves them seen)."""
     width = min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
-    text = render_terminal(matrix, color=color, width=width)
-    if not _can_print(text):
-        text = render_terminal(matrix, color=color, width=width, ascii_only=True)
-    _show(text)
+    glyphs = "".join(kind.glyph for kind in symbols.KINDS.values())
+    _show(render_terminal(matrix, color=color, width=width, ascii_only=not _can_print(glyphs)))
     if matrix.damaged:
         _say(f"{len(matrix.damaged)} results file{'s' * (len(matrix.damaged) != 1)} could not be read (listed above): "
              "the matrix lacks what they hold")  # fmt: skip

@@ -146,7 +146,7 @@ class Run:
     contradicts: bool = False  # the outcome contradicts the row's declared range
     before: str | None = None  # with --since: what the test was (a verdict, "not run"), when it changed
 
-    @property
+    @functools.cached_property
     def word(self) -> str:
         """What the run is called: its verdict, else pytest's outcome (``PASSED``, ``FAILED``)."""
         return self.verdict.value if self.verdict is not None else (self.outcome or "?").upper()
@@ -169,11 +169,11 @@ class Cell:
     stock: Run | None = None
     fixed: Run | None = None
 
-    @property
+    @functools.cached_property
     def runs(self) -> tuple[Run, ...]:
         return tuple(r for r in (self.stock, self.fixed) if r is not None)
 
-    @property
+    @functools.cached_property
     def marks(self) -> str:
         found = "".join(r.marks for r in self.runs)
         return "".join(m for m in (PREREQUISITE, CONTRADICTS, CHANGED) if m in found)
@@ -253,6 +253,7 @@ class Matrix:
         """How many runs had worlds of each size."""
         return Counter(run.world_size for _, _, run in self.placed() if run.world_size)
 
+    @functools.cached_property
     def not_verdicts(self) -> list[tuple[str, str, list[str]]]:
         """Why each test without a judged run on a release (NOT-APPLICABLE, SKIPPED, not run) is so: ``(name, why,
         releases)``, one entry per row and reason. Columns without runs say why in their own notes."""
@@ -266,6 +267,7 @@ class Matrix:
 
         return self._grouped(why)
 
+    @functools.cached_property
     def with_prerequisites(self) -> list[tuple[str, str, list[str]]]:
         """``(name, prerequisite, releases)`` for the runs that had another bug's fix applied first."""
         return self._grouped(lambda run: "; ".join(run.prerequisites) if run and run.prerequisites else None)

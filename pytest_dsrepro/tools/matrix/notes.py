@@ -3,6 +3,7 @@ notes below every table (:func:`notes`: sections of subjects and sayings that ea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -142,14 +143,14 @@ def _failed(matrix: Matrix) -> Section:
 
 
 def _without_verdict(matrix: Matrix) -> Section:
-    items = [(name, f"{why} (on {spans(matrix.columns, versions)})") for name, why, versions in matrix.not_verdicts()]
+    items = [(name, f"{why} (on {spans(matrix.columns, versions)})") for name, why, versions in matrix.not_verdicts]
     return Section("Without a judged run", tuple(items))
 
 
 def _prerequisites(matrix: Matrix) -> Section:
     """Each prerequisite fix once, with the releases and the rows it was applied to."""
     fixes: dict[tuple[str, str], list[str]] = {}
-    for name, fix, versions in matrix.with_prerequisites():
+    for name, fix, versions in matrix.with_prerequisites:
         fixes.setdefault((fix, spans(matrix.columns, versions)), []).append(name)
     items = [(fix, f"on {where}: {', '.join(names)}") for (fix, where), names in fixes.items()]
     return Section(f"With a prerequisite fix ({PREREQUISITE})", tuple(items))
@@ -241,7 +242,9 @@ def tip(matrix: Matrix, row: Row, column: Column, errors: bool = True) -> str:
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=8192)
 def run_line(run: Run | None, errors: bool = True) -> str:
+    """A run in a line (said on hover and in the evidence, so kept)."""
     if run is None:
         return "not run: no results file of the release ran this test"
     said = run.word + (f" {run.rate}" if run.rate else "")
