@@ -281,8 +281,8 @@ def test_terminal_table(catalogue: Path) -> None:
     legend = " ".join(text.split("Legend: ")[1].split("\n\n")[0].split())
     assert legend == (
         "each cell: the stock run, then the run with the fix; [ ] the declared affected range; ● reproduced as "
-        "declared; ○ fixed: the stock code passes; ✓ passes with the repro's fix; ✗ UNEXPECTED: look at it; · not run "
-        "on this release; / the release cannot run here"
+        "declared; ○ fixed: the stock code passes, newer than the bug; ✓ passes with the repro's fix; ✗ UNEXPECTED: "
+        "look at it; · not run on this release; / the release cannot run here"
     )
 
 

@@ -42,7 +42,15 @@ KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
         Kind(Verdict.REPRODUCED.value, "●", "R", "reproduced as declared", "\033[33m", "#f0a23b", "#222"),
-        Kind(Verdict.FIXED.value, "○", "F", "fixed: the stock code passes", "\033[32m", "#6cc070", "#123"),
+        Kind(
+            Verdict.FIXED.value,
+            "○",
+            "F",
+            "fixed: the stock code passes, newer than the bug",
+            "\033[32m",
+            "#6cc070",
+            "#123",
+        ),
         Kind(
             SOME_RUNS,
             "◐",
