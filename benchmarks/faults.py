@@ -1,6 +1,6 @@
 """Faults injected for real (issues 11 and 27): how long each takes to reach its verdict, what is left after it, and
 how many worlds in a row run without a flake. Numbers to compare release to release; tests/test_faults.py holds the
-assertions on what the user reads.
+assertions on what the user reads (tests/test_matrix_command.py for ``dsrepro matrix``'s, 19 and 20).
 
 Each fault runs pytest in a subprocess, in a directory of its own, with its own TMPDIR (world directories and
 server logs land there) and a tag in the environment that every process it starts inherits. "Leftovers" counts,
@@ -536,6 +536,46 @@ def install_typo(base: Path) -> Figure:
     return Figure("18 dsrepro install 9.9.9", seconds, f"exit {proc.returncode}, recorded {len(recorded)}: {said}")
 
 
+def _results_dir(base: Path) -> Path:
+    """A results directory holding one run of one test, written by core.results as a run would write it."""
+    from pytest_dsrepro.core import results
+    from pytest_dsrepro.core.gates import Reason, Verdict
+
+    record = results.TestRecord(nodeid="t.py::test_x", repro=None, variant=None, verdict=Verdict.FIXED,
+                                reason=Reason.NOT_AFFECTED, outcome="passed", error=None, duration=1.0,
+                                config=None)  # fmt: skip
+    directory = base / "results"
+    results.write(results.RunRecord(environment=results.environment("gloo", 2), tests=(record,)), directory)
+    return directory
+
+
+def _matrix(base: Path, *args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "matrix", *args], capture_output=True,
+                          text=True, cwd=base)  # fmt: skip
+    return time.monotonic() - started, proc
+
+
+def matrix_read_only(base: Path) -> Figure:
+    directory = _results_dir(base)
+    before = sorted(p.name for p in directory.iterdir())
+    with _read_only(directory):
+        seconds, proc = _matrix(base, str(directory))
+    left = [p.name for p in directory.iterdir() if p.name not in before]
+    said = proc.stderr.splitlines()[0][:110] if proc.stderr else ""
+    return Figure("19 dsrepro matrix in a read-only results directory", seconds, f"exit {proc.returncode}: {said}",
+                  left)  # fmt: skip
+
+
+def matrix_cut_short(base: Path) -> Figure:
+    directory = _results_dir(base)
+    (path,) = directory.glob("*.json")
+    path.write_text(path.read_text()[:200])
+    seconds, proc = _matrix(base, str(directory), "--no-write")
+    said = next((line.strip() for line in proc.stdout.splitlines() if "cut short" in line), "")
+    return Figure("20 dsrepro matrix with a results file cut short", seconds, f"exit {proc.returncode}: {said[:110]}")
+
+
 FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "build": lambda d, a: ctrl_c_during_build(d),
     "ctrl-c": lambda d, a: ctrl_c_mid_world(d, 1),
@@ -555,6 +595,8 @@ FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "outputs-lost-at-end": lambda d, a: outputs_lost_at_end(d),
     "torchrun-ctrl-c": lambda d, a: torchrun_ctrl_c(d),
     "install-typo": lambda d, a: install_typo(d),
+    "matrix-read-only": lambda d, a: matrix_read_only(d),
+    "matrix-cut-short": lambda d, a: matrix_cut_short(d),
 }
 
 

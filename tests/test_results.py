@@ -73,19 +73,49 @@ def test_write_names_files_by_release_and_read_gives_them_back(tmp_path: Path) -
     assert results.write(RUN, tmp_path) != results.write(RUN, tmp_path)  # never overwritten
 
 
-def test_read_all_warns_about_what_it_cannot_read(tmp_path: Path) -> None:
+def test_read_all_says_what_it_cannot_read_and_what_to_do(tmp_path: Path) -> None:
     good = results.write(RUN, tmp_path / "a")
     (tmp_path / "a" / "package.json").write_text('{"name": "x"}')
     (tmp_path / "b.json").write_text("{")
-    files, warnings = results.read_all([tmp_path / "a", tmp_path / "b.json"])
-    assert [f.path for f in files] == [good]
+    empty = results.write(RUN, tmp_path / "c")
+    empty.write_text("")  # a disk that filled up: the file is there, its content is not
+    files, unreadable = results.read_all([tmp_path / "a", tmp_path / "b.json", tmp_path / "c", good])
+    assert [f.path for f in files] == [good]  # a file reached twice is read once
     assert files[0].created == RUN.created
-    assert warnings == [
-        f"{tmp_path / 'a' / 'package.json'}: ignored: not a pytest-dsrepro results file (no 'schema')",
-        f"{tmp_path / 'b.json'}: ignored: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
-    ]
+    assert [(str(u), u.kind, u.release) for u in unreadable] == [
+        (f"{tmp_path / 'a' / 'package.json'}: not a pytest-dsrepro results file (no 'schema')", "foreign", None),
+        (f"{tmp_path / 'b.json'}: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+         "(char 1)): cut short by an interrupted run, a full disk or a partial copy? Run its tests again, or delete "
+         "it", "truncated", None),
+        (f"{empty}: empty: cut short by an interrupted run, a full disk or a partial copy? Run its tests again, or "
+         "delete it", "truncated", RUN.version),  # the release, from the name write() gave the file
+    ]  # fmt: skip
     with pytest.raises(FileNotFoundError, match=r"no such file or directory: .*missing"):
         results.read_all([tmp_path / "missing"])
+
+
+@pytest.mark.parametrize(
+    ("schema", "kind", "said"),
+    [
+        (results.SCHEMA + 1, "newer", "written by a newer pytest-dsrepro (9.1); this one reads results files of "
+         f"schema {results.SCHEMA} only: upgrade pytest-dsrepro to read it"),
+        (results.SCHEMA - 1, "older", "written by an older pytest-dsrepro (9.1); this one reads results files of "
+         f"schema {results.SCHEMA} only: run those tests again to write it anew"),
+        ("http://json-schema.org/draft-07/schema#", "foreign", "not a pytest-dsrepro schema"),
+    ],
+)  # fmt: skip
+def test_a_file_of_another_schema_is_told_what_to_do(tmp_path: Path, schema: object, kind: str, said: str) -> None:
+    """A newer plugin's file is read by upgrading this one (running the tests again would write the old schema);
+    an older one is written anew by running its tests again."""
+    data = {**RUN.to_json(), "schema": schema}
+    data["environment"]["plugin"] = "9.1"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    ((found,),) = results.read_all([path])[1:]
+    assert (found.kind, found.release) == (kind, RUN.version)
+    assert said in found.problem
+    with pytest.raises(ValueError, match="this one reads results files of schema"):
+        results.read(path)
 
 
 def test_a_file_without_its_time_is_as_old_as_the_file(tmp_path: Path) -> None:
@@ -104,8 +134,10 @@ def _broken(change: Any) -> dict[str, Any]:
     ("change", "message"),
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
-        (lambda d: d.update(schema=1), "schema 1: this pytest-dsrepro reads results files of schema 5 only"),
-        (lambda d: d.update(schema="5"), "schema '5': this pytest-dsrepro reads results files of schema 5 only"),
+        (lambda d: d.update(schema=1), "schema 1: written by an older pytest-dsrepro; this one reads results files "
+         "of schema 5 only: run those tests again to write it anew"),
+        (lambda d: d.update(schema="5"), "schema '5': not a pytest-dsrepro schema; this one reads results files of "
+         "schema 5 only"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),
@@ -162,7 +194,7 @@ def test_from_json_says_what_is_wrong_and_where(change: Any, message: str) -> No
 def test_records_are_checked_when_built_too() -> None:
     with pytest.raises(ValueError, match=r"t.py::x: verdict UNEXPECTED without a reason"):
         dataclasses.replace(PLAIN, nodeid="t.py::x", verdict=Verdict.UNEXPECTED)
-    with pytest.raises(ValueError, match="schema 1: this pytest-dsrepro reads results files of schema 5 only"):
+    with pytest.raises(ValueError, match="schema 1: written by an older pytest-dsrepro; this one reads results files"):
         RunRecord(schema=1, environment=ENV)
     skipped = dataclasses.replace(PLAIN, verdict=Verdict.SKIPPED, outcome="skipped")  # a gated test never judged
     assert skipped.reason is None

@@ -14,6 +14,11 @@ def unwritable(directory: Path) -> str | None:
     """Why no file can be made in ``directory`` (created if missing), or None when one can."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file where a directory must be: name it ("File exists" would not)
+        return f"{next(p for p in (directory, *directory.parents) if p.is_file())} is not a directory"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
         fd, name = tempfile.mkstemp(prefix=".dsrepro-write-check-", dir=directory)
     except OSError as exc:
         return exc.strerror or str(exc)

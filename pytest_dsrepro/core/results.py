@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "RunRecord",
     "Source",
     "TestRecord",
+    "Unreadable",
     "affected_specifiers",
     "environment",
     "now",
@@ -164,8 +166,17 @@ class _Fields:
         return None if self.data[name] is None else self.choice(name, choices)
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+#: What a record's verdict and reason may be (asked for every record read).
+_VERDICT_NAMES = tuple(v.value for v in Verdict)
+_REASON_NAMES = tuple(r.value for r in Reason)
+
+
 def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+    """A record's field names (asked for every record read, so kept per class)."""
+    if cls not in _NAMES:
+        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return _NAMES[cls]
 
 
 # --- the records ---------------------------------------------------------------------------------------------------
@@ -532,8 +543,8 @@ class TestRecord:
         source = f.optional_object("source")
         rate = f.optional_object("rate")
         origin = f.optional_object("origin")
-        verdict = f.optional_choice("verdict", [v.value for v in Verdict])
-        reason = f.optional_choice("reason", [r.value for r in Reason])
+        verdict = f.optional_choice("verdict", _VERDICT_NAMES)
+        reason = f.optional_choice("reason", _REASON_NAMES)
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
         if problem:
             raise ValueError(f"{where}: {problem}")
@@ -616,11 +627,24 @@ class RunRecord:
         return self.environment.deepspeed or "unknown"
 
 
-def _schema_problem(found: object) -> str:
-    return (
-        f"schema {found!r}: this pytest-dsrepro reads results files of schema {SCHEMA} only "
-        "(written by another version of pytest-dsrepro: run it again to write them anew)"
-    )
+def _schema_kind(found: object) -> str:
+    """``older`` or ``newer`` for a schema number other than :data:`SCHEMA`; ``foreign`` for what is no number."""
+    if isinstance(found, int) and not isinstance(found, bool):
+        return "newer" if found > SCHEMA else "older"
+    return "foreign"
+
+
+def _schema_problem(found: object, writer: str | None = None) -> str:
+    """What a file of another schema is, and what to do: an older one is written anew by running its tests again,
+    a newer one is read by upgrading this pytest-dsrepro (running the tests again would not help)."""
+    by = f" ({writer})" if writer else ""
+    only = f"this one reads results files of schema {SCHEMA} only"
+    kind = _schema_kind(found)
+    if kind == "newer":
+        return f"schema {found}: written by a newer pytest-dsrepro{by}; {only}: upgrade pytest-dsrepro to read it"
+    if kind == "older":
+        return f"schema {found}: written by an older pytest-dsrepro{by}; {only}: run those tests again to write it anew"
+    return f"schema {found!r}: not a pytest-dsrepro schema; {only}"
 
 
 def _created(text: str | None) -> datetime.datetime | None:
@@ -674,14 +698,67 @@ class ResultsFile:
         return datetime.datetime.fromtimestamp(self.path.stat().st_mtime, datetime.timezone.utc)
 
 
-def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[str]]:
-    """Every results file under ``paths`` (files, or directories searched for ``*.json``), and one warning per JSON
-    file that is not a valid results file (``<path>: ignored: <why>``).
+@dataclass(frozen=True)
+class Unreadable:
+    """A ``*.json`` file among results files that this pytest-dsrepro cannot read: what it is and what to do.
+
+    ``kind``: ``foreign`` (JSON, but no results file), ``truncated`` (no valid JSON: cut short), ``older`` or
+    ``newer`` (a results file of another schema), ``invalid`` (this schema, but not what it allows), ``unreadable``
+    (the file could not be read at all). ``release``: the DeepSpeed release it is about, when its content or its name
+    (as :func:`write` names files) says, so that a reader can name the release it lacks.
+    """
+
+    path: Path
+    kind: str
+    problem: str
+    release: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"
+
+
+#: What :func:`write` names a file: the release, then ``-unavailable`` or not, then eight random hex digits.
+_NAME = re.compile(r"results-deepspeed-(?P<release>.+?)(?:-unavailable)?-[0-9a-f]{8}\.json")
+
+
+def _examine(path: Path) -> ResultsFile | Unreadable:
+    named = m.group("release") if (m := _NAME.fullmatch(path.name)) else None
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        return Unreadable(path, "unreadable", f"cannot be read: {exc}", named)
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        cut = "empty" if not text.strip() else f"not valid JSON ({exc})"
+        why = (
+            f"{cut}: cut short by an interrupted run, a full disk or a partial copy? Run its tests again, or delete it"
+        )
+        return Unreadable(path, "truncated", why, named)
+    env = data.get("environment") if isinstance(data, dict) else None
+    release = env.get("deepspeed") if isinstance(env, dict) and isinstance(env.get("deepspeed"), str) else named
+    if not isinstance(data, dict) or "schema" not in data:
+        return Unreadable(path, "foreign", "not a pytest-dsrepro results file (no 'schema')", release)
+    found = data["schema"]
+    if found != SCHEMA:
+        writer = env.get("plugin") if isinstance(env, dict) and isinstance(env.get("plugin"), str) else None
+        return Unreadable(path, _schema_kind(found), _schema_problem(found, writer), release)
+    try:
+        return ResultsFile(path, RunRecord.from_json(data))
+    except ValueError as exc:
+        why = f"not a valid schema-{SCHEMA} results file: {exc}; edited or damaged: run its tests again, or delete it"
+        return Unreadable(path, "invalid", why, release)
+
+
+def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unreadable]]:
+    """Every results file under ``paths`` (files, or directories searched for ``*.json``; a file reached twice is
+    read once), and each JSON file among them that is not a results file this pytest-dsrepro can read.
 
     ``FileNotFoundError`` when a given path does not exist.
     """
     files: list[ResultsFile] = []
-    warnings: list[str] = []
+    unreadable: list[Unreadable] = []
+    seen: set[Path] = set()
     for given in paths:
         if given.is_dir():
             candidates = sorted(given.rglob("*.json"))
@@ -690,8 +767,12 @@ def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[str]]:
         else:
             raise FileNotFoundError(f"no such file or directory: {given}")
         for path in candidates:
-            try:
-                files.append(ResultsFile(path, read(path)))
-            except (OSError, ValueError) as exc:
-                warnings.append(f"{path}: ignored: {exc}")
-    return files, warnings
+            if path.resolve() in seen:
+                continue
+            seen.add(path.resolve())
+            found = _examine(path)
+            if isinstance(found, ResultsFile):
+                files.append(found)
+            else:
+                unreadable.append(found)
+    return files, unreadable

@@ -1,0 +1,73 @@
+"""The matrix as GitHub Markdown: the terminal's compact table (two symbols a cell, brackets around the declared
+range, one row per bug and config), the bugs with their titles and ranges, what each test raised, and the notes."""
+
+from __future__ import annotations
+
+from . import notes, symbols
+from .model import Matrix, Row, one_line
+
+
+def _md(text: str) -> str:
+    return one_line(text).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    """A code span (outside a table, where a pipe needs no escape and a backslash would show)."""
+    text = one_line(text)
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def _cells(matrix: Matrix, row: Row) -> list[str]:
+    affected = symbols.affected(matrix, row)
+    out = []
+    for i, c in enumerate(matrix.columns):
+        cell = None if c.blank else matrix.cell(row, c)
+        text = "".join(k.glyph for k in symbols.pair(matrix, row, c) if k) + (cell.marks if cell else "")
+        if affected[i] and (i == 0 or not affected[i - 1]):
+            text = "[" + text
+        if affected[i] and (i + 1 == len(affected) or not affected[i + 1]):
+            text += "]"
+        out.append(text)
+    return out
+
+
+def render_markdown(matrix: Matrix, image: str | None = None) -> str:
+    """A GitHub-flavoured page: the table, the bugs (id, declared range, title, link), what each test raised on
+    which releases, the notes; ``image``: the SVG's path relative to the page, shown above the table."""
+    links: dict[str, int] = {}
+    out = ["# DeepSpeed repro matrix", "", f"{notes.headline(matrix)}.", ""]
+    out += [f"{line}." for line in [*notes.environments(matrix), notes.when(matrix)] if line] + [""]
+    if image:
+        out += [f"![the matrix as an image]({image})", ""]
+    out += [f"Legend ({symbols.SHAPE}; {symbols.RANGE}):", ""]
+    out += [f"- {glyph} {words}" for glyph, words in symbols.legend(matrix)] + [""]
+    heads = []  # the minor release over the first of its columns only
+    for i, c in enumerate(matrix.columns):
+        prefix, suffix = symbols.head(c.version)
+        heads.append(f"{prefix}<br>{suffix}" if i == 0 or prefix != symbols.head(matrix.columns[i - 1].version)[0]
+                     else suffix)  # fmt: skip
+    out.append("| bug | config | " + " | ".join(heads) + " |")
+    out.append("|:--|:--|" + ":-:|" * len(matrix.columns))
+    for repro, rows in matrix.groups():
+        upstream = next((r.upstream for r in rows if r.upstream), None)
+        name = f"[{_md(repro)}][{links.setdefault(upstream, len(links) + 1)}]" if upstream else _md(repro)
+        for i, r in enumerate(rows):
+            out.append(f"| {name if i == 0 else ''} | {_md(r.label)} | " + " | ".join(_cells(matrix, r)) + " |")
+    out += ["", "## Bugs", ""]
+    for repro, rows in matrix.groups():
+        declared = {r.declared for r in rows if r.declared and r.stock}
+        ranges = "; ".join(" or ".join(f"`{d}`" for d in ds) for ds in sorted(declared))
+        title = next((r.title for r in rows if r.title), None)
+        upstream = next((r.upstream for r in rows if r.upstream), None)
+        out.append(f"- **{_md(repro)}**" + (f" (affected {ranges})" if ranges else "") + (f": {_md(title)}" if title
+                   else "") + (f" ({upstream})" if upstream else ""))  # fmt: skip
+    raised = notes.raised(matrix)
+    if raised:
+        out += ["", "## What each test raised", ""]
+        out += [f"- {_md(name)} on {versions}: {_code(text)}" for name, text, versions in raised]
+    for section in notes.sections(matrix):
+        out += ["", f"## {_md(section.title)}", ""]
+        out += [f"- {_code(subject) if section.code else _md(subject)}: {_md(text)}" for subject, text in section.items]
+    out += ["", "## Sources", ""] + [f"- `{p.name}`" for c in matrix.columns for p in c.sources] + [""]
+    out += [f"[{n}]: {url}" for url, n in links.items()]
+    return "\n".join(out) + "\n"
