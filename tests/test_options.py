@@ -54,7 +54,9 @@ def test_good_option_text() -> None:
         ({"backend": "mpi"}, "backend='mpi' must be one of auto, gloo, nccl"),
         ({"timeout": -1}, "timeout=-1 must be a number of seconds > 0"),
         ({"timeout": float("inf")}, "timeout=inf must be a number of seconds > 0"),
-        ({"typo": 1}, "unexpected argument(s) typo; takes size=, backend=, timeout="),
+        ({"typo": 1}, "unexpected argument(s) typo; takes size=, backend=, timeout=, reuse="),
+        ({"reuse": "yes"}, "reuse='yes' must be True or False"),
+        ({"reuse": 1}, "reuse=1 must be True or False"),
         ({"size": 100000}, "size=100000 " + LIMIT_WORDS),
     ],
 )
@@ -71,6 +73,7 @@ def test_positional_world_arguments_are_refused() -> None:
 def test_world_marker_defaults_come_from_settings() -> None:
     assert world_spec((), {}, SETTINGS, "here") == WorldSpec(2, "auto", 300.0)
     assert world_spec((), {"size": 3, "backend": None, "timeout": 5}, SETTINGS, "here") == WorldSpec(3, "auto", 5.0)
+    assert world_spec((), {"reuse": True}, SETTINGS, "here") == WorldSpec(2, "auto", 300.0, reuse=True)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from .options import Settings
 
 T = TypeVar("T")
 
-WORLD_ARGUMENTS = ("size", "backend", "timeout")
+WORLD_ARGUMENTS = ("size", "backend", "timeout", "reuse")
 
 
 @dataclass(frozen=True)
@@ -20,17 +20,27 @@ class WorldSpec:
     size: int
     backend: str  # auto, gloo or nccl; "auto" is settled when the devices are known
     timeout: float
+    reuse: bool = False  # the tests under the marker may run one after another on the same ranks
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise options.OptionError("must be True or False")
+    return value
 
 
 def world_spec(args: tuple[object, ...], kwargs: Mapping[str, object], settings: Settings, where: str) -> WorldSpec:
-    """The world of a ``ds_world(size=None, backend=None, timeout=None)`` marker; unset values come from settings."""
+    """The world of a ``ds_world(size=None, backend=None, timeout=None, reuse=False)`` marker; unset values come
+    from settings."""
     unexpected = [repr(a) for a in args] + sorted(set(kwargs) - set(WORLD_ARGUMENTS))
     if unexpected:
-        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes size=, backend=, timeout=")
+        takes = ", ".join(f"{name}=" for name in WORLD_ARGUMENTS)
+        raise MarkerError(f"{where}: unexpected argument(s) {', '.join(unexpected)}; takes {takes}")
     return WorldSpec(
         size=_argument(kwargs, "size", _size_within(settings.max_world_size), settings.world_size, where),
         backend=_argument(kwargs, "backend", options.backend, settings.backend, where),
         timeout=_argument(kwargs, "timeout", options.seconds, settings.timeout, where),
+        reuse=_argument(kwargs, "reuse", _flag, False, where),
     )
 
 

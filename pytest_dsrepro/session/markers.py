@@ -16,9 +16,11 @@ from ..core.worlds import world_spec
 from .stash import Marks
 
 MARKERS = {
-    "ds_world": "ds_world(size=None, backend=None, timeout=None): run the test body in every rank of a fresh "
-    "torch.distributed world started by pytest-dsrepro (size defaults to --ds-world-size, backend to "
-    "--ds-backend, timeout to --ds-timeout). Fixtures ds_rank and ds_world_size tell a rank who it is.",
+    "ds_world": "ds_world(size=None, backend=None, timeout=None, reuse=False): run the test body in every rank of a "
+    "fresh torch.distributed world started by pytest-dsrepro (size defaults to --ds-world-size, backend to "
+    "--ds-backend, timeout to --ds-timeout). Fixtures ds_rank and ds_world_size tell a rank who it is. "
+    "reuse=True (on a class or module): its tests run one after another on the same ranks, each with a fresh "
+    "process group and environment; a failure, hang or crash discards the ranks.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
     f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
     "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the "
