@@ -200,7 +200,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout, deepspeed=deepspeed,
         )  # fmt: skip
-        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size, engines)
+        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         _warn_returned(item.nodeid, function, outcome)
@@ -245,11 +245,11 @@ def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutc
         )
 
 
-def _run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
+def _run_spawned(runner: WorldRunner, job: RankJob, size: int) -> WorldOutcome:
     """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
-        return runner.run(job, size, preload=engines)
+        return runner.run(job, size)
     except leases.Busy as busy:  # other workers' or sessions' worlds held the GPUs for longer than --ds-gpu-wait
         pytest.skip(str(busy))
     except WorldInterrupted as interrupted:

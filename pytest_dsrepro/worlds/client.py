@@ -347,7 +347,6 @@ class WorldRun:
     timeout: float
     failure_grace: float = FAILURE_GRACE
     stack_dump_wait: float = STACK_DUMP_WAIT
-    preload: bool = False
     preloaded: str | None = None  # what the server said it had imported ahead of its ranks
     fork_hazard: str | None = None  # what the server said made its fork of this world unsafe
     flight_recorder: Path | None = None  # an NCCL world's: where its ranks' flight recorder dumps are kept
@@ -393,7 +392,7 @@ class WorldRun:
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
         try:
-            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.preload))
+            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir)))
             while not self.ranks:
                 message = self.server.receive(self.timeout)
                 if message is None:
@@ -592,8 +591,8 @@ class WorldRunner:
     def facts(self) -> ServerFacts:
         return self.server.start()
 
-    def run(self, job: RankJob, size: int, *, preload: bool = False) -> WorldOutcome:
-        """Run one world of ``size`` ranks; ``preload``: its test builds engines (see ``Spawn.preload``). An NCCL world
+    def run(self, job: RankJob, size: int) -> WorldOutcome:
+        """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.deepspeed``, starts warm). An NCCL world
         runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
         server = self.server_for(job.backend)
         lease = self._lease(job, size) if job.backend == "nccl" else None
@@ -610,7 +609,6 @@ class WorldRunner:
                 job.timeout,
                 failure_grace=self.failure_grace,
                 stack_dump_wait=self.stack_dump_wait,
-                preload=preload,
                 flight_recorder=self._flight_recorder() if job.backend == "nccl" else None,
             )
             seen = {**os.environ, **(lease.environ() if lease else {})}

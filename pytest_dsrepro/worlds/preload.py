@@ -16,6 +16,7 @@ The server still checks after each import and stops at the first that leaves a h
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib
@@ -50,6 +51,7 @@ class Preloaded:
     modules: int
     seconds: float
     note: str  # where the list came from, or why preloading stopped short
+    stopped: bool = False  # a module's import left a hazard here: nothing more is done in this process
 
     def describe(self) -> str:
         return f"{self.modules} modules in {self.seconds:.1f}s ({self.note})"
@@ -254,4 +256,92 @@ def warm(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_
     imported, stopped, left = import_ahead(names)
     if stopped is not None:
         note = f"stopped at {stopped}, which left {left}"
-    return Preloaded(imported, time.monotonic() - started, note)
+    return Preloaded(imported, time.monotonic() - started, note, stopped=stopped is not None)
+
+
+def first_use(accelerator: str) -> str:
+    """After the imports, what a fresh rank's first DeepSpeed use still costs, done here once so that no rank pays it
+    again; says what was done. Each step runs subprocesses at most (no thread, no CUDA), and ``hazard`` is checked
+    after each: the server never goes on from a step that left one.
+
+    - py-cpuinfo's ``get_cpu_info()`` starts a Python subprocess at every call (DeepSpeed's CPU op builders call it
+      twice per op load: ``cpu_arch``, ``simd_width``; CPU Adam and Lion once more): asked once here, its answer is
+      what every later call returns (a copy: callers may change theirs). The CPU does not change under a fork.
+    - On the CPU accelerator: DeepSpeed's op-compatibility probe (``deepspeed.ops.__compatible_ops__``, run lazily
+      since 0.19.8 on first use: a compiler subprocess per op), and every op already JIT-built in this install's
+      extensions directory, loaded through DeepSpeed's own ``load()`` (ranks would load it at their first use, a
+      ninja check and the probes above each time). Ops not built yet are left to their first user to build: a build
+      takes minutes. Not on CUDA: the probe asks the GPUs, which would poison this server's forks.
+    """
+    before = threads()
+    done: list[str] = []
+    steps: list[tuple[str, Callable[[], str | None]]] = [("cpuinfo", _remember_cpu_info)]
+    if accelerator == "cpu":
+        steps += [("op probe", _probe_ops), ("ops", _load_built_ops)]
+    for name, step in steps:
+        try:
+            said = step()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: ranks then do it themselves, and report errors
+            said = f"{name} left to the ranks ({type(exc).__name__}: {exc})"
+        left = hazard(before)
+        if left is not None:
+            done.append(f"stopped after {name}, which left {left}")
+            break
+        if said:
+            done.append(said)
+    return "first use done ahead: " + (", ".join(done) or "nothing to do")
+
+
+def _remember_cpu_info() -> str | None:
+    try:
+        import cpuinfo
+    except ImportError:
+        return None
+    if getattr(cpuinfo.get_cpu_info, "dsrepro_remembered", False):
+        return "cpuinfo"
+    info = cpuinfo.get_cpu_info()
+
+    def get_cpu_info() -> dict[str, Any]:
+        return copy.deepcopy(info)
+
+    get_cpu_info.dsrepro_remembered = True  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
+    return "cpuinfo"
+
+
+def _probe_ops() -> str:
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    return f"op probe ({sum(bool(v) for v in compatible.values())} compatible)"
+
+
+def _load_built_ops() -> str | None:
+    """Every op of this accelerator built from this install's sources in ``TORCH_EXTENSIONS_DIR`` (the comm op's keyed
+    directory, ``comm_op``), loaded with DeepSpeed's ``builder.load()``."""
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not chosen:
+        return None
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    loaded = []
+    for name, builder in sorted(ALL_OPS.items()):
+        if name not in builder._loaded_ops and built_from(builder, Path(chosen) / name):
+            builder.load(verbose=False)
+            loaded.append(name)
+    return f"ops loaded: {', '.join(loaded)}" if loaded else None
+
+
+def built_from(builder: Any, directory: Path) -> bool:
+    """Is the op in ``directory`` (torch's JIT build of it) built from this install's sources, and since they last
+    changed? Another install with the same comm op shares the directory: its build would be rebuilt (minutes), here
+    and not by the ranks that need it, so it is left to them."""
+    try:
+        recipe = (directory / "build.ninja").read_text()
+        built = (directory / f"{builder.name}.so").stat().st_mtime
+        sources = [os.path.abspath(builder.deepspeed_src_path(s)) for s in builder.strip_empty_entries(builder.sources())]
+        return bool(sources) and all(
+            f"compile {s}\n" in recipe and os.stat(s).st_mtime <= built for s in sources
+        )
+    except OSError:
+        return False

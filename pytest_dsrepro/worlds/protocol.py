@@ -135,7 +135,6 @@ class Spawn:
     job: bytes
     size: int
     workdir: str
-    preload: bool = False  # the test builds DeepSpeed engines: import what their first step needs before forking
 
 
 @dataclass(frozen=True)
@@ -248,7 +247,7 @@ class RankJob:
     backend: str
     timeout: float
     environ: EnvironChanges = EnvironChanges()  # filled in by the client, which knows the server's environment
-    deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
+    deepspeed: bool = False  # the test uses DeepSpeed: ranks start warm (``worlds.preload``), its comm layer bound
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

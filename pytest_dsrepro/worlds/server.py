@@ -151,14 +151,19 @@ def freeze() -> None:
     gc.freeze()
 
 
-def preload_for_engines() -> str:
-    """Import what a rank's first DeepSpeed engine step needs (``worlds.preload``), once, before the first world that
-    builds engines: worlds that do not never pay for it."""
+def warm_for_deepspeed() -> str:
+    """Do what a rank's first DeepSpeed use would (``worlds.preload``: the imports of a first engine step, then the
+    first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
+    for it, and however the test is written, its ranks start warm."""
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
 
     where = Path(deepspeed.__file__).parent
-    return preload_mod.warm(default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where).describe()
+    preloaded = preload_mod.warm(default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where)
+    if preloaded.stopped:
+        return preloaded.describe()
+    return f"{preloaded.describe()}; {preload_mod.first_use(str(get_accelerator().device_name()))}"
 
 
 def _fork(conn: Connection, server_pid: int, body: Callable[[], None], group: int | None = None) -> int:
@@ -300,15 +305,16 @@ class Worlds:
         self.worlds: dict[int, World] = {}
         self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks whose exit is not told yet
         self._code: dict[tuple[object, ...], CodeType] = {}  # test modules compiled for the ranks, by file version
-        self.preloaded: str | None = None  # set by the first Spawn that asks for preloading
+        self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
 
     def handle(self, message: object) -> None:
         match message:
-            case Spawn(world=world, job=job, size=size, workdir=workdir, preload=preload):
+            case Spawn(world=world, job=job, size=size, workdir=workdir):
                 self.directories[world] = Path(workdir)
-                if preload and self.preloaded is None and "deepspeed" in sys.modules:
-                    self.preloaded = preload_for_engines()
-                self.spawn(world, pickle.loads(job), size, Path(workdir))
+                rank_job = pickle.loads(job)
+                if rank_job.deepspeed and self.preloaded is None and "deepspeed" in sys.modules:
+                    self.preloaded = warm_for_deepspeed()
+                self.spawn(world, rank_job, size, Path(workdir))
             case DumpStacks(world=world, ranks=ranks):
                 self.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
