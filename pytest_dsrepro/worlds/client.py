@@ -30,7 +30,7 @@ from pathlib import Path
 from ..core import versions
 from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
-from ..core.outcome import RankResult, Status, WorldOutcome, describe_exit, rank_ranges
+from ..core.outcome import PHASES, RankResult, Status, WorldOutcome, describe_exit, phases, rank_ranges
 from ..core.worlds import accelerator_for
 from . import devices, leases, nccl
 from . import workdir as layout
@@ -472,7 +472,17 @@ class WorldRun:
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
             else:
                 results.append(_judged(r, output, started, self._stack(r.rank)))
-        return WorldOutcome(self.size, self.backend, tuple(results), time.monotonic() - started)
+        return WorldOutcome(self.size, self.backend, tuple(results), time.monotonic() - started, self._phases(started))
+
+    def _phases(self, started: float) -> tuple[tuple[str, float], ...]:
+        """Where the world's time went, when every rank got through every phase on its own."""
+        marks = [r.report.marks for r in self.ranks if r.report is not None and r.forced is None]
+        ends = [r.exited_at for r in self.ranks if r.exited_at is not None]
+        if not self.ranks or len(marks) < len(self.ranks) or len(ends) < len(self.ranks):
+            return ()
+        if any(len(m) != len(PHASES) - 1 for m in marks):
+            return ()
+        return phases(started, marks, max(ends))
 
     def _cleanup(self) -> None:
         """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.

@@ -266,6 +266,7 @@ class RankReport:
     at: float | None = None  # when the body (or the world's setup) ended, on time.monotonic()'s clock
     where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
     returned: str = ""  # the type of what the body returned, when it was not None
+    marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started and ended the body (``PHASES``)
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
