@@ -136,6 +136,7 @@ class WorldOutcome:
     ranks: tuple[RankResult, ...]
     duration: float
     phases: tuple[tuple[str, float], ...] = ()  # seconds per phase (``PHASES``) when every rank got through them
+    reused: bool = False  # its ranks ran an earlier test of the same reuse scope (``ds_world(reuse=True)``)
 
     @property
     def passed(self) -> bool:
@@ -276,7 +277,8 @@ def describe_failure(outcome: WorldOutcome) -> str:
     first = ""
     if len(group_ranks(outcome.failures)) > 1 and causes:
         first = f"; rank {causes[0].rank} failed first, at {causes[0].at:.2f}s"
-    lines.append(f"({outcome.size}-rank {outcome.backend} world, {outcome.duration:.1f}s{first})")
+    reused = ", on ranks kept from an earlier test (reuse=True)" if outcome.reused else ""
+    lines.append(f"({outcome.size}-rank {outcome.backend} world{reused}, {outcome.duration:.1f}s{first})")
     for g in groups:
         head = g.ranks[0]
         if head.error is not None:

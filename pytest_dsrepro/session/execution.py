@@ -200,7 +200,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
             timeout=prepared.spec.timeout, deepspeed=deepspeed,
         )  # fmt: skip
-        outcome = _run_spawned(item.config.stash[RUNNER_KEY], job, prepared.spec.size)
+        runner = item.config.stash[RUNNER_KEY]
+        outcome = _run_spawned(runner, job, prepared.spec.size, _reuse_scope(item, prepared))
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         _warn_returned(item.nodeid, function, outcome)
@@ -245,11 +246,22 @@ def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutc
         )
 
 
-def _run_spawned(runner: WorldRunner, job: RankJob, size: int) -> WorldOutcome:
+def _reuse_scope(item: pytest.Function, prepared: Prepared) -> str | None:
+    """The tests that may run on the same ranks, one after another: those under the ``ds_world(reuse=True)`` marker's
+    node (a class, a module; on a test function, its parametrized instances), in the same world."""
+    spec = prepared.spec
+    if not spec.reuse:
+        return None
+    node, _ = next(item.iter_markers_with_node("ds_world"))
+    scope = node.nodeid if node is not item else f"{item.parent.nodeid if item.parent else ''}::{item.originalname}"
+    return f"{scope} [{spec.size} {prepared.backend} {spec.timeout:g}s]"
+
+
+def _run_spawned(runner: WorldRunner, job: RankJob, size: int, reuse: str | None) -> WorldOutcome:
     """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
-        return runner.run(job, size)
+        return runner.run(job, size, reuse)
     except leases.Busy as busy:  # other workers' or sessions' worlds held the GPUs for longer than --ds-gpu-wait
         pytest.skip(str(busy))
     except WorldInterrupted as interrupted:

@@ -339,9 +339,8 @@ def built_from(builder: Any, directory: Path) -> bool:
     try:
         recipe = (directory / "build.ninja").read_text()
         built = (directory / f"{builder.name}.so").stat().st_mtime
-        sources = [os.path.abspath(builder.deepspeed_src_path(s)) for s in builder.strip_empty_entries(builder.sources())]
-        return bool(sources) and all(
-            f"compile {s}\n" in recipe and os.stat(s).st_mtime <= built for s in sources
-        )
+        listed = builder.strip_empty_entries(builder.sources())
+        sources = [os.path.abspath(builder.deepspeed_src_path(s)) for s in listed]
+        return bool(sources) and all(f"compile {s}\n" in recipe and os.stat(s).st_mtime <= built for s in sources)
     except OSError:
         return False

@@ -8,8 +8,10 @@ it forks (``worlds.rank``).
 
       server -> pytest   Building(what) while a first comm-op build runs, then Hello(facts) once preloaded;
                          Spawned(world, pids); Exited(world, rank, returncode);
+                         Finished(world, rank) when a rank of a reusable world is done and waits for a next test;
                          Reaped(world) once a Reap is done
-      pytest -> server   Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+      pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
+                         Reap(world, keep)
 
   The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
   ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
@@ -98,8 +100,9 @@ class Spawned:
 
     world: int
     pids: tuple[int, ...]
-    preloaded: str | None = None  # what the server has imported ahead of its ranks, once it has (``Spawn.preload``)
+    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.preload``)
     fork_hazard: str | None = None  # what made forking these ranks unsafe (a thread, a CUDA context); None: nothing
+    reused: bool = False  # the ranks ran the previous test of the same ``Spawn.reuse`` and were kept for this one
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,17 @@ class Exited:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A rank of a reusable world (``Spawn.reuse``) wrote its report after a clean test (its process group
+    destroyed, DeepSpeed's module state and the environment as they were when it was forked) and waits for the next
+    test, alive: for its world it counts as a clean exit. ``at`` as in ``Exited``."""
+
+    world: int
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
 class Reaped:
     """Answer to ``Reap``: every process of ``world`` is dead (each rank told by ``Exited`` first) and its directory
     and ``/dev/shm`` buffers are gone."""
@@ -121,20 +135,25 @@ class Reaped:
     world: int
 
 
-ServerMessage = Hello | Building | Spawned | Exited | Reaped
-SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Reaped)
+ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Spawn:
-    """Start a world: ``size`` ranks that each run ``job`` (a pickled ``RankJob``), meeting on the server's store."""
+    """Start a world: ``size`` ranks that each run ``job`` (a pickled ``RankJob``), meeting on the server's store.
+
+    ``reuse``: the test declared reuse (``ds_world(reuse=True)``) and this is its scope; the ranks kept after the
+    previous test of the same scope and size run it, with a fresh process group, instead of new ones (``Spawned``
+    says which), and after a clean test they wait for the next (``Finished``, then ``Reap(keep=True)``)."""
 
     world: int
     job: bytes
     size: int
     workdir: str
+    reuse: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,9 +175,13 @@ class Kill:
 @dataclass(frozen=True)
 class Reap:
     """pytest has read the world's directory (or was interrupted): kill whatever of the world is left (ranks and the
-    processes they started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``."""
+    processes they started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``.
+
+    ``keep``: every rank of a reusable world ``Finished`` cleanly: keep them for the next test of its scope (only
+    the directory goes). The server keeps one such world at most, and ends it when another world starts."""
 
     world: int
+    keep: bool = False
 
 
 ClientMessage = Spawn | DumpStacks | Kill | Reap
@@ -266,7 +289,7 @@ class RankReport:
     at: float | None = None  # when the body (or the world's setup) ended, on time.monotonic()'s clock
     where: tuple[str, int] | None = None  # file and line of the body's pytest.skip()/xfail() call
     returned: str = ""  # the type of what the body returned, when it was not None
-    marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started and ended the body (``PHASES``)
+    marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started, ended its body (``PHASES``)
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
