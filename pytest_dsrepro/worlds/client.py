@@ -36,6 +36,7 @@ from . import devices, leases, nccl
 from . import workdir as layout
 from .devices import Gpu
 from .protocol import (
+    SCOUT_ARGUMENT,
     SERVER_MESSAGES,
     Building,
     ClientMessage,
@@ -155,7 +156,9 @@ class ForkServer:
         env[CACHE_ENV] = str(self.cache_dir)
         return devices.server_environment(env, self.accelerator, self.gpus)
 
-    def start(self) -> ServerFacts:
+    def start(self, deepspeed: bool = False) -> ServerFacts:
+        """Start the server and wait until it is ready; ``deepspeed``: the world it starts for uses DeepSpeed, so
+        that what its ranks need first is prepared beside the comm-op build (``worlds.preload.scout``)."""
         if self.facts is not None:
             return self.facts
         if self.refused is not None:  # not started again, only to fail the same way minutes later
@@ -165,8 +168,9 @@ class ForkServer:
         self._log = Path(log)
         self.environ = dict(os.environ)
         try:
+            command = [sys.executable, "-P", "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log]
             self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
+                [*command, *([SCOUT_ARGUMENT] if deepspeed else [])],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -406,6 +410,8 @@ class WorldRun:
                     raise HarnessError(
                         f"the pytest-dsrepro fork server did not start the ranks; its log:\n{self.server.log_tail()}"
                     )
+                if isinstance(message, Building):  # a first preload of a release: what it does, and how long
+                    self.server.progress(message.what)
                 if isinstance(message, Spawned) and message.world == self.world_id:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
                     self.preloaded, self.fork_hazard = message.preloaded, message.fork_hazard
@@ -625,10 +631,10 @@ class WorldRunner:
         server = self.server_for(job.backend)
         lease = self._lease(job, size) if job.backend == "nccl" else None
         try:
-            server.start()
+            server.start(job.deepspeed)
             if not server.alive:
                 server.close()
-                server.start()
+                server.start(job.deepspeed)
             world = WorldRun(
                 server,
                 next(self._ids),

@@ -76,6 +76,10 @@ class ServerFacts:
         return "; ".join(parts)
 
 
+#: The fork server's last argument when its first world uses DeepSpeed: what ranks import is found while the comm op
+#: builds (``worlds.preload.scout``).
+SCOUT_ARGUMENT = "--scout"
+
 # ---- server -> pytest -----------------------------------------------------------------------------------------
 
 

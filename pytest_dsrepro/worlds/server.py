@@ -64,6 +64,7 @@ from . import rank as rank_mod
 from . import reuse as reuse_mod
 from . import workdir as layout
 from .protocol import (
+    SCOUT_ARGUMENT,
     Building,
     DumpStacks,
     Exited,
@@ -102,11 +103,15 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
+def preload(
+    announce: Callable[[str], None] = lambda _: None, scout: bool = False
+) -> tuple[ServerFacts, preload_mod.Child | None]:
     """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
     code itself is imported with this module); build DeepSpeed's comm op; report what is in play; leave DeepSpeed to
     the ranks where importing it poisoned this server's forks. Each import made here is one a forked rank does not
-    pay again (pytest alone is ~80 ms per world).
+    pay again (pytest alone is ~80 ms per world). ``scout``: the first world uses DeepSpeed, so what its ranks will
+    import is found meanwhile, in a child (``preload.scout``, collected by ``warm_for_deepspeed``), not after the
+    comm-op build.
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
     the pytest process imports nothing.
@@ -118,14 +123,16 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
     found = devices.deferred(default_cache_dir(), str(torch.__version__))
     if found is not None:
-        return devices.without_deepspeed(facts, found)
+        return devices.without_deepspeed(facts, found), None
     try:
         import deepspeed
     except ImportError as exc:
-        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}")
+        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}"), None
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
+    # Not on GPUs, where DeepSpeed may yet be left to the ranks (below).
+    scouted = preload_mod.scout(*_install()) if scout and not devices.gpu_device_nodes() else None
     started = time.monotonic()
     comm_op = extensions.warm_up(announce)
     if devices.gpu_device_nodes() and devices.poisoned_fork():
@@ -140,7 +147,7 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         comm_op_seconds=round(time.monotonic() - started, 2),
         accelerator=str(accelerator.device_name()),
         accelerator_backend=str(accelerator.communication_backend_name()),
-    )
+    ), scouted
 
 
 def _marshal(code: CodeType | None) -> bytes | None:
@@ -159,16 +166,22 @@ def freeze() -> None:
     gc.freeze()
 
 
-def warm_for_deepspeed() -> str:
-    """Do what a rank's first DeepSpeed use would (``worlds.preload``: the imports of a first engine step, then the
-    first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
-    for it, and however the test is written, its ranks start warm."""
+def _install() -> tuple[Path, str, str, Path]:
+    """The cache directory and the DeepSpeed install (version, torch, where) that preload lists are kept for."""
     import deepspeed
     import torch
+
+    return default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), Path(deepspeed.__file__).parent
+
+
+def warm_for_deepspeed(scouted: preload_mod.Child | None, announce: Callable[[str], None]) -> str:
+    """Do what a rank's first DeepSpeed use would (``worlds.preload``: the imports of a first engine step, then the
+    first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
+    for it, and however the test is written, its ranks start warm. ``scouted``: the child finding the imports,
+    started beside the comm-op build (``preload``)."""
     from deepspeed.accelerator import get_accelerator
 
-    where = Path(deepspeed.__file__).parent
-    preloaded = preload_mod.warm(default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where)
+    preloaded = preload_mod.warm(*_install(), scouted, announce)
     if preloaded.stopped:
         return preloaded.describe()
     return f"{preloaded.describe()}; {preload_mod.first_use(str(get_accelerator().device_name()))}"
@@ -383,7 +396,9 @@ def children() -> list[int]:
 class Worlds:
     """The worlds this server started for pytest: their ranks' pids until reaped, their directories until reaped."""
 
-    def __init__(self, conn: Connection, directories: dict[int, Path], store: Store) -> None:
+    def __init__(
+        self, conn: Connection, directories: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+    ) -> None:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
         self.store = store
@@ -391,6 +406,7 @@ class Worlds:
         self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks whose exit is not told yet
         self._code: dict[tuple[object, ...], CodeType] = {}  # test modules compiled for the ranks, by file version
         self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
+        self.scouted = scouted  # the child finding what that first Spawn imports, started before the comm-op build
         self.kept: World | None = None  # a reusable world's ranks, alive between two tests of its scope
         self._finished: dict[int, set[int]] = {}  # world -> its ranks that said Finished
 
@@ -400,7 +416,8 @@ class Worlds:
                 self.directories[world] = Path(workdir)
                 rank_job = pickle.loads(job)
                 if rank_job.deepspeed and self.preloaded is None and "deepspeed" in sys.modules:
-                    self.preloaded = warm_for_deepspeed()
+                    self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
+                    self.scouted = None
                 self.spawn(world, rank_job, size, Path(workdir), reuse)
             case DumpStacks(world=world, ranks=ranks):
                 self.signal(world, ranks, STACK_SIGNAL)
@@ -625,9 +642,11 @@ class Worlds:
             self.kept = None
 
 
-def serve(conn: Connection, open_worlds: dict[int, Path], store: Store) -> None:
+def serve(
+    conn: Connection, open_worlds: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = Worlds(conn, open_worlds, store)
+    worlds = Worlds(conn, open_worlds, store, scouted)
     wakeups = _child_exit_wakeups()
     while True:
         links = worlds.links()
@@ -676,7 +695,7 @@ def main() -> None:
     DeepSpeed takes a second or more, and pytest waits for the server's exit."""
     code = 1
     try:
-        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:] == [SCOUT_ARGUMENT])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -690,7 +709,7 @@ def main() -> None:
         os._exit(code)
 
 
-def run(fd: int, parent: int, log: Path) -> None:
+def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
     faulthandler.enable()  # a fatal signal (a damaged shared object's SIGBUS, say) leaves its stack in the log
     signal.signal(signal.SIGTERM, _exit_on_signal)
     die_with_parent(parent, signal.SIGTERM)  # not SIGKILL: the server must still clean up after its worlds
@@ -699,10 +718,11 @@ def run(fd: int, parent: int, log: Path) -> None:
     conn = Connection(fd)
     open_worlds: dict[int, Path] = {}
     store = Store()
+    scouted: preload_mod.Child | None = None
     try:
         try:
             try:
-                facts = preload(lambda what: conn.send(Building(what)))
+                facts, scouted = preload(lambda what: conn.send(Building(what)), scout)
                 if facts.fatal is None:
                     freeze()
                     store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
@@ -715,7 +735,7 @@ def run(fd: int, parent: int, log: Path) -> None:
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
-                serve(conn, open_worlds, store)
+                serve(conn, open_worlds, store, scouted)
         finally:
             # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
             # may still land here, before it is ignored, and only the outer block is sure to run to the end.
