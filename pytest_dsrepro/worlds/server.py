@@ -3,15 +3,20 @@
 Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
 world still gets brand-new rank processes, so nothing a test does leaks into the next.
 
-Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG``.
+Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG [--scout]``.
 It speaks the typed messages of ``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
-    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode); Reaped(world)
-    pytest -> server  Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode);
+                      Finished(world, rank); Reaped(world)
+    pytest -> server  Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
+                      Reap(world, keep)
 The server forks every rank and is the only process that signals one (it alone knows which pids are still its
 unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kill ranks, then to reap the world,
 which the server answers with ``Reaped`` once every process of it is dead and its directory is gone.
 End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
 the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit.
+
+A world of a reuse scope (``ds_world(reuse=True)``) may be kept after a clean test and run the scope's next test on
+the same ranks, each test with a fresh process group (``Spawn.reuse``, ``Finished``, ``Reap.keep``; ``worlds.reuse``).
 
 A world is one process per rank, in a process group of its own; they meet on the server's store process (one
 TCPStore for every world, each under its own key prefix, forked once at start-up). What all ranks of a world share
