@@ -3,8 +3,9 @@
 Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
 world still gets brand-new rank processes, so nothing a test does leaks into the next.
 
-Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG [--scout]``.
-It speaks the typed messages of ``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
+Started by the pytest process (``worlds.client``) as
+``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG [--scout]``. It speaks the typed messages of
+``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
     server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode);
                       Finished(world, rank); Reaped(world)
     pytest -> server  Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
