@@ -87,7 +87,7 @@ import deepspeed
 import pytest
 import torch
 
-CONFIG = {{"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {{"stage": 3}}}}
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 3}}
 
 
 def step(rank):
