@@ -198,7 +198,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         _check_unchanged(item)
         job = RankJob(
             test=_reference(item), payload=_payload(item, kwargs, fixes), backend=prepared.backend,
-            timeout=prepared.spec.timeout, deepspeed=deepspeed,
+            timeout=prepared.spec.timeout, deepspeed=deepspeed, warm=deepspeed,
         )  # fmt: skip
         runner = item.config.stash[RUNNER_KEY]
         outcome = _run_spawned(runner, job, prepared.spec.size, _reuse_scope(item, prepared))

@@ -625,16 +625,16 @@ class WorldRunner:
         return self.server.start()
 
     def run(self, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
-        """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.deepspeed``, starts warm); ``reuse``: the
+        """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.warm``, starts warm); ``reuse``: the
         test's reuse scope (``Spawn.reuse``): ranks kept from its previous test may run it. An NCCL world
         runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
         server = self.server_for(job.backend)
         lease = self._lease(job, size) if job.backend == "nccl" else None
         try:
-            server.start(job.deepspeed)
+            server.start(job.warm)
             if not server.alive:
                 server.close()
-                server.start(job.deepspeed)
+                server.start(job.warm)
             world = WorldRun(
                 server,
                 next(self._ids),

@@ -274,7 +274,8 @@ class RankJob:
     backend: str
     timeout: float
     environ: EnvironChanges = EnvironChanges()  # filled in by the client, which knows the server's environment
-    deepspeed: bool = False  # the test uses DeepSpeed: ranks start warm (``worlds.preload``), its comm layer bound
+    deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
+    warm: bool = False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.preload``)
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

@@ -421,7 +421,7 @@ class Worlds:
             case Spawn(world=world, job=job, size=size, workdir=workdir, reuse=reuse):
                 self.directories[world] = Path(workdir)
                 rank_job = pickle.loads(job)
-                if rank_job.deepspeed and self.preloaded is None and "deepspeed" in sys.modules:
+                if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
                     self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
                     self.scouted = None
                 self.spawn(world, rank_job, size, Path(workdir), reuse)
