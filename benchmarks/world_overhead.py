@@ -4,9 +4,18 @@ Measured in one run, interleaved round by round so that load changes hit every c
 
 - **plugin**: pytest sessions of trivial world tests (one all_reduce) at each world size, timed by pytest's own
   call-phase durations (fresh rank processes per test included; the first test of a session, which starts the fork
-  server, is left out); in the 2-rank session, tiny ZeRO-3 tests (build an engine, one step; the session's first
-  also preloads what engines import, and is told apart); **the first world of a session**, from launching pytest
-  to the end of its first world test; and the pytest process's peak resident memory (torch must stay out of it).
+  server, is left out); in the 2-rank session, tiny ZeRO-3 tests (build an engine through ``ds_engine``, one step;
+  the session's first also preloads what engines import, and is told apart); **the first world of a session**, from
+  launching pytest to the end of its first world test; and the pytest process's peak resident memory (torch must
+  stay out of it).
+- **ZeRO-3 written DeepSpeed's way**: the same step with ``import deepspeed`` at the top of the module and
+  ``deepspeed.initialize`` in the body, no fixture of the plugin's, in a session of its own (nothing there ran
+  ``ds_engine`` first); and the same tests in a class that declares reuse (``ds_world(reuse=True)``), in upstream's
+  style, whose first test gets a fresh world and the rest its kept ranks. Each with **where the time goes** (the
+  outcome's phases: fork, rendezvous, imports, setup, body, teardown), and **first use**: the body on fresh ranks
+  against the same body on kept ones.
+- ``--cold``: **the first verdict on a never-seen release**: one such test with an empty ``--ds-cache-dir`` (the comm
+  op built and the preload list found again), from launching pytest to the end of the test.
 - **floor**: the least a forked world can cost, written here: one process that imported torch and DeepSpeed forks N
   ranks, which set up a TCPStore (rank 0 hosts it on a socket bound before the fork), initialise gloo, all_reduce,
   destroy the group and exit. Also its first world, from launching it.
@@ -20,7 +29,7 @@ Measured in one run, interleaved round by round so that load changes hit every c
 Prints medians, the load average, and ratios; the targets are in README.md.
 
     python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--zero3 3]
-                                        [--baseline-runs 3] [--catalogue] [--against DIR]
+                                        [--baseline-runs 3] [--catalogue] [--cold] [--against DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,19 +80,68 @@ def test_zero3_step(ds_engine, ds_config, ds_rank, i):
     engine.step()
 """
 
-#: Records, in the pytest process itself: each passed test's call duration, when its first test ended (wall clock,
-#: as the benchmark's launch time), whether torch got imported, and its peak resident memory (KiB).
+#: The tiny ZeRO-3 step as DeepSpeed users and DeepSpeed's own tests write it: DeepSpeed imported by the module,
+#: ``deepspeed.initialize`` in the body; as plain tests and as a class that declares reuse.
+DEEPSPEED_WAY = """
+import deepspeed
+import pytest
+import torch
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 3}}
+
+
+def step(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(rank))
+    engine.backward(torch.nn.functional.mse_loss(engine(x), x[:, :4]))
+    engine.step()
+"""
+
+PLAIN = """
+
+@pytest.mark.ds_world(size=2, backend="gloo")
+@pytest.mark.parametrize("i", range({n}))
+def test_zero3_body(ds_rank, i):
+    step(ds_rank)
+"""
+
+REUSE_CLASS = """
+
+@pytest.mark.ds_world(size=2, backend="gloo", reuse=True)
+class TestZero3Reused:
+    @pytest.mark.parametrize("i", range({n}))
+    def test_step(self, ds_rank, i):
+        step(ds_rank)
+"""
+
+#: Records, in the pytest process itself: each passed test's call duration and its world's phases, when its first
+#: test ended (wall clock, as the benchmark's launch time), whether torch got imported, and its peak resident memory
+#: (KiB). Phases are read from the test's outcome, where the plugin keeps it (none in a checkout without them).
 RECORDER = """
 import json, resource, sys, time
 
 calls = []
 first_end = []
 
+try:
+    from pytest_dsrepro.session.stash import OUTCOME_KEY
+except ImportError:
+    OUTCOME_KEY = None
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and OUTCOME_KEY is not None:
+        outcome = item.stash.get(OUTCOME_KEY, None)
+        item.user_properties.append(("phases", dict(getattr(outcome, "phases", ()))))
+
 def pytest_runtest_logreport(report):
     if report.when == "call":
         first_end or first_end.append(time.time())
         if report.passed:
-            calls.append([report.nodeid, report.duration])
+            phases = dict(report.user_properties).get("phases", {})
+            calls.append([report.nodeid, report.duration, phases])
 
 def pytest_sessionfinish(session):
     with open("recorded.json", "w") as f:
@@ -163,6 +222,11 @@ class Figures:
     trivial: dict[int, list[float]] = field(default_factory=dict)
     zero3: list[float] = field(default_factory=list)
     zero3_first: list[float] = field(default_factory=list)
+    body: list[float] = field(default_factory=list)  # ZeRO-3 written DeepSpeed's way
+    body_first: list[float] = field(default_factory=list)
+    reused: list[float] = field(default_factory=list)  # ... in a reuse class, on kept ranks
+    phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # per kind of test, per test
+    cold: list[float] = field(default_factory=list)
     first_world: list[float] = field(default_factory=list)
     rss_kib: list[int] = field(default_factory=list)
     torch_in_pytest: bool = False
@@ -178,24 +242,57 @@ def _env(plugin_root: Path) -> dict[str, str]:
     return env
 
 
-def plugin(plugin_root: Path, size: int, n: int, zero3: int, workdir: Path, into: Figures) -> None:
+def _session(
+    plugin_root: Path, workdir: Path, source: str, *options: str, check: bool = True
+) -> tuple[dict[str, Any], float]:
+    """One pytest session of ``source`` with the recorder; what it recorded, and when it was launched. ``check=False``:
+    its tests may fail (a checkout from before a feature refuses it), and only those that passed are counted."""
     (workdir / "conftest.py").write_text(RECORDER)
-    (workdir / "test_bench.py").write_text(
-        PLUGIN_TESTS.format(size=size, n=n, zero3=zero3, body=textwrap.indent(BODY, "    "))
-    )
-    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py"]
+    (workdir / "test_bench.py").write_text(source)
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py", *options]
     launched = time.time()
-    subprocess.run(cmd, cwd=workdir, check=True, stdout=subprocess.DEVNULL, env=_env(plugin_root))
-    recorded = json.loads((workdir / "recorded.json").read_text())
-    calls = recorded["calls"]
-    trivial = [d for nodeid, d in calls if "test_all_reduce" in nodeid]
-    steps = [d for nodeid, d in calls if "test_zero3_step" in nodeid]
-    into.trivial.setdefault(size, []).extend(trivial[1:])  # the first also started the fork server
-    into.zero3_first += steps[:1]  # the first also preloaded what engines import
-    into.zero3 += steps[1:]
+    subprocess.run(cmd, cwd=workdir, check=check, stdout=subprocess.DEVNULL, env=_env(plugin_root))
+    return json.loads((workdir / "recorded.json").read_text()), launched
+
+
+def _calls(recorded: dict[str, Any], name: str) -> list[tuple[float, dict[str, float]]]:
+    return [(duration, phases) for nodeid, duration, phases in recorded["calls"] if name in nodeid]
+
+
+def plugin(plugin_root: Path, size: int, n: int, zero3: int, workdir: Path, into: Figures) -> None:
+    source = PLUGIN_TESTS.format(size=size, n=n, zero3=zero3, body=textwrap.indent(BODY, "    "))
+    recorded, launched = _session(plugin_root, workdir, source)
+    trivial = _calls(recorded, "test_all_reduce")[1:]  # the first also started the fork server
+    steps = _calls(recorded, "test_zero3_step")
+    into.trivial.setdefault(size, []).extend(d for d, _ in trivial)
+    into.zero3_first += [d for d, _ in steps[:1]]  # the first also preloaded what engines import
+    into.zero3 += [d for d, _ in steps[1:]]
+    into.phases.setdefault(f"trivial world, {size} rank(s)", []).extend(p for _, p in trivial)
+    into.phases.setdefault("ZeRO-3 through ds_engine", []).extend(p for _, p in steps[1:])
     into.first_world.append(recorded["first_end"] - launched)
     into.rss_kib.append(recorded["rss_kib"])
     into.torch_in_pytest |= recorded["torch"]
+
+
+def deepspeed_way(plugin_root: Path, zero3: int, workdir: Path, into: Figures) -> None:
+    """The ZeRO-3 step written DeepSpeed's way: plain tests in one session, a reuse class in another."""
+    recorded, _ = _session(plugin_root, workdir, DEEPSPEED_WAY + PLAIN.format(n=zero3 + 1))
+    steps = _calls(recorded, "test_zero3_body")
+    into.body_first += [d for d, _ in steps[:1]]  # the session's first world: the server starts warm for it
+    into.body += [d for d, _ in steps[1:]]
+    into.phases.setdefault("ZeRO-3 DeepSpeed's way", []).extend(p for _, p in steps[1:])
+    recorded, _ = _session(plugin_root, workdir, DEEPSPEED_WAY + REUSE_CLASS.format(n=zero3 + 1), check=False)
+    steps = _calls(recorded, "TestZero3Reused")[1:]  # the first is the server's first world
+    into.reused += [d for d, _ in steps]
+    into.phases.setdefault("ZeRO-3 DeepSpeed's way, reused", []).extend(p for _, p in steps)
+
+
+def cold(plugin_root: Path, workdir: Path, into: Figures) -> None:
+    """The first verdict on a release this machine never ran: an empty cache directory (the comm op is built, the
+    preload list found again), from launching pytest to the end of its one test."""
+    with tempfile.TemporaryDirectory(prefix="dsrepro-cold-") as cache:
+        recorded, launched = _session(plugin_root, workdir, DEEPSPEED_WAY + PLAIN.format(n=1), "--ds-cache-dir", cache)
+    into.cold.append(recorded["first_end"] - launched)
 
 
 def floor(size: int, n: int, workdir: Path, into: Figures) -> None:
@@ -264,6 +361,14 @@ def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], si
         )
     row(f"tiny ZeRO-3 test (n={'/'.join(str(len(f.zero3)) for f in figures)})", [_median(f.zero3) for f in figures])
     row("first ZeRO-3 test (it preloads)", [_median(f.zero3_first) for f in figures])
+    for label, values in [
+        ("ZeRO-3 DeepSpeed's way (body)", [f.body for f in figures]),
+        ("  its session's first", [f.body_first for f in figures]),
+        ("ZeRO-3 DeepSpeed's way, reused", [f.reused for f in figures]),
+        ("first verdict, never-seen release", [f.cold for f in figures]),
+    ]:
+        if any(values):
+            row(label, [_median(v) for v in values])
     row("first world, after launch", [_median(f.first_world) for f in figures], _median(bare.first_world))
     row("pytest peak RSS (max)", [max(f.rss_kib) / 1024 for f in figures], unit="MiB")
     print(f"{'torch imported in pytest':<36}" + "".join(f"{f.torch_in_pytest!s:>14}" for f in figures))
@@ -271,19 +376,45 @@ def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], si
         row("warm catalogue, wall", [_median(f.catalogue_wall) for f in figures])
         row("warm catalogue, CPU", [_median(f.catalogue_cpu) for f in figures])
     if fresh:
-        print(f"{'fresh interpreters, 2 ranks':<36}{statistics.median(fresh):>12.3f} s (n={len(fresh)})")
-        for name, f in contenders.items():
-            two = _median(f.trivial.get(2, []))
-            if two:
-                print(f"{'  ' + name + ', speed-up on them':<36}{statistics.median(fresh) / two:>13.1f}x")
+        speed_ups(contenders, fresh)
+    for name, f in contenders.items():
+        breakdown(name, f)
     if len(names) == 2:
         side_by_side(names, *figures, sizes)
+
+
+def speed_ups(contenders: dict[str, Figures], fresh: list[float]) -> None:
+    print(f"{'fresh interpreters, 2 ranks':<36}{statistics.median(fresh):>12.3f} s (n={len(fresh)})")
+    for name, f in contenders.items():
+        two = _median(f.trivial.get(2, []))
+        if two:
+            print(f"{'  ' + name + ', speed-up on them':<36}{statistics.median(fresh) / two:>13.1f}x")
+
+
+def breakdown(name: str, f: Figures) -> None:
+    """Where each kind of test's time goes: median seconds per phase, and what a first use costs in the body."""
+    kinds = {kind: found for kind, found in f.phases.items() if any(found)}
+    if not kinds:
+        return
+    names = ("fork", "rendezvous", "imports", "setup", "body", "teardown")
+    print(f"\n{name}: where the time goes (medians, s)" + "".join(f"{n:>11}" for n in names))
+    body: dict[str, float] = {}
+    for kind, found in kinds.items():
+        cells = [_median([p[n] for p in found if n in p]) for n in names]
+        body[kind] = cells[4] or 0.0
+        print(f"  {kind:<42}" + "".join(f"{c:>11.3f}" if c is not None else f"{'-':>11}" for c in cells))
+    fresh, kept = body.get("ZeRO-3 DeepSpeed's way"), body.get("ZeRO-3 DeepSpeed's way, reused")
+    if fresh is not None and kept is not None:
+        print(f"  first use in a fresh rank's body (fresh - reused): {fresh - kept:.3f} s")
 
 
 def side_by_side(names: list[str], a: Figures, b: Figures, sizes: list[int]) -> None:
     print(f"\n{names[0]} / {names[1]}, medians of the same rounds:")
     pairs = [(f"trivial world, {s} rank(s)", a.trivial.get(s, []), b.trivial.get(s, [])) for s in sizes] + [
         ("tiny ZeRO-3 test", a.zero3, b.zero3),
+        ("ZeRO-3 DeepSpeed's way", a.body, b.body),
+        ("ZeRO-3 DeepSpeed's way, reused", a.reused, b.reused),
+        ("first verdict, never-seen release", a.cold, b.cold),
         ("first world, after launch", a.first_world, b.first_world),
         ("warm catalogue, wall", a.catalogue_wall, b.catalogue_wall),
         ("warm catalogue, CPU", a.catalogue_cpu, b.catalogue_cpu),
@@ -291,6 +422,28 @@ def side_by_side(names: list[str], a: Figures, b: Figures, sizes: list[int]) -> 
     for label, x, y in pairs:
         if x and y:
             print(f"  {label:<34}{statistics.median(x) / statistics.median(y):.2f}")
+
+
+def one_round(
+    args: argparse.Namespace,
+    sizes: list[int],
+    roots: dict[str, Path],
+    contenders: dict[str, Figures],
+    bare: Figures,
+    workdir: Path,
+) -> None:
+    """Every contender once, one after another for each measurement, then the floor."""
+    for size in sizes:
+        for name, root in roots.items():
+            plugin(root, size, args.tests, args.zero3 if size == 2 else 0, workdir, contenders[name])
+            if size == 2 and args.zero3:
+                deepspeed_way(root, args.zero3, workdir, contenders[name])
+        floor(size, args.tests, workdir, bare)
+    for name, root in roots.items():
+        if args.cold:
+            cold(root, workdir, contenders[name])
+        if args.catalogue:
+            catalogue(root, contenders[name])
 
 
 def main() -> None:
@@ -301,6 +454,7 @@ def main() -> None:
     parser.add_argument("--zero3", type=int, default=3, help="tiny ZeRO-3 tests per round (2 ranks)")
     parser.add_argument("--baseline-runs", type=int, default=3, help="fresh-interpreter worlds (2 ranks)")
     parser.add_argument("--catalogue", action="store_true", help="also time the warm catalogue (repros/) each round")
+    parser.add_argument("--cold", action="store_true", help="also time a first verdict with an empty cache, each round")
     parser.add_argument("--against", type=Path, help="another checkout of the plugin, measured in the same rounds")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -316,13 +470,7 @@ def main() -> None:
         if args.catalogue:  # warm: the comm op and the preload list cached, as every later run finds them
             catalogue(ROOT, Figures())
         for _ in range(args.rounds):
-            for size in sizes:
-                for name, root in roots.items():
-                    plugin(root, size, args.tests, args.zero3 if size == 2 else 0, workdir, contenders[name])
-                floor(size, args.tests, workdir, bare)
-            if args.catalogue:
-                for name, root in roots.items():
-                    catalogue(root, contenders[name])
+            one_round(args, sizes, roots, contenders, bare, workdir)
         fresh = baseline(args.baseline_runs, workdir)
     load_after = os.getloadavg()
     print(

@@ -58,6 +58,7 @@ def test_good_option_text() -> None:
             {"typo": 1},
             "unexpected argument(s) typo; takes size=, backend=, timeout=, reuse=, process_group=, launcher_env=",
         ),
+        ({"reuse": "yes"}, "reuse='yes' must be True or False"),
         ({"size": 100000}, "size=100000 " + LIMIT_WORDS),
         ({"process_group": "no"}, "process_group='no' must be True or False"),
         ({"launcher_env": 0}, "launcher_env=0 must be True or False"),
@@ -108,6 +109,7 @@ def test_positional_world_arguments_are_refused() -> None:
 def test_world_marker_defaults_come_from_settings() -> None:
     assert world_spec((), {}, SETTINGS, "here") == WorldSpec(2, "auto", 300.0)
     assert world_spec((), {"size": 3, "backend": None, "timeout": 5}, SETTINGS, "here") == WorldSpec(3, "auto", 5.0)
+    assert world_spec((), {"reuse": True}, SETTINGS, "here") == WorldSpec(2, "auto", 300.0, reuse=True)
 
 
 @pytest.mark.parametrize(

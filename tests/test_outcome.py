@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure, rank_ranges
+from pytest_dsrepro.core.outcome import (
+    PHASES,
+    ErrorInfo,
+    RankResult,
+    Status,
+    WorldOutcome,
+    describe_failure,
+    phases,
+    rank_ranges,
+)
 
 
 def test_rank_ranges() -> None:
@@ -55,3 +64,11 @@ def test_skip_only_when_nothing_else_went_wrong() -> None:
     skipped = RankResult(0, Status.SKIPPED, detail="no GPU")
     assert WorldOutcome(2, "gloo", (skipped, RankResult(1, Status.PASSED)), 0).declared == skipped
     assert WorldOutcome(2, "gloo", (skipped, _failed(1, KeyError())), 0).declared is None
+
+
+def test_a_phase_ends_when_its_slowest_rank_ends_it() -> None:
+    """Rank 1 starts late and rank 0 loads late: each phase is counted from the slowest rank's end of the last."""
+    marks = [(1.0, 1.1, 1.5, 1.6, 2.0), (1.2, 1.3, 1.4, 1.7, 2.5)]
+    told = phases(0.5, marks, 2.75)
+    assert [name for name, _ in told] == list(PHASES)
+    assert [round(s, 3) for _, s in told] == [0.7, 0.1, 0.2, 0.2, 0.8, 0.25]

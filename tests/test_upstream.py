@@ -37,6 +37,7 @@ def ds_checkout(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> P
     as ``dsrepro upstream`` runs it (from the checkout's root, ``python -m pytest`` would import the checkout's
     unbuilt ``deepspeed/`` before any plugin loads)."""
     pytester.copy_example("upstream")
+    (pytester.path / ".gitignore").write_text("__pycache__/\n*.pyc\n")  # as DeepSpeed's: bytecode is no change
     _git(pytester.path, "init", "-q")
     _git(pytester.path, "add", "-A")
     _git(pytester.path, "commit", "-qm", "tests")

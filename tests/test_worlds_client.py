@@ -21,7 +21,7 @@ import pytest
 
 from conftest import REAL_CACHE
 from pytest_dsrepro.core.errors import HarnessError
-from pytest_dsrepro.core.outcome import Status, WorldOutcome
+from pytest_dsrepro.core.outcome import PHASES, Status, WorldOutcome
 from pytest_dsrepro.worlds import client, devices, workdir
 from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
 from pytest_dsrepro.worlds.protocol import (
@@ -261,6 +261,7 @@ def test_healthy_ranks_are_stopped_with_their_stacks(
     assert failed.error is not None
     assert failed.error.summary == "RuntimeError: rank 0 failed first"
     assert (stopped.status, stopped.detail) == (Status.STOPPED, "still running 0.5s after rank 0 failed")
+    assert outcome.phases == ()  # a rank that was stopped never got through them
     assert "dsrepro_bodies.py" in stopped.stack
     assert "in test_one_fails" in stopped.stack
     assert "pytest_dsrepro" not in stopped.stack  # the harness frames under the body are left out
@@ -272,6 +273,8 @@ def test_a_world_after_a_stopped_one_runs_clean(runner: WorldRunner, tmp_path: P
     outcome = runner.run(_real_job(tmp_path, "test_passes"), size=2)
     assert outcome.passed, outcome
     assert _server_children(runner) == []
+    assert [name for name, _ in outcome.phases] == list(PHASES)  # where its time went, every phase told
+    assert 0 < sum(seconds for _, seconds in outcome.phases) <= outcome.duration
 
 
 @pytest.mark.parametrize(

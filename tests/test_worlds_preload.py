@@ -121,3 +121,39 @@ def test_engine_worlds_start_with_their_imports_done_and_trivial_worlds_never_pa
     result.stdout.fnmatch_lines(
         ["worlds ran on: DeepSpeed *, accelerator cpu (communication backend gloo)*preloaded *"]
     )
+
+
+def test_a_test_written_the_deepspeed_way_starts_warm(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """No fixture of the plugin's, DeepSpeed imported at the top of the module: the ranks still find what a first
+    engine step imports already there, and DeepSpeed's first-use probes (py-cpuinfo, the op-compatibility probe, an
+    op builder's CPU flags) run no subprocess in them: the fork server did that once."""
+    pytester.makepyfile(
+        """
+        import subprocess, sys
+        import deepspeed
+        import pytest
+
+        @pytest.mark.ds_world(size=2)
+        def test_body(ds_rank):
+            from deepspeed.accelerator import get_accelerator
+
+            assert "torch._dynamo" in sys.modules
+            started = []
+            real = subprocess.Popen.__init__
+
+            def spy(self, *args, **kwargs):
+                started.append(args[0] if args else kwargs.get("args"))
+                real(self, *args, **kwargs)
+
+            subprocess.Popen.__init__ = spy
+            try:
+                assert deepspeed.ops.__compatible_ops__
+                assert "-march" in " ".join(get_accelerator().create_op_builder("CPUAdamBuilder").cxx_args())
+            finally:
+                subprocess.Popen.__init__ = real
+            assert started == []
+        """
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["worlds ran on: *preloaded *; first use done ahead: cpuinfo, op probe (*"])

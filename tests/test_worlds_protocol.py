@@ -20,6 +20,7 @@ from pytest_dsrepro.worlds.protocol import (
     Building,
     DumpStacks,
     Exited,
+    Finished,
     Hello,
     Kill,
     RankJob,
@@ -42,12 +43,16 @@ MESSAGES = [
     Building("building DeepSpeed's CPU comm op for 0.19.8, first time only"),
     Spawned(1, (101, 102)),
     Spawned(2, (103,), "1500 modules in 2.0s (list cached)", "a thread"),
+    Spawned(3, (101, 102), reused=True),
     Exited(1, 0, -9, at=12.5),
+    Finished(3, 1, at=13.0),
     Reaped(1),
     Spawn(1, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world"),
+    Spawn(3, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world", reuse="t.py::TestX [2 gloo]"),
     DumpStacks(1, (0, 1)),
     Kill(1, (1,)),
     Reap(1),
+    Reap(3, keep=True),
 ]
 
 

@@ -166,12 +166,31 @@ class RankResult:
         return f"{self.status.value}: {self.detail}" if self.detail else self.status.value
 
 
+#: Where a world's time goes, in order: forking the ranks (until the last one runs), the rendezvous (every rank's
+#: default process group up), importing the test module and its arguments, the setup before the body (fixes, DeepSpeed's
+#: comm layer bound, rank fixtures), the body, and the teardown (process group destroyed, the report written, the rank
+#: gone or parked). A phase ends when its slowest rank ends it. What a first use costs in the body is the body's time
+#: against the same body on warm ranks (``benchmarks/world_overhead.py`` measures both).
+PHASES = ("fork", "rendezvous", "imports", "setup", "body", "teardown")
+
+
+def phases(spawned: float, marks: Sequence[Sequence[float]], ended: float) -> tuple[tuple[str, float], ...]:
+    """Seconds per phase (``PHASES``) from when the world was asked for, each rank's marks (started, connected,
+    loaded, body started, body ended; ``time.monotonic()``, one clock for the machine) and when its last rank ended.
+    """
+    ends = [max(rank[i] for rank in marks) for i in range(len(PHASES) - 1)] + [ended]
+    starts = [spawned, *ends[:-1]]
+    return tuple((name, max(0.0, end - start)) for name, start, end in zip(PHASES, starts, ends, strict=True))
+
+
 @dataclass(frozen=True)
 class WorldOutcome:
     size: int
     backend: str
     ranks: tuple[RankResult, ...]
     duration: float
+    phases: tuple[tuple[str, float], ...] = ()  # seconds per phase (``PHASES``) when every rank got through them
+    reused: bool = False  # its ranks ran an earlier test of the same reuse scope (``ds_world(reuse=True)``)
 
     @property
     def passed(self) -> bool:
@@ -317,7 +336,8 @@ def describe_failure(outcome: WorldOutcome) -> str:
     first = ""
     if len(group_ranks(outcome.failures)) > 1 and causes:
         first = f"; rank {causes[0].rank} failed first, at {causes[0].at:.2f}s"
-    lines.append(f"({outcome.size}-rank {outcome.backend} world, {outcome.duration:.1f}s{first})")
+    reused = ", on ranks kept from an earlier test (reuse=True)" if outcome.reused else ""
+    lines.append(f"({outcome.size}-rank {outcome.backend} world{reused}, {outcome.duration:.1f}s{first})")
     for g in groups:
         head = g.ranks[0]
         if head.error is not None:

@@ -224,7 +224,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     spec = prepared.spec
-    deepspeed = (engines or _imports_deepspeed(item)) and spec.process_group
+    uses_deepspeed = engines or _imports_deepspeed(item)
+    deepspeed = uses_deepspeed and spec.process_group  # DeepSpeed's comm layer bound to the world's group
     setup = unnamed_rank_fixtures(item, kwargs)
     launched_run = item.config.stash.get(LAUNCHED_KEY, None)
     world: Callable[[int], WorldOutcome]
@@ -237,13 +238,14 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         _check_unchanged(item)
         job = RankJob(
             test=_reference(item), payload=payload(item.nodeid, kwargs, fixes, setup), backend=prepared.backend,
-            timeout=spec.timeout, deepspeed=deepspeed, process_group=spec.process_group,
+            timeout=spec.timeout, deepspeed=deepspeed, warm=uses_deepspeed, process_group=spec.process_group,
             launcher_env=spec.launcher_env,
         )  # fmt: skip
         runner = item.config.stash[RUNNER_KEY]
+        reuse = _reuse_scope(item, prepared) if marks.nondeterministic is None else None  # a series: fresh worlds
 
         def world(run: int) -> WorldOutcome:
-            return run_spawned(runner, job, spec.size, engines)
+            return run_spawned(runner, job, spec.size, reuse)
 
     plan = marks.nondeterministic
     outcome = world(0) if plan is None else _series(item, marks, plan, world)
@@ -328,11 +330,22 @@ def unnamed_rank_fixtures(item: pytest.Function, kwargs: dict[str, Any]) -> tupl
     return tuple(v for v in values if isinstance(v, RankFixture))
 
 
-def run_spawned(runner: WorldRunner, job: RankJob, size: int, engines: bool) -> WorldOutcome:
+def _reuse_scope(item: pytest.Function, prepared: Prepared) -> str | None:
+    """The tests that may run on the same ranks, one after another: those under the ``ds_world(reuse=True)`` marker's
+    node (a class, a module; on a test function, its parametrized instances), in the same world."""
+    spec = prepared.spec
+    if not spec.reuse:
+        return None
+    node, _ = next(item.iter_markers_with_node("ds_world"))
+    scope = node.nodeid if node is not item else f"{item.parent.nodeid if item.parent else ''}::{item.originalname}"
+    return f"{scope} [{spec.size} {prepared.backend} {spec.timeout:g}s]"
+
+
+def run_spawned(runner: WorldRunner, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
     """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
     followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
     try:
-        return runner.run(job, size, preload=engines)
+        return runner.run(job, size, reuse)
     except leases.Busy as busy:  # other workers' or sessions' worlds held the GPUs for longer than --ds-gpu-wait
         pytest.skip(str(busy))
     except WorldInterrupted as interrupted:

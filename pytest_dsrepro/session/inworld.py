@@ -69,12 +69,13 @@ def run_in_world(
         settled, skip = settle_backend(spec.backend, spec.size, runner.cuda_devices())
         if skip:
             pytest.skip(skip)
+        uses_deepspeed = imports_deepspeed(path)
         job = RankJob(
             test=reference(module, path, qualname, request.config), payload=payload(where, arguments, [], setup),
-            backend=settled, timeout=spec.timeout, deepspeed=process_group and imports_deepspeed(path),
-            process_group=spec.process_group, launcher_env=spec.launcher_env,
+            backend=settled, timeout=spec.timeout, deepspeed=process_group and uses_deepspeed,
+            warm=uses_deepspeed, process_group=spec.process_group, launcher_env=spec.launcher_env,
         )  # fmt: skip
-        outcome = run_spawned(runner, job, spec.size, engines=False)
+        outcome = run_spawned(runner, job, spec.size)
     except HarnessError as exc:
         markers.fail(f"pytest-dsrepro could not run the world of {where}: {exc}")
     if outcome.passed:

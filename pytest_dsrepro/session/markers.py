@@ -32,9 +32,11 @@ MARKERS = {
     "ds_world": "ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True, launcher_env=True): "
     "run the test body in every rank of a fresh torch.distributed world started by pytest-dsrepro (size defaults to "
     "--ds-world-size, backend to --ds-backend, timeout to --ds-timeout; a list of sizes makes one test per size). "
-    "reuse: declared, no effect yet. process_group=False: no default process group (nor DeepSpeed's comm layer "
-    "bound); launcher_env=False: no RANK, WORLD_SIZE, MASTER_ADDR, ... variables. Markers on the module, class and "
-    "function merge, the closest setting each argument. Fixtures ds_rank and ds_world_size tell a rank who it is.",
+    "reuse=True (on a class or module): its tests run one after another on the same ranks, each with a fresh "
+    "process group and environment; a failure, hang or crash discards the ranks. process_group=False: no default "
+    "process group (nor DeepSpeed's comm layer bound); launcher_env=False: no RANK, WORLD_SIZE, MASTER_ADDR, ... "
+    "variables. Markers on the module, class and function merge, the closest setting each argument. Fixtures ds_rank "
+    "and ds_world_size tell a rank who it is.",
     "ds_config": "ds_config(*presets_or_dicts): parametrize the ds_config fixture with named DeepSpeed presets "
     f"({', '.join(PRESETS)}) and/or config dicts; each becomes its own test id.",
     "ds_version": "ds_version(affected, raises, match=None, fix=None): the bug affects DeepSpeed releases in the "

@@ -30,18 +30,20 @@ from pathlib import Path
 from ..core import versions
 from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
-from ..core.outcome import RankResult, Status, WorldOutcome, describe_exit, rank_ranges
+from ..core.outcome import PHASES, RankResult, Status, WorldOutcome, describe_exit, phases, rank_ranges
 from ..core.worlds import accelerator_for
 from . import devices, leases, nccl
 from . import workdir as layout
 from .devices import Gpu
 from .protocol import (
+    SCOUT_ARGUMENT,
     SERVER_MESSAGES,
     Building,
     ClientMessage,
     DumpStacks,
     EnvironChanges,
     Exited,
+    Finished,
     Hello,
     Kill,
     RankJob,
@@ -154,7 +156,9 @@ class ForkServer:
         env[CACHE_ENV] = str(self.cache_dir)
         return devices.server_environment(env, self.accelerator, self.gpus)
 
-    def start(self) -> ServerFacts:
+    def start(self, deepspeed: bool = False) -> ServerFacts:
+        """Start the server and wait until it is ready; ``deepspeed``: the world it starts for uses DeepSpeed, so
+        that what its ranks need first is prepared beside the comm-op build (``worlds.preload.scout``)."""
         if self.facts is not None:
             return self.facts
         if self.refused is not None:  # not started again, only to fail the same way minutes later
@@ -164,8 +168,9 @@ class ForkServer:
         self._log = Path(log)
         self.environ = dict(os.environ)
         try:
+            command = [sys.executable, "-P", "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log]
             self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", SERVER_MODULE, str(theirs.fileno()), str(os.getpid()), log],
+                [*command, *([SCOUT_ARGUMENT] if deepspeed else [])],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -334,6 +339,7 @@ class _Rank:
     forced: Status | None = None  # HUNG or STOPPED when we ended it
     forced_detail: str = ""
     exited_at: float | None = None  # when the server reaped it (time.monotonic()'s clock)
+    finished: bool = False  # a reusable world's rank that ended its test cleanly and lives on (``Finished``)
 
 
 @dataclass
@@ -347,7 +353,8 @@ class WorldRun:
     timeout: float
     failure_grace: float = FAILURE_GRACE
     stack_dump_wait: float = STACK_DUMP_WAIT
-    preload: bool = False
+    reuse: str | None = None  # the test's reuse scope (``Spawn.reuse``)
+    reused: bool = False  # the server ran it on ranks kept from the previous test of the scope
     preloaded: str | None = None  # what the server said it had imported ahead of its ranks
     fork_hazard: str | None = None  # what the server said made its fork of this world unsafe
     flight_recorder: Path | None = None  # an NCCL world's: where its ranks' flight recorder dumps are kept
@@ -363,9 +370,12 @@ class WorldRun:
 
     def _dispatch(self, message: ServerMessage | None) -> None:
         # A world interrupted before its Spawned arrived knows no ranks yet: their ends only matter to the server.
-        if isinstance(message, Exited) and message.world == self.world_id and message.rank < len(self.ranks):
+        if not isinstance(message, (Exited, Finished)) or message.world != self.world_id:
+            return
+        if message.rank < len(self.ranks):
             r = self.ranks[message.rank]
-            r.returncode = message.returncode
+            r.finished = isinstance(message, Finished)  # it counts as a clean exit; a later Exited overrides it
+            r.returncode = message.returncode if isinstance(message, Exited) else 0
             r.exited_at = message.at if message.at is not None else time.monotonic()
             r.report = layout.read_report(self.workdir, r.rank)
 
@@ -393,16 +403,19 @@ class WorldRun:
     def run(self, job: RankJob) -> WorldOutcome:
         started = time.monotonic()
         try:
-            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.preload))
+            self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.reuse))
             while not self.ranks:
                 message = self.server.receive(self.timeout)
                 if message is None:
                     raise HarnessError(
                         f"the pytest-dsrepro fork server did not start the ranks; its log:\n{self.server.log_tail()}"
                     )
+                if isinstance(message, Building):  # a first preload of a release: what it does, and how long
+                    self.server.progress(message.what)
                 if isinstance(message, Spawned) and message.world == self.world_id:
                     self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
                     self.preloaded, self.fork_hazard = message.preloaded, message.fork_hazard
+                    self.reused = message.reused
             self._wait(started + self.timeout)
             return self._outcome(started)
         except ServerGone as exc:
@@ -473,7 +486,26 @@ class WorldRun:
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
             else:
                 results.append(_judged(r, output, started, self._stack(r.rank)))
-        return WorldOutcome(self.size, self.backend, tuple(results), time.monotonic() - started)
+        duration = time.monotonic() - started
+        return WorldOutcome(self.size, self.backend, tuple(results), duration, self._phases(started), self.reused)
+
+    def _phases(self, started: float) -> tuple[tuple[str, float], ...]:
+        """Where the world's time went, when every rank got through every phase on its own."""
+        marks = [r.report.marks for r in self.ranks if r.report is not None and r.forced is None]
+        ends = [r.exited_at for r in self.ranks if r.exited_at is not None]
+        if not self.ranks or len(marks) < len(self.ranks) or len(ends) < len(self.ranks):
+            return ()
+        if any(len(m) != len(PHASES) - 1 for m in marks):
+            return ()
+        return phases(started, marks, max(ends))
+
+    def _keep(self) -> bool:
+        """May the server keep the ranks for the next test of the scope? Only when every one of them passed and lives
+        on: after any failure, hang or crash the next test gets a new world."""
+        return self.reuse is not None and all(
+            r.finished and r.forced is None and r.report is not None and r.report.status is Status.PASSED
+            for r in self.ranks
+        )
 
     def _cleanup(self) -> None:
         """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.
@@ -484,7 +516,7 @@ class WorldRun:
         """
         try:
             if self.server.alive:
-                self.server.send(Reap(self.world_id))
+                self.server.send(Reap(self.world_id, keep=self._keep()))
                 deadline = time.monotonic() + REAP_WAIT
                 while (left := deadline - time.monotonic()) > 0:
                     message = self.server.receive(left)
@@ -592,16 +624,17 @@ class WorldRunner:
     def facts(self) -> ServerFacts:
         return self.server.start()
 
-    def run(self, job: RankJob, size: int, *, preload: bool = False) -> WorldOutcome:
-        """Run one world of ``size`` ranks; ``preload``: its test builds engines (see ``Spawn.preload``). An NCCL world
+    def run(self, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
+        """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.warm``, starts warm); ``reuse``: the
+        test's reuse scope (``Spawn.reuse``): ranks kept from its previous test may run it. An NCCL world
         runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
         server = self.server_for(job.backend)
         lease = self._lease(job, size) if job.backend == "nccl" else None
         try:
-            server.start()
+            server.start(job.warm)
             if not server.alive:
                 server.close()
-                server.start()
+                server.start(job.warm)
             world = WorldRun(
                 server,
                 next(self._ids),
@@ -610,7 +643,7 @@ class WorldRunner:
                 job.timeout,
                 failure_grace=self.failure_grace,
                 stack_dump_wait=self.stack_dump_wait,
-                preload=preload,
+                reuse=reuse if job.backend != "nccl" else None,  # an NCCL world's GPUs are leased for it alone
                 flight_recorder=self._flight_recorder() if job.backend == "nccl" else None,
             )
             seen = {**os.environ, **(lease.environ() if lease else {})}

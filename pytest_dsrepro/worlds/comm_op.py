@@ -17,12 +17,14 @@ and built again, once; a read-only cache serves the builds it holds and builds n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,6 +172,23 @@ def _cached(builder: Any, library: Path, announce: Callable[[str], None], releas
     return False
 
 
+#: How long the build in its directory took, in seconds: what tells the user how long the next one will take.
+BUILD_SECONDS = ".dsrepro-build-seconds"
+
+
+def expected_build(extensions: Path) -> str:
+    """How long a build takes here, in words: the range of the earlier builds in ``extensions`` (the cache's
+    ``torch_extensions``), or the range measured on a 2-core machine when there was none."""
+    taken = []
+    for path in extensions.glob(f"*/{BUILD_SECONDS}"):
+        with contextlib.suppress(OSError, ValueError):
+            taken.append(float(path.read_text()))
+    if not taken:
+        return "usually 50-135 s"
+    low, high = min(taken), max(taken)
+    return f"about {low:.0f} s here" if high - low < 10 else f"{low:.0f}-{high:.0f} s here"
+
+
 def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     """Build (or load from cache) DeepSpeed's shm comm op in this process, so forked ranks inherit it loaded.
 
@@ -209,10 +228,17 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
         if not chosen and _cached(builder, library, announce, release):
             return f"loaded from {directory}"
         if not library.exists():
-            announce(f"building {release}, first time only (a minute or more; cached in {directory})")
+            took = expected_build(directory.parent)
+            announce(
+                f"building {release}, first time only ({took}; cached in {directory}); "
+                "the first DeepSpeed world waits for it"
+            )
+        started = time.monotonic()
         try:
             with _compilers_scratch():
                 op = build_shm_op()
+            with contextlib.suppress(OSError):  # for the next build's estimate
+                (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
         except Exception as exc:  # noqa: BLE001 - told as what to do: every world would fail on it
             raise Unusable(
                 f"{release} could not be built in {directory} ({type(exc).__name__}: {exc}); remove that directory "

@@ -16,6 +16,7 @@ The server still checks after each import and stops at the first that leaves a h
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib
@@ -39,6 +40,7 @@ PRESETS = ("zero1", "zero2", "zero3")
 DISCOVERY_TIMEOUT = 300.0
 #: The list file's format (in its name): lists of another one are found again, and left to the version that reads them.
 LIST_FORMAT = 2
+PR_SET_PDEATHSIG = 1
 #: At most this many fork-unsafe modules are looked for (one throwaway child each); more, and nothing is preloaded.
 VET_ROUNDS = 20
 
@@ -50,6 +52,7 @@ class Preloaded:
     modules: int
     seconds: float
     note: str  # where the list came from, or why preloading stopped short
+    stopped: bool = False  # a module's import left a hazard here: nothing more is done in this process
 
     def describe(self) -> str:
         return f"{self.modules} modules in {self.seconds:.1f}s ({self.note})"
@@ -85,44 +88,74 @@ def hazard(threads_before: int = 1) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Child:
+    """A throwaway child forked from this process, working; ``result`` waits for what it found."""
+
+    pid: int
+    read: int  # the pipe its JSON-able result comes through
+
+    @classmethod
+    def start(cls, work: Callable[[], Any], die_with: int | None = None) -> Child:
+        """Fork a child that runs ``work()``; ``die_with``: a pid whose end kills it (a long-running child of the
+        fork server must not outlive it, even when the server is killed)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(read)
+                if die_with is not None:
+                    _die_with(die_with)
+                result = work()
+                with os.fdopen(write, "w") as out:
+                    json.dump(result, out)
+                code = 0
+            except BaseException:  # noqa: BLE001 - told through the exit code; the traceback goes to the server's log
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        return cls(pid, read)
+
+    def result(self, timeout: float) -> Any:
+        """Its result; ``RuntimeError`` saying why when it failed (its traceback went to this process's stderr) or
+        took longer than ``timeout``, when it is killed."""
+        data: bytes | None = None
+        try:
+            data = _read_all(self.read, time.monotonic() + timeout)
+        finally:
+            os.close(self.read)
+            if data is None:
+                os.kill(self.pid, signal.SIGKILL)
+            _, status = os.waitpid(self.pid, 0)
+        if data is None:
+            raise RuntimeError(f"it took longer than {timeout:g}s")
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"it failed ({describe_exit(os.waitstatus_to_exitcode(status))})")
+        return json.loads(data)
+
+
+def _die_with(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def in_child(work: Callable[[], Any], timeout: float) -> Any:
     """``work()`` in a throwaway child forked from this process; its JSON-able result. Nothing it imports or starts
     stays here. ``RuntimeError`` saying why when it fails (its traceback goes to this process's stderr) or takes
     longer than ``timeout``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            os.close(read)
-            result = work()
-            with os.fdopen(write, "w") as out:
-                json.dump(result, out)
-            code = 0
-        except BaseException:  # noqa: BLE001 - told through the exit code; the traceback goes to the server's log
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    os.close(write)
-    data: bytes | None = None
-    try:
-        data = _read_all(read, time.monotonic() + timeout)
-    finally:
-        os.close(read)
-        if data is None:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    if data is None:
-        raise RuntimeError(f"it took longer than {timeout:g}s")
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"it failed ({describe_exit(os.waitstatus_to_exitcode(status))})")
-    return json.loads(data)
+    return Child.start(work).result(timeout)
 
 
 def _read_all(fd: int, deadline: float) -> bytes | None:
@@ -219,12 +252,12 @@ def vet(names: list[str], timeout: float = DISCOVERY_TIMEOUT) -> tuple[list[str]
     raise RuntimeError(f"more than {VET_ROUNDS} modules leave a thread, a CUDA context or a process group")
 
 
-def _keep(listing: Path, names: list[str], unsafe: list[str]) -> str:
-    """Write the list for later servers (atomically); what became of it, in words."""
+def _keep(listing: Path, names: list[str], unsafe: list[str], seconds: float) -> str:
+    """Write the list for later servers (atomically), with how long finding it took; what became of it, in words."""
     tmp = listing.with_suffix(f".{os.getpid()}.tmp")
     try:
         listing.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": LIST_FORMAT, "modules": names, "unsafe": unsafe}))
+        tmp.write_text(json.dumps({"format": LIST_FORMAT, "modules": names, "unsafe": unsafe, "seconds": seconds}))
         tmp.rename(listing)
     except OSError as exc:  # a read-only cache: found again by the next run
         with contextlib.suppress(OSError):
@@ -233,25 +266,185 @@ def _keep(listing: Path, names: list[str], unsafe: list[str]) -> str:
     return "now cached"
 
 
-def warm(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Preloaded:
-    """Import, in this (the fork server's) process, what a rank would import for its first engine step."""
-    started = time.monotonic()
-    listing = list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)
+def _listed(listing: Path) -> list[str] | None:
+    """The cached list, when there is one of this format."""
     try:
         kept = json.loads(listing.read_text())
         if kept.get("format") != LIST_FORMAT:
-            raise ValueError("an older format")
-        names = [str(n) for n in kept["modules"]]
-        note = "list cached"
+            return None
+        return [str(n) for n in kept["modules"]]
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _found() -> dict[str, Any]:
+    """The list found and vetted (in a child of the server: ``scout``, or the server itself), and how long it took."""
+    started = time.monotonic()
+    names, unsafe = vet(discover())
+    return {"names": names, "unsafe": unsafe, "seconds": round(time.monotonic() - started, 1)}
+
+
+def expected_discovery(cache_dir: Path) -> str:
+    """How long finding a list takes here, in words: the range of the earlier ones in the cache, or the range
+    measured on a 2-core machine when there was none."""
+    taken = []
+    for path in (cache_dir / "preload").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError, KeyError):
+            taken.append(float(json.loads(path.read_text())["seconds"]))
+    if not taken:
+        return "usually 10-30 s"
+    return (
+        f"{min(taken):.0f}-{max(taken):.0f} s here"
+        if max(taken) - min(taken) >= 5
+        else f"about {max(taken):.0f} s here"
+    )
+
+
+def _without_comm_op() -> None:
+    """In a scout, which runs while the server builds DeepSpeed's comm op: DeepSpeed's own switch for an op it cannot
+    build (its compatibility table, which ``build_shm_op`` reads in 0.14-0.19) says the op is not there, so that the
+    engine steps do not wait for the build. The op is C++ (no module of the list is in it), and nothing but this
+    throwaway process sees the switch."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def scout(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Child | None:
+    """Start finding the list in a throwaway child of the server, so that it is found while the server builds the
+    comm op (a first run of a release waits for both, one after the other, otherwise); None when it is cached.
+    ``warm`` collects it."""
+    if _listed(list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)) is not None:
+        return None
+
+    def work() -> dict[str, Any]:
+        _without_comm_op()
+        return _found()
+
+    return Child.start(work, die_with=os.getpid())
+
+
+def warm(
+    cache_dir: Path,
+    deepspeed_version: str,
+    torch_version: str,
+    deepspeed_dir: Path,
+    scouted: Child | None = None,
+    announce: Callable[[str], None] = lambda _: None,
+) -> Preloaded:
+    """Import, in this (the fork server's) process, what a rank would import for its first engine step; ``scouted``:
+    the ``scout`` finding the list, started earlier. ``announce`` is told, in words for the user, when the list is
+    still to be found (the first time for an install), and how long that takes."""
+    started = time.monotonic()
+    listing = list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)
+    cached = _listed(listing)
+    if cached is not None:
+        names, note = cached, "list cached"
+    else:
+        announce(
+            f"finding what a first DeepSpeed engine step imports, first time only for deepspeed {deepspeed_version} "
+            f"({expected_discovery(cache_dir)}{', begun beside the comm-op build' if scouted else ''})"
+        )
         try:
-            names, unsafe = vet(discover())
+            found = scouted.result(2 * DISCOVERY_TIMEOUT) if scouted is not None else _found()
         except RuntimeError as exc:
             return Preloaded(0, time.monotonic() - started, f"not preloaded: {exc}")
-        note = "list found by a throwaway engine step, " + _keep(listing, names, unsafe)
+        names, unsafe = [str(n) for n in found["names"]], [str(n) for n in found["unsafe"]]
+        how = "while the comm op was built" if scouted is not None else "by a throwaway engine step"
+        note = f"list found {how}, " + _keep(listing, names, unsafe, float(found["seconds"]))
         if unsafe:
             note += f"; left to the ranks: {', '.join(unsafe)} (fork-unsafe)"
     imported, stopped, left = import_ahead(names)
     if stopped is not None:
         note = f"stopped at {stopped}, which left {left}"
-    return Preloaded(imported, time.monotonic() - started, note)
+    return Preloaded(imported, time.monotonic() - started, note, stopped=stopped is not None)
+
+
+def first_use(accelerator: str) -> str:
+    """After the imports, what a fresh rank's first DeepSpeed use still costs, done here once so that no rank pays it
+    again; says what was done. Each step runs subprocesses at most (no thread, no CUDA), and ``hazard`` is checked
+    after each: the server never goes on from a step that left one.
+
+    - py-cpuinfo's ``get_cpu_info()`` starts a Python subprocess at every call (DeepSpeed's CPU op builders call it
+      twice per op load: ``cpu_arch``, ``simd_width``; CPU Adam and Lion once more): asked once here, its answer is
+      what every later call returns (a copy: callers may change theirs). The CPU does not change under a fork.
+    - On the CPU accelerator: DeepSpeed's op-compatibility probe (``deepspeed.ops.__compatible_ops__``, run lazily
+      since 0.19.8 on first use: a compiler subprocess per op), and every op already JIT-built in this install's
+      extensions directory, loaded through DeepSpeed's own ``load()`` (ranks would load it at their first use, a
+      ninja check and the probes above each time). Ops not built yet are left to their first user to build: a build
+      takes minutes. Not on CUDA: the probe asks the GPUs, which would poison this server's forks.
+    """
+    before = threads()
+    done: list[str] = []
+    steps: list[tuple[str, Callable[[], str | None]]] = [("cpuinfo", _remember_cpu_info)]
+    if accelerator == "cpu":
+        steps += [("op probe", _probe_ops), ("ops", _load_built_ops)]
+    for name, step in steps:
+        try:
+            said = step()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: ranks then do it themselves, and report errors
+            said = f"{name} left to the ranks ({type(exc).__name__}: {exc})"
+        left = hazard(before)
+        if left is not None:
+            done.append(f"stopped after {name}, which left {left}")
+            break
+        if said:
+            done.append(said)
+    return "first use done ahead: " + (", ".join(done) or "nothing to do")
+
+
+def _remember_cpu_info() -> str | None:
+    try:
+        import cpuinfo
+    except ImportError:
+        return None
+    if getattr(cpuinfo.get_cpu_info, "dsrepro_remembered", False):
+        return "cpuinfo"
+    info = cpuinfo.get_cpu_info()
+
+    def get_cpu_info() -> dict[str, Any]:
+        return copy.deepcopy(info)
+
+    get_cpu_info.dsrepro_remembered = True  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
+    return "cpuinfo"
+
+
+def _probe_ops() -> str:
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    return f"op probe ({sum(bool(v) for v in compatible.values())} compatible)"
+
+
+def _load_built_ops() -> str | None:
+    """Every op of this accelerator built from this install's sources in ``TORCH_EXTENSIONS_DIR`` (the comm op's keyed
+    directory, ``comm_op``), loaded with DeepSpeed's ``builder.load()``."""
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not chosen:
+        return None
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    loaded = []
+    for name, builder in sorted(ALL_OPS.items()):
+        if name not in builder._loaded_ops and built_from(builder, Path(chosen) / name):
+            builder.load(verbose=False)
+            loaded.append(name)
+    return f"ops loaded: {', '.join(loaded)}" if loaded else None
+
+
+def built_from(builder: Any, directory: Path) -> bool:
+    """Is the op in ``directory`` (torch's JIT build of it) built from this install's sources, and since they last
+    changed? Another install with the same comm op shares the directory: its build would be rebuilt (minutes), here
+    and not by the ranks that need it, so it is left to them."""
+    try:
+        recipe = (directory / "build.ninja").read_text()
+        built = (directory / f"{builder.name}.so").stat().st_mtime
+        listed = builder.strip_empty_entries(builder.sources())
+        sources = [os.path.abspath(builder.deepspeed_src_path(s)) for s in listed]
+        return bool(sources) and all(f"compile {s}\n" in recipe and os.stat(s).st_mtime <= built for s in sources)
+    except OSError:
+        return False

@@ -8,8 +8,10 @@ it forks (``worlds.rank``).
 
       server -> pytest   Building(what) while a first comm-op build runs, then Hello(facts) once preloaded;
                          Spawned(world, pids); Exited(world, rank, returncode);
+                         Finished(world, rank) when a rank of a reusable world is done and waits for a next test;
                          Reaped(world) once a Reap is done
-      pytest -> server   Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+      pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
+                         Reap(world, keep)
 
   The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
   ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
@@ -74,6 +76,10 @@ class ServerFacts:
         return "; ".join(parts)
 
 
+#: The fork server's last argument when its first world uses DeepSpeed: what ranks import is found while the comm op
+#: builds (``worlds.preload.scout``).
+SCOUT_ARGUMENT = "--scout"
+
 # ---- server -> pytest -----------------------------------------------------------------------------------------
 
 
@@ -98,8 +104,9 @@ class Spawned:
 
     world: int
     pids: tuple[int, ...]
-    preloaded: str | None = None  # what the server has imported ahead of its ranks, once it has (``Spawn.preload``)
+    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.preload``)
     fork_hazard: str | None = None  # what made forking these ranks unsafe (a thread, a CUDA context); None: nothing
+    reused: bool = False  # the ranks ran the previous test of the same ``Spawn.reuse`` and were kept for this one
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,17 @@ class Exited:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """A rank of a reusable world (``Spawn.reuse``) wrote its report after a clean test (its process group
+    destroyed, DeepSpeed's module state and the environment as they were when it was forked) and waits for the next
+    test, alive: for its world it counts as a clean exit. ``at`` as in ``Exited``."""
+
+    world: int
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
 class Reaped:
     """Answer to ``Reap``: every process of ``world`` is dead (each rank told by ``Exited`` first) and its directory
     and ``/dev/shm`` buffers are gone."""
@@ -121,21 +139,25 @@ class Reaped:
     world: int
 
 
-ServerMessage = Hello | Building | Spawned | Exited | Reaped
-SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Reaped)
+ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Spawn:
-    """Start a world: ``size`` ranks that each run ``job`` (a pickled ``RankJob``), meeting on the server's store."""
+    """Start a world: ``size`` ranks that each run ``job`` (a pickled ``RankJob``), meeting on the server's store.
+
+    ``reuse``: the test declared reuse (``ds_world(reuse=True)``) and this is its scope; the ranks kept after the
+    previous test of the same scope and size run it, with a fresh process group, instead of new ones (``Spawned``
+    says which), and after a clean test they wait for the next (``Finished``, then ``Reap(keep=True)``)."""
 
     world: int
     job: bytes
     size: int
     workdir: str
-    preload: bool = False  # the test builds DeepSpeed engines: import what their first step needs before forking
+    reuse: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,9 +179,13 @@ class Kill:
 @dataclass(frozen=True)
 class Reap:
     """pytest has read the world's directory (or was interrupted): kill whatever of the world is left (ranks and the
-    processes they started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``."""
+    processes they started), report the ranks killed with ``Exited``, discard its directory, say ``Reaped``.
+
+    ``keep``: every rank of a reusable world ``Finished`` cleanly: keep them for the next test of its scope (only
+    the directory goes). The server keeps one such world at most, and ends it when another world starts."""
 
     world: int
+    keep: bool = False
 
 
 ClientMessage = Spawn | DumpStacks | Kill | Reap
@@ -251,6 +277,7 @@ class RankJob:
     deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
     process_group: bool = True  # each rank joins the world's default process group before the body
     launcher_env: bool = True  # each rank gets torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...)
+    warm: bool = False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.preload``)
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------
@@ -271,6 +298,7 @@ class RankReport:
     returned: str = ""  # the type of what the body returned, when it was not None
     fix: str = ""  # the fix that raised while it was being applied (the body never ran)
     measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``)
+    marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started, ended its body (``PHASES``)
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""

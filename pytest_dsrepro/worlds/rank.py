@@ -210,11 +210,13 @@ def run_body(
     *,
     deepspeed: bool = False,
     setup: Sequence[fixtures.RankFixture] = (),
+    mark: Callable[[], None] = lambda: None,
 ) -> RankReport:
     """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
     DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures (``setup`` first: those the body
     does not name, autouse ones among them), and run the body; report how it ended (a rank fixture's failing
-    teardown fails the rank; a fix that raises is named: the body never ran) and what the body timed."""
+    teardown fails the rank; a fix that raises is named: the body never ran) and what the body timed. ``mark`` is
+    called as the body starts."""
     import pytest
 
     applying = ""
@@ -226,7 +228,9 @@ def run_body(
             applying = ""
             if deepspeed:
                 bind_deepspeed(ctx.backend)
-            result = fn(**_arguments(kwargs, ctx, stack, setup))  # rank fixtures torn down on leaving, fixes still on
+            arguments = _arguments(kwargs, ctx, stack, setup)
+            mark()
+            result = fn(**arguments)  # rank fixtures are torn down on leaving, fixes still on
     except (pytest.skip.Exception, pytest.xfail.Exception) as exc:
         status = Status.XFAILED if isinstance(exc, pytest.xfail.Exception) else Status.SKIPPED
         return RankReport(status, detail=str(exc.msg), at=time.monotonic(), where=called_at(exc.__traceback__))
@@ -241,7 +245,13 @@ def run_body(
 
 def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: CodeType | None = None) -> RankReport:
     """The whole life of a spawned rank, except process plumbing (see ``server``); ``code``: the test module's code,
-    compiled by the fork server for every rank of the world (None: compiled here)."""
+    compiled by the fork server for every rank of the world (None: compiled here). Its report's ``marks`` say when
+    it got through each phase of the world (``core.outcome.PHASES``)."""
+    marks = [time.monotonic()]
+
+    def mark() -> None:
+        marks.append(time.monotonic())
+
     job.environ.apply(os.environ)
     master = None  # a world without the plugin's process group: (port, rank 0's own store), alive with the rank
     try:
@@ -255,16 +265,18 @@ def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: C
         agree_connected(store, world_size, job.timeout)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "world setup failed:\n", traceback.format_exc())
+    mark()
     ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
     try:
         fn = resolve_test(job.test, code)
         kwargs, fixes, setup = pickle.loads(job.payload)
     except BaseException as exc:  # noqa: BLE001
         return _failed(exc, "loading the test failed:\n", traceback.format_exc())
-    report = run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup)
+    mark()
+    report = run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark)
     import torch.distributed as dist
 
     if dist.is_initialized() and report.status is Status.PASSED:
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
-    return report
+    return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))

@@ -3,15 +3,21 @@
 Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
 world still gets brand-new rank processes, so nothing a test does leaks into the next.
 
-Started by the pytest process (``worlds.client``) as ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG``.
-It speaks the typed messages of ``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
-    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode); Reaped(world)
-    pytest -> server  Spawn(world, job, size, workdir); DumpStacks(world, ranks); Kill(world, ranks); Reap(world)
+Started by the pytest process (``worlds.client``) as
+``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG [--scout]``. It speaks the typed messages of
+``worlds.protocol`` over one socket (``multiprocessing.connection`` framing):
+    server -> pytest  Hello(facts) once ready; Spawned(world, pids); Exited(world, rank, returncode);
+                      Finished(world, rank); Reaped(world)
+    pytest -> server  Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
+                      Reap(world, keep)
 The server forks every rank and is the only process that signals one (it alone knows which pids are still its
 unreaped ranks): pytest asks it to dump stacks (SIGUSR1, faulthandler) or to kill ranks, then to reap the world,
 which the server answers with ``Reaped`` once every process of it is dead and its directory is gone.
 End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
 the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit.
+
+A world of a reuse scope (``ds_world(reuse=True)``) may be kept after a clean test and run the scope's next test on
+the same ranks, each test with a fresh process group (``Spawn.reuse``, ``Finished``, ``Reap.keep``; ``worlds.reuse``).
 
 A world is one process per rank, in a process group of its own; they meet on the server's store process (one
 TCPStore for every world, each under its own key prefix, forked once at start-up). What all ranks of a world share
@@ -40,6 +46,7 @@ import dataclasses
 import faulthandler
 import functools
 import gc
+import marshal
 import os
 import pickle
 import shutil
@@ -48,22 +55,26 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import CodeType
 
 from ..core.options import default_cache_dir
+from ..core.outcome import Status
 from . import comm_op as extensions
-from . import devices, testmodule
+from . import devices, shm, testmodule
 from . import preload as preload_mod
 from . import rank as rank_mod
+from . import reuse as reuse_mod
 from . import workdir as layout
 from .protocol import (
+    SCOUT_ARGUMENT,
     Building,
     DumpStacks,
     Exited,
+    Finished,
     Hello,
     Kill,
     RankJob,
@@ -98,11 +109,15 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
+def preload(
+    announce: Callable[[str], None] = lambda _: None, scout: bool = False
+) -> tuple[ServerFacts, preload_mod.Child | None]:
     """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
     code itself is imported with this module); build DeepSpeed's comm op; report what is in play; leave DeepSpeed to
     the ranks where importing it poisoned this server's forks. Each import made here is one a forked rank does not
-    pay again (pytest alone is ~80 ms per world).
+    pay again (pytest alone is ~80 ms per world). ``scout``: the first world uses DeepSpeed, so what its ranks will
+    import is found meanwhile, in a child (``preload.scout``, collected by ``warm_for_deepspeed``), not after the
+    comm-op build.
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
     the pytest process imports nothing.
@@ -114,14 +129,16 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
     facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
     found = devices.deferred(default_cache_dir(), str(torch.__version__))
     if found is not None:
-        return devices.without_deepspeed(facts, found)
+        return devices.without_deepspeed(facts, found), None
     try:
         import deepspeed
     except ImportError as exc:
-        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}")
+        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}"), None
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
+    # Not on GPUs, where DeepSpeed may yet be left to the ranks (below).
+    scouted = preload_mod.scout(*_install()) if scout and not devices.gpu_device_nodes() else None
     started = time.monotonic()
     comm_op = extensions.warm_up(announce)
     if devices.gpu_device_nodes() and devices.poisoned_fork():
@@ -136,7 +153,11 @@ def preload(announce: Callable[[str], None] = lambda _: None) -> ServerFacts:
         comm_op_seconds=round(time.monotonic() - started, 2),
         accelerator=str(accelerator.device_name()),
         accelerator_backend=str(accelerator.communication_backend_name()),
-    )
+    ), scouted
+
+
+def _marshal(code: CodeType | None) -> bytes | None:
+    return None if code is None else marshal.dumps(code)
 
 
 def freeze() -> None:
@@ -151,19 +172,38 @@ def freeze() -> None:
     gc.freeze()
 
 
-def preload_for_engines() -> str:
-    """Import what a rank's first DeepSpeed engine step needs (``worlds.preload``), once, before the first world that
-    builds engines: worlds that do not never pay for it."""
+def _install() -> tuple[Path, str, str, Path]:
+    """The cache directory and the DeepSpeed install (version, torch, where) that preload lists are kept for."""
     import deepspeed
     import torch
 
-    where = Path(deepspeed.__file__).parent
-    return preload_mod.warm(default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), where).describe()
+    return default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), Path(deepspeed.__file__).parent
 
 
-def _fork(conn: Connection, server_pid: int, body: Callable[[], None], group: int | None = None) -> int:
+def warm_for_deepspeed(scouted: preload_mod.Child | None, announce: Callable[[str], None]) -> str:
+    """Do what a rank's first DeepSpeed use would (``worlds.preload``: the imports of a first engine step, then the
+    first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
+    for it, and however the test is written, its ranks start warm. ``scouted``: the child finding the imports,
+    started beside the comm-op build (``preload``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    preloaded = preload_mod.warm(*_install(), scouted, announce)
+    if preloaded.stopped:
+        return preloaded.describe()
+    return f"{preloaded.describe()}; {preload_mod.first_use(str(get_accelerator().device_name()))}"
+
+
+def _fork(
+    conn: Connection,
+    server_pid: int,
+    body: Callable[[], None],
+    group: int | None = None,
+    theirs: Sequence[Connection] = (),
+) -> int:
     """Fork a child of the server that runs ``body`` and exits; it never unwinds into the server's loop. ``group``:
     the process group it joins (0: a new one it leads); the parent sets it too, so neither can act before it is set.
+    ``theirs``: the server's ends of reusable ranks' links, which the child closes (a rank must see its link's end
+    of file when the server closes its end).
     """
     sys.stdout.flush()  # or the child would inherit, and later write, whatever the server had buffered
     sys.stderr.flush()
@@ -178,6 +218,8 @@ def _fork(conn: Connection, server_pid: int, body: Callable[[], None], group: in
         if group is not None:
             os.setpgid(0, group)
         conn.close()
+        for link in theirs:
+            link.close()
         die_with_parent(server_pid)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -195,7 +237,10 @@ def _fork(conn: Connection, server_pid: int, body: Callable[[], None], group: in
         os._exit(code)
 
 
-def _rank_body(job: RankJob, rank: int, size: int, workdir: Path, meeting: Meeting, code: CodeType | None) -> None:
+def _into(workdir: Path, rank: int) -> None:
+    """The rank's output and stack files are this world's: fds 1 and 2, and faulthandler's file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     out = os.open(layout.output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -205,18 +250,75 @@ def _rank_body(job: RankJob, rank: int, size: int, workdir: Path, meeting: Meeti
     stack_file = open(layout.stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
     faulthandler.enable(file=stack_file, all_threads=True)  # a segfault or abort leaves the Python stack too
-    layout.write_report(workdir, rank, rank_mod.run_rank(job, rank, size, meeting, code))
+
+
+@dataclass(frozen=True)
+class NextTest:
+    """What a kept rank of a reusable world receives on its link for its next test (``code``: marshalled)."""
+
+    job: RankJob
+    workdir: str
+    meeting: Meeting
+    code: bytes | None
+
+
+def _rank_body(
+    job: RankJob,
+    rank: int,
+    size: int,
+    workdir: Path,
+    meeting: Meeting,
+    code: CodeType | None,
+    link: Connection | None = None,
+) -> None:
+    """One rank: its test, reported. A rank of a reusable world (``link``) that passed puts back what it had when it
+    was forked (``worlds.reuse``), says it finished, and waits on its link for the next test of its scope; it exits
+    after any other ending, or when the server closes its link."""
+    baseline = reuse_mod.Baseline.take() if link is not None else None
+    while True:
+        _into(workdir, rank)
+        report = rank_mod.run_rank(job, rank, size, meeting, code)
+        if link is None or baseline is None or report.status is not Status.PASSED:
+            layout.write_report(workdir, rank, report)
+            return
+        baseline.restore()
+        layout.write_report(workdir, rank, report)
+        link.send(time.monotonic())
+        try:
+            following: NextTest = link.recv()
+        except (EOFError, OSError):
+            return
+        job, workdir, meeting = following.job, Path(following.workdir), following.meeting
+        code = None if following.code is None else marshal.loads(following.code)
 
 
 def start_world(
-    job: RankJob, size: int, workdir: Path, meeting: Meeting, code: CodeType | None, server_pid: int, conn: Connection
-) -> list[int]:
-    """Fork the world's ranks, in a process group of their own led by rank 0; returns their pids."""
+    job: RankJob,
+    size: int,
+    workdir: Path,
+    meeting: Meeting,
+    code: CodeType | None,
+    server_pid: int,
+    conn: Connection,
+    reusable: bool = False,
+) -> tuple[list[int], list[Connection]]:
+    """Fork the world's ranks, in a process group of their own led by rank 0; their pids, and for a reusable world
+    the server's end of each rank's link."""
     pids: list[int] = []
+    links: list[Connection] = []
     for r in range(size):
-        body = functools.partial(_rank_body, job, r, size, workdir, meeting, code)
-        pids.append(_fork(conn, server_pid, body, group=pids[0] if pids else 0))
-    return pids
+        theirs = None
+        if reusable:
+            a, b = socket.socketpair()
+            links.append(Connection(a.detach()))
+            theirs = Connection(b.detach())
+        body = functools.partial(_rank_body, job, r, size, workdir, meeting, code, theirs)
+        try:
+            pids.append(_fork(conn, server_pid, body, group=pids[0] if pids else 0, theirs=links))
+        finally:
+            if theirs is not None:
+                theirs.close()
+    return pids, links
 
 
 def _child_exit_wakeups() -> int:
@@ -264,10 +366,17 @@ class World:
     """
 
     pids: tuple[int, ...]
+    links: tuple[Connection, ...] = ()  # a reusable world's: each rank's, for its next test and its Finished
+    reuse: str | None = None  # the scope it may be kept for (``Spawn.reuse``)
+    reused: bool = False  # its ranks ran an earlier test of the scope
 
     @property
     def group(self) -> int:
         return self.pids[0]
+
+    def whole(self) -> bool:
+        """Is every rank still alive (a kept world's, whose ends no one else waits for)?"""
+        return all(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None for pid in self.pids)
 
 
 def _exit_code(result: os.waitid_result) -> int:
@@ -293,47 +402,110 @@ def children() -> list[int]:
 class Worlds:
     """The worlds this server started for pytest: their ranks' pids until reaped, their directories until reaped."""
 
-    def __init__(self, conn: Connection, directories: dict[int, Path], store: Store) -> None:
+    def __init__(
+        self, conn: Connection, directories: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+    ) -> None:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
         self.store = store
         self.worlds: dict[int, World] = {}
         self._ranks: dict[int, tuple[int, int]] = {}  # pid -> (world, rank), for ranks whose exit is not told yet
         self._code: dict[tuple[object, ...], CodeType] = {}  # test modules compiled for the ranks, by file version
-        self.preloaded: str | None = None  # set by the first Spawn that asks for preloading
+        self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
+        self.scouted = scouted  # the child finding what that first Spawn imports, started before the comm-op build
+        self.kept: World | None = None  # a reusable world's ranks, alive between two tests of its scope
+        self._finished: dict[int, set[int]] = {}  # world -> its ranks that said Finished
 
     def handle(self, message: object) -> None:
         match message:
-            case Spawn(world=world, job=job, size=size, workdir=workdir, preload=preload):
+            case Spawn(world=world, job=job, size=size, workdir=workdir, reuse=reuse):
                 self.directories[world] = Path(workdir)
-                if preload and self.preloaded is None and "deepspeed" in sys.modules:
-                    self.preloaded = preload_for_engines()
-                self.spawn(world, pickle.loads(job), size, Path(workdir))
+                rank_job = pickle.loads(job)
+                if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
+                    self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
+                    self.scouted = None
+                self.spawn(world, rank_job, size, Path(workdir), reuse)
             case DumpStacks(world=world, ranks=ranks):
                 self.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
                 self.signal(world, ranks, signal.SIGKILL)
-            case Reap(world=world):
-                self.reap_world(world)
+            case Reap(world=world, keep=keep):
+                self.reap_world(world, keep)
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
 
-    def spawn(self, world: int, job: RankJob, size: int, workdir: Path) -> None:
+    def spawn(self, world: int, job: RankJob, size: int, workdir: Path, reuse: str | None = None) -> None:
         """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
-        compiled, the store running and its port (which names the world's ``/dev/shm`` buffers) written down."""
+        compiled, the store running and its port (which names the world's ``/dev/shm`` buffers) written down. A
+        world kept for this ``reuse`` scope and size runs the test instead, on its live ranks."""
         if self.store.pid is None:
             self.store.start(self.conn, os.getpid())
-        hazard = preload_mod.hazard()
-        if hazard is not None:  # never expected: told to pytest, which shows it in 'worlds ran on'
-            print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
         layout.write_port(workdir, self.store.port)
         meeting = Meeting(self.store.port, world)
         code = self.compiled(job.test)
-        freeze()  # what the server made since, too
-        pids = start_world(job, size, workdir, meeting, code, os.getpid(), self.conn)
-        self.worlds[world] = World(tuple(pids))
-        self._ranks.update({pid: (world, rank) for rank, pid in enumerate(pids)})
-        self.conn.send(Spawned(world, tuple(pids), self.preloaded, hazard))
+        started = self._resume(self._kept_for(reuse, size), NextTest(job, str(workdir), meeting, _marshal(code)))
+        hazard = None
+        if started is None:
+            hazard = preload_mod.hazard()
+            if hazard is not None:  # never expected: told to pytest, which shows it in 'worlds ran on'
+                print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
+            freeze()  # what the server made since, too
+            pids, links = start_world(job, size, workdir, meeting, code, os.getpid(), self.conn, reuse is not None)
+            started = World(tuple(pids), tuple(links), reuse)
+        self.worlds[world] = started
+        self._finished[world] = set()
+        self._ranks.update({pid: (world, rank) for rank, pid in enumerate(started.pids)})
+        self.conn.send(Spawned(world, started.pids, self.preloaded, hazard, reused=started.reused))
+
+    def _kept_for(self, reuse: str | None, size: int) -> World | None:
+        """The kept world when it may run this test (same scope, same size, every rank alive); any other kept world
+        is ended: one world at a time."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return None
+        if reuse is not None and kept.reuse == reuse and len(kept.pids) == size and kept.whole():
+            return kept
+        self.discard_kept(kept)
+        return None
+
+    def _resume(self, kept: World | None, test: NextTest) -> World | None:
+        """Hand the test to the kept world's ranks; None (the world ended) when one of them cannot take it."""
+        if kept is None:
+            return None
+        try:
+            for link in kept.links:
+                link.send(test)
+        except OSError:
+            self.discard_kept(kept)
+            return None
+        return dataclasses.replace(kept, reused=True)
+
+    def discard_kept(self, kept: World) -> None:
+        """End a kept world: its ranks, their links, and the ``/dev/shm`` buffers DeepSpeed named after the store."""
+        self.end(kept)
+        for link in kept.links:
+            link.close()
+        shm.remove_world_buffers(layout.LOOPBACK, self.store.port)
+
+    def links(self) -> dict[Connection, tuple[int, int]]:
+        """The links of ranks in open reusable worlds that have not said Finished: link -> (world, rank)."""
+        return {
+            link: (world, rank)
+            for world, w in self.worlds.items()
+            for rank, link in enumerate(w.links)
+            if rank not in self._finished.get(world, ())
+        }
+
+    def finished(self, link: Connection, world: int, rank: int) -> None:
+        """A rank of a reusable world said it finished its test cleanly (end of file: it died, which its exit
+        tells)."""
+        try:
+            at = link.recv()
+        except (EOFError, OSError):
+            self._finished.setdefault(world, set()).add(rank)  # no longer waited on; reap() tells how it ended
+            return
+        self._finished.setdefault(world, set()).add(rank)
+        self.conn.send(Finished(world, rank, float(at)))
 
     def compiled(self, test: TestRef) -> CodeType | None:
         """The test module's code for every rank of every world that imports it, compiled once per file version.
@@ -361,19 +533,36 @@ class Worlds:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
-    def reap_world(self, world: int) -> None:
+    def reap_world(self, world: int, keep: bool = False) -> None:
         """Kill what is left of the world, tell pytest how each rank ended, discard the directory, say ``Reaped``.
+        ``keep``: a reusable world whose ranks all finished cleanly and live is kept instead, for the next test of
+        its scope (its ``/dev/shm`` buffers too, which its ranks still map).
 
         The directory is discarded here, by the process that outlives the world, not left to pytest: a second Ctrl-C
         may cut pytest's own cleanup short, and a directory forgotten here would never be removed.
         """
         ending = self.worlds.pop(world, None)
+        finished = self._finished.pop(world, set())
+        kept = False
         if ending is not None:
-            self.end(ending)
+            if keep and ending.links and len(finished) == len(ending.pids) and self._alive(ending):
+                for pid in ending.pids:
+                    self._ranks.pop(pid, None)
+                if self.kept is not None:  # never expected: one world at a time
+                    self.discard_kept(self.kept)
+                self.kept, kept = dataclasses.replace(ending, reused=False), True
+            else:
+                self.end(ending)
+                for link in ending.links:
+                    link.close()
         directory = self.directories.pop(world, None)
         if directory is not None:
-            layout.discard(directory)
+            layout.discard(directory, buffers=not kept)
         self.conn.send(Reaped(world))
+
+    def _alive(self, world: World) -> bool:
+        """Every rank of the world still runs: none was told dead, nor died since."""
+        return all(pid in self._ranks for pid in world.pids) and world.whole()
 
     def end(self, world: World) -> None:
         """SIGKILL the world's process group and wait for its ranks; then whatever else they left among the server's
@@ -454,16 +643,25 @@ class Worlds:
             done, _ = os.waitpid(self.store.pid, os.WNOHANG)
             if done:
                 self.store.ended()
+        if self.kept is not None and not self.kept.whole():  # a kept rank died: nothing to keep
+            self.discard_kept(self.kept)
+            self.kept = None
 
 
-def serve(conn: Connection, open_worlds: dict[int, Path], store: Store) -> None:
+def serve(
+    conn: Connection, open_worlds: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = Worlds(conn, open_worlds, store)
+    worlds = Worlds(conn, open_worlds, store, scouted)
     wakeups = _child_exit_wakeups()
     while True:
-        ready = wait([conn, wakeups], timeout=1.0)
+        links = worlds.links()
+        ready = wait([conn, wakeups, *links], timeout=1.0)
         if wakeups in ready:
             os.read(wakeups, 4096)
+        for link in ready:
+            if isinstance(link, Connection) and link in links:
+                worlds.finished(link, *links[link])
         if conn in ready:
             try:
                 message = conn.recv()
@@ -503,7 +701,7 @@ def main() -> None:
     DeepSpeed takes a second or more, and pytest waits for the server's exit."""
     code = 1
     try:
-        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:] == [SCOUT_ARGUMENT])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -517,7 +715,7 @@ def main() -> None:
         os._exit(code)
 
 
-def run(fd: int, parent: int, log: Path) -> None:
+def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
     faulthandler.enable()  # a fatal signal (a damaged shared object's SIGBUS, say) leaves its stack in the log
     signal.signal(signal.SIGTERM, _exit_on_signal)
     die_with_parent(parent, signal.SIGTERM)  # not SIGKILL: the server must still clean up after its worlds
@@ -525,11 +723,12 @@ def run(fd: int, parent: int, log: Path) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's to handle; it then tears the world down
     conn = Connection(fd)
     open_worlds: dict[int, Path] = {}
+    store = Store()
+    scouted: preload_mod.Child | None = None
     try:
         try:
-            store = Store()
             try:
-                facts = preload(lambda what: conn.send(Building(what)))
+                facts, scouted = preload(lambda what: conn.send(Building(what)), scout)
                 if facts.fatal is None:
                     freeze()
                     store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
@@ -542,7 +741,7 @@ def run(fd: int, parent: int, log: Path) -> None:
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
-                serve(conn, open_worlds, store)
+                serve(conn, open_worlds, store, scouted)
         finally:
             # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
             # may still land here, before it is ignored, and only the outer block is sure to run to the end.
@@ -553,6 +752,8 @@ def run(fd: int, parent: int, log: Path) -> None:
         shutil.rmtree(extensions.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
         for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
             layout.discard(directory)
+        if store.port:  # a kept world's buffers, which no directory names any more
+            shm.remove_world_buffers(layout.LOOPBACK, store.port)
         if os.getppid() != parent:  # nobody is left to read the log
             log.unlink(missing_ok=True)
 

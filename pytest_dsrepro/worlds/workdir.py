@@ -78,9 +78,10 @@ def read_output(workdir: Path, rank: int) -> str:
     return bounded_output(head, tail, total)
 
 
-def discard(workdir: Path) -> None:
-    """Remove the world's /dev/shm buffers (keyed by its store port) and its directory."""
+def discard(workdir: Path, buffers: bool = True) -> None:
+    """Remove the world's /dev/shm buffers (keyed by its store port; ``buffers=False``: its ranks live on, kept for
+    the next test, and still map them) and its directory."""
     port = read_text(port_file(workdir))
-    if port:
+    if port and buffers:
         shm.remove_world_buffers(LOOPBACK, int(port))
     shutil.rmtree(workdir, ignore_errors=True)
