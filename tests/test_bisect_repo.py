@@ -576,11 +576,16 @@ def test_bisect_finds_the_pull_request_that_fixed_the_bug_and_its_rerun_agrees(
     assert command[:9] == ["dsrepro", "bisect", "test_total.py::test_total", "--good", fix, "--bad", still,
                            "--repo", str(repo)]  # fmt: skip
     cut = command.index("--")
+    envs = bisect_cache_dir / "bisect" / "envs"
+    made = {p.name: (p / "ready.json").stat().st_mtime for p in envs.iterdir() if p.is_dir()}
     rerun = _dsrepro([*command[2:cut]], cwd, bisect_cache_dir, marks)
     out, err = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, err
     assert out.splitlines()[0] == f"first commit where the outcome flips: {fix} Sum a copy (#13)"
-    assert "stored by an earlier run" not in err  # --fresh: both probed again
+    assert "stored by an earlier run" not in err  # --fresh: both probed again ...
+    now = {p.name: (p / "ready.json").stat().st_mtime for p in envs.iterdir() if p.is_dir()}
+    assert now.keys() == made.keys()  # ... in the environments made before, reused
+    assert sum(now[name] > made[name] for name in made) == 2  # and marked as the most recently used
     _no_leftovers(bisect_cache_dir, process_tag)
     assert snapshot(repo) == before
 
