@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from conftest import REAL_CACHE, ROOT, deepspeed_version
+from conftest import REAL_CACHE, ROOT, deepspeed_version, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
@@ -30,11 +30,13 @@ from pytest_dsrepro.core.results import RankStory, TestRecord
 from pytest_dsrepro.tools import bisect, cli
 from pytest_dsrepro.tools.bisect import (
     BisectError,
+    Invocation,
     Probe,
     Prober,
     ReleaseEnv,
     Result,
     bug_present,
+    entered,
     estimated_steps,
     parse_project_page,
     releases_between,
@@ -49,12 +51,14 @@ RELEASES = [Version(v) for v in ["0.15.4", *(f"0.16.{i}" for i in range(10)), *(
                                  "0.18.0", "0.18.1", "0.18.2", "0.18.3"]]  # fmt: skip
 
 
-def fake(flip: str, *, bug_below: bool = True, skip: Iterable[str] = ()) -> tuple[list[Version], bisect.Oracle]:
+def fake(
+    flip: str, *, bug_below: bool = True, skip: Iterable[str] = ()
+) -> tuple[list[Version], bisect.Oracle[Version]]:
     """An oracle for a bug that stops (``bug_below``) or starts at release ``flip``; ``skip`` cannot install."""
     asked: list[Version] = []
     skipped = {Version(s) for s in skip}
 
-    def oracle(version: Version) -> Probe:
+    def oracle(version: Version) -> Probe[Version]:
         asked.append(version)
         if version in skipped:
             return Probe(version, None, "cannot install: no wheel")
@@ -109,11 +113,11 @@ def test_releases_between_either_order_and_inclusive() -> None:
 def test_finds_a_fix_in_logarithmic_probes() -> None:
     asked, oracle = fake("0.16.4")
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.16.4")
-    assert result.last_before.version == Version("0.16.3")
+    assert result.first_after.at == Version("0.16.4")
+    assert result.last_before.at == Version("0.16.3")
     assert result.exact
     assert result.fixed
-    assert result.specifier == "<0.16.4"
+    assert bisect.release_specifier(result) == "<0.16.4"
     assert asked[:2] == [Version("0.15.4"), Version("0.18.3")]  # both ends first
     assert len(asked) == len(set(asked)) <= estimated_steps(len(RELEASES)) == 7
 
@@ -121,26 +125,26 @@ def test_finds_a_fix_in_logarithmic_probes() -> None:
 def test_finds_a_regression() -> None:
     _, oracle = fake("0.18.3", bug_below=False)
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.18.3")
+    assert result.first_after.at == Version("0.18.3")
     assert not result.fixed
-    assert result.specifier == ">=0.18.3"
+    assert bisect.release_specifier(result) == ">=0.18.3"
 
 
 @pytest.mark.parametrize("flip", [str(v) for v in RELEASES[1:]])
 def test_every_flip_point_is_found(flip: str) -> None:
     for bug_below in (True, False):
         _, oracle = fake(flip, bug_below=bug_below)
-        assert search(RELEASES, oracle).first_after.version == Version(flip)
+        assert search(RELEASES, oracle).first_after.at == Version(flip)
 
 
 def test_skipped_releases_are_neither_good_nor_bad() -> None:
     # The middle release cannot be installed: its neighbour is probed instead, and the answer is still exact.
     asked, oracle = fake("0.16.4", skip=["0.16.9", "0.18.1"])
     result = search(RELEASES, oracle)
-    assert result.first_after.version == Version("0.16.4")
+    assert result.first_after.at == Version("0.16.4")
     assert result.exact
     assert asked[2:4] == [Version("0.16.9"), Version("0.17.0")]  # 0.16.9 skipped: its neighbour goes instead
-    assert [p.version for p in result.skipped] == [Version("0.16.9")]
+    assert [p.at for p in result.skipped] == [Version("0.16.9")]
     assert all(p.bug is None for p in result.skipped)
 
 
@@ -148,8 +152,8 @@ def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
     _, oracle = fake("0.16.4", skip=["0.16.3", "0.16.4"])
     result = search(RELEASES, oracle)
     assert not result.exact
-    assert result.last_before.version == Version("0.16.2")
-    assert result.first_after.version == Version("0.16.5")
+    assert result.last_before.at == Version("0.16.2")
+    assert result.first_after.at == Version("0.16.5")
     assert result.untested == (Version("0.16.3"), Version("0.16.4"))
     text = bisect.summary(result, "0.18.3", "0.15.4", 60.0)
     assert "the outcome flips at one of deepspeed 0.16.3, 0.16.4, 0.16.5" in text
@@ -158,7 +162,7 @@ def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
 
 def test_ends_must_be_testable_and_differ() -> None:
     _, same = fake("9.0")
-    with pytest.raises(BisectError, match=r"the bug shows on both deepspeed 0\.15\.4 and 0\.18\.3: no flip"):
+    with pytest.raises(BisectError, match=r"the bug shows on both deepspeed 0\.15\.4 and deepspeed 0\.18\.3: no flip"):
         search(RELEASES, same)
     _, broken_end = fake("0.16.4", skip=["0.15.4"])
     with pytest.raises(BisectError, match=r"deepspeed 0.15.4 could not be tested \(cannot install: no wheel\)"):
@@ -245,7 +249,7 @@ def test_a_probe_with_unreadable_results_is_skipped(tmp_path: Path) -> None:
     old = '{"schema": 1, "environment": {}, "tests": []}'
     fake.write_text(f'#!/bin/sh\nfor a; do [ "$prev" = --ds-results ] && echo \'{old}\' > "$a/r.json"; prev=$a; done\n')
     fake.chmod(0o755)
-    probe = Prober("t.py::t", lambda v: ReleaseEnv(str(fake), dict(os.environ)))(Version("0.16.3"))
+    probe = Prober(Invocation("t.py::t"), entered(lambda v: ReleaseEnv(str(fake), dict(os.environ))))(Version("0.16.3"))
     assert probe.bug is None
     assert probe.detail.startswith("unreadable results: ")
     said = f"schema 1: written by an older pytest-dsrepro; this one reads results files of schema {results.SCHEMA} only"
@@ -274,7 +278,7 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
 
         return environment
 
-    bad = Prober("test_flag.py::test_flag", prepare("1"), log_dir=tmp_path)(here)
+    bad = Prober(Invocation("test_flag.py::test_flag"), entered(prepare("1")), log_dir=tmp_path)(here)
     assert bad.bug is True
     assert bad.detail.startswith("FAILED: ")
     assert bad.seconds > 0
@@ -282,21 +286,98 @@ def test_prober_runs_pytest_with_the_prepared_environment(pytester: pytest.Pytes
     assert bad.timing.endswith(" s")
     assert ", install " in bad.timing
     assert "test_flag.py F" in (tmp_path / f"deepspeed-{here}.log").read_text()
-    assert Prober("test_flag.py::test_flag", prepare("0"))(here).bug is False
+    assert Prober(Invocation("test_flag.py::test_flag"), entered(prepare("0")))(here).bug is False
     # A release other than the one imported is never taken for the one asked.
-    other = Prober("test_flag.py::test_flag", prepare("0"))(Version("0.1.0"))
+    other = Prober(Invocation("test_flag.py::test_flag"), entered(prepare("0")))(Version("0.1.0"))
     assert other.bug is None
     assert other.detail == f"ran deepspeed {here} instead of 0.1.0"
 
     def cannot(version: Version) -> ReleaseEnv:
         raise BisectError("import failed: RuntimeError: CPU_Accelerator requires intel_extension_for_pytorch")
 
-    skipped = Prober("test_flag.py::test_flag", cannot)(here)
+    skipped = Prober(Invocation("test_flag.py::test_flag"), entered(cannot))(here)
     assert skipped.bug is None
     assert skipped.detail.startswith("cannot install or import: import failed: RuntimeError")
-    missing = Prober("test_flag.py::test_nope", prepare("0"))(here)
+    missing = Prober(Invocation("test_flag.py::test_nope"), entered(prepare("0")))(here)
     assert missing.bug is None
     assert missing.detail.startswith("no test ran (pytest exit code 4)")
+
+
+FLAKY = """
+import os
+from pathlib import Path
+
+def test_race():
+    runs = Path(os.environ["RUNS_FILE"])
+    runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+    assert len(runs.read_text()) < int(os.environ["FAILS_AT"]), "lost the race"
+"""
+
+
+def test_a_probe_runs_the_test_up_to_runs_times_and_stops_at_the_first_bug(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """``--runs N``: a race shows in some runs only. The bug shows if any run shows it; runs stop there."""
+    pytester.makepyfile(test_race=FLAKY)
+    pytester.chdir()
+    here = Version(deepspeed_version())
+
+    def probe(fails_at: int, runs: int) -> tuple[Probe[Version], int]:
+        counter = tmp_path / f"runs-{fails_at}-{runs}"
+        env = {**os.environ, "RUNS_FILE": str(counter), "FAILS_AT": str(fails_at)}
+        prober = Prober(Invocation("test_race.py::test_race"), entered(lambda v: ReleaseEnv(sys.executable, env)),
+                        runs=runs, log_dir=tmp_path / "logs")  # fmt: skip
+        return prober(here), len(counter.read_text())
+
+    shown, ran = probe(fails_at=2, runs=5)
+    assert (shown.bug, ran) == (True, 2)
+    assert shown.detail.startswith("run 2 of up to 5 shows it: FAILED: ")
+    clean, ran = probe(fails_at=9, runs=3)
+    assert (clean.bug, ran) == (False, 3)
+    assert clean.detail == "none of 3 runs shows it: PASSED"
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir())[:2] == [f"deepspeed-{here}-run1.log",
+                                                                         f"deepspeed-{here}-run2.log"]  # fmt: skip
+
+
+def test_a_probe_runs_any_node_id_from_its_directory_with_its_pytest_arguments(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """An upstream test is a node id relative to a checkout's ``tests/``, run with a plugin of its own
+    (``-p pytest_dsrepro.upstream``): the invocation takes any directory and any pytest arguments."""
+    tests = pytester.mkdir("checkout") / "tests"
+    (tests / "unit").mkdir(parents=True)
+    (tests / "unit" / "test_op.py").write_text("import os\n\ndef test_op(flag):\n    assert flag == 'on', flag\n")
+    (tests / "their_plugin.py").write_text("import pytest\n\n@pytest.fixture\ndef flag():\n    return 'on'\n")
+    invocation = Invocation("unit/test_op.py::test_op", ("-p", "their_plugin"), tests)
+    env = {**os.environ, "PYTHONPATH": str(tests)}
+    here = Version(deepspeed_version())
+    probe = Prober(invocation, entered(lambda v: ReleaseEnv(sys.executable, env)))(here)
+    assert (probe.bug, probe.detail) == (False, "PASSED")
+    assert invocation.options() == ["--chdir", str(tests), "--", "-p", "their_plugin"]
+    assert Invocation("t.py::t").options() == []
+    alone = Prober(
+        Invocation("unit/test_op.py::test_op", (), tests), entered(lambda v: ReleaseEnv(sys.executable, env))
+    )
+    without = alone(here)  # its fixture is the plugin's: the test errors, which says nothing about the bug
+    assert (without.bug, without.detail[:6]) == (None, "ERROR:")
+
+
+def test_a_probe_that_outlives_its_timeout_is_stopped_with_what_it_started(
+    pytester: pytest.Pytester, process_tag: str
+) -> None:
+    """The last resort behind the world timeout: the probe's pytest and every process it started are stopped."""
+    pytester.makepyfile(test_sleep="import subprocess, time\n\ndef test_sleep():\n"
+                                   "    subprocess.Popen(['sleep', '300'])\n    time.sleep(300)\n")  # fmt: skip
+    pytester.chdir()
+    here = Version(deepspeed_version())
+    prober = Prober(Invocation("test_sleep.py::test_sleep"), entered(lambda v: ReleaseEnv(sys.executable, dict(os.environ))),
+                    timeout=5)  # fmt: skip
+    started = time.monotonic()
+    probe = prober(here)
+    assert probe.bug is None
+    assert probe.detail.startswith("did not finish within 5 s (stopped)")
+    assert time.monotonic() - started < 60
+    assert not wait_for_no_processes(process_tag, timeout=10)
 
 
 def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,8 +417,8 @@ def test_command_prints_progress_and_the_specifier(
     made: dict[str, Any] = {}
 
     class FakeProber:
-        def __init__(self, nodeid: str, **kwargs: Any) -> None:
-            made.update(nodeid=nodeid, **kwargs)
+        def __init__(self, invocation: Invocation, **kwargs: Any) -> None:
+            made.update(invocation=invocation, **kwargs)
 
         def __call__(self, version: Version) -> Probe:
             return oracle(version)
@@ -348,8 +429,8 @@ def test_command_prints_progress_and_the_specifier(
     code = cli.main(["bisect", "r/test_x.py::test_y", "--good", "0.18.3", "--bad", "0.15.4", "--", "-x", "-v"])
     assert code == 0
     out, err = capsys.readouterr()
-    assert made["nodeid"] == "r/test_x.py::test_y"
-    assert made["pytest_args"] == ("-x", "-v")
+    assert made["invocation"] == Invocation("r/test_x.py::test_y", ("-x", "-v"))
+    assert made["runs"] == 1
     assert err.startswith("bisecting r/test_x.py::test_y over 22 deepspeed releases 0.15.4 .. 0.18.3 (about 7 probes)")
     assert "[1/~7] deepspeed 0.15.4: installing and running ...\n    deepspeed 0.15.4: bug (fake) in 0.0 s" in err
     assert "    deepspeed 0.16.9: skipped (cannot install: no wheel) in 0.0 s" in err

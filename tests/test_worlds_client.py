@@ -22,6 +22,7 @@ import pytest
 from conftest import REAL_CACHE
 from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.outcome import PHASES, Status, WorldOutcome
+from pytest_dsrepro.tools import processes
 from pytest_dsrepro.worlds import client, devices, workdir
 from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
 from pytest_dsrepro.worlds.protocol import (
@@ -297,15 +298,8 @@ def test_a_report_counts_only_with_a_clean_exit(report: RankReport, code: int, e
 @pytest.fixture
 def interrupt_on_sigusr2() -> Iterator[None]:
     """SIGUSR2 raises KeyboardInterrupt here, as Ctrl-C does in pytest's main thread."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGUSR2, interrupt)
-    try:
+    with processes.interrupting(signal.SIGUSR2):
         yield
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
 
 
 @pytest.mark.usefixtures("interrupt_on_sigusr2")

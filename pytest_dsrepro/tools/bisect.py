@@ -1,40 +1,50 @@
-"""``dsrepro bisect``: the first DeepSpeed release where a test's outcome flips, by binary search over PyPI releases.
+"""``dsrepro bisect``: the first DeepSpeed release (or, with ``--repo``, commit) where a test's outcome flips, by
+binary search.
 
 Three layers, the first two pure and tested directly:
 
-- ``releases_between`` and ``search``: which releases to probe, in which order, and what the probes prove. A
-  release that cannot be installed or imported is *skipped*: never counted as good or bad, and reported.
-- ``bug_present``: what one probe's ``--ds-results`` records say (the bug shows / does not show / no answer), read
-  from each record's ``reason`` (the gates' own answer, ``Reason.body_failed``), never from a message's wording.
-- ``probe_release``: install one release (cached per release, ``filelock``-guarded, see ``install``), run
-  ``python -m pytest NODEID --ds-results DIR`` with that release, and read the records back.
+- ``search``: which points (releases, or commits) to probe, in which order, and what the probes prove. A point that
+  cannot be installed or imported, or whose run says nothing, is *skipped*: never counted as good or bad, and named.
+- ``bug_present`` and ``reproduced``: what one probe's ``--ds-results`` records say (the bug shows / does not show /
+  no answer), read from each record's ``reason`` (the gates' own answer), never from a message's wording.
+  ``bug_present`` judges releases (the body failed: the release misbehaves); ``reproduced`` judges commits, whose
+  ``version.txt`` already names the next release: did the stock variant raise what its gate declares (inside the
+  affected range or outside it), or pass.
+- ``Prober``: prepare the point's environment (a release's, cached per release: ``release_environment``; a
+  commit's: ``bisect_cache``), run the test's pytest invocation there with ``--ds-results DIR`` (``runs`` times at
+  most, stopping at the first that shows the bug), and read the records back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from packaging.utils import InvalidSdistFilename, InvalidWheelFilename, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
 from ..core import results, versions
-from ..core.gates import FIXED, Verdict
+from ..core.gates import FIXED, Reason, Verdict
 from ..core.results import TestRecord
+from . import processes
 
 PACKAGE = "deepspeed"
+
+#: What a search runs over: releases (``Version``) or commits (``history.Commit``).
+P = TypeVar("P")
 
 
 class BisectError(Exception):
@@ -42,14 +52,15 @@ class BisectError(Exception):
 
 
 @dataclass(frozen=True)
-class Probe:
-    """What one release did. ``bug``: True (the bug shows), False (it does not), None (could not be tested)."""
+class Probe(Generic[P]):
+    """What one point did. ``bug``: True (the bug shows), False (it does not), None (could not be tested)."""
 
-    version: Version
+    at: P
     bug: bool | None
     detail: str = ""
     seconds: float = 0.0  # the whole probe
-    install_seconds: float = 0.0  # of which installing (or finding) the release
+    install_seconds: float = 0.0  # of which installing (or finding) the point's DeepSpeed
+    stored: bool = False  # found among the outcomes an earlier run stored, not run now
 
     @property
     def timing(self) -> str:
@@ -61,22 +72,22 @@ class Probe:
         return {True: "bug", False: "no bug", None: "skipped"}[self.bug]
 
 
-Oracle = Callable[[Version], Probe]
-Progress = Callable[[Version, int, int], None]  # (release about to be probed, step number, estimated steps)
+Oracle = Callable[[P], Probe[P]]
+Progress = Callable[[P, int, int], None]  # (point about to be probed, step number, estimated steps)
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Generic[P]):
     """The flip lies between ``last_before`` and ``first_after`` (consecutive, unless ``untested`` lie between)."""
 
-    last_before: Probe  # the newest release tested with the older endpoint's outcome
-    first_after: Probe  # the oldest release tested with the newer endpoint's outcome
-    untested: tuple[Version, ...]  # releases between the two that could not be tested: the flip may be at any
-    probes: tuple[Probe, ...] = field(default=())  # every probe, in the order run
+    last_before: Probe[P]  # the newest point tested with the older end's outcome
+    first_after: Probe[P]  # the oldest point tested with the newer end's outcome
+    untested: tuple[P, ...]  # points between the two that could not be tested: the flip may be at any
+    probes: tuple[Probe[P], ...] = field(default=())  # every probe, in the order run
 
     @property
     def fixed(self) -> bool:
-        """True when the bug shows in the older releases and stops at ``first_after`` (a fix, not a regression)."""
+        """True when the bug shows in the older points and stops at ``first_after`` (a fix, not a regression)."""
         return bool(self.last_before.bug)
 
     @property
@@ -84,13 +95,12 @@ class Result:
         return not self.untested
 
     @property
-    def skipped(self) -> tuple[Probe, ...]:
+    def skipped(self) -> tuple[Probe[P], ...]:
         return tuple(p for p in self.probes if p.bug is None)
 
     @property
-    def specifier(self) -> str:
-        """What to paste into ``ds_version(affected=...)``."""
-        return specifier(self.first_after.version, fixed=self.fixed)
+    def change(self) -> str:
+        return "stops showing (fixed)" if self.fixed else "starts showing (regression)"
 
 
 def specifier(flip: Version, fixed: bool) -> str:
@@ -114,7 +124,7 @@ def releases_between(available: Iterable[Version | str], low: Version | str, hig
 
 
 def estimated_steps(candidates: int) -> int:
-    """Probes a search over ``candidates`` releases needs when none is skipped: both ends, then halving."""
+    """Probes a search over ``candidates`` points needs when none is skipped: both ends, then halving."""
     return 2 + math.ceil(math.log2(max(candidates - 1, 1)))
 
 
@@ -123,20 +133,26 @@ def _nearest(indices: Sequence[int], lo: int, hi: int) -> int:
     return min(indices, key=lambda i: (abs(i - middle), i))
 
 
-def search(releases: Sequence[Version], oracle: Oracle, progress: Progress | None = None) -> Result:
-    """Binary search for the first release whose outcome differs from the oldest one's.
+def _release(point: object) -> str:
+    return f"deepspeed {point}"
 
-    Both ends are probed first and must differ. A skipped release is removed from the candidates and the one
-    nearest the middle is tried instead (as ``git bisect skip`` does); skipped releases left between the two
-    closest tested releases make the result inexact, and ``Result.untested`` names them.
+
+def search(
+    points: Sequence[P], oracle: Oracle[P], progress: Progress[P] | None = None, name: Callable[[P], str] = _release
+) -> Result[P]:
+    """Binary search for the first point whose outcome differs from the oldest one's (``points``: oldest first).
+
+    Both ends are probed first and must differ. A skipped point is removed from the candidates and the one nearest
+    the middle is tried instead (as ``git bisect skip`` does); skipped points left between the two closest tested
+    points make the result inexact, and ``Result.untested`` names them. ``name`` names a point in errors.
     """
-    if len(releases) < 2:
-        raise BisectError("need at least two releases to bisect")
-    ordered = list(releases)
-    probes: list[Probe] = []
+    if len(points) < 2:
+        raise BisectError("need at least two points to bisect")
+    ordered = list(points)
+    probes: list[Probe[P]] = []
     estimate = estimated_steps(len(ordered))
 
-    def run(index: int) -> Probe:
+    def run(index: int) -> Probe[P]:
         if progress is not None:
             progress(ordered[index], len(probes) + 1, max(estimate, len(probes) + 1))
         probe = oracle(ordered[index])
@@ -146,12 +162,10 @@ def search(releases: Sequence[Version], oracle: Oracle, progress: Progress | Non
     low, high = run(0), run(len(ordered) - 1)
     for end in (low, high):
         if end.bug is None:
-            raise BisectError(f"deepspeed {end.version} could not be tested ({end.detail}); choose another end")
+            raise BisectError(f"{name(end.at)} could not be tested ({end.detail}); choose another end")
     if low.bug == high.bug:
         state = "shows" if low.bug else "does not show"
-        raise BisectError(
-            f"the bug {state} on both deepspeed {low.version} and {high.version}: no flip to find between them"
-        )
+        raise BisectError(f"the bug {state} on both {name(low.at)} and {name(high.at)}: no flip to find between them")
     lo, hi = 0, len(ordered) - 1
     outcome = {lo: low, hi: high}
     pending = set(range(1, len(ordered) - 1))
@@ -189,24 +203,85 @@ def _stock(records: Iterable[TestRecord]) -> list[TestRecord]:
     return [r for r in records if r.variant != FIXED]
 
 
-def bug_present(records: Iterable[TestRecord]) -> bool | None:
-    """Does the bug show in this run? True if any stock test shows it; None if no stock test gave an answer."""
-    known = [a for a in map(_record_bug, _stock(records)) if a is not None]
+def _any(answers: Iterable[bool | None]) -> bool | None:
+    """True if any answer is True; None if none is an answer."""
+    known = [a for a in answers if a is not None]
     return any(known) if known else None
+
+
+def bug_present(records: Iterable[TestRecord]) -> bool | None:
+    """Does the bug show in this run of a release? True if any stock test shows it; None if no stock test gave an
+    answer."""
+    return _any(map(_record_bug, _stock(records)))
+
+
+#: The body raised what a gate declares: inside the affected range, or outside it (a commit reports the next
+#: release's version). Until the gates tell a declared error outside the range from another one (``regression``
+#: from any failure there, on this branch), a failure outside the range counts as declared.
+DECLARED = frozenset({Reason.REPRODUCED, Reason.REGRESSION, Reason.BEFORE_AFFECTED})
+
+
+def _reproduced(record: TestRecord) -> bool | None:
+    """Did this record's body raise what its gate declares (True), pass (False), or neither (None: it failed
+    otherwise, crashed, hung, or no body ran)?"""
+    if record.reason is None:
+        return _record_bug(record)  # a plain test: its outcome is the answer
+    if record.reason in DECLARED:
+        return True
+    return False if record.reason.body_failed is False else None
+
+
+def reproduced(records: Iterable[TestRecord]) -> bool | None:
+    """Does the bug show in this run of a commit? Judged by what the stock variant did, never by the version the
+    commit's DeepSpeed reports (its ``version.txt`` names the next release right after each release)."""
+    return _any(map(_reproduced, _stock(records)))
+
+
+def _said(record: TestRecord) -> str:
+    """What the plugin said of one test: its verdict (or outcome) and error."""
+    label = record.verdict.value if record.verdict else record.outcome.upper()
+    if not record.error:
+        return label
+    if record.error.startswith(label):  # "REPRODUCED on deepspeed ...": the verdict is already said
+        return record.error
+    return f"{label}: {record.error}"
 
 
 def describe(records: Iterable[TestRecord]) -> str:
     """One line for the progress output: verdict (or outcome) and first error of each stock test."""
+    return "; ".join(map(_said, _stock(records)))
+
+
+def describe_commit(records: Iterable[TestRecord]) -> str:
+    """One line for a commit's probe, in ``reproduced``'s terms: the gates' words are about releases, and a commit
+    reports the next release's version."""
     parts = []
     for r in _stock(records):
-        label = r.verdict.value if r.verdict else r.outcome.upper()
-        if not r.error:
-            parts.append(label)
-        elif r.error.startswith(label):  # "REPRODUCED on deepspeed ...": the verdict is already said
-            parts.append(r.error)
+        answer = _reproduced(r)
+        error = r.ranks[0].error if r.ranks else r.error
+        ending = f"{r.ranks[0].ranks}: {error.splitlines()[0]}" if r.ranks and error else error
+        if answer is False:
+            parts.append("passed")
+        elif answer and ending:
+            parts.append(f"failed{' as declared' if r.reason else ''} ({ending})")
+        elif r.reason is not None and r.reason.body_failed and ending:
+            parts.append(f"failed otherwise, not as declared ({ending})")
         else:
-            parts.append(f"{label}: {r.error}")
+            parts.append(_said(r))
     return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a probe's records are read: the answer (``judge``) and the line that says why (``describe``)."""
+
+    judge: Callable[[Iterable[TestRecord]], bool | None]
+    describe: Callable[[Iterable[TestRecord]], str]
+
+
+#: A release: did the body fail. A commit: did it raise what its gate declares, or pass.
+RELEASES = Reading(bug_present, describe)
+COMMITS = Reading(reproduced, describe_commit)
 
 
 # --- real releases -----------------------------------------------------------------------------------------------
@@ -273,72 +348,142 @@ def available_releases(environ: Mapping[str, str] | None = None, timeout: float 
     return parse_project_page({"files": anchors.files})
 
 
+def one_line(text: str) -> str:
+    """A message on one line (an assertion's comparison follows it on the next): for progress lines and tables."""
+    return " ".join(text.split())
+
+
 def _tail(text: str, lines: int = 3) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
 
 
 @dataclass(frozen=True)
 class ReleaseEnv:
-    """An environment that holds one release: its interpreter, and the variables to run it with."""
+    """An environment that holds one release (or commit): its interpreter, and the variables to run it with."""
 
     python: str
     environ: Mapping[str, str]
+    deepspeed: str | None = None  # the version its DeepSpeed reports, where not the release asked for (a commit's)
+
+
+def probe_environ(directory: Path) -> dict[str, str]:
+    """The variables a probe's pytest runs with in the environment at ``directory``."""
+    environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
+    environ.setdefault("DS_ACCELERATOR", "cpu")
+    return environ
 
 
 @dataclass(frozen=True)
-class Prober:
-    """Runs one test on one release: the real oracle of ``search``."""
+class Invocation:
+    """How a probe runs the test: ``python -m pytest NODEID -p no:cacheprovider --ds-results DIR ARGS``, from
+    ``cwd``. Any node id pytest takes: a catalogue repro, a repro file of one's own, an upstream test (run from the
+    checkout's ``tests/`` with ``-p pytest_dsrepro.upstream`` in ``args``)."""
 
     nodeid: str
-    prepare: Callable[[Version], ReleaseEnv]  # installs a release; returns the environment that runs it
-    pytest_args: tuple[str, ...] = ()
-    log_dir: Path | None = None  # each probe's full pytest output, one file per release
+    args: tuple[str, ...] = ()
+    cwd: Path | None = None
+
+    def command(self, python: str, results_dir: Path) -> list[str]:
+        return [python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", str(results_dir),
+                *self.args]  # fmt: skip
+
+    def options(self) -> list[str]:
+        """The ``dsrepro bisect`` arguments that give this invocation (after the node id)."""
+        where = ["--chdir", str(self.cwd)] if self.cwd is not None else []
+        return [*where, *(["--", *self.args] if self.args else [])]
+
+
+Prepare = Callable[[P], AbstractContextManager[ReleaseEnv]]
+
+
+def entered(prepare: Callable[[P], ReleaseEnv]) -> Prepare[P]:
+    """A ``prepare`` that returns the environment, as a ``Prober`` takes it: with nothing to hold while it runs."""
+    return lambda point: contextlib.nullcontext(prepare(point))
+
+
+@dataclass(frozen=True)
+class Prober(Generic[P]):
+    """Runs one test at one point (a release, a commit): the real oracle of ``search``.
+
+    ``prepare`` gives the point's environment, held while the test runs (a commit's is locked against pruning); a
+    failure to prepare it skips the point, with the reason. The test runs ``runs`` times at most, each a pytest run
+    of its own, stopping at the first that shows the bug (a race shows in some runs only); ``timeout`` stops a run
+    that outlives it (the world timeout, ``--ds-timeout``, normally ends a hung world first).
+    """
+
+    invocation: Invocation
+    prepare: Prepare[P]
+    reading: Reading = RELEASES
+    runs: int = 1
+    log_dir: Path | None = None  # each run's full pytest output, one file per point and run
     timeout: float = 3600.0
 
-    def __call__(self, version: Version) -> Probe:
+    def __call__(self, point: P) -> Probe[P]:
         start = time.monotonic()
-        installed = start
-
-        def done(bug: bool | None, detail: str) -> Probe:
-            return Probe(version, bug, detail, time.monotonic() - start, installed - start)
-
-        try:
-            env = self.prepare(version)
-        except Exception as exc:  # noqa: BLE001 - any install failure skips the release, with its reason
+        with contextlib.ExitStack() as stack:
+            try:
+                env = stack.enter_context(self.prepare(point))
+            except Exception as exc:  # noqa: BLE001 - any install failure skips the point, with its reason
+                seconds = time.monotonic() - start
+                return Probe(point, None, f"cannot install or import: {' '.join(str(exc).split())[:400]}", seconds,
+                             seconds)  # fmt: skip
             installed = time.monotonic()
-            return done(None, f"cannot install or import: {' '.join(str(exc).split())[:400]}")
-        installed = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix=f"dsrepro-bisect-{version}-") as tmp:
-            args = [env.python, "-m", "pytest", self.nodeid, "-p", "no:cacheprovider", "--ds-results", tmp]
-            proc = subprocess.run(
-                [*args, *self.pytest_args], capture_output=True, text=True, env=dict(env.environ), timeout=self.timeout
-            )
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                (self.log_dir / f"deepspeed-{version}.log").write_text(proc.stdout + proc.stderr)
+            bug, detail = self._answer(point, env)
+        return Probe(point, bug, detail, time.monotonic() - start, installed - start)
+
+    def _answer(self, point: P, env: ReleaseEnv) -> tuple[bool | None, str]:
+        answers: list[tuple[bool | None, str]] = []
+        for run in range(1, self.runs + 1):
+            answers.append(self._once(point, env, run))
+            if answers[-1][0]:
+                break
+        if self.runs == 1:
+            return answers[0]
+        bug = _any(a for a, _ in answers)
+        if bug:
+            return True, f"run {len(answers)} of up to {self.runs} shows it: {answers[-1][1]}"
+        clean = [d for a, d in answers if a is False]
+        if clean:
+            unanswered = f" ({len(answers) - len(clean)} without an answer)" if len(clean) < len(answers) else ""
+            return False, f"none of {len(answers)} runs shows it{unanswered}: {clean[-1]}"
+        return None, f"none of {len(answers)} runs gave an answer: {answers[-1][1]}"
+
+    def _once(self, point: P, env: ReleaseEnv, run: int) -> tuple[bool | None, str]:
+        log = None
+        if self.log_dir is not None:
+            log = self.log_dir / f"deepspeed-{point}{f'-run{run}' if self.runs > 1 else ''}.log"
+        with tempfile.TemporaryDirectory(prefix="dsrepro-bisect-") as tmp:
+            command = self.invocation.command(env.python, Path(tmp))
+            done = processes.run(command, env=env.environ, cwd=self.invocation.cwd, timeout=self.timeout, output=log)
             files, unreadable = results.read_all([Path(tmp)])
+        if done.timed_out:
+            return None, f"did not finish within {self.timeout:g} s (stopped): {_tail(done.output)}"
         if unreadable:
-            return done(None, f"unreadable results: {unreadable[0]}")
+            return None, f"unreadable results: {unreadable[0]}"
         records = [t for f in files for t in f.run.tests]
         ran = {str(f.run.environment.deepspeed) for f in files}
-        if files and ran != {str(version)}:
-            return done(None, f"ran deepspeed {', '.join(sorted(ran))} instead of {version}")
+        expected = env.deepspeed or str(point)
+        if files and ran != {expected}:
+            return None, f"ran deepspeed {', '.join(sorted(ran))} instead of {expected}"
         if not records:
-            return done(None, f"no test ran (pytest exit code {proc.returncode}): {_tail(proc.stdout + proc.stderr)}")
-        return done(bug_present(records), describe(records))
+            return None, f"no test ran (pytest exit code {done.returncode}): {_tail(done.output)}"
+        return self.reading.judge(records), one_line(self.reading.describe(records))
 
 
 # --- one environment per release ----------------------------------------------------------------------------------
 
 
+def build_key() -> str:
+    """What a DeepSpeed build depends on besides its source: ``py311-torch-2.13.0+cpu``."""
+    return f"py{sys.version_info.major}{sys.version_info.minor}-torch-{versions.installed_text('torch') or 'none'}"
+
+
 def environment_dir(cache_dir: Path, version: Version) -> Path:
     """Where one release's environment lives: per DeepSpeed release, Python and torch (a build depends on all)."""
-    torch = versions.installed_text("torch") or "none"
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return cache_dir / "envs" / f"deepspeed-{version}-{py}-torch-{torch}"
+    return cache_dir / "envs" / f"deepspeed-{version}-{build_key()}"
 
 
-def _torch_pin(cache_dir: Path) -> Path:
+def torch_pin(cache_dir: Path) -> Path:
     """A constraints file pinning the torch installed here: bisect must never move torch."""
     torch = versions.installed_text("torch")
     if torch is None:
@@ -367,7 +512,7 @@ def release_environment(
     from . import install
 
     root = cache_dir or default_cache_dir()
-    pins = constraints or install.find_constraints() or _torch_pin(root)
+    pins = constraints or install.find_constraints() or torch_pin(root)
 
     def prepare(version: Version) -> ReleaseEnv:
         directory = environment_dir(root, version)
@@ -384,35 +529,41 @@ def release_environment(
             )
         if not result.ok:
             raise BisectError(result.reason or "unavailable")
-        environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
-        environ.setdefault("DS_ACCELERATOR", "cpu")
-        return ReleaseEnv(env_python, environ)
+        return ReleaseEnv(env_python, probe_environ(directory))
 
     return prepare
 
 
-def summary(result: Result, good: str, bad: str, seconds: float) -> str:
-    """The final words of a bisect: the flip, the specifier to paste, and what was skipped."""
+def release_specifier(result: Result[Version]) -> str:
+    """What to paste into ``ds_version(affected=...)``."""
+    return specifier(result.first_after.at, fixed=result.fixed)
+
+
+def release_lines(result: Result[Version], good: str, bad: str) -> list[str]:
+    """What a search over releases found: the flip, the specifier to paste, and the releases skipped."""
     before, after = result.last_before, result.first_after
-    change = "stops showing (fixed)" if result.fixed else "starts showing (regression)"
     lines = []
     if result.exact:
-        lines.append(f"first release where the outcome flips: deepspeed {after.version}")
+        lines.append(f"first release where the outcome flips: deepspeed {after.at}")
     else:
-        maybe = ", ".join(str(v) for v in (*result.untested, after.version))
+        maybe = ", ".join(str(v) for v in (*result.untested, after.at))
         lines.append(f"the outcome flips at one of deepspeed {maybe} (the releases between could not be tested)")
-    lines.append(f"  {before.version}: {before.word}  ({before.detail})")
-    lines.append(f"  {after.version}: {after.word}  ({after.detail})")
-    lines.append(f"the bug {change} in deepspeed {after.version}; paste:")
-    lines.append(f'  @pytest.mark.ds_version(affected="{result.specifier}", ...)')
-    good_probe = next((p for p in result.probes if str(p.version) == str(Version(good))), None)
+    lines.append(f"  {before.at}: {before.word}  ({before.detail})")
+    lines.append(f"  {after.at}: {after.word}  ({after.detail})")
+    lines.append(f"the bug {result.change} in deepspeed {after.at}; paste:")
+    lines.append(f'  @pytest.mark.ds_version(affected="{release_specifier(result)}", ...)')
+    good_probe = next((p for p in result.probes if p.at == Version(good)), None)
     if good_probe is not None and good_probe.bug:
         lines.append(f"note: the bug shows on --good {good} and not on --bad {bad}; the flip is the same either way")
-    for p in result.skipped:
-        lines.append(f"skipped deepspeed {p.version}: {p.detail}")
+    lines.extend(f"skipped deepspeed {p.at}: {p.detail}" for p in result.skipped)
+    return lines
+
+
+def summary(result: Result[Version], good: str, bad: str, seconds: float) -> str:
+    """The final words of a bisect over releases: ``release_lines``, and what it took."""
     tested = sum(1 for p in result.probes if p.bug is not None)
-    lines.append(
+    return "\n".join([
+        *release_lines(result, good, bad),
         f"{len(result.probes)} releases probed ({tested} tested, {len(result.skipped)} skipped) in "
-        f"{seconds / 60:.1f} min"
-    )
-    return "\n".join(lines)
+        f"{seconds / 60:.1f} min",
+    ])  # fmt: skip

@@ -116,8 +116,17 @@ def _progress(out: TextIO) -> Callable[[object, int, int], None]:
 
 
 def _bisect(args: argparse.Namespace) -> int:
-    from . import bisect
+    from . import bisect, bisect_repo, history
 
+    if args.repo is None and (args.fresh or args.env_cache is not None):
+        _err("--fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone")
+        return 2
+    if args.repo is not None:
+        try:
+            return bisect_repo.run(args)
+        except (bisect.BisectError, history.HistoryError) as exc:
+            _err(str(exc))
+            return 1
     out = sys.stderr
     started = time.monotonic()
     try:
@@ -139,14 +148,14 @@ def _bisect(args: argparse.Namespace) -> int:
         _err(str(exc))
         return 1
     inner = bisect.Prober(
-        args.nodeid,
-        prepare=prepare,
-        pytest_args=tuple(args.pytest_args),
+        bisect.Invocation(args.nodeid, tuple(args.pytest_args), args.chdir),
+        prepare=bisect.entered(prepare),
+        runs=args.runs,
         log_dir=log_dir,
         timeout=args.timeout,
     )
 
-    def oracle(version: Version) -> bisect.Probe:
+    def oracle(version: Version) -> bisect.Probe[Version]:
         probe = inner(version)
         detail = f" ({probe.detail})" if probe.detail else ""
         print(f"    deepspeed {version}: {probe.word}{detail} in {probe.timing}", file=out, flush=True)
@@ -161,12 +170,65 @@ def _bisect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    from .bisect_cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _runs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs >= 1")
+    return int(text)
+
+
 def _bisect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("nodeid", metavar="TEST_NODEID", help="e.g. repros/test_zero3_module_id.py::test_user_ids_survive")
-    p.add_argument("--good", required=True, metavar="VERSION", help="a release at one end (e.g. where it passes)")
-    p.add_argument("--bad", required=True, metavar="VERSION", help="a release at the other end (where it fails)")
     p.add_argument(
-        "--cache-dir", type=Path, default=None, help="release cache (default: $DSREPRO_CACHE_DIR, shared with tox)"
+        "--good",
+        required=True,
+        metavar="VERSION",
+        help="a release at one end, e.g. where it passes (--repo: or a revision)",
+    )
+    p.add_argument("--bad", required=True, metavar="VERSION", help="a release at the other end, where it fails")
+    p.add_argument(
+        "--repo",
+        type=Path,
+        metavar="PATH",
+        help="your DeepSpeed clone (never written to): after the releases, bisect the commits between the two that "
+        "flip, and name the pull request; --good/--bad may then be any revisions of it too",
+    )
+    p.add_argument(
+        "--chdir", type=Path, metavar="DIR", help="run each probe's pytest from DIR (node ids relative to it)"
+    )
+    p.add_argument(
+        "--runs",
+        type=_runs,
+        default=1,
+        metavar="N",
+        help="run the test up to N times per probe (a race shows in some runs only): the bug shows if any run "
+        "shows it (default 1)",
+    )
+    p.add_argument(
+        "--fresh", action="store_true", help="with --repo: probe again, not from outcomes an earlier run stored"
+    )
+    p.add_argument(
+        "--env-cache",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="with --repo: the disk the commits' environments may use, least recently used removed first "
+        "(default 10G; what removing one frees, not files linked from uv's cache)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the releases' environments live, and with --repo the commits' and the stored outcomes "
+        "(default: $DSREPRO_CACHE_DIR or ~/.cache/pytest-dsrepro, shared with tox)",
     )
     p.add_argument(
         "--constraints",
@@ -176,7 +238,13 @@ def _bisect_arguments(p: argparse.ArgumentParser) -> None:
         "else the torch installed here)",
     )
     p.add_argument("--log-dir", metavar="DIR", help="keep each probe's install log and pytest output here")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one probe's pytest run may take")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds one pytest run of a probe may take before it is stopped (a hung world ends first, at pytest's "
+        "--ds-timeout: give it after --)",
+    )
     p.set_defaults(pytest_args=[])
 
 
@@ -209,11 +277,12 @@ COMMANDS = (
     Command("new", "write a new repro from the template into repros/ (never overwrites)", _new_arguments, _new),
     Command(
         "bisect",
-        "find the first DeepSpeed release where a test's outcome flips",
+        "find the first DeepSpeed release (with --repo: commit, pull request) where a test's outcome flips",
         _bisect_arguments,
         _bisect,
         "Install DeepSpeed releases from PyPI (cached per release) and binary-search the first one where "
-        "TEST_NODEID's outcome flips. Arguments after `--` go to pytest.",
+        "TEST_NODEID's outcome flips; with --repo, the releases of your clone and then the commits between the two "
+        "that flip, naming the pull request. Arguments after `--` go to pytest.",
     ),
     # These two declare their own description in add_arguments.
     Command(

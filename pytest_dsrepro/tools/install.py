@@ -29,8 +29,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -44,6 +45,7 @@ from packaging.version import InvalidVersion, Version
 from ..core import results
 from ..core.options import CACHE_ENV, default_cache_dir
 from ..core.results import RunRecord
+from . import processes
 
 __all__ = [
     "CONSTRAINTS_ENV",
@@ -243,12 +245,14 @@ def _reason(output: str, fallback: str) -> str:
 
 
 class _Runner:
-    """Runs the recipe's uv commands, keeps their transcript, and turns a failure into an :class:`InstallError`."""
+    """Runs the recipe's uv commands, keeps their transcript, and turns a failure into an :class:`InstallError`.
+    ``extra``: variables the commands get besides the recipe's own (a source build's ``DS_BUILD_STRING``)."""
 
-    def __init__(self, python: str, log: Path | None, echo: bool) -> None:
+    def __init__(self, python: str, log: Path | None, echo: bool, extra: Mapping[str, str] | None = None) -> None:
         self.python = python
         self.log = log
         self.echo = echo
+        self.extra = dict(extra or {})
         self.steps: list[str] = []
 
     def __call__(self, what: str, args: Sequence[str], timeout: float = INSTALL_TIMEOUT) -> str:
@@ -256,20 +260,13 @@ class _Runner:
         self.steps.append(" ".join(cmd))
         if self.echo:
             print(f"dsrepro install: {what}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        try:
-            proc = subprocess.run(
-                cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                check=False,
-            )  # fmt: skip
-            output, code = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            self._keep(cmd, out)
-            raise InstallError(f"{what} timed out after {timeout:g}s", out) from None
-        self._keep(cmd, output)
-        if code != 0:
-            raise InstallError(f"{what} failed: {_reason(output, f'exit code {code}')}", output)
-        return output
+        done = processes.run(cmd, env=_env(self.extra), timeout=timeout)  # Ctrl-C: uv and its build stop too
+        self._keep(cmd, done.output)
+        if done.timed_out:
+            raise InstallError(f"{what} timed out after {timeout:g}s", done.output)
+        if done.returncode != 0:
+            raise InstallError(f"{what} failed: {_reason(done.output, f'exit code {done.returncode}')}", done.output)
+        return done.output
 
     def install(self, what: str, args: Sequence[str]) -> str:
         return self(what, ["pip", "install", "--python", self.python, *args])
@@ -304,14 +301,14 @@ def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> 
         dist = metadata.distribution(PLUGIN)
     except metadata.PackageNotFoundError:
         raise InstallError(f"{PLUGIN} is not installed here (pip install -e . in its checkout)") from None
-    requirements = [r for r in dist.requires or [] if "extra" not in str(Requirement(r).marker or "")]
+    needs = _without_extras(dist.requires or [])
     plugins = {
         f"{ep.dist.name}=={ep.dist.version}" for ep in metadata.entry_points(group="pytest11")
         if ep.dist is not None and canonicalize_name(ep.dist.name) != PLUGIN
     }  # fmt: skip
     run = _Runner(python, log, echo=False)
     run.install("installing pytest and its plugins", ["-c", str(constraints), f"pytest=={metadata.version('pytest')}",
-                                                       *requirements, *sorted(plugins)])  # fmt: skip
+                                                       *needs, *sorted(plugins)])  # fmt: skip
     site = Path(subprocess.run([python, "-c", _PURELIB], capture_output=True, text=True, check=True).stdout.strip())
     overlay = site.parent / "dsrepro-plugin"
     shutil.rmtree(overlay, ignore_errors=True)
@@ -322,6 +319,25 @@ def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> 
     shutil.copytree(Path(__file__).resolve().parents[1], overlay / "pytest_dsrepro",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     (site / "dsrepro-plugin.pth").write_text(f"{overlay}\n")
+
+
+def _without_extras(requires: Sequence[str]) -> list[str]:
+    """A distribution's requirements, those of its extras left out."""
+    return [r for r in requires if "extra" not in str(Requirement(r).marker or "")]
+
+
+_REQUIRES = "import json, sys; from importlib import metadata; print(json.dumps(metadata.requires(sys.argv[1]) or []))"
+
+
+def requirements(python: str, name: str) -> list[str]:
+    """What the distribution ``name`` installed in ``python``'s environment requires (its extras' left out)."""
+    proc = subprocess.run([python, "-c", _REQUIRES, name], env=_env(), capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise InstallError(
+            f"cannot read the requirements of {name}: {_reason(proc.stderr, f'exit code {proc.returncode}')}"
+        )
+    return _without_extras(json.loads(proc.stdout))
 
 
 def installed_versions(python: str, names: Sequence[str]) -> dict[str, str | None]:
@@ -421,46 +437,112 @@ def install_deepspeed(
     Never raises for a release that cannot be installed: the result has ``ok=False`` and the reason. Raises
     ``NoSuchRelease`` for a version the package index does not have.
     """
-    started = time.monotonic()
     cache_dir = cache_dir or default_cache_dir()
-    run = _Runner(python, log, echo)
-    torch_pin = pinned(constraints, "torch")
-    torch_version: str | None = None
-
-    def result(ok: bool, action: str, reason: str | None, probe: Probe | None) -> InstallResult:
-        return InstallResult(
-            version, python, ok, action, reason, probe, round(time.monotonic() - started, 2),
-            (probe.torch if probe else None) or torch_version, tuple(run.steps),
-        )  # fmt: skip
-
+    build = _Build(version, python, constraints, _Runner(python, log, echo))
     try:
         have = _installed(python, ["torch", "deepspeed"])
-        torch_version = have["torch"][0]
-        if _same_version(have["deepspeed"][0], version) and _satisfies(torch_version, torch_pin):
+        build.torch = have["torch"][0]
+        if _same_version(have["deepspeed"][0], version) and _satisfies(build.torch, build.torch_pin):
             stamp = _probe_stamp(cache_dir, python, have)
             probe = _cached_probe(stamp) or probe_import(python)
             if probe.ok and _same_version(probe.deepspeed, version):
                 _keep_probe(stamp, probe)
-                return result(True, "already installed", None, probe)
-        _look_up(run, version)
-        run.install("installing torch and build tools", ["-c", str(constraints), *BUILD_PREREQUISITES])
-        torch_version = installed_versions(python, ["torch"])["torch"]
-        if not _satisfies(torch_version, torch_pin):
-            raise InstallError(f"torch {torch_version} does not satisfy {torch_pin} from {constraints}")
-        run.install(f"installing deepspeed {version}",
-                    ["-c", str(constraints), "--no-build-isolation", f"deepspeed=={version}"])  # fmt: skip
-    except NoSuchRelease:
-        raise
+                return build.result(True, "already installed", None, probe)
+        _look_up(build.run, version)
     except InstallError as exc:
-        return result(False, "failed", exc.reason, None)
-    probe = probe_import(python)
-    if not probe.ok:
-        error = re.sub(r" \((/|[A-Za-z]:\\)[^()]*\)$", "", probe.error or "")  # an ImportError's file path: noise
-        return result(False, "failed", f"import failed: {error}", probe)
-    if not _same_version(probe.deepspeed, version):
-        return result(False, "failed", f"installed {version} but import finds deepspeed {probe.deepspeed}", probe)
-    _keep_probe(_probe_stamp(cache_dir, python, _installed(python, ["torch", "deepspeed"])), probe)
-    return result(True, "installed", None, probe)
+        if isinstance(exc, NoSuchRelease):
+            raise
+        return build.result(False, "failed", exc.reason, None)
+
+    def deepspeed() -> None:
+        build.run.install(f"installing deepspeed {version}",
+                          ["-c", str(constraints), "--no-build-isolation", f"deepspeed=={version}"])  # fmt: skip
+
+    result = build.installed(deepspeed, lambda found: _same_version(found, version))
+    if result.probe is not None and result.ok:
+        _keep_probe(_probe_stamp(cache_dir, python, _installed(python, ["torch", "deepspeed"])), result.probe)
+    return result
+
+
+def install_source(
+    source: Path,
+    build_string: str,
+    *,
+    python: str = sys.executable,
+    constraints: Path,
+    log: Path | None = None,
+    name: str | None = None,
+) -> InstallResult:
+    """Put DeepSpeed built from a source tree (one commit of a clone: ``dsrepro bisect --repo``) into ``python``'s
+    environment by the same recipe, and prove it imports. ``build_string`` is DeepSpeed's ``DS_BUILD_STRING``,
+    appended to its ``version.txt`` (``+029e0a3``): the installed version names the commit even where the tree has
+    no ``.git`` to ask. ``name`` says which tree in messages. Never raises for a tree that cannot be built or
+    imported: ``ok=False`` and the reason.
+
+    The commit's own wheel is built into a uv cache of its own beside ``source``, removed right after: no later
+    install can use it, so it never enters uv's shared cache, and the environment alone holds its files (removing
+    the environment frees them). Its requirements come from the shared cache, under the pin.
+    """
+    run = _Runner(python, log, echo=False, extra={BUILD_STRING: build_string})
+    build = _Build(name or str(source), python, constraints, run)
+
+    def deepspeed() -> None:
+        with tempfile.TemporaryDirectory(prefix="uv-cache-", dir=source.parent) as own:
+            run.install(f"installing deepspeed {build.what}",
+                        ["--cache-dir", own, "--no-build-isolation", "--no-deps", str(source)])  # fmt: skip
+        needs = requirements(python, "deepspeed")
+        if needs:
+            run.install(f"installing the requirements of deepspeed {build.what}", ["-c", str(constraints), *needs])
+
+    return build.installed(deepspeed, lambda found: found is not None and found.endswith(build_string))
+
+
+#: DeepSpeed's setup.py appends this variable to version.txt (and skips asking git for a hash).
+BUILD_STRING = "DS_BUILD_STRING"
+
+
+@dataclass
+class _Build:
+    """One install by the recipe: torch and the build tools under the pin, DeepSpeed without build isolation, then
+    the import proved. ``what`` names it in results (a release, or a source tree)."""
+
+    what: str
+    python: str
+    constraints: Path
+    run: _Runner
+    torch: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def torch_pin(self) -> SpecifierSet | None:
+        return pinned(self.constraints, "torch")
+
+    def result(self, ok: bool, action: str, reason: str | None, probe: Probe | None) -> InstallResult:
+        return InstallResult(
+            self.what, self.python, ok, action, reason, probe, round(time.monotonic() - self.started, 2),
+            (probe.torch if probe else None) or self.torch, tuple(self.run.steps),
+        )  # fmt: skip
+
+    def installed(self, deepspeed: Callable[[], None], accept: Callable[[str | None], bool]) -> InstallResult:
+        """Torch and the build tools, then ``deepspeed`` (the step that installs it), then the import proved;
+        ``accept``: is the version the import finds the one this install made?"""
+        try:
+            self.run.install("installing torch and build tools", ["-c", str(self.constraints), *BUILD_PREREQUISITES])
+            self.torch = installed_versions(self.python, ["torch"])["torch"]
+            if not _satisfies(self.torch, self.torch_pin):
+                raise InstallError(f"torch {self.torch} does not satisfy {self.torch_pin} from {self.constraints}")
+            deepspeed()
+        except InstallError as exc:
+            return self.result(False, "failed", exc.reason, None)
+        probe = probe_import(self.python)
+        if not probe.ok:
+            error = re.sub(r" \((/|[A-Za-z]:\\)[^()]*\)$", "", probe.error or "")  # an ImportError's file path: noise
+            return self.result(False, "failed", f"import failed: {error}", probe)
+        if not accept(probe.deepspeed):
+            return self.result(
+                False, "failed", f"installed {self.what} but import finds deepspeed {probe.deepspeed}", probe
+            )
+        return self.result(True, "installed", None, probe)
 
 
 def unavailable_results(result: InstallResult, constraints: Path | None = None) -> RunRecord:
