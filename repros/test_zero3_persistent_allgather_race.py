@@ -17,6 +17,7 @@ lets the gathers land, and the two must be equal. PR #8539 waits on every handle
 
 import pytest
 
+from _prerequisites import wait_on_every_handle
 from pytest_dsrepro.inrank.models import make_batch
 
 pytestmark = [
@@ -39,23 +40,6 @@ ZERO3_ALL_PERSISTENT = {
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
 }
-
-
-def wait_on_every_handle(monkeypatch):
-    """Backport of PR #8539: wait on every launched all-gather, not only the last one."""
-    import inspect
-
-    from deepspeed.runtime.zero import partition_parameters
-
-    from pytest_dsrepro.inrank.backport import backport
-
-    if "launch_handles[-1].wait()" not in inspect.getsource(partition_parameters.Init._allgather_params_coalesced):
-        return  # this release has the fix
-    backport(
-        monkeypatch,
-        "deepspeed.runtime.zero.partition_parameters",
-        [(r"launch_handles\[-1\]\.wait\(\)", "for handle in launch_handles:\n            handle.wait()")],
-    )
 
 
 @pytest.mark.ds_config(pytest.param(ZERO3_ALL_PERSISTENT, id="zero3_all_persistent"))

@@ -1,0 +1,94 @@
+"""Tiny Hugging Face models built from a config, for repros of bugs users meet through transformers, PEFT and the
+Trainer: no download, no network, the same weights on every rank. Importing this module imports neither torch nor
+transformers (the repro's collection stays fast, and works without the ``hf`` extra).
+
+``requires_hf`` is the marker such a repro carries: where the extra (``pip install 'pytest-dsrepro[hf]'``) is not
+installed, its tests are collected and listed as usual, and skipped with a reason that names the extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: What the ``hf`` extra brings (pyproject.toml), by import name.
+HF_PACKAGES = ("transformers", "accelerate", "peft")
+
+
+def missing_hf_packages() -> list[str]:
+    """The packages of the ``hf`` extra this interpreter cannot import (found without importing them)."""
+    return [name for name in HF_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+#: On a repro module (``pytestmark``) or test: skipped, naming what is missing and the extra, without transformers.
+requires_hf = pytest.mark.skipif(
+    bool(missing_hf_packages()),
+    reason=f"needs {', '.join(missing_hf_packages()) or 'nothing'} from the hf extra: "
+    "pip install 'pytest-dsrepro[hf]'",
+)
+
+#: Small configurations of the architectures users fine-tune with DeepSpeed, as DeepSpeed's own tests build them:
+#: a decoder (Llama), GPT-2, and a mixture of experts (Mixtral). Sizes are even, so that 2 ranks split them evenly.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 32,
+        "max_position_embeddings": 64,
+    },
+    "gpt2": {"n_embd": 8, "n_head": 2, "n_layer": 2, "n_positions": 64, "vocab_size": 32},
+    "mixtral": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32,
+        "max_position_embeddings": 64,
+    },
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """A transformers config of ``model_type`` (a key of ``TINY_CONFIGS``), with ``overrides`` applied."""
+    from transformers import AutoConfig
+
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for {model_type!r}; known: {', '.join(TINY_CONFIGS)}")
+    return AutoConfig.for_model(model_type, **{**TINY_CONFIGS[model_type], **overrides})
+
+
+def tiny_model(model_type: str, task: str = "causal-lm", seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised tiny model for ``task`` (``causal-lm`` or ``sequence-classification``), the same on
+    every rank for the same ``seed``. Built through the Auto classes, so that a DeepSpeed ZeRO-3 config made active
+    by ``HfDeepSpeedConfig`` partitions it as it is built, as ``from_pretrained`` does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModelForSequenceClassification}
+    torch.manual_seed(seed)
+    return auto[task].from_config(tiny_config(model_type, **overrides))
+
+
+def save_tiny(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny causal LM to ``path`` with ``save_pretrained`` (what a Hub download leaves on disk), for repros
+    that load it with ``from_pretrained(path, local_files_only=True)``. Call it on one rank, or before the world."""
+    tiny_model(model_type, seed=seed, **overrides).save_pretrained(path)
+    return path
+
+
+def token_batch(batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: int = 0, rank: int = 0) -> Any:
+    """``{"input_ids", "labels"}`` for a causal-LM step: different per rank, the same on every run."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
