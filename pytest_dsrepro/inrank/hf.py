@@ -92,3 +92,40 @@ def token_batch(batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: i
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def train_with_trainer(model: Any, ds_config: dict[str, Any], output_dir: Path, steps: int, **arguments: Any) -> Any:
+    """Train ``model`` for ``steps`` steps with transformers' ``Trainer`` on DeepSpeed, in this rank's world, as a
+    user's script launched by ``deepspeed``/``accelerate launch`` does; return the trainer (``trainer.model_wrapped``
+    is the engine). The ranks already carry the launcher's variables (``RANK``, ``LOCAL_RANK``, ...), and
+    ``TrainingArguments(deepspeed=...)`` makes accelerate take DeepSpeed's process group, gloo on CPU. The data is
+    ``token_batch`` samples, a different stream per rank; ``arguments`` go to ``TrainingArguments``."""
+    import os
+
+    from transformers import Trainer, TrainingArguments
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` exports
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    # The batch sizes come from the Trainer's arguments ("auto", as HF users write them) and DeepSpeed's world: the
+    # Trainer fills train_batch_size from a world size of 1 when it reads the config before it has set up devices.
+    config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
+    config.update(dict.fromkeys(("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "auto"))
+    # The Trainer refuses a DeepSpeed config whose values differ from its own arguments: take them from the config.
+    optimizer = ds_config.get("optimizer", {}).get("params", {})
+    defaults = {
+        "learning_rate": optimizer.get("lr", 5e-5),
+        "max_grad_norm": ds_config.get("gradient_clipping", 1.0),
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps", 1),
+        "max_steps": steps,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+    }
+    args = TrainingArguments(output_dir=str(output_dir), deepspeed=config, **{**defaults, **arguments})
+    rows = token_batch(micro * steps * args.gradient_accumulation_steps * 2, seed=11)
+    data = [{key: value[i] for key, value in rows.items()} for i in range(len(rows["input_ids"]))]
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return trainer
