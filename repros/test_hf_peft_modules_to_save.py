@@ -114,5 +114,5 @@ def test_lora_with_modules_to_save_trains(ds_engine, ds_config, ds_rank):
                 torch.distributed.all_reduce(p.grad)
         optimizer.step()
         expected.append(mine.item())
-    assert losses == pytest.approx(expected, rel=1e-4), "ZeRO-3 trained the PEFT model differently from plain torch"
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=0, msg="ZeRO-3 trained the PEFT model differently")
     assert losses[-1] < losses[0]
