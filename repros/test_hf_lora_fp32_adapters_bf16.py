@@ -12,8 +12,8 @@ at the end of the first ``step()``. PR #8073 gives each buffer its own parameter
 """
 
 import pytest
-
 from _prerequisites import PERSISTENT_ALLGATHER_RACE
+
 from pytest_dsrepro.inrank.hf import requires_hf, save_tiny, token_batch
 
 pytestmark = [

@@ -109,16 +109,18 @@ def test_all_reduce_fetch_returns_the_parameters(ds_engine, ds_config, ds_rank):
 
     for step in range(2):
         seen = {}
-        hooks = [
-            layer.register_forward_pre_hook(lambda m, _, i=i: seen.update({i: (m.weight.clone(), m.bias.clone())}))
-            for i, layer in ((0, model[0]), (2, model[2]))
-        ]
+
+        def record(module, _inputs, seen=seen):
+            seen[module] = (module.weight.clone(), module.bias.clone())
+
+        hooks = [model[i].register_forward_pre_hook(record) for i in (0, 2)]
         out = engine(x)
         for hook in hooks:
             hook.remove()
         # What each layer computed with, against the plain module (the fetch only moves partitions; the sentinel
         # would be off by thousands).
-        for i, (weight, bias) in seen.items():
+        for i in (0, 2):
+            weight, bias = seen[model[i]]
             if not (torch.allclose(weight, reference[i].weight) and torch.allclose(bias, reference[i].bias)):
                 raise AssertionError(
                     f"step {step}: layer {i} fetched with wrong values: bias {bias.tolist()}, "

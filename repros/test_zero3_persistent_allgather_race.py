@@ -16,8 +16,8 @@ lets the gathers land, and the two must be equal. PR #8539 waits on every handle
 """
 
 import pytest
-
 from _prerequisites import wait_on_every_handle
+
 from pytest_dsrepro.inrank.models import make_batch
 
 pytestmark = [

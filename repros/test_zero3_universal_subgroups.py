@@ -52,7 +52,10 @@ def walk_every_subgroup(monkeypatch):
         optimizer = torch.load(optim_files[dp_index], map_location="cpu", weights_only=False)
         optimizer = optimizer[converter.OPTIMIZER_STATE_DICT]
         groups = [
-            {"fp32": fp32, **{key: optimizer["optimizer_state_dict"]["state"][i][key] for key in ("exp_avg", "exp_avg_sq")}}
+            {
+                "fp32": fp32,
+                **{key: optimizer["optimizer_state_dict"]["state"][i][key] for key in ("exp_avg", "exp_avg_sq")},
+            }
             for i, fp32 in enumerate(optimizer["fp32_flat_groups"])
         ]
         group, offset = 0, 0

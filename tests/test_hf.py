@@ -75,7 +75,8 @@ def test_tiny_models_build_train_and_round_trip(model_type: str, tmp_path: Path)
     assert sum(p.numel() for p in model.parameters()) < 100_000
     if model_type == "mixtral":  # routed experts: each expert of each layer got a gradient for some token
         experts = [p for n, p in model.named_parameters() if "experts" in n]
-        assert experts and all(p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
+        assert experts
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in experts)
     same = hf.tiny_model(model_type, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True))
 
@@ -99,5 +100,7 @@ def test_an_hf_repro_exports_to_a_script(tmp_path: Path, monkeypatch: pytest.Mon
     script = tmp_path / "repro.py"
     assert cli.main(["export", nodeid, "-o", str(script)]) == 0
     text = script.read_text()
-    assert "from peft import" in text and "def tiny_model(" in text
-    assert "import pytest" not in text and "from pytest_dsrepro" not in text
+    assert "from peft import" in text
+    assert "def tiny_model(" in text
+    assert "import pytest" not in text
+    assert "from pytest_dsrepro" not in text

@@ -26,8 +26,7 @@ def missing_hf_packages() -> list[str]:
 #: On a repro module (``pytestmark``) or test: skipped, naming what is missing and the extra, without transformers.
 requires_hf = pytest.mark.skipif(
     bool(missing_hf_packages()),
-    reason=f"needs {', '.join(missing_hf_packages()) or 'nothing'} from the hf extra: "
-    "pip install 'pytest-dsrepro[hf]'",
+    reason=f"needs {', '.join(missing_hf_packages()) or 'nothing'} from the hf extra: pip install 'pytest-dsrepro[hf]'",
 )
 
 #: Small configurations of the architectures users fine-tune with DeepSpeed, as DeepSpeed's own tests build them:
@@ -73,7 +72,10 @@ def tiny_model(model_type: str, task: str = "causal-lm", seed: int = 0, **overri
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto = {"causal-lm": AutoModelForCausalLM, "sequence-classification": AutoModelForSequenceClassification}
+    auto: dict[str, Any] = {
+        "causal-lm": AutoModelForCausalLM,
+        "sequence-classification": AutoModelForSequenceClassification,
+    }
     torch.manual_seed(seed)
     return auto[task].from_config(tiny_config(model_type, **overrides))
 

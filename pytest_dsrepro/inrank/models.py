@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -58,16 +59,19 @@ def lora_linear(features: int = 16, rank: int = 4, base_dtype: Any = None, seed:
     (``pytest_dsrepro.inrank.models.LoraLinear``, e.g. in ``torch_autocast.lower_precision_safe_modules``)."""
     import torch
 
-    from . import models
-
     torch.manual_seed(seed)
-    return models.LoraLinear(features, rank, base_dtype or torch.float32)
+    return _lora_linear_class()(features, rank, base_dtype or torch.float32)
 
 
 def __getattr__(name: str) -> Any:
     """``LoraLinear`` is defined on first use, so that importing this module imports no torch."""
-    if name != "LoraLinear":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "LoraLinear":
+        return _lora_linear_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _lora_linear_class() -> Any:
     import torch
 
     class LoraLinear(torch.nn.Module):
@@ -82,8 +86,7 @@ def __getattr__(name: str) -> Any:
             base = torch.nn.functional.linear(x, self.weight)
             return base + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
 
-    LoraLinear.__module__, LoraLinear.__qualname__ = __name__, "LoraLinear"
-    globals()["LoraLinear"] = LoraLinear
+    LoraLinear.__module__, LoraLinear.__qualname__ = __name__, "LoraLinear"  # importable by that name (pickle too)
     return LoraLinear
 
 
