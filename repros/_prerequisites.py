@@ -82,3 +82,24 @@ PERSISTENT_ALLGATHER_RACE = pytest.mark.ds_prerequisite(
     releases="<0.19.8",
     reason="zero3-persistent-allgather-race (PR #8539): persistent parameters can be read half-gathered after step()",
 )
+
+
+def load_without_weights_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #6751's effect (0.16.0): DeepSpeed's ``torch.load`` calls (checkpoint engine, ``zero_to_fp32``,
+    ``ds_to_universal``) load full pickles. Before it they pass no ``weights_only``, which torch >= 2.6 turns on, and
+    DeepSpeed's own checkpoints (optimizer state, parameter shapes) are refused. torch's own switch for calls that
+    do not choose, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, gives them back the old default. A no-op from 0.16.0."""
+    import inspect
+
+    from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine
+
+    if "weights_only" not in inspect.getsource(torch_checkpoint_engine):
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+
+#: For repros that load DeepSpeed checkpoints: before 0.16.0 torch (2.13 here) refuses them, whatever the bug.
+TORCH_LOAD_WEIGHTS_ONLY = pytest.mark.ds_prerequisite(
+    fix=load_without_weights_only,
+    releases="<0.16.0",
+    reason="PR #6751: before 0.16.0 DeepSpeed's torch.load calls are refused by torch >= 2.6's weights_only default",
+)

@@ -9,8 +9,10 @@ PR #6388 (0.15.1) the wrapping skips classes without their own ``__init__``, so 
 class gets its nearest patched ancestor's ``__init__`` as its own. transformers writes its heads that way:
 ``class LlamaForSequenceClassification(GenericForSequenceClassification, LlamaPreTrainedModel): ...``, where the
 mixin (not an ``nn.Module``) builds ``model`` and ``score``. After the first ``zero.Init`` has exited, the class's
-``__init__`` is ``PreTrainedModel.__init__``: the reward model an RLHF run loads next has no backbone and no head.
-PR #7566 restores only the classes it patched (first released in 0.17.6).
+``__init__`` is ``PreTrainedModel.__init__``: the reward model an RLHF run loads next has no backbone and no head,
+and transformers (5.24 here) stops in ``from_pretrained`` on what ``post_init`` never set: ``AttributeError:
+'LlamaForSequenceClassification' object has no attribute 'all_tied_weights_keys'``. PR #7566 restores only the
+classes it patched (first released in 0.17.6).
 """
 
 import pytest
@@ -59,8 +61,8 @@ def restore_only_patched_classes(monkeypatch):
 @pytest.mark.ds_config(pytest.param(ZERO3, id="zero3"))
 @pytest.mark.ds_version(
     affected=">=0.15.1,<0.17.6",
-    raises=AssertionError,
-    match="lost its backbone and score head",
+    raises=AttributeError,
+    match="'LlamaForSequenceClassification' object has no attribute 'all_tied_weights_keys'",
     fix=restore_only_patched_classes,
 )
 def test_reward_model_loaded_after_policy(ds_config, ds_rank, tmp_path):
@@ -83,7 +85,9 @@ def test_reward_model_loaded_after_policy(ds_config, ds_rank, tmp_path):
     built = sorted(name for name, _ in reward.named_children())
     assert built == ["model", "score"], f"the reward model lost its backbone and score head: children {built}"
     # The backbone holds the checkpoint's weights, partitioned by ZeRO-3: gathered, they are the saved tensors.
-    embed = reward.model.embed_tokens.weight
-    with deepspeed.zero.GatheredParameters([embed, reward.score.weight]):
+    # (One parameter per gather: gathering several is racy on gloo before 0.19.8, zero3-persistent-allgather-race.)
+    embed, score = reward.model.embed_tokens.weight, reward.score.weight
+    with deepspeed.zero.GatheredParameters([embed]):
         torch.testing.assert_close(embed.data, saved["model.embed_tokens.weight"], rtol=0, atol=0)
-        assert reward.score.weight.shape == (1, 32)
+    with deepspeed.zero.GatheredParameters([score]):
+        assert score.shape == (1, 32)

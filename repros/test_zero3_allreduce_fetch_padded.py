@@ -66,6 +66,25 @@ def advance_by_aligned_size(monkeypatch):
     )
 
 
+def accept_wait_arguments(monkeypatch):
+    """PR #7414 (0.17.3): ``AllReduceCoalescedHandle.wait`` takes the ``handle_dependency`` argument that PR #6694
+    (0.16.3) passes to every fetch handle's ``wait``; without it the all-reduce fetch fails with a ``TypeError``."""
+    import functools
+    import inspect
+
+    from deepspeed.runtime.zero.partition_parameters import AllReduceCoalescedHandle
+
+    wait = AllReduceCoalescedHandle.wait
+    if "kwargs" in inspect.signature(wait).parameters:
+        return
+
+    @functools.wraps(wait)
+    def wait_ignoring_arguments(self, **_kwargs):
+        return wait(self)
+
+    monkeypatch.setattr(AllReduceCoalescedHandle, "wait", wait_ignoring_arguments)
+
+
 def model_with_sentinel_padding(ds_config):
     """``Linear(5, 7) -> ReLU -> Linear(7, 1)``, built and partitioned under ``zero.Init`` while ZeRO-3's
     ``torch.empty`` fills what it allocates with ``SENTINEL``; and the same weights as a plain torch module."""
@@ -93,6 +112,12 @@ def model_with_sentinel_padding(ds_config):
     return model, reference
 
 
+@pytest.mark.ds_prerequisite(
+    fix=accept_wait_arguments,
+    releases=">=0.16.3,<0.17.3",
+    reason="PR #7414: from 0.16.3 to 0.17.2 every all-reduce fetch fails first, TypeError: AllReduceCoalescedHandle"
+    ".wait() got an unexpected keyword argument 'handle_dependency'",
+)
 @pytest.mark.ds_config(pytest.param(ZERO3_ALL_REDUCE_FETCH, id="zero3_all_reduce_fetch"))
 @pytest.mark.ds_version(
     affected="<0.19.4",
