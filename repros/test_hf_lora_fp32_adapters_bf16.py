@@ -14,7 +14,7 @@ at the end of the first ``step()``. PR #8073 gives each buffer its own parameter
 import pytest
 from _prerequisites import PERSISTENT_ALLGATHER_RACE
 
-from pytest_dsrepro.inrank.hf import requires_hf, save_tiny, token_batch
+from pytest_dsrepro.inrank.hf import requires_hf, tiny_checkpoint, token_batch
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -71,15 +71,10 @@ def test_lora_adapters_train_on_bf16_model(ds_engine, ds_config, ds_rank, tmp_pa
     import deepspeed
     import torch
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    checkpoint = tmp_path / "tiny-llama"
-    if ds_rank == 0:
-        save_tiny(checkpoint, "llama", seed=4)
-    torch.distributed.barrier()
-    saved = load_file(checkpoint / "model.safetensors")
+    checkpoint, saved = tiny_checkpoint(tmp_path / "tiny-llama", "llama", seed=4)
 
     zero3 = HfDeepSpeedConfig(ds_config)  # noqa: F841 - what the Trainer and accelerate set up for ZeRO-3
     base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, local_files_only=True)

@@ -17,7 +17,7 @@ classes it patched (first released in 0.17.6).
 
 import pytest
 
-from pytest_dsrepro.inrank.hf import requires_hf, save_tiny
+from pytest_dsrepro.inrank.hf import requires_hf, tiny_checkpoint
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -65,18 +65,13 @@ def restore_only_patched_classes(monkeypatch):
     match="'LlamaForSequenceClassification' object has no attribute 'all_tied_weights_keys'",
     fix=restore_only_patched_classes,
 )
-def test_reward_model_loaded_after_policy(ds_config, ds_rank, tmp_path):
+def test_reward_model_loaded_after_policy(ds_config, tmp_path):
     import deepspeed
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.integrations import HfDeepSpeedConfig
 
-    checkpoint = tmp_path / "tiny-llama"
-    if ds_rank == 0:
-        save_tiny(checkpoint, "llama", seed=3)
-    torch.distributed.barrier()
-    saved = load_file(checkpoint / "model.safetensors")
+    checkpoint, saved = tiny_checkpoint(tmp_path / "tiny-llama", "llama", seed=3)
 
     zero3 = HfDeepSpeedConfig(ds_config)  # what the Trainer and accelerate set up for a ZeRO-3 run  # noqa: F841
     AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)  # the policy

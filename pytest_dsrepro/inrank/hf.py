@@ -87,6 +87,18 @@ def save_tiny(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> P
     return path
 
 
+def tiny_checkpoint(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, Any]]:
+    """``save_tiny`` in a world: rank 0 writes, every rank waits for it, and each gets the path and the saved
+    tensors (read back with safetensors: the reference a repro compares loaded or gathered weights with)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if torch.distributed.get_rank() == 0:
+        save_tiny(path, model_type, seed=seed, **overrides)
+    torch.distributed.barrier()
+    return path, load_file(path / "model.safetensors")
+
+
 def token_batch(batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: int = 0, rank: int = 0) -> Any:
     """``{"input_ids", "labels"}`` for a causal-LM step: different per rank, the same on every run."""
     import torch
