@@ -113,7 +113,7 @@ def train_with_trainer(model: Any, ds_config: dict[str, Any], output_dir: Path, 
     user's script launched by ``deepspeed``/``accelerate launch`` does; return the trainer (``trainer.model_wrapped``
     is the engine). The ranks already carry the launcher's variables (``RANK``, ``LOCAL_RANK``, ...), and
     ``TrainingArguments(deepspeed=...)`` makes accelerate take DeepSpeed's process group, gloo on CPU. The data is
-    ``token_batch`` samples, a different stream per rank; ``arguments`` go to ``TrainingArguments``."""
+    ``token_batch`` samples (the Trainer's sampler splits them); ``arguments`` go to ``TrainingArguments``."""
     import os
 
     from transformers import Trainer, TrainingArguments
