@@ -7,7 +7,8 @@ bucket still asserted that the parameters' *own* dtypes agree: "all params must 
 as PEFT builds it keeps its frozen base weight in bf16 and its trainable adapters in fp32 (PEFT's
 ``autocast_adapter_dtype``) in one module; declared autocast-safe, all three are gathered in bf16, in one bucket,
 and the first forward fails on every rank. PR #8113 checks the communication dtype instead (first released in
-0.19.3); the assertion dates from PR #6993, which brought ``torch_autocast`` in 0.17.2.
+0.19.3). The assertion dates from PR #6993, which brought ``torch_autocast`` in 0.17.2, but until PR #7543 (0.17.6)
+``torch_autocast`` refused at ``initialize`` any parameter that is not fp32, so a bf16 base weight never got that far.
 
 (PEFT's own ``lora.Linear`` keeps base and adapters in separate ``nn.Linear`` children, fetched one module at a time:
 a tiny Llama with PEFT LoRA under this config trained 4 steps on 0.19.2 without the error. So the repro holds the
@@ -69,9 +70,13 @@ def check_communication_dtype(monkeypatch):
 
 
 @pytest.mark.ds_config(pytest.param(ZERO3_AUTOCAST, id="zero3_autocast_bf16"))
-@pytest.mark.ds_not_applicable(releases="<0.17.2", reason="the torch_autocast config arrived in 0.17.2 (PR #6993)")
+@pytest.mark.ds_not_applicable(
+    releases="<0.17.6",
+    reason="torch_autocast arrived in 0.17.2 (PR #6993) and required every parameter in fp32 (AssertionError: All "
+    "parameters must be float32 for torch autocast) until PR #7543 (0.17.6)",
+)
 @pytest.mark.ds_version(
-    affected=">=0.17.2,<0.19.3",
+    affected=">=0.17.6,<0.19.3",
     raises=AssertionError,
     match="all params must have the same dtype",
     fix=check_communication_dtype,
