@@ -1,9 +1,11 @@
-"""Fixes of environment bugs that other repros need applied first, shared by import (not a test module).
+"""Fixes of bugs that other repros need applied first, shared by import (not a test module).
 
 Entry ``zero12-cpu-flat-buffer-view`` (``test_zero12_cpu_flat_buffer_view.py``) breaks the first ``step()`` of every
 ZeRO-1/2 engine on the CPU accelerator in DeepSpeed 0.18.7-0.18.9, so any other ZeRO-1/2 repro would only see that
 error there. Those repros carry ``ZERO12_CPU_FLAT_BUFFER`` (a ``ds_prerequisite`` marker): on those releases the
-fix below is applied in every rank before their body, and their verdict says so.
+fix below is applied in every rank before their body, and their verdict says so. Likewise
+``PERSISTENT_ALLGATHER_RACE`` (entry ``zero3-persistent-allgather-race``, before 0.19.8) for ZeRO-3 repros that read
+persistent parameters after ``step()``.
 
 pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -51,4 +53,53 @@ ZERO12_CPU_FLAT_BUFFER = pytest.mark.ds_prerequisite(
     fix=detach_flat_buffer,
     releases=FLAT_BUFFER_VIEW_RELEASES,
     reason="zero12-cpu-flat-buffer-view (PR #7948): every ZeRO-1/2 step on the CPU accelerator fails there first",
+)
+
+
+def wait_on_every_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backport of PR #8539 (entry ``zero3-persistent-allgather-race``): ZeRO-3's re-gather of its persistent
+    parameters after ``step()`` waits on every launched all-gather, not only the last one (on gloo they complete in
+    any order). A no-op from 0.19.8."""
+    import inspect
+
+    from deepspeed.runtime.zero import partition_parameters
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if "launch_handles[-1].wait()" not in inspect.getsource(partition_parameters.Init._allgather_params_coalesced):
+        return  # this release has the fix
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.zero.partition_parameters",
+        [(r"launch_handles\[-1\]\.wait\(\)", "for handle in launch_handles:\n            handle.wait()")],
+    )
+
+
+#: For ZeRO-3 repros whose parameters are persistent and whose checks read them after ``step()``: before 0.19.8 the
+#: gathers are waited for properly (the race is its own entry), and the verdict says so.
+PERSISTENT_ALLGATHER_RACE = pytest.mark.ds_prerequisite(
+    fix=wait_on_every_handle,
+    releases="<0.19.8",
+    reason="zero3-persistent-allgather-race (PR #8539): persistent parameters can be read half-gathered after step()",
+)
+
+
+def load_without_weights_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #6751's effect (0.16.0): DeepSpeed's ``torch.load`` calls (checkpoint engine, ``zero_to_fp32``,
+    ``ds_to_universal``) load full pickles. Before it they pass no ``weights_only``, which torch >= 2.6 turns on, and
+    DeepSpeed's own checkpoints (optimizer state, parameter shapes) are refused. torch's own switch for calls that
+    do not choose, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, gives them back the old default. A no-op from 0.16.0."""
+    import inspect
+
+    from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine
+
+    if "weights_only" not in inspect.getsource(torch_checkpoint_engine):
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+
+
+#: For repros that load DeepSpeed checkpoints: before 0.16.0 torch (2.13 here) refuses them, whatever the bug.
+TORCH_LOAD_WEIGHTS_ONLY = pytest.mark.ds_prerequisite(
+    fix=load_without_weights_only,
+    releases="<0.16.0",
+    reason="PR #6751: before 0.16.0 DeepSpeed's torch.load calls are refused by torch >= 2.6's weights_only default",
 )

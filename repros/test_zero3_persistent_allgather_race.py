@@ -24,6 +24,7 @@ PR #8539 waits on every handle; first released in 0.19.8.
 """
 
 import pytest
+from _prerequisites import wait_on_every_handle
 
 from pytest_dsrepro.inrank.models import make_batch
 
@@ -56,23 +57,6 @@ ZERO3_ALL_PERSISTENT = {
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
 }
-
-
-def wait_on_every_handle(monkeypatch):
-    """Backport of PR #8539: wait on every launched all-gather, not only the last one."""
-    import inspect
-
-    from deepspeed.runtime.zero import partition_parameters
-
-    from pytest_dsrepro.inrank.backport import backport
-
-    if "launch_handles[-1].wait()" not in inspect.getsource(partition_parameters.Init._allgather_params_coalesced):
-        return  # this release has the fix
-    backport(
-        monkeypatch,
-        "deepspeed.runtime.zero.partition_parameters",
-        [(r"launch_handles\[-1\]\.wait\(\)", "for handle in launch_handles:\n            handle.wait()")],
-    )
 
 
 def step_and_check(engine, params, x, y, when):

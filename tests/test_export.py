@@ -105,7 +105,8 @@ def test_what_cannot_be_exported_says_why(pytester: pytest.Pytester) -> None:
     with pytest.raises(
         export.ExportError,
         match=r"test_x.py::test_skips needs pytest \(import pytest, test_x.py:1\): a standalone script has torch, "
-        r"DeepSpeed and the standard library only \(docs/writing-repros.md says",
+        r"DeepSpeed and the standard library only, and the hf extra's packages for the Hugging Face repros "
+        r"\(docs/writing-repros.md says",
     ):
         export.render(export.collect("test_x.py::test_skips"))
     with pytest.raises(

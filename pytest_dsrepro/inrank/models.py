@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -50,6 +51,43 @@ def tiny_moe(num_experts: int = 4, hidden: int = 16, seed: int = 0, first_id: in
 
     torch.manual_seed(seed)
     return TinyMoE()
+
+
+def lora_linear(features: int = 16, rank: int = 4, base_dtype: Any = None, seed: int = 0) -> Any:
+    """A ``LoraLinear``: a frozen base weight (in ``base_dtype``, e.g. bf16) and trainable fp32 low-rank adapters in
+    one module, as PEFT's LoRA layers keep them. The class lives here so that configs can name it
+    (``pytest_dsrepro.inrank.models.LoraLinear``, e.g. in ``torch_autocast.lower_precision_safe_modules``)."""
+    import torch
+
+    torch.manual_seed(seed)
+    return _lora_linear_class()(features, rank, base_dtype or torch.float32)
+
+
+def __getattr__(name: str) -> Any:
+    """``LoraLinear`` is defined on first use, so that importing this module imports no torch."""
+    if name == "LoraLinear":
+        return _lora_linear_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _lora_linear_class() -> Any:
+    import torch
+
+    class LoraLinear(torch.nn.Module):
+        def __init__(self, features: int, rank: int, base_dtype: Any) -> None:
+            super().__init__()
+            weight = torch.randn(features, features) / features**0.5
+            self.weight = torch.nn.Parameter(weight.to(base_dtype), requires_grad=False)
+            self.lora_a = torch.nn.Parameter(torch.randn(rank, features) * 0.1)
+            self.lora_b = torch.nn.Parameter(torch.zeros(features, rank))
+
+        def forward(self, x: Any) -> Any:
+            base = torch.nn.functional.linear(x, self.weight)
+            return base + torch.nn.functional.linear(torch.nn.functional.linear(x, self.lora_a), self.lora_b)
+
+    LoraLinear.__module__, LoraLinear.__qualname__ = __name__, "LoraLinear"  # importable by that name (pickle too)
+    return LoraLinear
 
 
 def make_batch(batch_size: int, hidden: int = 16, seed: int = 0, rank: int = 0) -> tuple[Any, Any]:

@@ -46,8 +46,10 @@ FIXTURES = {
     "ds_world_size": "world_size",
     "ds_variant": '"stock"',
 }
-#: What the script may import: the standard library, torch and DeepSpeed.
-ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "deepspeed", "__future__"}
+#: What the script may import: the standard library, torch and DeepSpeed; and, for the repros of bugs met through
+#: Hugging Face, what the hf extra installs (a maintainer reproducing such a bug has them).
+HF_PACKAGES = frozenset({"transformers", "accelerate", "peft", "safetensors"})
+ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "deepspeed", "__future__"} | HF_PACKAGES
 PACKAGE = "pytest_dsrepro"
 
 
@@ -417,7 +419,8 @@ def render(test: Collected, file_name: str = "repro.py") -> str:
     if foreign:
         raise ExportError(
             f"{test.nodeid} needs {'; '.join(foreign)}: a standalone script has torch, DeepSpeed and the standard "
-            "library only (docs/writing-repros.md says what a test can use to be exported)"
+            "library only, and the hf extra's packages for the Hugging Face repros (docs/writing-repros.md says what a "
+            "test can use to be exported)"
         )
     compile(script, file_name, "exec")  # a script that does not even compile is never written
     return script
