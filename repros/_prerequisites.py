@@ -5,7 +5,7 @@ ZeRO-1/2 engine on the CPU accelerator in DeepSpeed 0.18.7-0.18.9, so any other 
 error there. Those repros carry ``ZERO12_CPU_FLAT_BUFFER`` (a ``ds_prerequisite`` marker): on those releases the
 fix below is applied in every rank before their body, and their verdict says so. Likewise
 ``PERSISTENT_ALLGATHER_RACE`` (entry ``zero3-persistent-allgather-race``, before 0.19.8) for ZeRO-3 repros that read
-persistent parameters after ``step()``.
+persistent parameters after ``step()``. ``ZERO3_PARTITIONED`` is the premise the ZeRO-3 repros of a tiny model share.
 
 pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -102,4 +102,14 @@ TORCH_LOAD_WEIGHTS_ONLY = pytest.mark.ds_prerequisite(
     fix=load_without_weights_only,
     releases="<0.16.0",
     reason="PR #6751: before 0.16.0 DeepSpeed's torch.load calls are refused by torch >= 2.6's weights_only default",
+)
+
+
+#: The premise of ZeRO-3 repros whose tiny model must be partitioned as the repro runs it (``ds_premise``).
+ZERO3_PARTITIONED = pytest.mark.ds_premise(
+    stage=3,
+    sets={"zero_optimization.stage3_param_persistence_threshold": 0},
+    because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
+    "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
+    "(zero3-persistent-allgather-race)",
 )

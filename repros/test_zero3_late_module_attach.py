@@ -10,6 +10,7 @@ dicts in the prologue and skips them in the epilogue (first released in 0.19.1).
 """
 
 import pytest
+from _prerequisites import ZERO3_PARTITIONED
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
@@ -23,13 +24,7 @@ pytestmark = [
         root_cause="The forward prologue sets _in_forward on every sub-module's _parameters, but only modules present "
         "at initialize got a ZeROOrderedDict; torch >= 2.5 keeps a plain dict there, which rejects the attribute.",
     ),
-    pytest.mark.ds_premise(
-        stage=3,
-        sets={"zero_optimization.stage3_param_persistence_threshold": 0},
-        because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
-        "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
-        "(zero3-persistent-allgather-race)",
-    ),
+    ZERO3_PARTITIONED,
 ]
 
 #: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see

@@ -9,6 +9,7 @@ got DeepSpeed's counters back. PR #6847 moved DeepSpeed's number to ``module.ds_
 import math
 
 import pytest
+from _prerequisites import ZERO3_PARTITIONED
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
@@ -22,13 +23,7 @@ pytestmark = [
         root_cause="ZeRO-3 stored its own submodule counter in module.id, replacing any value the user kept there; "
         "its parameter coordinator then keyed prefetch traces and active-submodule sets on it.",
     ),
-    pytest.mark.ds_premise(
-        stage=3,
-        sets={"zero_optimization.stage3_param_persistence_threshold": 0},
-        because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
-        "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
-        "(zero3-persistent-allgather-race)",
-    ),
+    ZERO3_PARTITIONED,
 ]
 
 #: ZeRO-3 with every parameter partitioned: persistent parameters take a separate all-gather path that is not

@@ -12,6 +12,7 @@ released in 0.19.2).
 """
 
 import pytest
+from _prerequisites import ZERO3_PARTITIONED
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
@@ -25,13 +26,7 @@ pytestmark = [
         root_cause="Re-registering ZeRO-3 hooks after unwrap_model_for_generation gives every module a new ds_id, but "
         "the parameter coordinator's recorded trace stays keyed by the old ids.",
     ),
-    pytest.mark.ds_premise(
-        stage=3,
-        sets={"zero_optimization.stage3_param_persistence_threshold": 0},
-        because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
-        "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
-        "(zero3-persistent-allgather-race)",
-    ),
+    ZERO3_PARTITIONED,
 ]
 
 #: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
