@@ -5,7 +5,9 @@ ZeRO-1/2 engine on the CPU accelerator in DeepSpeed 0.18.7-0.18.9, so any other 
 error there. Those repros carry ``ZERO12_CPU_FLAT_BUFFER`` (a ``ds_prerequisite`` marker): on those releases the
 fix below is applied in every rank before their body, and their verdict says so. Likewise
 ``PERSISTENT_ALLGATHER_RACE`` (entry ``zero3-persistent-allgather-race``, before 0.19.8) for ZeRO-3 repros that read
-persistent parameters after ``step()``. ``ZERO3_PARTITIONED`` is the premise the ZeRO-3 repros of a tiny model share.
+persistent parameters after ``step()``; ``COMM_DTYPE_BUCKET`` (entry ``zero2-bf16-fp32-comm-bucket``, 0.17.2-0.18.0)
+for ZeRO-1/2 repros reducing in another dtype. ``ZERO3_PARTITIONED`` is the premise the ZeRO-3 repros of a tiny model
+share.
 
 pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -112,4 +114,37 @@ ZERO3_PARTITIONED = pytest.mark.ds_premise(
     because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
     "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
     "(zero3-persistent-allgather-race)",
+)
+
+
+#: The releases whose bucket-full path looks the bucket up by the parameter's dtype (PR #6993 to PR #7636).
+COMM_BUCKET_RELEASES = ">=0.17.2,<0.18.1"
+
+
+def report_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #7636's fix (entry ``zero2-bf16-fp32-comm-bucket``): the bucket-full path reports every bucket. Its only
+    callers with a dtype are the two calls the PR changes, so ZeRO-1/2's ``report_ipg_memory_usage`` ignoring the
+    argument does what the PR does."""
+    import functools
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
+    if "param.numel(), param.dtype)" not in source:
+        return  # before 0.17.2 (one bucket, no dtype argument) or from 0.18.1 (fixed)
+    report = DeepSpeedZeroOptimizer.report_ipg_memory_usage
+
+    @functools.wraps(report)
+    def report_all(self: Any, tag: str, param_elems: int, dtype: Any = None) -> None:
+        report(self, tag, param_elems)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "report_ipg_memory_usage", report_all)
+
+
+#: For ZeRO-1/2 repros whose gradients are reduced in another dtype than the parameters' and overflow a bucket.
+COMM_DTYPE_BUCKET = pytest.mark.ds_prerequisite(
+    fix=report_every_bucket,
+    releases=COMM_BUCKET_RELEASES,
+    reason="zero2-bf16-fp32-comm-bucket (PR #7636): a bucket-full report there raises KeyError first",
 )
