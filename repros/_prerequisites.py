@@ -5,7 +5,12 @@ ZeRO-1/2 engine on the CPU accelerator in DeepSpeed 0.18.7-0.18.9, so any other 
 error there. Those repros carry ``ZERO12_CPU_FLAT_BUFFER`` (a ``ds_prerequisite`` marker): on those releases the
 fix below is applied in every rank before their body, and their verdict says so. Likewise
 ``PERSISTENT_ALLGATHER_RACE`` (entry ``zero3-persistent-allgather-race``, before 0.19.8) for ZeRO-3 repros that read
-persistent parameters after ``step()``. ``ZERO3_PARTITIONED`` is the premise the ZeRO-3 repros of a tiny model share.
+persistent parameters after ``step()``; ``PIPELINE_NESTED_BACKWARD`` (entry ``pipeline-nested-backward``,
+0.18.3-0.18.4) for pipelines of several stages; ``PIPELINE_GRADIENTS_SUMMED`` and ``PIPELINE_GRADIENTS_SCALED_TWICE``
+(entries ``pipeline-gradient-accumulation-summed``, 0.16.0-0.18.2, and ``pipeline-gradient-scaled-twice``,
+0.18.3-0.19.2) for pipelines with gradient accumulation, each the other's; ``COMM_DTYPE_BUCKET`` (entry
+``zero2-bf16-fp32-comm-bucket``, 0.17.2-0.18.0) for ZeRO-1/2 repros reducing in another dtype. ``ZERO3_PARTITIONED``
+is the premise the ZeRO-3 repros of a tiny model share.
 
 pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -112,4 +117,148 @@ ZERO3_PARTITIONED = pytest.mark.ds_premise(
     because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
     "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
     "(zero3-persistent-allgather-race)",
+)
+
+
+def flag_pipeline_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #7787's fix (entry ``pipeline-nested-backward``): the pipeline engine's backward on a stage before the last
+    runs flagged as the engine's own, so the output hooks of PR #7665 (0.18.3) take it for ``engine.backward`` and do
+    not refuse it as a direct ``tensor.backward()``. The flag is set and cleared around the method (the last stage's
+    ``engine.backward`` clears it itself), which the engine's schedule finds in ``_INSTRUCTION_MAP``, not by name. A
+    no-op before 0.18.3 (no such hooks) and from 0.18.5 (fixed)."""
+    import functools
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not hasattr(DeepSpeedEngine, "_backward_prologue_per_tensor"):
+        return  # PR #7665's hooks are not in this release
+    backward_pass = PipelineEngine._exec_backward_pass
+    if "_running_engine_backward" in inspect.getsource(backward_pass):
+        return
+
+    @functools.wraps(backward_pass)
+    def flagged_backward_pass(self: Any, buffer_id: int) -> None:
+        self._running_engine_backward = True
+        try:
+            backward_pass(self, buffer_id)
+        finally:
+            self._running_engine_backward = False
+
+    monkeypatch.setitem(PipelineEngine._INSTRUCTION_MAP, schedule.BackwardPass, flagged_backward_pass)
+
+
+#: The releases whose pipeline engine refuses its own backward on stages before the last (PR #7665 to PR #7787).
+PIPELINE_BACKWARD_RELEASES = ">=0.18.3,<0.18.5"
+
+#: For pipeline repros of several stages: on 0.18.3-0.18.4 their body runs with ``flag_pipeline_backward`` applied.
+PIPELINE_NESTED_BACKWARD = pytest.mark.ds_prerequisite(
+    fix=flag_pipeline_backward,
+    releases=PIPELINE_BACKWARD_RELEASES,
+    reason="pipeline-nested-backward (PR #7787): every stage before the last fails its first backward there",
+)
+
+
+#: The releases whose bucket-full path looks the bucket up by the parameter's dtype (PR #6993 to PR #7636).
+COMM_BUCKET_RELEASES = ">=0.17.2,<0.18.1"
+
+
+def report_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #7636's fix (entry ``zero2-bf16-fp32-comm-bucket``): the bucket-full path reports every bucket. Its only
+    callers with a dtype are the two calls the PR changes, so ZeRO-1/2's ``report_ipg_memory_usage`` ignoring the
+    argument does what the PR does."""
+    import functools
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
+    if "param.numel(), param.dtype)" not in source:
+        return  # before 0.17.2 (one bucket, no dtype argument) or from 0.18.1 (fixed)
+    report = DeepSpeedZeroOptimizer.report_ipg_memory_usage
+
+    @functools.wraps(report)
+    def report_all(self: Any, tag: str, param_elems: int, dtype: Any = None) -> None:
+        report(self, tag, param_elems)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "report_ipg_memory_usage", report_all)
+
+
+#: For ZeRO-1/2 repros whose gradients are reduced in another dtype than the parameters' and overflow a bucket.
+COMM_DTYPE_BUCKET = pytest.mark.ds_prerequisite(
+    fix=report_every_bucket,
+    releases=COMM_BUCKET_RELEASES,
+    reason="zero2-bf16-fp32-comm-bucket (PR #7636): a bucket-full report there raises KeyError first",
+)
+
+
+def scale_pipeline_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The effect of PR #7665 (0.18.3) on entry ``pipeline-gradient-accumulation-summed``: the pipeline engine's loss
+    is divided by the accumulation steps again. PR #6675 (0.16.0) scales the loss only when the engine reduces
+    gradients in ``backward`` (``enable_backward_allreduce``), which the pipeline engine turns off because it reduces
+    them itself; PR #7665 moved the scaling into output hooks that no longer ask. Here the scaling condition (in
+    ``backward``, from 0.17 in ``_backward_prologue``) also holds for a pipeline; the reduction's does not change. A
+    no-op before 0.16.0 (no condition) and from 0.18.3 (no such line)."""
+    import inspect
+
+    from deepspeed.runtime import engine
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    condition = r"if do_gradient_reduction and self\.gradient_accumulation_steps\(\) > 1 and scale_wrt_gas:"
+    if "if do_gradient_reduction and self.gradient_accumulation_steps() > 1" not in inspect.getsource(engine):
+        return
+    backport(
+        monkeypatch,
+        "deepspeed.runtime.engine",
+        [
+            (
+                condition,
+                "if (do_gradient_reduction or self.pipeline_parallelism) and self.gradient_accumulation_steps() > 1 "
+                "and scale_wrt_gas:",
+            )
+        ],
+    )
+
+
+#: The releases whose pipeline engine sums its micro-batches' gradients (PR #6675 to PR #7665).
+PIPELINE_SUMMED_RELEASES = ">=0.16.0,<0.18.3"
+
+#: For pipeline repros with gradient accumulation that check values on 0.16.0-0.18.2.
+PIPELINE_GRADIENTS_SUMMED = pytest.mark.ds_prerequisite(
+    fix=scale_pipeline_loss,
+    releases=PIPELINE_SUMMED_RELEASES,
+    reason="pipeline-gradient-accumulation-summed (issue #7773): every stage's gradient is a sum there, not a mean",
+)
+
+
+def scale_on_last_stage_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backport of PR #8154 (entry ``pipeline-gradient-scaled-twice``): the pipeline engine's output hook scales by the
+    accumulation steps on the last stage only. A no-op before 0.18.3 (the loss is scaled, no hook) and from 0.19.3
+    (the pipeline engine has its own)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not hasattr(DeepSpeedEngine, "_backward_prologue_per_tensor"):
+        return
+    if "_backward_prologue_per_tensor" in vars(PipelineEngine):
+        return
+    scale = DeepSpeedEngine._backward_prologue_per_tensor
+
+    def scale_on_last_stage(self: Any, grad: Any) -> Any:
+        return scale(self, grad) if self.is_last_stage() else grad
+
+    monkeypatch.setattr(PipelineEngine, "_backward_prologue_per_tensor", scale_on_last_stage)
+
+
+#: The releases whose stages before the last divide their gradients twice (PR #7665 to PR #8154).
+PIPELINE_SCALED_TWICE_RELEASES = ">=0.18.3,<0.19.3"
+
+#: For pipeline repros with gradient accumulation that check values on 0.18.3-0.19.2.
+PIPELINE_GRADIENTS_SCALED_TWICE = pytest.mark.ds_prerequisite(
+    fix=scale_on_last_stage_only,
+    releases=PIPELINE_SCALED_TWICE_RELEASES,
+    reason="pipeline-gradient-scaled-twice (PR #8154): stages before the last divide their gradients twice there",
 )

@@ -10,7 +10,7 @@ the middle of the backward. PR #7636 (first in 0.18.1) drops the dtype argument,
 import math
 
 import pytest
-from _prerequisites import ZERO12_CPU_FLAT_BUFFER
+from _prerequisites import COMM_BUCKET_RELEASES, ZERO12_CPU_FLAT_BUFFER, report_every_bucket
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
@@ -47,28 +47,10 @@ ZERO2_BF16_FP32_COMM = {
 }
 
 
-def report_every_bucket(monkeypatch):
-    """PR #7636's fix: the bucket-full path reports every bucket. Its only callers with a dtype are the two calls
-    the PR changes, so ZeRO-1/2's ``report_ipg_memory_usage`` ignoring the argument does what the PR does."""
-    import functools
-    import inspect
-
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
-    if "param.numel(), param.dtype)" not in source:
-        return  # before 0.17.2 (one bucket, no dtype argument) or from 0.18.1 (fixed)
-    report = DeepSpeedZeroOptimizer.report_ipg_memory_usage
-
-    @functools.wraps(report)
-    def report_all(self, tag, param_elems, dtype=None):
-        return report(self, tag, param_elems)
-
-    monkeypatch.setattr(DeepSpeedZeroOptimizer, "report_ipg_memory_usage", report_all)
-
-
 @pytest.mark.ds_config(pytest.param(ZERO2_BF16_FP32_COMM, id="zero2_bf16_fp32comm"))
-@pytest.mark.ds_version(affected=">=0.17.2,<0.18.1", raises=KeyError, match=r"torch\.bfloat16", fix=report_every_bucket)
+@pytest.mark.ds_version(
+    affected=COMM_BUCKET_RELEASES, raises=KeyError, match=r"torch\.bfloat16", fix=report_every_bucket
+)
 def test_bucket_flush_with_fp32_comm(ds_engine, ds_config, ds_rank):
     import torch
 
