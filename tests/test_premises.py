@@ -55,6 +55,18 @@ def test_precision_offload_and_comparisons() -> None:
     )
 
 
+def test_scheduler_type_and_a_key_left_unset() -> None:
+    """A key required to be None must be absent: what a bug in a scheduler's fallback for that key needs."""
+    premise = parse((), {"config": {"scheduler.type": "WarmupLR", "scheduler.params.warmup_max_lr": None}}, WHERE)
+    assert premise.describe() == "scheduler.type WarmupLR, scheduler.params.warmup_max_lr unset"
+    assert premise.unmet({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}) == ()
+    assert premise.unmet({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.01}}}) == (
+        "needs scheduler.type WarmupLR; the config has WarmupDecayLR",
+        "needs scheduler.params.warmup_max_lr unset; the config has 0.01",
+    )
+    assert premise.unmet({}) == ("needs scheduler.type WarmupLR; the config does not set it",)
+
+
 def test_sets_are_applied_with_notes() -> None:
     premise = parse((), {"stage": 2, "sets": {"gradient_clipping": 0.0, "zero_optimization.reduce_bucket_size": 256},
                          "because": "the body compares with plain SGD"}, WHERE)  # fmt: skip

@@ -149,6 +149,8 @@ def _same(a: object, b: object) -> bool:
 
 
 def _text(value: object) -> str:
+    if value is None:
+        return "unset"  # a required None: the config must leave the key out (DeepSpeed's default then applies)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float) and value.is_integer():
