@@ -57,7 +57,7 @@ def test_sdist_holds_what_its_tests_and_docs_need(dists: tuple[Path, Path]) -> N
     sdist, _ = dists
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "conftest.py", "tests/conftest.py",
+    for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "repros/conftest.py", "tests/conftest.py",
                    "docs/design.md", "docs/matrix.md", "repros/test_zero3_backward_without_optimizer.py",
                    "benchmarks/world_overhead.py", "pytest_dsrepro/tools/templates/repro.py.tmpl"):  # fmt: skip
         assert wanted in names, wanted
