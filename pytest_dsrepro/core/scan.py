@@ -114,8 +114,8 @@ def rows(run: RunRecord) -> list[BugRow]:
     for bug, tests in by_bug.items():
         test = min(tests, key=lambda t: SEVERITY.index(t.scan.verdict) if t.scan else len(SEVERITY))
         assert test.scan is not None and test.repro is not None
-        fix = test.source.fix if test.source else None
-        workaround = fix if fix and test.scan.verdict is ScanVerdict.AFFECTED else None
+        fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
+        workaround = fix if test.scan.verdict is ScanVerdict.AFFECTED else None
         meta = test.repro
         found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, test.scan.verdict, test.scan.detail,
                             workaround, test.scan.notes))  # fmt: skip
@@ -127,23 +127,34 @@ def counts(found: Sequence[BugRow]) -> str:
     return ", ".join(f"{n} {v.value}" for v in SEVERITY if (n := sum(r.verdict is v for r in found)))
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+def _cut(text: str, width: int | None) -> str:
+    """``text`` within ``width`` characters (None: whole, for output that wraps rather than loses words)."""
+    return text if width is None or len(text) <= width else text[: max(width - 3, 0)] + "..."
 
 
-def terminal(run: RunRecord, width: int = 120) -> list[str]:
-    """The scan's table as the terminal shows it, one line per bug, the fix to apply under each bug that hit."""
+def notes(run: RunRecord) -> list[str]:
+    """What was done to the user's config, each once: reading it (comments, ``"auto"``), then what the worlds
+    adapted (fp16 -> fp32 on CPU, ...)."""
+    said = list(run.scan.notes) if run.scan else []
+    return list(dict.fromkeys(said + [note for t in run.tests if t.scan is not None for note in t.config_notes]))
+
+
+def terminal(run: RunRecord, width: int | None = None) -> list[str]:
+    """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
+    settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
     found = rows(run)
+    lines = [_cut(f"note: {note}", width) for note in notes(run)]
     if not found:
-        return ["no catalogued bug was scanned"]
+        return [*lines, "no catalogued bug was scanned"]
     name = max(len(r.id) for r in found)
     word = max(len(r.verdict.value) for r in found)
-    lines = []
+    indent = " " * (word + name + 4)
     for r in found:
         lines.append(_cut(f"{r.verdict.value:<{word}}  {r.id:<{name}}  {r.detail}", width))
+        lines += [_cut(f"{indent}with {note}", width) for note in r.notes]
         if r.workaround:
-            lines.append(_cut(f"{'':<{word}}  {'':<{name}}  workaround: the repro's fix, {r.workaround}", width))
-    lines.append(f"{counts(found)} (deepspeed {run.version})")
+            lines.append(_cut(f"{indent}workaround: the repro's fix, {r.workaround}", width))
+    lines.append(f"{counts(found)} (deepspeed {run.version}, {run.environment.world_size} ranks)")
     return lines
 
 
@@ -159,12 +170,14 @@ def markdown(run: RunRecord) -> str:
         out += [f"Config `{scan.path}`, scanned against the pytest-dsrepro catalogue on DeepSpeed {run.version} "
                 f"(torch {env.torch}, {env.world_size}-rank {env.backend} worlds).", ""]  # fmt: skip
         out += ["```json", _json(scan.config), "```", ""]
-        out += [f"- {note}" for note in scan.notes] + ([""] if scan.notes else [])
+    said = notes(run)
+    out += [f"- {note}" for note in said] + ([""] if said else [])
     found = rows(run)
     out += [f"**{counts(found) or 'no catalogued bug scanned'}**", "", "| bug | verdict | why | upstream |",
             "| --- | --- | --- | --- |"]  # fmt: skip
     for r in found:
-        why = r.detail + (f"; workaround: the repro's fix `{r.workaround}`" if r.workaround else "")
+        why = r.detail + "".join(f"; with {note}" for note in r.notes)
+        why += f"; workaround: the repro's fix `{r.workaround}`" if r.workaround else ""
         link = f"[link]({r.upstream})" if r.upstream else ""
         out.append(f"| `{r.id}` {_cell(r.title)} | **{r.verdict.value}** | {_cell(why)} | {link} |")
     return "\n".join(out) + "\n"
@@ -200,13 +213,13 @@ def first_clean(runs: Sequence[RunRecord]) -> str | None:
 def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
     """Several releases' scans of one config: a bug per line, a release per column, and the first clean release."""
     ordered = sorted(runs, key=lambda r: _version(r.version))
-    table = {r.version: {row.id: row.verdict for row in rows(r)} for r in ordered}
+    table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
     bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
     name = max((len(b) for b in bugs), default=3)
     cell = max(len(v.value) for v in ScanVerdict)
     lines = [_cut(f"{'bug':<{name}}  " + "  ".join(f"{r.version:<{cell}}" for r in ordered), width)]
     for bug in bugs:
-        cells = "  ".join(f"{table[r.version].get(bug, ScanVerdict.NOT_APPLICABLE).value:<{cell}}" for r in ordered)
+        cells = "  ".join(f"{table[r.version].get(bug, '-'):<{cell}}" for r in ordered)
         lines.append(_cut(f"{bug:<{name}}  {cells}".rstrip(), width))
     clean = first_clean(ordered)
     if clean is None:
@@ -214,3 +227,20 @@ def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
     else:
         lines.append(f"first release where this config hits no known bug: deepspeed {clean}")
     return lines
+
+
+def markdown_across(runs: Sequence[RunRecord]) -> str:
+    """Several releases' scans as Markdown: the table of bugs by release, the first clean release, then each
+    release's own scan."""
+    ordered = sorted(runs, key=lambda r: _version(r.version))
+    table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
+    bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
+    out = ["# DeepSpeed config scan across releases", "", "| bug | " + " | ".join(r.version for r in ordered) + " |",
+           "| --- |" + " --- |" * len(ordered)]  # fmt: skip
+    for bug in bugs:
+        cells = [table[r.version].get(bug, '-') for r in ordered]
+        out.append(f"| `{bug}` | " + " | ".join(cells) + " |")
+    out += ["", across(ordered)[-1], ""]
+    for run in ordered:
+        out += [markdown(run).replace("# DeepSpeed config scan", f"## DeepSpeed {run.version}", 1), ""]
+    return "\n".join(out)
