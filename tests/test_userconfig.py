@@ -117,7 +117,7 @@ def test_scheduler_autos_are_filled_as_hugging_face_fills_them() -> None:
         (Reason.REGRESSION, None, ScanVerdict.AFFECTED, "M (fixed in 0.19.0; outside the catalogued range)"),
         (Reason.NOT_AFFECTED, None, ScanVerdict.NOT_AFFECTED, "M"),
         (Reason.NOT_YET_AFFECTED, None, ScanVerdict.NOT_AFFECTED, "M"),
-        (Reason.DID_NOT_REPRODUCE, None, ScanVerdict.NOT_AFFECTED, "passed with this config on an affected release (M)"),
+        (Reason.DID_NOT_REPRODUCE, None, ScanVerdict.NOT_AFFECTED, "passed with this config, on a release the bug affects"),
         (Reason.DID_NOT_REPRODUCE, Rate(20, 20, 1, 2, 9.0), ScanVerdict.AFFECTED, "M (fixed in 0.19.0)"),
         (Reason.FAILED_DIFFERENTLY, None, ScanVerdict.CANNOT_TELL, "M"),
         (Reason.OUTSIDE_RANGE, None, ScanVerdict.CANNOT_TELL, "M"),

@@ -72,7 +72,7 @@ def finding(
     elif reason in (Reason.REGRESSION, Reason.BEFORE_AFFECTED):
         word, said = ScanVerdict.AFFECTED, f"{message} ({_fixed(fixed_in)}; outside the catalogued range)"
     elif reason is Reason.DID_NOT_REPRODUCE:
-        word, said = ScanVerdict.NOT_AFFECTED, f"passed with this config on an affected release ({message})"
+        word, said = ScanVerdict.NOT_AFFECTED, "passed with this config, on a release the bug affects"
     elif reason in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED):
         word = ScanVerdict.NOT_AFFECTED
     elif reason is Reason.NOT_APPLICABLE:
