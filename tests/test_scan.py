@@ -94,7 +94,7 @@ def config(pytester: pytest.Pytester, value: object, name: str = "ds_config.json
 
 def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPytest, catalogue: Path) -> None:
     user = config(pytester, {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True},
-                             "train_batch_size": "auto"})  # fmt: skip
+                             "train_batch_size": "auto", "gradient_clipping": 1.0})  # fmt: skip
     result = run("-v", "--ds-scan", str(user), "--ds-results", "out", "--ds-report", "scan.md")
     result.assert_outcomes(failed=2, skipped=1, deselected=1)
     out = result.stdout.str()
@@ -111,7 +111,7 @@ def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPyt
         "                                 workaround: the repro's fix, never_raise (test_repros.py)",
         "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
         "CANNOT TELL     other-error      *KeyError: 'something else'",
-        "                                 with gradient_clipping unset -> 0: the body compares with plain SGD",
+        "                                 with gradient_clipping 1 -> 0: the body compares with plain SGD",
         "1 AFFECTED, 1 CANNOT TELL, 1 NOT APPLICABLE (deepspeed *, 2 ranks)",
     ])  # fmt: skip
     assert "the body ran, though" not in out  # NOT APPLICABLE: no world
