@@ -21,7 +21,7 @@ from packaging.version import InvalidVersion, Version
 from .gates import Rate, Reason
 
 if TYPE_CHECKING:
-    from .results import RunRecord, TestRecord
+    from .results import ReproMeta, RunRecord, TestRecord
 
 
 class ScanVerdict(str, enum.Enum):
@@ -106,19 +106,17 @@ class BugRow:
 
 def rows(run: RunRecord) -> list[BugRow]:
     """One row per catalogued bug the run scanned, in the order its tests ran."""
-    by_bug: dict[str, list[TestRecord]] = {}
+    by_bug: dict[str, list[tuple[Finding, ReproMeta, TestRecord]]] = {}
     for test in run.tests:
         if test.scan is not None and test.repro is not None:
-            by_bug.setdefault(test.repro.id, []).append(test)
+            by_bug.setdefault(test.repro.id, []).append((test.scan, test.repro, test))
     found = []
     for bug, tests in by_bug.items():
-        test = min(tests, key=lambda t: SEVERITY.index(t.scan.verdict) if t.scan else len(SEVERITY))
-        assert test.scan is not None and test.repro is not None
+        said, meta, test = min(tests, key=lambda t: SEVERITY.index(t[0].verdict))
         fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
-        workaround = fix if test.scan.verdict is ScanVerdict.AFFECTED else None
-        meta = test.repro
-        found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, test.scan.verdict, test.scan.detail,
-                            workaround, test.scan.notes))  # fmt: skip
+        workaround = fix if said.verdict is ScanVerdict.AFFECTED else None
+        found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, said.detail, workaround,
+                            said.notes))  # fmt: skip
     return found
 
 
@@ -238,7 +236,7 @@ def markdown_across(runs: Sequence[RunRecord]) -> str:
     out = ["# DeepSpeed config scan across releases", "", "| bug | " + " | ".join(r.version for r in ordered) + " |",
            "| --- |" + " --- |" * len(ordered)]  # fmt: skip
     for bug in bugs:
-        cells = [table[r.version].get(bug, '-') for r in ordered]
+        cells = [table[r.version].get(bug, "-") for r in ordered]
         out.append(f"| `{bug}` | " + " | ".join(cells) + " |")
     out += ["", across(ordered)[-1], ""]
     for run in ordered:

@@ -135,7 +135,7 @@ def check(config: dict[str, Any], path: str, backend: str | None) -> None:
     left = _autos(resolved)
     if left:
         raise UserConfigError(
-            f"{path}: \"auto\" at {', '.join(left)}: Hugging Face's Trainer fills only the batch sizes, gradient "
+            f'{path}: "auto" at {", ".join(left)}: Hugging Face\'s Trainer fills only the batch sizes, gradient '
             "accumulation and clipping, the optimizer's and scheduler's hyper-parameters, the ZeRO-3 bucket sizes and "
             "fp16/bf16; give a value"
         )

@@ -467,6 +467,14 @@ def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:
     return (RankResult(0, Status.FAILED, error=ErrorInfo.from_exception(exc, text)),)
 
 
+def _story(exc: BaseException | None) -> str:
+    """What the user reads under a verdict: the world's story, else the exception's traceback ("" for a pass)."""
+    story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
+    if exc is not None and not story:
+        story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return story
+
+
 def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     """The verdict on the body's ending: returns when pytest's own outcome stands, else raises the judged one.
 
@@ -496,9 +504,7 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         markers.fail(str(error))
     judgement = _with_measurements(_with_prerequisites(judgement, marks, version), item.stash.get(OUTCOME_KEY, None))
     item.stash[JUDGEMENT_KEY] = judgement
-    story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
-    if exc is not None and not story:
-        story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    story = _story(exc)
     if scan.active(item):
         scan.conclude(item, judgement, story)
         return

@@ -110,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0: no known bug hits the config; 1: one does; 3: some could not be told; 2: the scan could not run. "
         "Arguments after `--` go to pytest (-k, --ds-timeout, ...)."
     )
-    parser.add_argument("config", type=Path, metavar="CONFIG", help="your ds_config.json (// and /* */ comments allowed)")
+    parser.add_argument(
+        "config", type=Path, metavar="CONFIG", help="your ds_config.json (// and /* */ comments allowed)"
+    )
     parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
     parser.add_argument(
         "--release", action="append", default=[], metavar="VERSION", help="scan on this release (repeatable)"
@@ -120,7 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--catalogue", type=Path, default=None, metavar="DIR", help="repros to scan (default: the installed catalogue)"
     )
-    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)"
+    )
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
     parser.set_defaults(pytest_args=[])
 
