@@ -57,6 +57,13 @@ def test_other(ds_config):
     raise KeyError("something else")
 
 
+@pytest.mark.ds_repro(id="no-premise", title="declares no premise", upstream="https://example.invalid/4")
+@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_no_premise(ds_config):
+    raise RuntimeError("the body ran, though nothing says what config the bug needs")
+
+
 def test_not_a_repro():
     raise AssertionError("a scan runs the catalogue's repros only")
 """
@@ -96,7 +103,7 @@ def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPyt
     user = config(pytester, {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True},
                              "train_batch_size": "auto", "gradient_clipping": 1.0})  # fmt: skip
     result = run("-v", "--ds-scan", str(user), "--ds-results", "out", "--ds-report", "scan.md")
-    result.assert_outcomes(failed=2, skipped=1, deselected=1)
+    result.assert_outcomes(failed=2, skipped=2, deselected=1)
     out = result.stdout.str()
     assert "[fixed]" not in out  # one [scan] test per repro, nothing else
     assert "[zero3]" not in out
@@ -113,15 +120,16 @@ def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPyt
         "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
         "CANNOT TELL     other-error      *KeyError: 'something else'",
         "                                 with gradient_clipping 1 -> 0: the body compares with plain SGD",
-        "1 AFFECTED, 1 CANNOT TELL, 1 NOT APPLICABLE (deepspeed *, 2 ranks)",
+        "CANNOT TELL     no-premise       the repro declares no ds_premise: what a config needs for its bug is not known",
+        "1 AFFECTED, 2 CANNOT TELL, 1 NOT APPLICABLE (deepspeed *, 2 ranks)",
     ])  # fmt: skip
-    assert "the body ran, though" not in out  # NOT APPLICABLE: no world
+    assert "the body ran, though" not in out  # NOT APPLICABLE, no premise: no world
     (written,) = results.read_all([pytester.path / "out"])[0]
     assert written.run.scan is not None
     assert written.run.scan.path == str(user)
     found = {t.repro.id: t.scan.verdict for t in written.run.tests if t.repro and t.scan}
     assert found == {"needs-optimizer": ScanVerdict.AFFECTED, "stage0-only": ScanVerdict.NOT_APPLICABLE,
-                     "other-error": ScanVerdict.CANNOT_TELL}  # fmt: skip
+                     "other-error": ScanVerdict.CANNOT_TELL, "no-premise": ScanVerdict.CANNOT_TELL}  # fmt: skip
     report = (pytester.path / "scan.md").read_text()
     assert "| `needs-optimizer` no optimizer section | **AFFECTED** |" in report
     assert "[link](https://example.invalid/1)" in report
@@ -130,11 +138,11 @@ def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPyt
 def test_a_config_that_meets_no_bug_passes(pytester: pytest.Pytester, run: RunPytest, catalogue: Path) -> None:
     user = config(pytester, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     result = run("--ds-scan", str(user), "-k", "optimizer or stage0")
-    result.assert_outcomes(skipped=2, deselected=2)
+    result.assert_outcomes(skipped=2, deselected=3)
     result.stdout.fnmatch_lines(["*needs ZeRO stage 3; the config has 2*", "2 NOT APPLICABLE (deepspeed *, 2 ranks)"])
     user = config(pytester, {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     result = run("--ds-scan", str(user), "-k", "optimizer")
-    result.assert_outcomes(passed=1, deselected=3)
+    result.assert_outcomes(passed=1, deselected=4)
     result.stdout.fnmatch_lines(
         ["NOT AFFECTED  needs-optimizer  passed with this config, on a release the bug affects"]
     )
