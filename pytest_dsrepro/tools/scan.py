@@ -51,10 +51,15 @@ def catalogue() -> Path:
                     "reinstall pytest-dsrepro, or give --catalogue DIR")  # fmt: skip
 
 
-def pytest_command(python: str, where: Path, config: Path, results_dir: Path, args: argparse.Namespace) -> list[str]:
-    """One scan: the catalogue, the user's config, its results into ``results_dir``; the output is the scan table."""
+def pytest_command(python: str, where: Path, config: Path, scratch: Path, args: argparse.Namespace) -> list[str]:
+    """One scan: the catalogue, the user's config, its results into ``scratch``; the output is the scan table.
+
+    The tests' ``tmp_path`` lives in ``scratch`` too (``--basetemp``): under pytest's shared default, other pytest
+    sessions of the same user prune a long scan's directories while its repros still write checkpoints there.
+    """
     command = [python, "-m", "pytest", str(where), "--rootdir", str(where), "-p", "no:cacheprovider", "-q",
-               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(results_dir)]  # fmt: skip
+               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(scratch),
+               "--basetemp", str(scratch / "tmp")]  # fmt: skip
     if args.world_size is not None:
         command += ["--ds-world-size", str(args.world_size)]
     return [*command, *args.pytest_args]
