@@ -52,13 +52,13 @@ def catalogue() -> Path:
 
 
 def pytest_command(python: str, where: Path, config: Path, scratch: Path, args: argparse.Namespace) -> list[str]:
-    """One scan: the catalogue, the user's config, its results into ``scratch``; the output is the scan table.
+    """One scan: the catalogue, the user's config, its results into ``scratch/results``; the output is the table.
 
     The tests' ``tmp_path`` lives in ``scratch`` too (``--basetemp``): under pytest's shared default, other pytest
     sessions of the same user prune a long scan's directories while its repros still write checkpoints there.
     """
     command = [python, "-m", "pytest", str(where), "--rootdir", str(where), "-p", "no:cacheprovider", "-q",
-               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(scratch),
+               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(scratch / "results"),
                "--basetemp", str(scratch / "tmp")]  # fmt: skip
     if args.world_size is not None:
         command += ["--ds-world-size", str(args.world_size)]
@@ -73,7 +73,8 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
         if markdown is not None:
             command += ["--ds-report", str(markdown.resolve())]
         proc = subprocess.run(command, cwd=where, env=environ, check=False)
-        files, unreadable = results.read_all([Path(tmp)])
+        written = Path(tmp) / "results"
+        files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     if proc.returncode not in (0, 1) or not files:
         raise ScanError(f"pytest ended with exit code {proc.returncode} and wrote no scan (its output is above)")
     if unreadable:
