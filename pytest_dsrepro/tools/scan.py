@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,11 +24,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 from packaging.version import Version
 
 from ..core import results, userconfig
 from ..core import scan as scans
 from ..core.results import RunRecord
+from . import processes
 
 if TYPE_CHECKING:
     from .bisect import ReleaseEnv
@@ -72,14 +75,25 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
         command = pytest_command(python, where, args.config.resolve(), Path(tmp), args)
         if markdown is not None:
             command += ["--ds-report", str(markdown.resolve())]
-        proc = subprocess.run(command, cwd=where, env=environ, check=False)
+        returncode = _run_to_terminal(command, where, environ)
         written = Path(tmp) / "results"
         files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
-    if proc.returncode not in (0, 1) or not files:
-        raise ScanError(f"pytest ended with exit code {proc.returncode} and wrote no scan (its output is above)")
+    if returncode not in (0, 1) or not files:
+        raise ScanError(f"pytest ended with exit code {returncode} and wrote no scan (its output is above)")
     if unreadable:
         raise ScanError(f"unreadable results of the scan: {unreadable[0]}")
     return files[0].run
+
+
+def _run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str]) -> int:
+    """The scan's pytest, its output the user's to watch; on Ctrl-C (or SIGTERM) stopped as ``processes`` stops
+    every child of ``dsrepro``, worlds and fork server included."""
+    child = psutil.Popen(list(command), cwd=cwd, env=environ, stdin=subprocess.DEVNULL)
+    try:
+        return int(child.wait())
+    except BaseException:
+        processes.stop(child, told=True)
+        raise
 
 
 def exit_code(runs: Sequence[RunRecord]) -> int:
@@ -137,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _run(args)
+        with processes.interrupting(signal.SIGTERM):
+            return _run(args)
     except (ScanError, userconfig.UserConfigError) as exc:
         print(f"dsrepro scan: {exc}", file=sys.stderr)
         return UNUSABLE
