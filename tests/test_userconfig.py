@@ -173,6 +173,9 @@ def test_across_releases_the_first_clean_one() -> None:
     assert lines[0].split() == ["bug", "0.18.3", "0.19.0", "0.19.8"]
     assert lines[1].split() == ["a", "AFFECTED", "NOT", "AFFECTED", "NOT", "AFFECTED"]
     assert lines[-1] == "first release where this config hits no known bug: deepspeed 0.19.0"
+    assert scan.across(runs[:1])[-1] == (
+        "first release where this config hits no known bug: deepspeed 0.19.8 (but 1 could not be told there: CANNOT TELL)"
+    )
     assert scan.first_clean(runs[1:2]) is None
     assert (
         scan.across(runs[1:2])[-1] == "the newest release scanned, deepspeed 0.18.3, has a known bug this config hits"

@@ -223,7 +223,9 @@ def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
     if clean is None:
         lines.append(f"the newest release scanned, deepspeed {ordered[-1].version}, has a known bug this config hits")
     else:
-        lines.append(f"first release where this config hits no known bug: deepspeed {clean}")
+        untold = sum(row.verdict is ScanVerdict.CANNOT_TELL for r in ordered if r.version == clean for row in rows(r))
+        but = f" (but {untold} could not be told there: CANNOT TELL)" if untold else ""
+        lines.append(f"first release where this config hits no known bug: deepspeed {clean}{but}")
     return lines
 
 
