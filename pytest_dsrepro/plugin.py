@@ -12,7 +12,7 @@ import pytest
 
 from .core import configs
 from .inrank.engine import EngineFactory
-from .session import collector, execution, launched, markers, parametrize, recording, settings, shard
+from .session import collector, execution, launched, markers, parametrize, recording, scan, settings, shard
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
@@ -29,6 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
     resolved = settings.resolve(config)
     config.stash[SETTINGS_KEY] = resolved
     launched.configure(config, resolved)
+    scan.configure(config, resolved)
     collector.check_outputs(config, resolved)
     progress = execution.progress_line(config)
     config.stash[RUNNER_KEY] = WorldRunner(
@@ -48,6 +49,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scan.deselect(config, items)
     shard.select(config, items)
 
 
@@ -60,9 +62,12 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    parametrize.configs(metafunc)
+    scanned = scan.parametrize(metafunc)  # one [scan] test id in place of the repro's configs and variants
+    if not scanned:
+        parametrize.configs(metafunc)
     parametrize.sizes(metafunc)
-    parametrize.variants(metafunc)
+    if not scanned:
+        parametrize.variants(metafunc)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -124,6 +129,7 @@ def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
     if param is None:
         markers.fail(f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test")
     name, spec = param
+    spec = scan.config_spec(request.node, name, spec)
     prepared = request.node.stash.get(PREPARED_KEY, None)
     size = prepared.spec.size if prepared else request.config.stash[SETTINGS_KEY].world_size
     try:

@@ -53,11 +53,25 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     assert "dsrepro = pytest_dsrepro.tools.cli:main" in entry_points
 
 
+def test_wheel_holds_every_module_and_the_catalogue(dists: tuple[Path, Path]) -> None:
+    """The packages are listed in pyproject.toml (the catalogue is mapped from repros/): a module or subpackage
+    added without being listed is caught here, and so is a repro the wheel would not carry."""
+    _, wheel = dists
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    code = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pytest_dsrepro").rglob("*.py")}
+    repros = {f"pytest_dsrepro/catalogue/{p.name}" for p in (ROOT / "repros").glob("*.py")}
+    assert "pytest_dsrepro/catalogue/conftest.py" in repros
+    assert sorted(code - names) == []
+    assert sorted(repros - names) == []
+    assert not [n for n in names if n.startswith("repros/")]  # installed inside the package, never top-level
+
+
 def test_sdist_holds_what_its_tests_and_docs_need(dists: tuple[Path, Path]) -> None:
     sdist, _ = dists
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "conftest.py", "tests/conftest.py",
+    for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "repros/conftest.py", "tests/conftest.py",
                    "docs/design.md", "docs/matrix.md", "repros/test_zero3_backward_without_optimizer.py",
                    "benchmarks/world_overhead.py", "pytest_dsrepro/tools/templates/repro.py.tmpl"):  # fmt: skip
         assert wanted in names, wanted

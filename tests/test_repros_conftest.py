@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_repro_runs_in_a_world(pytester: pytest.Pytester, run: RunPytest) -> None:
-    """The top-level conftest.py puts each test under repros/ into a world; elsewhere nothing changes."""
-    shutil.copy(ROOT / "conftest.py", pytester.path / "conftest.py")
+    """repros/conftest.py puts each test under repros/ into a world; elsewhere nothing changes."""
     body = """
         def test_where():
             import torch.distributed as dist
@@ -22,6 +21,7 @@ def test_every_repro_runs_in_a_world(pytester: pytest.Pytester, run: RunPytest) 
             assert dist.get_world_size() == 2
         """
     pytester.mkdir("repros")
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "repros" / "conftest.py")
     pytester.makepyfile(**{"repros/test_in_repros": body, "test_elsewhere": body})
     result = run("-v", "--ds-world-size", "2")
     result.assert_outcomes(passed=1, failed=1)

@@ -73,6 +73,8 @@ class TrainingArgs:
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    max_steps: int = 10
     hidden_size: int = 16  # of the plugin's tiny models; sizes the ZeRO buckets
 
 
@@ -114,12 +116,46 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
         "eps": args.adam_epsilon,
     }.items():
         _fill(optimizer, key, value)
+    scheduler = config.get("scheduler", {}).get("params", {})
+    for key, value in {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": args.learning_rate,
+        "warmup_num_steps": args.warmup_steps,
+        "total_num_steps": args.max_steps,
+    }.items():
+        _fill(scheduler, key, value)
     zero = config.get("zero_optimization", {})
     _fill(zero, "reduce_bucket_size", args.hidden_size * args.hidden_size)
     _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * args.hidden_size * args.hidden_size))
     _fill(zero, "stage3_param_persistence_threshold", 10 * args.hidden_size)
     for precision in ("fp16", "bf16"):
         _fill(config.get(precision, {}), "enabled", False)
+
+
+#: Optimizers DeepSpeed runs only as CUDA kernels of its own (``optimizer.type``, lower case), and why.
+CUDA_OPTIMIZERS = {
+    "lamb": "DeepSpeed's Lamb is its FusedLamb CUDA kernel",
+    "onebitadam": "1-bit Adam compresses its communication with CUDA kernels (and cupy)",
+    "zerooneadam": "0/1 Adam compresses its communication with CUDA kernels (and cupy)",
+    "onebitlamb": "1-bit Lamb compresses its communication with CUDA kernels (and cupy)",
+}
+
+
+def cuda_only(config: Mapping[str, Any]) -> list[str]:
+    """What in ``config`` needs CUDA and has no CPU form, each naming its key and why: a gloo world cannot run it
+    (what has a CPU form, ``adapt_to_backend`` adapts instead)."""
+    found = []
+    optimizer = config.get("optimizer") or {}
+    kind = str(optimizer.get("type", "")).lower()
+    if kind in CUDA_OPTIMIZERS:
+        found.append(f"optimizer.type {optimizer['type']!r} needs CUDA: {CUDA_OPTIMIZERS[kind]}")
+    if (config.get("amp") or {}).get("enabled") is True:
+        found.append("amp.enabled needs CUDA: it is NVIDIA apex's mixed precision")
+    zero = config.get("zero_optimization") or {}
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if zero.get(key) is True:
+            found.append(f"zero_optimization.{key} needs CUDA: ZeRO++'s quantizer is a CUDA kernel")
+    return found
 
 
 def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
@@ -131,6 +167,10 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
             notes.append("fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world")
         for kind in ("offload_optimizer", "offload_param"):
             section = config.get("zero_optimization", {}).get(kind, {})
+            if section.get("device") == "nvme":
+                section["device"] = "cpu"
+                notes.append(f"{kind}.device nvme -> cpu: NVMe offload needs DeepSpeed's async I/O op (libaio), "
+                             "which these worlds do not build; ZeRO's offload path, to CPU memory")  # fmt: skip
             if section.get("pin_memory"):
                 section["pin_memory"] = False
                 notes.append(f"{kind}.pin_memory -> false: pinned memory needs CUDA")

@@ -171,7 +171,22 @@ OPTIONS = (
         "I/N",
     ),
     Option("results", "write machine-readable results of this run into DIR (one JSON file per run)", Path, None, "DIR"),
-    Option("report", "write an issue-ready Markdown report of this run to PATH", Path, None, "PATH"),
+    Option(
+        "report",
+        "write an issue-ready Markdown report of this run to PATH (with --ds-scan: the scan, per bug)",
+        Path,
+        None,
+        "PATH",
+    ),
+    Option(
+        "scan",
+        "scan a DeepSpeed config (JSON, // and /* */ comments allowed) against the catalogue: each catalogued repro "
+        "runs once with it (plus its premise's settings), the [fixed] variants and the repros' own configs do not; "
+        "per bug AFFECTED, NOT AFFECTED, NOT APPLICABLE (the config cannot meet its premise: no world) or CANNOT TELL",
+        Path,
+        None,
+        "CONFIG",
+    ),
     Option(
         "cache_dir",
         "where per-release DeepSpeed op builds are cached and GPU leases taken: sessions sharing GPUs share it "
@@ -203,6 +218,7 @@ class Settings:
     max_world_size: int | None  # None under an external launcher: nothing is forked
     shard: tuple[int, int] | None = None  # (I, N): run only the I-th of N slices of the collected tests
     gpu_wait: float = 600.0  # how long an NCCL world waits for its GPU lease before it is skipped
+    scan: Path | None = None  # a user's DeepSpeed config to scan against the catalogue (``--ds-scan``)
 
 
 class SettingsError(Exception):

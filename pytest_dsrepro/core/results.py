@@ -27,6 +27,7 @@ from typing import Any
 from . import versions
 from .gates import Rate, Reason, Verdict
 from .outcome import Measurement, Status, WorldOutcome, group_ranks
+from .scan import Finding, ScanSource, ScanVerdict
 
 __all__ = [
     "OUTCOMES",
@@ -63,7 +64,10 @@ __all__ = [
 #: time, ``wall``); the ratio and margin follow from them); ``origin``, where a test that is not the catalogue's came
 #: from (``ds_origin``: DeepSpeed's own tests run by ``dsrepro upstream``, with the project, the full revision of its
 #: checkout, and a readable name of that revision).
-SCHEMA = 5
+#: 6: a scan (``--ds-scan``): the run names the config it scanned (``scan``: ``path``, ``config`` as written,
+#: ``notes``), each scanned test its finding (``scan``: ``verdict``, one of AFFECTED, NOT AFFECTED, NOT APPLICABLE,
+#: CANNOT TELL; ``detail``; ``notes``, the premise's settings put on the user's config); null outside a scan.
+SCHEMA = 6
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -495,6 +499,7 @@ class TestRecord:
     origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
     rate: Rate | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
     measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference, in the same run
+    scan: Finding | None = None  # the test's verdict in a scan of a user's config (``--ds-scan``)
 
     @property
     def label(self) -> str:
@@ -532,6 +537,7 @@ class TestRecord:
             "rate": None if self.rate is None else _rate_json(self.rate),
             "measurements": [_measurement_json(m) for m in self.measurements],
             "origin": self.origin.to_json() if self.origin else None,
+            "scan": None if self.scan is None else _finding_json(self.scan),
         }
 
     @classmethod
@@ -543,6 +549,7 @@ class TestRecord:
         source = f.optional_object("source")
         rate = f.optional_object("rate")
         origin = f.optional_object("origin")
+        scan = f.optional_object("scan")
         verdict = f.optional_choice("verdict", _VERDICT_NAMES)
         reason = f.optional_choice("reason", _REASON_NAMES)
         problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
@@ -570,7 +577,32 @@ class TestRecord:
                 _measurement_from_json(item, at) for item, at in f.items("measurements", f"{where}.measurements")
             ),
             origin=None if origin is None else Origin.from_json(origin, f"{where}.origin"),
+            scan=None if scan is None else _finding_from_json(scan, f"{where}.scan"),
         )
+
+
+_SCAN_VERDICTS = tuple(v.value for v in ScanVerdict)
+
+
+def _finding_json(finding: Finding) -> dict[str, Any]:
+    return {"verdict": finding.verdict.value, "detail": finding.detail, "notes": list(finding.notes)}
+
+
+def _scan_source_json(source: ScanSource) -> dict[str, Any]:
+    return {"path": source.path, "config": source.config, "notes": list(source.notes)}
+
+
+def _finding_from_json(data: object, where: str) -> Finding:
+    f = _Fields(data, where, _names(Finding))
+    return Finding(ScanVerdict(f.choice("verdict", _SCAN_VERDICTS)), f.text("detail"), f.texts("notes"))
+
+
+def _scan_source_from_json(data: object, where: str) -> ScanSource:
+    f = _Fields(data, where, _names(ScanSource))
+    config = f.optional_object("config")
+    if config is None:
+        raise f._bad("config", "an object")
+    return ScanSource(f.text("path"), config, f.texts("notes"))
 
 
 def _verdict_problem(verdict: Verdict | None, reason: Reason | None) -> str | None:
@@ -592,6 +624,7 @@ class RunRecord:
     environment: Environment
     unavailable: str | None = None  # why the release could not run at all
     tests: tuple[TestRecord, ...] = ()
+    scan: ScanSource | None = None  # the user's config this run scanned (``--ds-scan``)
 
     def __post_init__(self) -> None:
         if self.schema != SCHEMA:
@@ -604,6 +637,7 @@ class RunRecord:
             "environment": self.environment.to_json(),
             "unavailable": self.unavailable,
             "tests": [t.to_json() for t in self.tests],
+            "scan": None if self.scan is None else _scan_source_json(self.scan),
         }
 
     @classmethod
@@ -619,6 +653,7 @@ class RunRecord:
             tests=tuple(TestRecord.from_json(item, at) for item, at in f.items("tests", "tests")),
             unavailable=f.optional_text("unavailable"),
             created=_created(f.optional_text("created")),
+            scan=None if (scan := f.optional_object("scan")) is None else _scan_source_from_json(scan, "scan"),
         )
 
     @property

@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 
 from ..core import results, versions
+from ..core import scan as scans
 from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
 from ..core.paths import unwritable, unwritable_file
 from ..core.report import Neutral
 from ..core.worlds import settle_backend
-from . import diagnostics, recording
+from . import diagnostics, recording, scan
 from .execution import RUNNER_KEY
 from .launched import LAUNCHED_KEY
 from .stash import SETTINGS_KEY
@@ -77,7 +78,14 @@ class RunCollector:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         for what in self.unsaved:
             terminalreporter.write_line(f"pytest-dsrepro: NOT SAVED: {what}", red=True, bold=True)
-        lines = self.run.summary_lines()
+        scanned = scan.source(self.config)
+        if scanned is not None:  # a scan's verdicts are its table's, per bug
+            settings = self.config.stash[SETTINGS_KEY]
+            run = self.run.record(results.environment(settings.backend, settings.world_size), scanned)
+            terminalreporter.write_sep("=", f"dsrepro scan of {scanned.path} (deepspeed {installed_deepspeed()})")
+            for line in scans.terminal(run):
+                terminalreporter.write_line(line)
+        lines = [] if scanned is not None else self.run.summary_lines()
         if lines:
             terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {installed_deepspeed()})")
             for line in lines:
@@ -105,6 +113,7 @@ class RunCollector:
         if s.report is not None:  # what a maintainer asks for: only for a report, and only now
             env = diagnostics.gather(env, cuda_devices)
         neutral = Neutral.here(self.config.rootpath)
-        self.unsaved = recording.write_outputs(self.run.record(env), s.results, s.report, neutral)
+        run = self.run.record(env, scan.source(self.config))
+        self.unsaved = recording.write_outputs(run, s.results, s.report, neutral)
         if self.unsaved and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
             session.exitstatus = NOT_SAVED  # the summary still says how the tests went

@@ -45,7 +45,7 @@ from ..inrank.fixtures import RankFixture
 from ..worlds import comm_op, leases
 from ..worlds.client import RunStops, WorldInterrupted, WorldRunner
 from ..worlds.protocol import RankJob, TestRef
-from . import markers
+from . import markers, scan
 from .launched import LAUNCHED_KEY
 from .stash import (
     JUDGEMENT_KEY,
@@ -129,18 +129,21 @@ def setup(item: pytest.Item) -> None:
     """
     try:
         marks = markers.parse(item, item.config.stash[SETTINGS_KEY])
-        markers.check_config(item, marks.premise)
+        if not scan.active(item):  # a scan runs the user's config, not the repro's own
+            markers.check_config(item, marks.premise)
     except MarkerError as exc:
         markers.fail(str(exc))
     item.stash[MARKS_KEY] = marks
     _refuse_where_not_applicable(item, marks)
     spec = marks.world
     if spec is None:
+        scan.setup(item, marks, None)
         return
     _refuse_xunit_setup(item)
     launched_run = item.config.stash.get(LAUNCHED_KEY, None)
     if launched_run is not None:  # torchrun made this process a rank: lockstep, this node's devices
         item.stash[PREPARED_KEY] = launched_run.prepare(item, spec)
+        scan.setup(item, marks, item.stash[PREPARED_KEY])
         return
     try:
         cuda_devices = item.config.stash[RUNNER_KEY].cuda_devices()
@@ -150,6 +153,7 @@ def setup(item: pytest.Item) -> None:
     if skip:
         pytest.skip(skip)
     item.stash[PREPARED_KEY] = Prepared(spec, backend)
+    scan.setup(item, marks, item.stash[PREPARED_KEY])
 
 
 def _refuse_where_not_applicable(item: pytest.Item, marks: Marks) -> None:
@@ -463,6 +467,14 @@ def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:
     return (RankResult(0, Status.FAILED, error=ErrorInfo.from_exception(exc, text)),)
 
 
+def _story(exc: BaseException | None) -> str:
+    """What the user reads under a verdict: the world's story, else the exception's traceback ("" for a pass)."""
+    story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
+    if exc is not None and not story:
+        story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return story
+
+
 def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     """The verdict on the body's ending: returns when pytest's own outcome stands, else raises the judged one.
 
@@ -492,10 +504,11 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         markers.fail(str(error))
     judgement = _with_measurements(_with_prerequisites(judgement, marks, version), item.stash.get(OUTCOME_KEY, None))
     item.stash[JUDGEMENT_KEY] = judgement
+    story = _story(exc)
+    if scan.active(item):
+        scan.conclude(item, judgement, story)
+        return
     if judgement.verdict is Verdict.REPRODUCED:
         pytest.xfail(judgement.message)
     if judgement.verdict is Verdict.UNEXPECTED:
-        story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
-        if exc is not None and not story:
-            story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         markers.fail(f"{judgement.message}\n\n{story}".rstrip())

@@ -24,8 +24,10 @@ from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
 from ..core.report import Neutral, render_markdown
 from ..core.results import Environment, Origin, ReproMeta, RunRecord, Source, TestRecord
+from ..core.scan import ScanSource
+from ..core.scan import markdown as scan_markdown
 from ..core.source import module_slice
-from . import markers
+from . import markers, scan
 from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY
 
 #: The ``user_properties`` name under which a report carries its record.
@@ -114,6 +116,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     config = item.stash.get(CONFIG_KEY, None)
     outcome = item.stash.get(OUTCOME_KEY, None)
     meta = repro_meta(item)
+    error = _error_line(report, judgement)
     return TestRecord(
         nodeid=item.nodeid,
         repro=meta,
@@ -121,7 +124,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         verdict=verdict,
         reason=reason,
         outcome=_outcome_word(report),
-        error=_error_line(report, judgement),
+        error=error,
         duration=round(report.duration, 3),
         config=config.config if config else None,
         config_notes=config.notes if config else (),
@@ -133,6 +136,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         rate=judgement.rate if judgement else None,
         measurements=outcome.measurements if outcome is not None else (),
         origin=_origin(item),
+        scan=scan.finding_of(item, judgement, error),
     )
 
 
@@ -213,8 +217,8 @@ class Run:
             return []  # not this plugin's business
         return junit_properties(judged[0], deepspeed)
 
-    def record(self, environment: Environment) -> RunRecord:
-        return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests))
+    def record(self, environment: Environment, scanned: ScanSource | None = None) -> RunRecord:
+        return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests), scan=scanned)
 
     def summary_lines(self) -> list[str]:
         """The terminal summary: one line per gated test, its verdict first."""
@@ -247,7 +251,7 @@ def write_outputs(
     if report is not None:
         try:
             report.parent.mkdir(parents=True, exist_ok=True)
-            report.write_text(render_markdown(run, neutral=neutral))
+            report.write_text(scan_markdown(run) if run.scan else render_markdown(run, neutral=neutral))
         except OSError as exc:
             unsaved.append(f"--ds-report {report} ({exc.strerror or exc})")
     return unsaved

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import install, matrix, upstream
+from . import install, matrix, scan, upstream
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -304,6 +304,12 @@ COMMANDS = (
         upstream.run,
     ),
     Command(
+        "scan",
+        "does a known bug hit your ds_config.json? the catalogue run with it, per bug a verdict (on releases too)",
+        scan.add_arguments,
+        scan.run,
+    ),
+    Command(
         "export",
         "write one test as a standalone script for torchrun (torch and DeepSpeed only)",
         _export_arguments,
@@ -331,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
-    if argv[:1] in (["bisect"], ["upstream"]) and "--" in argv:
+    if argv[:1] in (["bisect"], ["upstream"], ["scan"]) and "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser()

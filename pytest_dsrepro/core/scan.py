@@ -1,0 +1,246 @@
+"""A scan: a user's DeepSpeed config run through the catalogue, and its verdict per bug.
+
+The words a user reads are four: AFFECTED (the repro failed as its ``ds_version`` declares, with this config),
+NOT AFFECTED (the body passed with it), NOT APPLICABLE (the config cannot meet the bug's premise, or the repro does
+not run on this release: no world started) and CANNOT TELL (it failed otherwise, or could not run). Each is derived
+here, once, from the gates' ``Judgement`` of the run (``finding``); the results file records it per test
+(``core.results``) and the renderers below read it back, for one release or several.
+
+Pure: no pytest, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from packaging.version import InvalidVersion, Version
+
+from .gates import Rate, Reason
+
+if TYPE_CHECKING:
+    from .results import ReproMeta, RunRecord, TestRecord
+
+
+class ScanVerdict(str, enum.Enum):
+    AFFECTED = "AFFECTED"
+    NOT_AFFECTED = "NOT AFFECTED"
+    NOT_APPLICABLE = "NOT APPLICABLE"
+    CANNOT_TELL = "CANNOT TELL"
+
+
+#: A bug's verdict over its tests is the first of these that any test earned.
+SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One test's verdict in a scan: the word, what the user reads, and what was done to their config for it."""
+
+    verdict: ScanVerdict
+    detail: str
+    notes: tuple[str, ...] = ()  # the premise's settings put on top of the user's config, each with its reason
+
+
+@dataclass(frozen=True)
+class ScanSource:
+    """The config a run scanned: where it was read from, as written there (comments gone), what reading it said."""
+
+    path: str
+    config: dict[str, object] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+def _fixed(fixed_in: str | None) -> str:
+    return f"fixed in {fixed_in}" if fixed_in else "unfixed upstream"
+
+
+def finding(
+    reason: Reason, message: str, *, fixed_in: str | None, rate: Rate | None = None, notes: tuple[str, ...] = ()
+) -> Finding:
+    """The scan's verdict on one test, from the gates' judgement of its stock run with the user's config.
+
+    On a release outside the bug's declared range the body still runs (the honest answer is what happened); a pass
+    there is NOT AFFECTED saying the release is fixed or not yet affected, the declared error there is AFFECTED
+    saying the bug reaches further than catalogued. A race is AFFECTED as soon as one run failed as declared.
+    """
+    said = message
+    if reason is Reason.REPRODUCED or (reason is Reason.DID_NOT_REPRODUCE and rate is not None and rate.failed):
+        word, said = ScanVerdict.AFFECTED, f"{message.removeprefix('REPRODUCED ')} ({_fixed(fixed_in)})"
+    elif reason in (Reason.REGRESSION, Reason.BEFORE_AFFECTED):
+        word, said = ScanVerdict.AFFECTED, f"{message} ({_fixed(fixed_in)}; outside the catalogued range)"
+    elif reason is Reason.DID_NOT_REPRODUCE:
+        word, said = ScanVerdict.NOT_AFFECTED, "passed with this config, on a release the bug affects"
+    elif reason in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED):
+        word = ScanVerdict.NOT_AFFECTED
+    elif reason is Reason.NOT_APPLICABLE:
+        word = ScanVerdict.NOT_APPLICABLE
+    else:  # failed differently, outside the range otherwise, a prerequisite fix that raised, no world
+        word = ScanVerdict.CANNOT_TELL
+    return Finding(word, said, notes)
+
+
+def not_applicable(unmet: Sequence[str]) -> Finding:
+    """A config that cannot meet the bug's premise (``Premise.unmet``'s phrases): no world is started."""
+    return Finding(ScanVerdict.NOT_APPLICABLE, "; ".join(unmet))
+
+
+# --- one bug, one release ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BugRow:
+    """A bug's verdict on one release, over its tests (``SEVERITY``), with the test that decided it."""
+
+    id: str
+    title: str
+    upstream: str | None
+    fixed_in: str | None
+    verdict: ScanVerdict
+    detail: str
+    workaround: str | None  # the repro's fix, by name, where the bug hit
+    notes: tuple[str, ...]
+
+
+def rows(run: RunRecord) -> list[BugRow]:
+    """One row per catalogued bug the run scanned, in the order its tests ran."""
+    by_bug: dict[str, list[tuple[Finding, ReproMeta, TestRecord]]] = {}
+    for test in run.tests:
+        if test.scan is not None and test.repro is not None:
+            by_bug.setdefault(test.repro.id, []).append((test.scan, test.repro, test))
+    found = []
+    for bug, tests in by_bug.items():
+        said, meta, test = min(tests, key=lambda t: SEVERITY.index(t[0].verdict))
+        fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
+        workaround = fix if said.verdict is ScanVerdict.AFFECTED else None
+        found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, said.detail, workaround,
+                            said.notes))  # fmt: skip
+    return found
+
+
+def counts(found: Sequence[BugRow]) -> str:
+    """``2 AFFECTED, 9 NOT AFFECTED, 12 NOT APPLICABLE``."""
+    return ", ".join(f"{n} {v.value}" for v in SEVERITY if (n := sum(r.verdict is v for r in found)))
+
+
+def _cut(text: str, width: int | None) -> str:
+    """``text`` within ``width`` characters (None: whole, for output that wraps rather than loses words)."""
+    return text if width is None or len(text) <= width else text[: max(width - 3, 0)] + "..."
+
+
+def notes(run: RunRecord) -> list[str]:
+    """What was done to the user's config, each once: reading it (comments, ``"auto"``), then what the worlds
+    adapted (fp16 -> fp32 on CPU, ...)."""
+    said = list(run.scan.notes) if run.scan else []
+    return list(dict.fromkeys(said + [note for t in run.tests if t.scan is not None for note in t.config_notes]))
+
+
+def terminal(run: RunRecord, width: int | None = None) -> list[str]:
+    """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
+    settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
+    found = rows(run)
+    lines = [_cut(f"note: {note}", width) for note in notes(run)]
+    if not found:
+        return [*lines, "no catalogued bug was scanned"]
+    name = max(len(r.id) for r in found)
+    word = max(len(r.verdict.value) for r in found)
+    indent = " " * (word + name + 4)
+    for r in found:
+        lines.append(_cut(f"{r.verdict.value:<{word}}  {r.id:<{name}}  {r.detail}", width))
+        lines += [_cut(f"{indent}with {note}", width) for note in r.notes]
+        if r.workaround:
+            lines.append(_cut(f"{indent}workaround: the repro's fix, {r.workaround}", width))
+    lines.append(f"{counts(found)} (deepspeed {run.version}, {run.environment.world_size} ranks)")
+    return lines
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(run: RunRecord) -> str:
+    """The scan as Markdown to paste into an issue: the config, the release and world, per bug verdict and link."""
+    env, scan = run.environment, run.scan
+    out = ["# DeepSpeed config scan", ""]
+    if scan is not None:
+        out += [f"Config `{scan.path}`, scanned against the pytest-dsrepro catalogue on DeepSpeed {run.version} "
+                f"(torch {env.torch}, {env.world_size}-rank {env.backend} worlds).", ""]  # fmt: skip
+        out += ["```json", _json(scan.config), "```", ""]
+    said = notes(run)
+    out += [f"- {note}" for note in said] + ([""] if said else [])
+    found = rows(run)
+    out += [f"**{counts(found) or 'no catalogued bug scanned'}**", "", "| bug | verdict | why | upstream |",
+            "| --- | --- | --- | --- |"]  # fmt: skip
+    for r in found:
+        why = r.detail + "".join(f"; with {note}" for note in r.notes)
+        why += f"; workaround: the repro's fix `{r.workaround}`" if r.workaround else ""
+        link = f"[link]({r.upstream})" if r.upstream else ""
+        out.append(f"| `{r.id}` {_cell(r.title)} | **{r.verdict.value}** | {_cell(why)} | {link} |")
+    return "\n".join(out) + "\n"
+
+
+def _json(config: object) -> str:
+    import json
+
+    return json.dumps(config, indent=2)
+
+
+# --- across releases -----------------------------------------------------------------------------------------------
+
+
+def _version(text: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return Version("0")
+
+
+def first_clean(runs: Sequence[RunRecord]) -> str | None:
+    """The oldest release from which on every release scanned is hit by no bug (none AFFECTED); None when the newest
+    scanned is hit."""
+    clean = None
+    for run in sorted(runs, key=lambda r: _version(r.version), reverse=True):
+        if any(row.verdict is ScanVerdict.AFFECTED for row in rows(run)):
+            break
+        clean = run.version
+    return clean
+
+
+def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
+    """Several releases' scans of one config: a bug per line, a release per column, and the first clean release."""
+    ordered = sorted(runs, key=lambda r: _version(r.version))
+    table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
+    bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
+    name = max((len(b) for b in bugs), default=3)
+    cell = max(len(v.value) for v in ScanVerdict)
+    lines = [_cut(f"{'bug':<{name}}  " + "  ".join(f"{r.version:<{cell}}" for r in ordered), width)]
+    for bug in bugs:
+        cells = "  ".join(f"{table[r.version].get(bug, '-'):<{cell}}" for r in ordered)
+        lines.append(_cut(f"{bug:<{name}}  {cells}".rstrip(), width))
+    clean = first_clean(ordered)
+    if clean is None:
+        lines.append(f"the newest release scanned, deepspeed {ordered[-1].version}, has a known bug this config hits")
+    else:
+        untold = sum(row.verdict is ScanVerdict.CANNOT_TELL for r in ordered if r.version == clean for row in rows(r))
+        but = f" (but {untold} could not be told there: CANNOT TELL)" if untold else ""
+        lines.append(f"first release where this config hits no known bug: deepspeed {clean}{but}")
+    return lines
+
+
+def markdown_across(runs: Sequence[RunRecord]) -> str:
+    """Several releases' scans as Markdown: the table of bugs by release, the first clean release, then each
+    release's own scan."""
+    ordered = sorted(runs, key=lambda r: _version(r.version))
+    table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
+    bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
+    out = ["# DeepSpeed config scan across releases", "", "| bug | " + " | ".join(r.version for r in ordered) + " |",
+           "| --- |" + " --- |" * len(ordered)]  # fmt: skip
+    for bug in bugs:
+        cells = [table[r.version].get(bug, "-") for r in ordered]
+        out.append(f"| `{bug}` | " + " | ".join(cells) + " |")
+    out += ["", across(ordered)[-1], ""]
+    for run in ordered:
+        out += [markdown(run).replace("# DeepSpeed config scan", f"## DeepSpeed {run.version}", 1), ""]
+    return "\n".join(out)

@@ -1,0 +1,180 @@
+"""``dsrepro scan CONFIG``: does a known bug hit this DeepSpeed config, on the release installed here or on others?
+
+A thin layer over ``pytest --ds-scan`` (``session.scan``): the config is read and checked here first (the same
+``core.userconfig``, so a mistake is one line naming file:line:col, before anything starts), then pytest runs the
+catalogue with it, in a child process, from the catalogue's own directory (so that no ``pytest.ini`` of the
+directory you are in applies), and its results file is read back for the exit code. The catalogue is the one
+installed with the package (``pytest_dsrepro/catalogue``, from ``repros/``), else, in a checkout, ``repros/``.
+
+With ``--release`` (or ``--releases FILE``) each release gets the environment ``dsrepro bisect`` and ``dsrepro
+upstream --release`` use (``bisect.release_environment``: uv, torch pinned, the recipe of ``dsrepro install``,
+cached), a scan of its own, and the end is a table of bugs by release and the first release from which this config
+hits no known bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+from packaging.version import Version
+
+from ..core import results, userconfig
+from ..core import scan as scans
+from ..core.results import RunRecord
+from . import processes
+
+if TYPE_CHECKING:
+    from .bisect import ReleaseEnv
+
+#: Exit codes: 0 no known bug hits the config; 1 one does (AFFECTED); 3 none does, but some could not be told; 2 the
+#: scan could not run (a bad config, no catalogue, a release that cannot be installed).
+CLEAN, AFFECTED, UNUSABLE, UNTOLD = 0, 1, 2, 3
+
+
+class ScanError(Exception):
+    """The scan cannot run; said in one line, exit code 2."""
+
+
+def catalogue() -> Path:
+    """The catalogue this package carries: installed beside the code, or ``repros/`` of the checkout it runs from."""
+    package = Path(__file__).resolve().parents[1]
+    for place in (package / "catalogue", package.parent / "repros"):
+        if (place / "conftest.py").is_file():
+            return place
+    raise ScanError(f"no catalogue found beside {package} (pytest_dsrepro/catalogue, or repros/ of a checkout); "
+                    "reinstall pytest-dsrepro, or give --catalogue DIR")  # fmt: skip
+
+
+def pytest_command(python: str, where: Path, config: Path, scratch: Path, args: argparse.Namespace) -> list[str]:
+    """One scan: the catalogue, the user's config, its results into ``scratch/results``; the output is the table.
+
+    The tests' ``tmp_path`` lives in ``scratch`` too (``--basetemp``): under pytest's shared default, other pytest
+    sessions of the same user prune a long scan's directories while its repros still write checkpoints there.
+    """
+    command = [python, "-m", "pytest", str(where), "--rootdir", str(where), "-p", "no:cacheprovider", "-q",
+               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(scratch / "results"),
+               "--basetemp", str(scratch / "tmp")]  # fmt: skip
+    if args.world_size is not None:
+        command += ["--ds-world-size", str(args.world_size)]
+    return [*command, *args.pytest_args]
+
+
+def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, markdown: Path | None) -> RunRecord:
+    """Run one scan with ``python``'s pytest and DeepSpeed; its record, read back from its results file."""
+    where = args.catalogue.resolve() if args.catalogue else catalogue()
+    with tempfile.TemporaryDirectory(prefix="dsrepro-scan-") as tmp:
+        command = pytest_command(python, where, args.config.resolve(), Path(tmp), args)
+        if markdown is not None:
+            command += ["--ds-report", str(markdown.resolve())]
+        returncode = _run_to_terminal(command, where, environ)
+        written = Path(tmp) / "results"
+        files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
+    if returncode not in (0, 1) or not files:
+        raise ScanError(f"pytest ended with exit code {returncode} and wrote no scan (its output is above)")
+    if unreadable:
+        raise ScanError(f"unreadable results of the scan: {unreadable[0]}")
+    return files[0].run
+
+
+def _run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str]) -> int:
+    """The scan's pytest, its output the user's to watch; on Ctrl-C (or SIGTERM) stopped as ``processes`` stops
+    every child of ``dsrepro``, worlds and fork server included."""
+    child = psutil.Popen(list(command), cwd=cwd, env=environ, stdin=subprocess.DEVNULL)
+    try:
+        return int(child.wait())
+    except BaseException:
+        processes.stop(child, told=True)
+        raise
+
+
+def exit_code(runs: Sequence[RunRecord]) -> int:
+    found = [row.verdict for run in runs for row in scans.rows(run)]
+    if scans.ScanVerdict.AFFECTED in found:
+        return AFFECTED
+    return UNTOLD if scans.ScanVerdict.CANNOT_TELL in found else CLEAN
+
+
+def scan_releases(
+    args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
+) -> list[RunRecord]:
+    """Each release in its own environment (``prepare``: ``bisect.release_environment`` unless given), scanned."""
+    from .bisect import BisectError, release_environment
+
+    prepare = prepare or release_environment(args.cache_dir, args.constraints)
+    runs = []
+    for release in releases:
+        print(f"dsrepro scan: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
+        try:
+            env = prepare(Version(release))
+        except BisectError as exc:
+            raise ScanError(f"deepspeed {release} cannot run here: {exc}") from None
+        runs.append(scan_once(env.python, dict(env.environ), args, None))
+    return runs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run every catalogued DeepSpeed bug whose premise your config can meet with your config, in the same worlds "
+        "as the catalogue, and say per bug: AFFECTED (the bug's failure appeared: the message, the first fixed "
+        "release, the repro's fix to apply), NOT AFFECTED, NOT APPLICABLE (your config cannot meet its premise) or "
+        "CANNOT TELL (it failed otherwise). On the DeepSpeed installed here, or with --release on others. Exit code "
+        "0: no known bug hits the config; 1: one does; 3: some could not be told; 2: the scan could not run. "
+        "Arguments after `--` go to pytest (-k, --ds-timeout, ...)."
+    )
+    parser.add_argument(
+        "config", type=Path, metavar="CONFIG", help="your ds_config.json (// and /* */ comments allowed)"
+    )
+    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
+    parser.add_argument(
+        "--release", action="append", default=[], metavar="VERSION", help="scan on this release (repeatable)"
+    )
+    parser.add_argument("--releases", type=Path, metavar="FILE", help="releases to scan on, one per line (# comments)")
+    parser.add_argument("--markdown", type=Path, metavar="PATH", help="also write the scan as Markdown to PATH")
+    parser.add_argument(
+        "--catalogue", type=Path, default=None, metavar="DIR", help="repros to scan (default: the installed catalogue)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)"
+    )
+    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+    parser.set_defaults(pytest_args=[])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with processes.interrupting(signal.SIGTERM):
+            return _run(args)
+    except (ScanError, userconfig.UserConfigError) as exc:
+        print(f"dsrepro scan: {exc}", file=sys.stderr)
+        return UNUSABLE
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .upstream import UpstreamError, read_releases
+
+    if args.world_size is not None and args.world_size < 1:
+        raise ScanError(f"--world-size {args.world_size}: must be a whole number >= 1")
+    userconfig.load(args.config)  # a bad config is one line now, before any environment or world
+    try:
+        releases = [str(Version(r)) for r in args.release] + (read_releases(args.releases) if args.releases else [])
+    except (ValueError, UpstreamError) as exc:
+        raise ScanError(str(exc)) from None
+    if not releases:
+        return exit_code([scan_once(sys.executable, dict(os.environ), args, args.markdown)])
+    runs = scan_releases(args, releases)
+    print(f"\ndsrepro scan of {args.config} on {len(runs)} releases")
+    for line in scans.across(runs):
+        print(line)
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(scans.markdown_across(runs))
+    return exit_code(runs)

@@ -1,0 +1,217 @@
+"""``pytest --ds-scan CONFIG`` and ``dsrepro scan CONFIG``, as a user sees them: real worlds, real DeepSpeed.
+
+A small catalogue of its own shows each verdict (its bodies decide from the config they are given); the catalogue's
+own epilogue repro shows the issue's examples: the seed analysis's trigger config and its recommended workaround are
+AFFECTED, the same config with an optimizer section is NOT AFFECTED.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, RunPytest
+from pytest_dsrepro.core import results
+from pytest_dsrepro.core.scan import ScanVerdict
+from pytest_dsrepro.tools import scan as scan_tool
+
+REPROS = """
+import pytest
+
+pytestmark = [pytest.mark.ds_world]
+
+
+def never_raise(monkeypatch):
+    pass
+
+
+@pytest.mark.ds_repro(id="needs-optimizer", title="no optimizer section", upstream="https://example.invalid/1",
+                      fixed_in="9.0")
+@pytest.mark.ds_premise(stage=3)
+@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="no optimizer", fix=never_raise)
+def test_optimizer(ds_config):
+    if "optimizer" not in ds_config:
+        raise AttributeError("no optimizer hook")
+
+
+@pytest.mark.ds_repro(id="stage0-only", title="a ZeRO-0 bug", upstream="https://example.invalid/2")
+@pytest.mark.ds_premise(stage=0)
+@pytest.mark.ds_config("zero0")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_stage0(ds_config):
+    raise RuntimeError("the body ran, though the premise cannot hold")
+
+
+@pytest.mark.ds_repro(id="other-error", title="fails otherwise", upstream="https://example.invalid/3")
+@pytest.mark.ds_premise(stage=(2, 3), sets={"gradient_clipping": 0.0}, because="the body compares with plain SGD")
+@pytest.mark.ds_config({"zero_optimization": {"stage": 3}, "gradient_clipping": 0.0})
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_other(ds_config):
+    assert ds_config["gradient_clipping"] == 0.0
+    raise KeyError("something else")
+
+
+@pytest.mark.ds_repro(id="no-premise", title="declares no premise", upstream="https://example.invalid/4")
+@pytest.mark.ds_config("zero3")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_no_premise(ds_config):
+    raise RuntimeError("the body ran, though nothing says what config the bug needs")
+
+
+def test_not_a_repro():
+    raise AssertionError("a scan runs the catalogue's repros only")
+"""
+
+#: The seed analysis's trigger: ZeRO-3, parameters offloaded to CPU (pinned), no optimizer.
+TRIGGER = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}},
+           "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}  # fmt: skip
+#: Its recommended workaround, as the analysis writes it (a comment after the value).
+WORKAROUND = """{
+  "zero_optimization": {
+    "stage": 3,
+    "offload_param": {"device": "cpu", "pin_memory": true},
+    "offload_optimizer": {
+      "device": "none"  // set to "none" to avoid the bug
+    }
+  },
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 1
+}
+"""
+EPILOGUE = "zero3-backward-without-optimizer"
+
+
+@pytest.fixture
+def catalogue(pytester: pytest.Pytester) -> Path:
+    pytester.makepyfile(test_repros=REPROS)
+    return pytester.path
+
+
+def config(pytester: pytest.Pytester, value: object, name: str = "ds_config.json") -> Path:
+    path = pytester.path / name
+    path.write_text(value if isinstance(value, str) else json.dumps(value))
+    return path
+
+
+def test_each_verdict_as_the_user_sees_it(pytester: pytest.Pytester, run: RunPytest, catalogue: Path) -> None:
+    user = config(pytester, {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True},
+                             "train_batch_size": "auto", "gradient_clipping": 1.0})  # fmt: skip
+    result = run("-v", "--ds-scan", str(user), "--ds-results", "out", "--ds-report", "scan.md")
+    result.assert_outcomes(failed=2, skipped=2, deselected=1)
+    out = result.stdout.str()
+    assert "[fixed]" not in out  # one [scan] test per repro, nothing else
+    assert "[zero3]" not in out
+    result.stdout.fnmatch_lines_random([
+        "*test_optimizer[[]scan[]] FAILED*",
+        "*test_stage0[[]scan[]] SKIPPED (NOT APPLICABLE: needs ZeRO stage 0; the config has 3)*",
+        "*AFFECTED: on deepspeed *: ranks 0-1: AttributeError: no optimizer hook (fixed in 9.0)*",
+        "*CANNOT TELL: *KeyError: 'something else'*",
+        "*= dsrepro scan of *ds_config.json (deepspeed *) =*",
+        'note: "auto" resolved as Hugging Face\'s Trainer does, for each world: train_batch_size',
+        "note: fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world",
+        "AFFECTED        needs-optimizer  on deepspeed *: ranks 0-1: AttributeError: no optimizer hook (fixed in 9.0)",
+        "                                 workaround: the repro's fix, never_raise (test_repros.py)",
+        "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
+        "CANNOT TELL     other-error      *KeyError: 'something else'",
+        "                                 with gradient_clipping 1 -> 0: the body compares with plain SGD",
+        "CANNOT TELL     no-premise       the repro declares no ds_premise: what a config needs for its bug is not known",
+        "1 AFFECTED, 2 CANNOT TELL, 1 NOT APPLICABLE (deepspeed *, 2 ranks)",
+    ])  # fmt: skip
+    assert "the body ran, though" not in out  # NOT APPLICABLE, no premise: no world
+    (written,) = results.read_all([pytester.path / "out"])[0]
+    assert written.run.scan is not None
+    assert written.run.scan.path == str(user)
+    found = {t.repro.id: t.scan.verdict for t in written.run.tests if t.repro and t.scan}
+    assert found == {"needs-optimizer": ScanVerdict.AFFECTED, "stage0-only": ScanVerdict.NOT_APPLICABLE,
+                     "other-error": ScanVerdict.CANNOT_TELL, "no-premise": ScanVerdict.CANNOT_TELL}  # fmt: skip
+    report = (pytester.path / "scan.md").read_text()
+    assert "| `needs-optimizer` no optimizer section | **AFFECTED** |" in report
+    assert "[link](https://example.invalid/1)" in report
+
+
+def test_a_config_that_meets_no_bug_passes(pytester: pytest.Pytester, run: RunPytest, catalogue: Path) -> None:
+    user = config(pytester, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    result = run("--ds-scan", str(user), "-k", "optimizer or stage0")
+    result.assert_outcomes(skipped=2, deselected=3)
+    result.stdout.fnmatch_lines(["*needs ZeRO stage 3; the config has 2*", "2 NOT APPLICABLE (deepspeed *, 2 ranks)"])
+    user = config(pytester, {"zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    result = run("--ds-scan", str(user), "-k", "optimizer")
+    result.assert_outcomes(passed=1, deselected=4)
+    result.stdout.fnmatch_lines(
+        ["NOT AFFECTED  needs-optimizer  passed with this config, on a release the bug affects"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('{\n  "zero_optimization": {"stage": 3},\n  "fp16": {"enabled": true},\n}\n',
+         "*--ds-scan *ds_config.json:4:1: not JSON: Expecting property name enclosed in double quotes"),
+        ('{"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}}',
+         '*--ds-scan *ds_config.json: "auto" at zero_optimization.stage3_max_live_parameters: *'),
+        ('{"optimizer": {"type": "OneBitAdam"}}',
+         "*--ds-scan *ds_config.json: this scan runs in gloo (CPU) worlds; optimizer.type 'OneBitAdam' needs CUDA*"),
+    ],
+)  # fmt: skip
+def test_config_problems_stop_the_run_before_any_world(pytester: pytest.Pytester, run: RunPytest, catalogue: Path,
+                                                       text: str, said: str) -> None:  # fmt: skip
+    result = run("--ds-scan", str(config(pytester, text)), "--ds-backend", "gloo")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([said])
+    assert "Traceback" not in result.stderr.str()
+
+
+@pytest.fixture
+def epilogue(pytester: pytest.Pytester) -> Path:
+    """The catalogue's epilogue repro alone, with the catalogue's conftest.py."""
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
+    shutil.copy(ROOT / "repros" / "test_zero3_backward_without_optimizer.py", pytester.path)
+    return pytester.path
+
+
+@pytest.mark.parametrize(
+    ("user", "verdict"),
+    [(TRIGGER, "AFFECTED"), (WORKAROUND, "AFFECTED"),
+     ({**TRIGGER, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "NOT AFFECTED")],
+    ids=["seed-trigger", "seed-workaround", "with-optimizer"],
+)  # fmt: skip
+def test_the_seed_analysis_configs(pytester: pytest.Pytester, run: RunPytest, epilogue: Path, user: object,
+                                   verdict: str) -> None:  # fmt: skip
+    """The issue's example: offload settings do not matter, an optimizer section does."""
+    result = run("--ds-scan", str(config(pytester, user)))
+    result.stdout.fnmatch_lines([f"{verdict} *{EPILOGUE}  *"])
+    if verdict == "AFFECTED":
+        result.stdout.fnmatch_lines(["*AttributeError: 'DeepSpeedZeRoOffload' object has no attribute*(unfixed upstream)",
+                                     "*workaround: the repro's fix, guard_optimizer_hooks (*)"])  # fmt: skip
+
+
+def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalogue: Path, process_tag: str) -> None:
+    """The command: the table on stdout, Markdown on request, exit 1 when a bug hits, 2 for a config it refuses."""
+    (pytester.path / "conftest.py").write_text("")
+    user = config(pytester, {"zero_optimization": {"stage": 3}})
+    command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "scan", str(user), "--catalogue", str(catalogue),
+               "--markdown", "scan.md", "--", "-k", "optimizer"]  # fmt: skip
+    proc = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == scan_tool.AFFECTED, proc.stdout + proc.stderr
+    assert "AFFECTED  needs-optimizer  on deepspeed" in proc.stdout
+    assert "**1 AFFECTED**" in (pytester.path / "scan.md").read_text()
+    bad = config(pytester, "{\n  // no closing brace\n", "bad.json")
+    proc = subprocess.run([*command[:4], str(bad)], cwd=pytester.path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == scan_tool.UNUSABLE
+    assert (
+        proc.stderr.strip() == f"dsrepro scan: {bad}:3:1: not JSON: Expecting property name enclosed in double quotes"
+    )
+
+
+def test_the_catalogue_travels_with_the_package() -> None:
+    """Installed from the wheel (as tox installs it), the package holds the catalogue and its conftest.py."""
+    found = scan_tool.catalogue()
+    assert (found.parent.name, found.name) == ("pytest_dsrepro", "catalogue")
+    shipped = {p.name for p in found.glob("*.py")}
+    assert shipped >= {p.name for p in (ROOT / "repros").glob("*.py")}
