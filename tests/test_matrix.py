@@ -593,9 +593,9 @@ def test_each_unreadable_file_says_what_it_is_and_what_to_do(tmp_path: Path) -> 
                      "future.json": ("newer", "0.17.0"), "old.json": ("older", None)}  # fmt: skip
     said = {u.path.name: u.problem for u in unreadable}
     assert said["future.json"] == (f"schema {results.SCHEMA + 1}: written by a newer pytest-dsrepro (9.0); this one "
-                                   f"reads results files of schema {results.SCHEMA} only: upgrade pytest-dsrepro to "
+                                   f"reads results files of schema 5 to {results.SCHEMA}: upgrade pytest-dsrepro to "
                                    "read it")  # fmt: skip
-    assert said["old.json"].endswith("only: run those tests again to write it anew")
+    assert said["old.json"].endswith(f"schema 5 to {results.SCHEMA}: run those tests again to write it anew")
     assert (
         "cut short by an interrupted run, a full disk or a partial copy? Run its tests again, or delete it"
         in (said["results-deepspeed-0.16.4-0123abcd.json"])

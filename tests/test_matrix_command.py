@@ -152,7 +152,7 @@ def test_damaged_results_files_are_named_with_what_to_do_and_fail_the_run(result
     assert "cut short by an interrupted run, a full disk or a partial copy? Run its tests again, or delete it " \
            "(release 0.17.0)" in out  # fmt: skip
     assert f"{newer}: schema {results.SCHEMA + 1}: written by a newer pytest-dsrepro (2.0.0); this one reads " \
-           f"results files of schema {results.SCHEMA} only: upgrade pytest-dsrepro to read it (release 0.18.0)" in out  # fmt: skip
+           f"results files of schema 5 to {results.SCHEMA}: upgrade pytest-dsrepro to read it (release 0.18.0)" in out  # fmt: skip
     assert "0.17 0.18" in run.stdout  # their columns are there, saying so
     assert "??" in run.stdout
     assert run.stderr == ("dsrepro matrix: 2 results files could not be read (listed above): the matrix lacks what "

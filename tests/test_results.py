@@ -98,9 +98,9 @@ def test_read_all_says_what_it_cannot_read_and_what_to_do(tmp_path: Path) -> Non
     ("schema", "kind", "said"),
     [
         (results.SCHEMA + 1, "newer", "written by a newer pytest-dsrepro (9.1); this one reads results files of "
-         f"schema {results.SCHEMA} only: upgrade pytest-dsrepro to read it"),
-        (results.SCHEMA - 1, "older", "written by an older pytest-dsrepro (9.1); this one reads results files of "
-         f"schema {results.SCHEMA} only: run those tests again to write it anew"),
+         f"schema 5 to {results.SCHEMA}: upgrade pytest-dsrepro to read it"),
+        (4, "older", "written by an older pytest-dsrepro (9.1); this one reads results files of "
+         f"schema 5 to {results.SCHEMA}: run those tests again to write it anew"),
         ("http://json-schema.org/draft-07/schema#", "foreign", "not a pytest-dsrepro schema"),
     ],
 )  # fmt: skip
@@ -116,6 +116,18 @@ def test_a_file_of_another_schema_is_told_what_to_do(tmp_path: Path, schema: obj
     assert said in found.problem
     with pytest.raises(ValueError, match="this one reads results files of schema"):
         results.read(path)
+
+
+def test_a_schema_5_file_reads_as_a_run_that_scanned_nothing(tmp_path: Path) -> None:
+    """Schema 6 only added the scan's fields: results written before it still merge with new ones."""
+    data = RUN.to_json()
+    del data["scan"]
+    for test in data["tests"]:
+        del test["scan"]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**data, "schema": 5}))
+    assert results.read(path) == RUN
+    assert results.read_all([path])[0][0].run == RUN
 
 
 def test_a_file_without_its_time_is_as_old_as_the_file(tmp_path: Path) -> None:
@@ -135,9 +147,9 @@ def _broken(change: Any) -> dict[str, Any]:
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
         (lambda d: d.update(schema=1), "schema 1: written by an older pytest-dsrepro; this one reads results files "
-         "of schema 6 only: run those tests again to write it anew"),
+         "of schema 5 to 6: run those tests again to write it anew"),
         (lambda d: d.update(schema="6"), "schema '6': not a pytest-dsrepro schema; this one reads results files of "
-         "schema 6 only"),
+         "schema 5 to 6"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),

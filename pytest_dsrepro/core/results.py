@@ -19,7 +19,7 @@ import os
 import platform
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -68,6 +68,24 @@ __all__ = [
 #: ``notes``), each scanned test its finding (``scan``: ``verdict``, one of AFFECTED, NOT AFFECTED, NOT APPLICABLE,
 #: CANNOT TELL; ``detail``; ``notes``, the premise's settings put on the user's config); null outside a scan.
 SCHEMA = 6
+
+
+def _from_5(data: dict[str, Any]) -> dict[str, Any]:
+    """Schema 6 only added the scan's fields: a schema-5 file is a schema-6 one that scanned nothing."""
+    tests = [{**t, "scan": None} if isinstance(t, dict) else t for t in data.get("tests", [])]
+    return {**data, "schema": 6, "scan": None, "tests": tests}
+
+
+#: Older schemas this one reads losslessly, each by the step that makes it the next: results written before an
+#: additive change still merge into one matrix with new ones, instead of having to be run again.
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {5: _from_5}
+
+
+def upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` brought to :data:`SCHEMA` through :data:`UPGRADES` where its schema has a step (else as it was)."""
+    while isinstance(found := data.get("schema"), int) and found in UPGRADES:
+        data = UPGRADES[found](data)
+    return data
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
@@ -645,6 +663,7 @@ class RunRecord:
         """A run record from a file's JSON; ``ValueError`` says what is wrong and where."""
         if not isinstance(data, dict) or "schema" not in data:
             raise ValueError("not a pytest-dsrepro results file (no 'schema')")
+        data = upgraded(data)
         if data["schema"] != SCHEMA:
             raise ValueError(_schema_problem(data["schema"]))
         f = _Fields(data, "results file", _names(cls))
@@ -673,7 +692,7 @@ def _schema_problem(found: object, writer: str | None = None) -> str:
     """What a file of another schema is, and what to do: an older one is written anew by running its tests again,
     a newer one is read by upgrading this pytest-dsrepro (running the tests again would not help)."""
     by = f" ({writer})" if writer else ""
-    only = f"this one reads results files of schema {SCHEMA} only"
+    only = f"this one reads results files of schema {min(UPGRADES, default=SCHEMA)} to {SCHEMA}"
     kind = _schema_kind(found)
     if kind == "newer":
         return f"schema {found}: written by a newer pytest-dsrepro{by}; {only}: upgrade pytest-dsrepro to read it"
@@ -774,6 +793,7 @@ def _examine(path: Path) -> ResultsFile | Unreadable:
     release = env.get("deepspeed") if isinstance(env, dict) and isinstance(env.get("deepspeed"), str) else named
     if not isinstance(data, dict) or "schema" not in data:
         return Unreadable(path, "foreign", "not a pytest-dsrepro results file (no 'schema')", release)
+    data = upgraded(data)
     found = data["schema"]
     if found != SCHEMA:
         writer = env.get("plugin") if isinstance(env, dict) and isinstance(env.get("plugin"), str) else None
