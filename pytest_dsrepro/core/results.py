@@ -86,6 +86,8 @@ def upgraded(data: dict[str, Any]) -> dict[str, Any]:
     while isinstance(found := data.get("schema"), int) and found in UPGRADES:
         data = UPGRADES[found](data)
     return data
+
+
 #: What pytest calls a test's ending, as the records spell it (``error``: setup or teardown failed).
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
