@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,10 @@ def test_ctrl_c_while_installing_is_one_line_not_a_traceback(tmp_path: Path) -> 
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == "dsrepro install: interrupted"
     assert "Traceback" not in err
+
+
+def test_the_extras_installed_here_go_into_the_environments_made_for_other_releases() -> None:
+    """A scan, bisect or upstream run on another release runs what runs here: the hf repros too where the hf extra
+    is installed (the tests environment has it), at the versions here; extras that are not installed stay out."""
+    requires = ["pytest>=8", "transformers>=5.0; extra == 'hf'", "no-such-package-here>=1; extra == 'other'"]
+    assert install.extras_installed_here(requires) == [f"transformers=={metadata.version('transformers')}"]

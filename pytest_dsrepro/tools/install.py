@@ -56,6 +56,7 @@ __all__ = [
     "add_arguments",
     "add_this_plugin",
     "environment_python",
+    "extras_installed_here",
     "find_constraints",
     "install_deepspeed",
     "pinned",
@@ -301,7 +302,7 @@ def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> 
         dist = metadata.distribution(PLUGIN)
     except metadata.PackageNotFoundError:
         raise InstallError(f"{PLUGIN} is not installed here (pip install -e . in its checkout)") from None
-    needs = _without_extras(dist.requires or [])
+    needs = [*_without_extras(dist.requires or []), *extras_installed_here(dist.requires or [])]
     plugins = {
         f"{ep.dist.name}=={ep.dist.version}" for ep in metadata.entry_points(group="pytest11")
         if ep.dist is not None and canonicalize_name(ep.dist.name) != PLUGIN
@@ -324,6 +325,22 @@ def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> 
 def _without_extras(requires: Sequence[str]) -> list[str]:
     """A distribution's requirements, those of its extras left out."""
     return [r for r in requires if "extra" not in str(Requirement(r).marker or "")]
+
+
+def extras_installed_here(requires: Sequence[str]) -> list[str]:
+    """The extras' requirements that this environment has, pinned at its versions (``transformers==5.1.0``): an
+    environment made for a scan, a bisect or upstream tests runs what the plugin here runs (the ``hf`` repros
+    included), not less."""
+    pins = []
+    for text in requires:
+        requirement = Requirement(text)
+        if "extra" not in str(requirement.marker or ""):
+            continue
+        try:
+            pins.append(f"{requirement.name}=={metadata.version(requirement.name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return sorted(set(pins))
 
 
 _REQUIRES = "import json, sys; from importlib import metadata; print(json.dumps(metadata.requires(sys.argv[1]) or []))"
