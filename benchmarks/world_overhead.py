@@ -22,14 +22,17 @@ Measured in one run, interleaved round by round so that load changes hit every c
 - **fresh interpreters**: two new Python processes per world, as DeepSpeed's DistributedTest and
   torch.multiprocessing.spawn do (2 ranks only; it is slow).
 - **the warm catalogue**: ``pytest repros/`` on this interpreter's DeepSpeed, its comm op and preload list cached:
-  wall and CPU time.
+  wall and CPU time, and pytest's summary line (verdicts are not timed, but a catalogue that errors is no figure).
+  ``--catalogue-from DIR``: every contender runs that checkout's ``repros/`` (an older checkout's plugin may not
+  know a newer catalogue's markers and fixtures), so that both run the same repros.
 - ``--against DIR``: another checkout of the plugin (``git worktree add DIR <commit>``) measured the same way in the
   same rounds, so that a change is judged side by side on a machine that is not quiet.
 
 Prints medians, the load average, and ratios; the targets are in README.md.
 
     python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--zero3 3]
-                                        [--baseline-runs 3] [--catalogue] [--cold] [--against DIR]
+                                        [--baseline-runs 3] [--catalogue] [--catalogue-from DIR] [--cold]
+                                        [--against DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -232,6 +236,7 @@ class Figures:
     torch_in_pytest: bool = False
     catalogue_wall: list[float] = field(default_factory=list)
     catalogue_cpu: list[float] = field(default_factory=list)
+    catalogue_summary: list[str] = field(default_factory=list)
 
 
 def _env(plugin_root: Path) -> dict[str, str]:
@@ -319,15 +324,17 @@ def baseline(runs: int, workdir: Path) -> list[float]:
     return durations
 
 
-def catalogue(plugin_root: Path, into: Figures) -> None:
-    """``pytest repros/`` (this checkout's), wall and CPU time of everything it ran."""
+def catalogue(plugin_root: Path, repros_root: Path, into: Figures) -> None:
+    """``pytest repros/`` of ``repros_root``, wall and CPU time of everything it ran, and its summary line."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "repros"]
-    subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=_env(plugin_root))  # verdicts are not timed
+    out = subprocess.run(cmd, cwd=repros_root, capture_output=True, text=True, env=_env(plugin_root))
     into.catalogue_wall.append(time.perf_counter() - started)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     into.catalogue_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    summary = (out.stdout.strip().splitlines() or ["(no output)"])[-1]
+    into.catalogue_summary.append(re.sub(r" in [0-9.]+s.*", "", summary.strip("= ")))  # its time is the wall's
 
 
 def _median(xs: list[float]) -> float | None:
@@ -375,6 +382,8 @@ def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], si
     if any(f.catalogue_wall for f in figures):
         row("warm catalogue, wall", [_median(f.catalogue_wall) for f in figures])
         row("warm catalogue, CPU", [_median(f.catalogue_cpu) for f in figures])
+        for name, f in contenders.items():
+            print(f"  {name}'s catalogue: " + "; ".join(dict.fromkeys(f.catalogue_summary)))
     if fresh:
         speed_ups(contenders, fresh)
     for name, f in contenders.items():
@@ -443,7 +452,7 @@ def one_round(
         if args.cold:
             cold(root, workdir, contenders[name])
         if args.catalogue:
-            catalogue(root, contenders[name])
+            catalogue(root, args.catalogue_from, contenders[name])
 
 
 def main() -> None:
@@ -454,11 +463,15 @@ def main() -> None:
     parser.add_argument("--zero3", type=int, default=3, help="tiny ZeRO-3 tests per round (2 ranks)")
     parser.add_argument("--baseline-runs", type=int, default=3, help="fresh-interpreter worlds (2 ranks)")
     parser.add_argument("--catalogue", action="store_true", help="also time the warm catalogue (repros/) each round")
+    parser.add_argument(
+        "--catalogue-from", type=Path, default=ROOT, help="the checkout whose repros/ the catalogue runs (this one)"
+    )
     parser.add_argument("--cold", action="store_true", help="also time a first verdict with an empty cache, each round")
     parser.add_argument("--against", type=Path, help="another checkout of the plugin, measured in the same rounds")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sizes = [int(s) for s in args.sizes.split(",")]
+    args.catalogue_from = args.catalogue_from.resolve()
     roots = {"this": ROOT}
     if args.against is not None:
         roots["against"] = args.against.resolve()
@@ -468,7 +481,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsrepro-bench-") as tmp:
         workdir = Path(tmp)
         if args.catalogue:  # warm: the comm op and the preload list cached, as every later run finds them
-            catalogue(ROOT, Figures())
+            catalogue(ROOT, args.catalogue_from, Figures())
         for _ in range(args.rounds):
             one_round(args, sizes, roots, contenders, bare, workdir)
         fresh = baseline(args.baseline_runs, workdir)
