@@ -243,6 +243,7 @@ def test_a_flood_of_rank_output_is_cut_to_its_ends_everywhere(
         """
         import sys
         import pytest
+        import torch.distributed as dist
 
         @pytest.mark.ds_world
         def test_floods(ds_rank):
@@ -253,6 +254,7 @@ def test_a_flood_of_rank_output_is_cut_to_its_ends_everywhere(
                 for i in range(400_000):
                     print(f"line {i:>12} of a rank that prints in a loop")
             print("LAST LINE")
+            dist.barrier()  # both floods end before either rank fails, however slow a busy machine makes the loop
             raise RuntimeError("flooded")
         """
     )
