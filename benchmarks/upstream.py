@@ -63,6 +63,11 @@ REGRESSIONS = {
     "#8113": "unit/runtime/zero/test_zero_autocast_mixed_dtype.py",
 }
 REGRESSION_RELEASES = ("0.16.4", "0.17.6", "0.18.3", "0.19.2", "0.19.3", "0.19.4", "0.19.8")
+#: DeepSpeed's harness gives a test 600 s (``DS_UNITTEST_TIMEOUT``); the plugin's side gets the same, not its own
+#: 300 s default: on a loaded machine a slow test would otherwise end differently for the limit alone.
+UPSTREAM_TIMEOUT = "600"
+#: A release's first regression run JIT-builds DeepSpeed's CPU ops in its ranks: minutes on a loaded machine.
+REGRESSION_TIMEOUT = "1800"
 
 
 @dataclass
@@ -224,7 +229,8 @@ def differences(runs: list[FileRun]) -> list[str]:
 
 def measure(args: argparse.Namespace, tests: Path) -> None:
     pythons = environments(args)
-    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu"}
+    timeout = os.environ.get("DS_UNITTEST_TIMEOUT", UPSTREAM_TIMEOUT)
+    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu", "DSREPRO_TIMEOUT": timeout}
     environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
     warm_ops(pythons, environs)
     files = args.files or default_files(tests)
@@ -263,8 +269,9 @@ def measure(args: argparse.Namespace, tests: Path) -> None:
 def regressions(args: argparse.Namespace, found: checkout.Checkout) -> None:
     """The fix PRs' tests on each release (``dsrepro upstream --release``), then the matrix of what they said."""
     out = (args.out / "regressions").resolve()
+    pytest_args = ["-p", "no:cacheprovider", "--ds-timeout", REGRESSION_TIMEOUT]
     options = argparse.Namespace(results=out, cache_dir=args.cache_dir, constraints=None, log_dir=None,
-                                 pytest_args=["-p", "no:cacheprovider"])  # fmt: skip
+                                 pytest_args=pytest_args)  # fmt: skip
     targets = list(REGRESSIONS.values())
     upstream.run_releases(options, found, targets, list(args.regression_releases))
     files, warnings = results.read_all([out])
