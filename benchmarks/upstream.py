@@ -13,13 +13,14 @@ Environments (uv, the recipe of ``dsrepro install``, kept under ``--cache-dir``)
 plugin and pytest as installed here; DeepSpeed's harness gets the same release with the pytest DeepSpeed pins for its
 tests (``--deepspeed-pytest``, default ``<8.4``: its ``DistributedFixture`` relies on what pytest >= 8.4 dropped).
 
-Part 2, ``--regressions``: the tests of fix PRs (``--regression-files``) on several releases
+Part 2, ``--regressions``: the tests of fix PRs (``REGRESSIONS``) on several releases
 (``--regression-releases``) through ``dsrepro upstream --release``, shown as ``dsrepro matrix`` shows them.
 
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out upstream-bench          # part 1, every file
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --files unit/runtime/zero/test_zero_leaf_module.py
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --only plugin         # one side only
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --regressions         # part 2
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --report              # the table so far
 
 Each file's figures are kept in ``OUT/files/*.json`` as they are measured: a run that is stopped resumes where it
 was (``--fresh`` measures again). Run it niced on a shared machine; the load average at each file is recorded. Each
@@ -63,6 +64,11 @@ REGRESSIONS = {
     "#8113": "unit/runtime/zero/test_zero_autocast_mixed_dtype.py",
 }
 REGRESSION_RELEASES = ("0.16.4", "0.17.6", "0.18.3", "0.19.2", "0.19.3", "0.19.4", "0.19.8")
+#: DeepSpeed's harness gives a test 600 s (``DS_UNITTEST_TIMEOUT``); the plugin's side gets the same, not its own
+#: 300 s default: on a loaded machine a slow test would otherwise end differently for the limit alone.
+UPSTREAM_TIMEOUT = "600"
+#: A release's first regression run JIT-builds DeepSpeed's CPU ops in its ranks: minutes on a loaded machine.
+REGRESSION_TIMEOUT = "1800"
 
 
 @dataclass
@@ -155,8 +161,9 @@ def environments(args: argparse.Namespace) -> dict[str, str]:
     return {"plugin": plugin, "deepspeed": python}
 
 
-#: DeepSpeed's CPU ops that the tests' engines JIT-build in their ranks on first use (Adam, offloaded optimizers).
-OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder")
+#: DeepSpeed's CPU ops that the tests' engines JIT-build in their ranks on first use (Adam, offloaded optimizers);
+#: no file of the directories measured uses Adagrad or Lion, whose ops each cost minutes more to build.
+OPS = ("FusedAdamBuilder", "CPUAdamBuilder")
 _BUILD = "import deepspeed.ops.op_builder as b\nfor name in {ops!r}:\n    getattr(b, name)().load(verbose=False)\n"
 #: Each side's comm op first, where its ranks load it: the plugin's fork server keeps it (and sets
 #: TORCH_EXTENSIONS_DIR to it, where the ranks then build the other ops); DeepSpeed's ranks build it themselves.
@@ -205,6 +212,10 @@ def table(runs: list[FileRun]) -> str:
     t = [f"{'/'.join(str(int(x)) for x in totals[s][:4])} | {totals[s][4]:.0f}" for s in SIDES]
     ratio = totals["plugin"][4] / totals["deepspeed"][4] if totals["deepspeed"][4] else 0
     lines.append(f"| **{len(runs)} files** | {t[0]} | {t[1]} | {ratio:.2f} |")
+    ratios = [r.sides["plugin"].seconds / r.sides["deepspeed"].seconds for r in runs if len(r.sides) == len(SIDES)]
+    faster, slower = sum(x < 0.9 for x in ratios), sum(x > 1.1 for x in ratios)
+    lines.append(f"\nThe plugin faster by more than 10% on {faster} files, within 10% on "
+                 f"{len(ratios) - faster - slower}, slower by more than 10% on {slower}.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -224,7 +235,8 @@ def differences(runs: list[FileRun]) -> list[str]:
 
 def measure(args: argparse.Namespace, tests: Path) -> None:
     pythons = environments(args)
-    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu"}
+    timeout = os.environ.get("DS_UNITTEST_TIMEOUT", UPSTREAM_TIMEOUT)
+    base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu", "DSREPRO_TIMEOUT": timeout}
     environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
     warm_ops(pythons, environs)
     files = args.files or default_files(tests)
@@ -240,10 +252,7 @@ def measure(args: argparse.Namespace, tests: Path) -> None:
     runs = []
     for index, path in enumerate(files):
         kept = store / (path.replace("/", "__") + ".json")
-        run = FileRun(path)
-        if kept.exists() and not args.fresh:
-            data = json.loads(kept.read_text())
-            run.sides = {s: Side(**v) for s, v in data["sides"].items()}
+        run = FileRun(path) if args.fresh else kept_run(kept, path)
         order = sides if index % 2 == 0 else sides[::-1]
         for side in order:
             if side in run.sides:
@@ -255,16 +264,29 @@ def measure(args: argparse.Namespace, tests: Path) -> None:
                   f"{got.count('failed')} failed, {got.count('error')} errors, {got.count('skipped')} skipped "
                   f"in {got.seconds:.0f}s (load {got.load})", flush=True)  # fmt: skip
         runs.append(run)
+    write_report(args.out, runs)
+
+
+def kept_run(kept: Path, path: str) -> FileRun:
+    """What OUT holds of a file: both sides, one, or none yet."""
+    run = FileRun(path)
+    if kept.exists():
+        run.sides = {s: Side(**v) for s, v in json.loads(kept.read_text())["sides"].items()}
+    return run
+
+
+def write_report(out: Path, runs: list[FileRun]) -> None:
     report = table(runs) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
-    (args.out / "files.md").write_text(report + "\n")
+    (out / "files.md").write_text(report + "\n")
     print(report)
 
 
 def regressions(args: argparse.Namespace, found: checkout.Checkout) -> None:
     """The fix PRs' tests on each release (``dsrepro upstream --release``), then the matrix of what they said."""
     out = (args.out / "regressions").resolve()
+    pytest_args = ["-p", "no:cacheprovider", "--ds-timeout", REGRESSION_TIMEOUT]
     options = argparse.Namespace(results=out, cache_dir=args.cache_dir, constraints=None, log_dir=None,
-                                 pytest_args=["-p", "no:cacheprovider"])  # fmt: skip
+                                 pytest_args=pytest_args)  # fmt: skip
     targets = list(REGRESSIONS.values())
     upstream.run_releases(options, found, targets, list(args.regression_releases))
     files, warnings = results.read_all([out])
@@ -286,12 +308,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds one file may take")
     parser.add_argument("--cache-dir", type=Path, help="release environments (default: the plugin's cache)")
     parser.add_argument("--fresh", action="store_true", help="measure again what OUT already holds")
+    parser.add_argument("--report", action="store_true", help="only the table of what OUT holds so far (a run goes on)")
     parser.add_argument("--regressions", action="store_true", help="part 2: fix PRs' tests across releases")
     parser.add_argument("--regression-releases", nargs="+", default=list(REGRESSION_RELEASES))
     args = parser.parse_args()
     found = checkout.read(args.checkout)
     print(f"DeepSpeed's tests from {found.describe()}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    if args.regressions:
+    if args.report:
+        kept = sorted((args.out / "files").glob("*.json"))
+        write_report(args.out, [kept_run(k, json.loads(k.read_text())["path"]) for k in kept])
+    elif args.regressions:
         regressions(args, found)
     else:
         measure(args, found.tests)
