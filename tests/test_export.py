@@ -59,15 +59,17 @@ def test_the_script_of_seed_a(in_root: Path) -> None:
     ):
         assert line in script
     # The body as written, its helpers inlined, its decorators and the plugin's imports gone.
-    assert "def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_rank):" in script
+    assert (
+        "def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_rank, ds_world_size):" in script
+    )
     assert "# from pytest_dsrepro.inrank.models (pytest-dsrepro), inlined: make_batch, tiny_mlp" in script
     assert "def tiny_mlp(hidden: int = 16, seed: int = 0) -> Any:" in script
     assert "@pytest" not in script
     assert "pytestmark" not in script
     assert '"zero_optimization": {\n        "stage": 3\n    }' in script
     assert (
-        "test_backward_on_zero3_engine_without_optimizer(ds_engine=ds_engine, ds_config=_config, ds_rank=rank)"
-        in script
+        "test_backward_on_zero3_engine_without_optimizer(ds_engine=ds_engine, ds_config=_config, ds_rank=rank, "
+        "ds_world_size=world_size)" in script
     )
     # The fix, for reference only: every line a comment.
     fix = script.split("# The fix pytest-dsrepro's [fixed] variant applies")[1]
