@@ -300,7 +300,14 @@ def test_upstream_rows_in_the_matrix_from_shards_and_releases(tmp_path: Path) ->
     }
     for name, (version, tests) in runs.items():
         env = {**here.to_json(), "deepspeed": version}
-        data = {"schema": results.SCHEMA, "created": None, "environment": env, "unavailable": None, "tests": tests}
+        data = {
+            "schema": results.SCHEMA,
+            "created": None,
+            "environment": env,
+            "unavailable": None,
+            "tests": tests,
+            "scan": None,
+        }
         (tmp_path / name).mkdir()
         (tmp_path / name / "r.json").write_text(json.dumps(data))
     merged = matrix.merge(*matrix.load([tmp_path / name for name in runs]))
