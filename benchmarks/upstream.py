@@ -4,9 +4,12 @@
 Part 1, the files: every test file of a DeepSpeed checkout's ``tests/unit/{runtime/zero, v1/zero, checkpoint, comm,
 v1/moe, runtime/half_precision}`` and ``tests/unit/runtime/test_*.py`` with at most ``--max-tests`` tests (or the
 ``--files`` given), each run twice, one after the other, in alternating order: ``pytest -p pytest_dsrepro.upstream
-FILE`` in one environment, plain ``pytest FILE`` (DeepSpeed's harness) in another, both from the checkout's
-``tests/`` with the same ``LOCAL_SIZE`` (DeepSpeed's CPU accelerator counts devices by it: without it, it counts CPU
-sockets and skips every multi-rank test; it also sizes device-count-dependent class bodies alike in both runs).
+FILE`` from the checkout's ``tests/`` in one environment, plain ``pytest FILE`` (DeepSpeed's harness) in another from
+a copy of ``tests/`` outside the checkout, with the same ``LOCAL_SIZE`` (DeepSpeed's CPU accelerator counts devices by
+it: without it, it counts CPU sockets and skips every multi-rank test; it also sizes device-count-dependent class
+bodies alike in both runs). The copy, because DeepSpeed's ``tests/conftest.py`` puts the directory above it first on
+``sys.path``: from the checkout, its harness would test the checkout's sources, not the release. Each side says which
+DeepSpeed its tests imported, and a side that ran another one than ``--release`` stops the run.
 Per file: passed/failed/errors/skipped and wall time for each, and every test whose outcome differs.
 
 Environments (uv, the recipe of ``dsrepro install``, kept under ``--cache-dir``): DeepSpeed ``--release`` with this
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,6 +83,7 @@ class Side:
     exit_code: int
     outcomes: dict[str, str]  # test -> passed, failed, error, skipped
     load: float  # the 1-minute load average when it started
+    deepspeed: str = ""  # the DeepSpeed its tests imported: "VERSION at DIRECTORY" ("" in runs before it was kept)
 
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
@@ -105,21 +110,51 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     return outcomes
 
 
+#: ``pytest`` as ``python -m pytest`` runs it, then the DeepSpeed its tests imported (sys.path as they left it).
+_PYTEST_THEN_SAY_DEEPSPEED = (
+    "import os, sys, pytest\n"
+    "code = pytest.main(sys.argv[1:])\n"
+    "ds = sys.modules.get('deepspeed')\n"
+    "print('DEEPSPEED-SEEN', ds and f'{ds.__version__} at {os.path.dirname(ds.__file__)}')\n"
+    "sys.exit(code)\n"
+)
+
+
 def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, str], timeout: float) -> Side:
     with tempfile.TemporaryDirectory(prefix="dsrepro-upstream-bench-") as tmp:
         report = Path(tmp) / "junit.xml"
-        command = [python, "-m", "pytest", path, "-p", "no:cacheprovider", f"--junitxml={report}", "-q"]
+        command = [python, "-c", _PYTEST_THEN_SAY_DEEPSPEED, path, "-p", "no:cacheprovider", f"--junitxml={report}"]
         if side == "plugin":
-            command[3:3] = ["-p", upstream.PLUGIN]
+            command += ["-p", upstream.PLUGIN]
         load = os.getloadavg()[0]
         started = time.monotonic()
+        seen = ""
         try:
             proc = subprocess.run(command, cwd=tests, env=environ, capture_output=True, text=True, timeout=timeout)
             code = proc.returncode
+            seen = next((x.split(" ", 1)[1] for x in proc.stdout.splitlines() if x.startswith("DEEPSPEED-SEEN ")), "")
         except subprocess.TimeoutExpired:
             code = -1
         seconds = time.monotonic() - started
-        return Side(round(seconds, 1), code, junit_outcomes(report), round(load, 2))
+        return Side(round(seconds, 1), code, junit_outcomes(report), round(load, 2), seen)
+
+
+def harness_tests(found: checkout.Checkout, out: Path) -> Path:
+    """A copy of the checkout's ``tests/`` with no DeepSpeed beside it, for DeepSpeed's harness: its conftest puts
+    the directory above ``tests/`` first on ``sys.path``: from the checkout it would import the checkout's sources."""
+    copy = out / f"deepspeed-tests-{found.revision[:12]}" / "tests"
+    if not copy.exists():
+        shutil.copytree(found.tests, copy.with_suffix(".partial"), ignore=shutil.ignore_patterns("__pycache__"))
+        copy.with_suffix(".partial").rename(copy)
+    return copy
+
+
+def check_release(side: str, path: str, got: Side, release: str, found: checkout.Checkout) -> None:
+    """Stop the run if a side's tests ran another DeepSpeed than the release under test (or the checkout's)."""
+    version, _, where = got.deepspeed.partition(" at ")
+    if version != release or Path(where).resolve().is_relative_to(found.root.resolve()):
+        raise SystemExit(f"{path} ({side}): its tests ran DeepSpeed {got.deepspeed or 'unknown'}, not the installed "
+                         f"{release}: its figures are not kept")  # fmt: skip
 
 
 def collected(python: str, tests: Path, paths: list[str], environ: dict[str, str]) -> dict[str, int]:
@@ -233,19 +268,20 @@ def differences(runs: list[FileRun]) -> list[str]:
     return found
 
 
-def measure(args: argparse.Namespace, tests: Path) -> None:
+def measure(args: argparse.Namespace, found: checkout.Checkout) -> None:
     pythons = environments(args)
     timeout = os.environ.get("DS_UNITTEST_TIMEOUT", UPSTREAM_TIMEOUT)
     base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu", "DSREPRO_TIMEOUT": timeout}
     environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
     warm_ops(pythons, environs)
-    files = args.files or default_files(tests)
+    files = args.files or default_files(found.tests)
     if not args.files:
-        counts = collected(pythons["plugin"], tests, files, environs["plugin"])
+        counts = collected(pythons["plugin"], found.tests, files, environs["plugin"])
         files = [f for f in files if 0 < counts.get(f, 0) <= args.max_tests]
         print(
             f"{len(files)} files of at most {args.max_tests} tests ({sum(counts[f] for f in files)} tests)", flush=True
         )
+    tests = {"plugin": found.tests, "deepspeed": harness_tests(found, args.out)}
     store = args.out / "files"
     store.mkdir(parents=True, exist_ok=True)
     sides = [args.only] if args.only else list(SIDES)
@@ -257,9 +293,10 @@ def measure(args: argparse.Namespace, tests: Path) -> None:
         for side in order:
             if side in run.sides:
                 continue
-            run.sides[side] = run_file(pythons[side], tests, path, side, environs[side], args.timeout)
+            got = run_file(pythons[side], tests[side], path, side, environs[side], args.timeout)
+            check_release(side, path, got, args.release, found)
+            run.sides[side] = got
             kept.write_text(json.dumps(asdict(run), indent=1))
-            got = run.sides[side]
             print(f"[{index + 1}/{len(files)}] {path} {side}: {got.count('passed')} passed, "
                   f"{got.count('failed')} failed, {got.count('error')} errors, {got.count('skipped')} skipped "
                   f"in {got.seconds:.0f}s (load {got.load})", flush=True)  # fmt: skip
@@ -320,7 +357,7 @@ def main() -> None:
     elif args.regressions:
         regressions(args, found)
     else:
-        measure(args, found.tests)
+        measure(args, found)
 
 
 if __name__ == "__main__":

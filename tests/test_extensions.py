@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from conftest import RunPytest, comm_op_directory
 from pytest_dsrepro.core import versions
-from pytest_dsrepro.worlds.comm_op import build_key, extensions_dir, remove_stale_locks
+from pytest_dsrepro.worlds.comm_op import BUILD_LOCK_TIMEOUT, build_key, extensions_dir, remove_stale_locks
 
 USES_OP = """
 import pytest
@@ -51,11 +53,17 @@ def test_one_directory_per_distinct_source(tmp_path: Path) -> None:
 
 
 def test_stale_torch_locks_are_found_and_removed(tmp_path: Path) -> None:
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    lock = tmp_path / "deepspeed_shm_comm" / "lock"
-    lock.touch()
-    assert remove_stale_locks(tmp_path) == [lock]
-    assert not lock.exists()
+    """The comm op's baton goes (its builds run under our lock); another op's goes only once no build is that old:
+    ranks build FusedAdam there while a second fork server starts, and must not find their baton gone."""
+    batons = {}
+    for op in ("deepspeed_shm_comm", "fused_adam", "cpu_adam"):
+        (tmp_path / op).mkdir()
+        batons[op] = tmp_path / op / "lock"
+        batons[op].touch()
+    long_ago = time.time() - BUILD_LOCK_TIMEOUT - 60
+    os.utime(batons["cpu_adam"], (long_ago, long_ago))
+    assert sorted(remove_stale_locks(tmp_path)) == [batons["cpu_adam"], batons["deepspeed_shm_comm"]]
+    assert [p for p in batons.values() if p.exists()] == [batons["fused_adam"]]
 
 
 def _built_op(pytester: pytest.Pytester, run: RunPytest) -> Path:

@@ -316,14 +316,16 @@ def test_world_fixtures_outside_worlds_fail_clearly(pytester: pytest.Pytester, r
     result.stdout.fnmatch_lines(["*test_plain: fixture 'ds_rank' exists only in world tests (@pytest.mark.ds_world)"])
 
 
-def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest) -> None:
-    """DeepSpeed's CPU shm allreduce creates a buffer per rank and never deletes it; worlds must."""
+@pytest.mark.parametrize("marker", ["ds_world", "ds_world(process_group=False)"], ids=["plugin-group", "own-group"])
+def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest, marker: str) -> None:
+    """DeepSpeed's CPU shm allreduce creates a buffer per rank and never deletes it; worlds must, also when the body
+    makes its own group (the buffers are then named after a port only its ranks know)."""
     pytester.makepyfile(
         f"""
         import os
         import pytest
 
-        @pytest.mark.ds_world
+        @pytest.mark.{marker}
         @pytest.mark.parametrize("i", range(3))
         def test_deepspeed_comm(ds_rank, i):
             import deepspeed, torch

@@ -278,6 +278,7 @@ def _rank_body(
     while True:
         _into(workdir, rank)
         report = rank_mod.run_rank(job, rank, size, meeting, code)
+        layout.record_buffers(workdir, rank)
         if link is None or baseline is None or report.status is not Status.PASSED:
             layout.write_report(workdir, rank, report)
             return

@@ -3,7 +3,9 @@
 Names are ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp, the same
 from 0.14 to 0.19). A world's MASTER_PORT is the port of its fork server's store, held by that server while it
 lives, whose worlds run one at a time: the files carrying that address and port are the running world's, and
-removing them cannot touch a world of another server.
+removing them cannot touch a world of another server. A body that makes its own process group, or a launcher's
+world, names them after another port: those a rank maps are found in its ``/proc/self/maps``
+(:func:`mapped_buffers`), and removed once no rank of the world can still be waiting to open them.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import os
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+PREFIX = "deepspeed_allreduce_buffer_"
 
 
 def world_buffers(addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
     if not shm_dir.is_dir():
         return []
-    return sorted(shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"))
+    return sorted(shm_dir.glob(f"{PREFIX}{os.getuid()}_{addr}_{port}_*"))
 
 
 def remove_world_buffers(addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
@@ -25,3 +28,13 @@ def remove_world_buffers(addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[
     for path in found:
         path.unlink(missing_ok=True)
     return found
+
+
+def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR) -> list[Path]:
+    """DeepSpeed's buffers this process maps, whatever port named them (none where ``maps`` cannot be read)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return []
+    found = {Path(line.split(maxsplit=5)[-1]) for line in lines if f"{shm_dir}/{PREFIX}" in line}
+    return sorted(p for p in found if p.parent == shm_dir)

@@ -1,9 +1,9 @@
 """A world's private directory: the one place that knows its layout, and how to leave nothing of it behind.
 
-Ranks write their reports, output and stacks here; the fork server writes down its store's port, which names the
-world's ``/dev/shm`` buffers. The pytest process reads it after the world; whoever outlives the world (the fork
-server, or pytest if the server died) discards it. A rank's report file is written and read only through
-``write_report`` and ``read_report``.
+Ranks write their reports, output and stacks here, and the ``/dev/shm`` buffers they mapped; the fork server writes
+down its store's port, which names the world's buffers when its ranks bind DeepSpeed to the plugin's group. The
+pytest process reads it after the world; whoever outlives the world (the fork server, or pytest if the server died)
+discards it. A rank's report file is written and read only through ``write_report`` and ``read_report``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ def port_file(workdir: Path) -> Path:
 
 def write_port(workdir: Path, port: int) -> None:
     port_file(workdir).write_text(str(port))
+
+
+def buffers_file(workdir: Path, rank: int) -> Path:
+    return workdir / f"buffers-{rank}.txt"
+
+
+def record_buffers(workdir: Path, rank: int) -> None:
+    """Write down the DeepSpeed buffers this rank maps (in the rank, after its test): a body that made its own
+    process group named them after its own port, which only the rank knows."""
+    found = shm.mapped_buffers()
+    if found:
+        buffers_file(workdir, rank).write_text("".join(f"{p}\n" for p in found))
 
 
 def result_file(workdir: Path, rank: int) -> Path:
@@ -84,4 +96,9 @@ def discard(workdir: Path, buffers: bool = True) -> None:
     port = read_text(port_file(workdir))
     if port and buffers:
         shm.remove_world_buffers(LOOPBACK, int(port))
+    if buffers:
+        for listed in workdir.glob("buffers-*.txt"):
+            for line in read_text(listed).splitlines():
+                if Path(line).parent == shm.SHM_DIR and Path(line).name.startswith(shm.PREFIX):
+                    Path(line).unlink(missing_ok=True)
     shutil.rmtree(workdir, ignore_errors=True)
