@@ -14,7 +14,7 @@ from .core import configs
 from .inrank.engine import EngineFactory
 from .session import collector, execution, launched, markers, parametrize, recording, scan, settings, shard
 from .session.execution import RUNNER_KEY
-from .session.stash import CONFIG_KEY, PREPARED_KEY, SETTINGS_KEY
+from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
 from .worlds.client import WorldRunner
 from .worlds.protocol import RankValue
@@ -38,10 +38,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[INTERRUPTED_KEY] = exitstatus == pytest.ExitCode.INTERRUPTED
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     runner = config.stash.get(RUNNER_KEY, None)
-    if runner is not None:
-        runner.close()
+    if runner is not None:  # after the summary: a comm-op build beside the worlds ends here, not in the verdicts' way
+        runner.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

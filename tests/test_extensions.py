@@ -6,15 +6,24 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
-from conftest import RunPytest, comm_op_directory
+from conftest import RunPytest, comm_op_directory, deepspeed_version
 from pytest_dsrepro.core import versions
-from pytest_dsrepro.worlds.comm_op import BUILD_LOCK_TIMEOUT, build_key, extensions_dir, remove_stale_locks
+from pytest_dsrepro.core.options import CACHE_ENV
+from pytest_dsrepro.worlds.comm_op import (
+    BUILD_LOCK_TIMEOUT,
+    build_key,
+    extensions_dir,
+    remove_stale_locks,
+    shared_library,
+)
 
 USES_OP = """
 import pytest
@@ -233,3 +242,81 @@ def test_a_read_only_cache_without_builds_stops_the_run_before_the_first_world(
     )
     assert "sentinel" not in result.stdout.str()
     run("test_plain.py").assert_outcomes(passed=1)
+
+
+BESIDE_THE_BUILD = """
+import os
+import pytest
+import torch
+
+MARK = {mark!r}
+
+
+@pytest.mark.ds_world
+def test_a_before_the_build(ds_rank):
+    import deepspeed.comm
+
+    assert deepspeed.comm.is_initialized()
+    assert deepspeed.comm.comm.cdb.shm_comm_op is None  # as DeepSpeed runs where it cannot build the op
+    if ds_rank == 0:
+        open(MARK, "w").close()
+
+
+@pytest.mark.ds_world
+def test_b_needs_the_op(ds_rank):
+    import deepspeed.comm
+
+    t = torch.ones(4) * (ds_rank + 1)
+    deepspeed.comm.inference_all_reduce(t)  # waits for the build, loads the op, and goes on with it
+    assert t.tolist() == [3.0] * 4
+    assert deepspeed.comm.comm.cdb.shm_comm_op is not None
+"""
+
+
+def test_a_first_build_holds_up_no_world(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22: a never-built comm op builds beside the worlds. Another process's build (the lock held here until
+    the first world has run) makes that deterministic: the first world runs without the op, the next waits for it
+    in the one collective that needs it, the run ends with the op built, and the next run builds nothing."""
+    source = comm_op_directory()
+    assert source is not None
+    cache = pytester.path / "cold-cache"
+    target = cache / "torch_extensions" / source.name
+    target.mkdir(parents=True)
+    mark = pytester.path / "first-world-ran"
+    pytester.makepyfile(BESIDE_THE_BUILD.format(mark=str(mark)))
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    held = FileLock(target / ".dsrepro-build.lock", thread_local=False)  # released by another thread
+    held.acquire()
+
+    def release_once_the_first_world_ran() -> None:
+        deadline = time.monotonic() + 600
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held.release()
+
+    releaser = threading.Thread(target=release_once_the_first_world_ran)
+    releaser.start()
+    try:
+        result = run("-v", timeout=1800)
+    finally:
+        mark.touch()
+        releaser.join()
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only (*), beside "
+            "the worlds: until it is built they run without it*",
+            "*test_b_needs_the_op PASSED*",
+            "worlds ran on: *; comm op building beside the worlds; *",
+            "*= 2 passed in *",
+            "pytest-dsrepro: the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)",
+            f"pytest-dsrepro: DeepSpeed's CPU comm op for {deepspeed_version()} built beside the worlds in *s; worlds "
+            "from now on use it, later runs load it",
+        ]
+    )
+    assert shared_library(target).exists()
+    again = run("-v", "-k", "needs_the_op")
+    again.assert_outcomes(passed=1)
+    assert "building DeepSpeed's CPU comm op" not in again.stdout.str()

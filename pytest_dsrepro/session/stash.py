@@ -49,6 +49,8 @@ MARKS_KEY = pytest.StashKey[Marks]()
 PREPARED_KEY = pytest.StashKey[Prepared]()
 CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
 OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
+#: Did the session end interrupted (Ctrl-C)? Then nothing is waited for at its end.
+INTERRUPTED_KEY = pytest.StashKey[bool]()
 JUDGEMENT_KEY = pytest.StashKey[Judgement]()
 SERIES_KEY = pytest.StashKey[Series]()
 #: Each test file's digest when pytest collected it: ranks import the file again, which must still be that code.

@@ -32,17 +32,19 @@ from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
 from ..core.outcome import PHASES, RankResult, Status, WorldOutcome, describe_exit, phases, rank_ranges
 from ..core.worlds import accelerator_for
-from . import devices, leases, nccl
+from . import comm_op, devices, leases, nccl
 from . import workdir as layout
 from .devices import Gpu
 from .protocol import (
     SCOUT_ARGUMENT,
     SERVER_MESSAGES,
+    BuildEnded,
     Building,
     ClientMessage,
     DumpStacks,
     EnvironChanges,
     Exited,
+    FinishBuild,
     Finished,
     Hello,
     Kill,
@@ -228,7 +230,8 @@ class ForkServer:
             elif message is None and building is not None:
                 self.progress(f"... still building ({time.monotonic() - building:.0f}s)")
             else:
-                if isinstance(message, Hello) and building is not None and message.facts.fatal is None:
+                beside = message.facts.comm_op == comm_op.BESIDE if isinstance(message, Hello) else False
+                if isinstance(message, Hello) and building is not None and message.facts.fatal is None and not beside:
                     self.progress(
                         f"DeepSpeed's CPU comm op ready after {time.monotonic() - building:.0f}s; "
                         "later runs load it from the cache"
@@ -289,6 +292,26 @@ class ForkServer:
     @property
     def alive(self) -> bool:
         return self._conn is not None and self._proc is not None and self._proc.poll() is None
+
+    def finish_build(self) -> None:
+        """Wait, saying so, for a comm-op build that runs beside the worlds to end: later runs then load the op, where
+        stopping the server now would throw the build away. Ctrl-C cuts the wait short (``close`` then stops it)."""
+        if self._conn is None or self.facts is None or self.facts.comm_op != comm_op.BESIDE:
+            return
+        self._conn.send(FinishBuild())
+        started = time.monotonic()
+        self.progress("the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)")
+        while True:
+            try:
+                message = self.receive(PROGRESS_EVERY)
+            except ServerGone as gone:  # nothing left to wait for; ``close`` cleans up after it
+                return self.progress(f"the fork server ended before the build did ({gone.ending})")
+            except KeyboardInterrupt:  # the run's outcome stands; ``close`` stops the build, leaving nothing of it
+                return self.progress("Ctrl-C: the build is stopped; the next run builds it again")
+            if isinstance(message, BuildEnded):
+                return self.progress(message.what) if message.what else None
+            if message is None:
+                self.progress(f"... still building ({time.monotonic() - started:.0f}s)")
 
     def close(self) -> None:
         """Stop the server (it kills whatever it started and exits) and remove its log, even when a second Ctrl-C
@@ -667,6 +690,13 @@ class WorldRunner:
         holder = f"{Path(job.test.module_file).name}::{job.test.qualname}" + (f", xdist {worker}" if worker else "")
         return leases.acquire(self.gpus(), size, leases.lease_dir(self.cache_dir), self.gpu_wait, holder)
 
-    def close(self) -> None:
-        for server in self.servers.values():
-            server.close()
+    def close(self, finish_builds: bool = False) -> None:
+        """Stop every fork server; ``finish_builds``: the run was not interrupted, so comm-op builds still running
+        beside its worlds end first (``ForkServer.finish_build``)."""
+        try:
+            if finish_builds:
+                for server in self.servers.values():
+                    server.finish_build()
+        finally:
+            for server in self.servers.values():
+                server.close()

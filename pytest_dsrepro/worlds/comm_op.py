@@ -13,20 +13,29 @@ directly, without torch's JIT (and so without ninja noticing new paths); one bui
 A cached build is loaded in a throwaway child first: a shared object cut short (a full disk, a copy interrupted)
 kills whatever maps it with SIGBUS, and must never take the fork server with it. One that does not load is discarded
 and built again, once; a read-only cache serves the builds it holds and builds nothing.
+
+A first build never holds up a world (:func:`start`): the fork server builds in a child of its own, and the worlds
+forked meanwhile run without the op, as DeepSpeed itself runs where it cannot build it (its compatibility switch,
+which ``build_shm_op`` reads). The op serves one collective only, ``inference_all_reduce``: a rank that calls it
+before the build ends waits for the build there, loads it and goes on as DeepSpeed would have with it. Once built,
+the server loads it, and later worlds inherit it loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -98,11 +107,12 @@ def scratch(pid: int) -> Path:
 
 
 @contextmanager
-def _compilers_scratch() -> Iterator[None]:
+def _compilers_scratch(owner: int) -> Iterator[None]:
     """The compilers' temporary files in a directory of this build's own, removed afterwards: a compiler killed
     mid-build (Ctrl-C) leaves its files behind, which nobody else would remove. When the build is cut short, the
-    fork server removes the directory once it has killed the compilers (``server.run``)."""
-    directory = scratch(os.getpid())
+    fork server (``owner``, whether it builds or its child does) removes the directory once it has killed the
+    compilers (``server.run``)."""
+    directory = scratch(owner)
     directory.mkdir(exist_ok=True)
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(directory)
@@ -198,7 +208,7 @@ def expected_build(extensions: Path) -> str:
     return f"about {low:.0f} s here" if high - low < 10 else f"{low:.0f}-{high:.0f} s here"
 
 
-def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
+def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int | None = None) -> str:
     """Build (or load from cache) DeepSpeed's shm comm op in this process, so forked ranks inherit it loaded.
 
     Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
@@ -244,7 +254,7 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
             )
         started = time.monotonic()
         try:
-            with _compilers_scratch():
+            with _compilers_scratch(scratch_owner or os.getpid()):
                 op = build_shm_op()
             with contextlib.suppress(OSError):  # for the next build's estimate
                 (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
@@ -256,3 +266,139 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     finally:
         lock.release()
     return f"built in {directory}" if op is not None else "not used by this accelerator"
+
+
+# ---- a first build beside the worlds -------------------------------------------------------------------------------
+
+#: How ``start`` says that the op builds beside the worlds (``ServerFacts.comm_op``).
+BESIDE = "building beside the worlds"
+#: In the fork server while a build runs beside its worlds, and in the ranks it forks meanwhile: the op's library,
+#: which a rank that calls ``inference_all_reduce`` waits for.
+_pending: Path | None = None
+
+
+@dataclass
+class Background:
+    """DeepSpeed's comm op building in a child of the fork server, while worlds run without it."""
+
+    child: Any  # preload.Child
+    builder: Any
+    library: Path
+    release: str
+    compatible: object  # DeepSpeed's compatibility switch for the op before it was turned off
+    started: float
+    ended: bool = False  # the child was reaped (``adopt``)
+
+    def done(self) -> bool:
+        return self.ended or self.child.done()
+
+    def wait(self) -> None:
+        """Until the build ends (a SIGTERM to the server cuts it short: ``stop`` then runs)."""
+        while not self.done():
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Cut a running build short as SIGTERM cuts a build in the server itself: the child unwinds, and torch
+        removes its build lock; what its compilers leave, the server kills and removes after."""
+        if self.ended:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while os.waitpid(self.child.pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.ended = True
+
+    def adopt(self) -> str:
+        """Load the finished build here (later worlds inherit it loaded), or say why there is none; either way the
+        worlds go on as DeepSpeed's switch then says. Returns the words for the user."""
+        global _pending
+        import deepspeed.ops
+
+        took = time.monotonic() - self.started
+        try:
+            self.child.result(LOAD_CHECK_TIMEOUT)
+        except RuntimeError as exc:
+            return (
+                f"{self.release} could not be built in {self.library.parent.parent} ({exc}; the fork server's log "
+                "says why): worlds go on without it, as DeepSpeed does where it cannot build it"
+            )
+        finally:
+            self.ended = True
+        if not _cached(self.builder, self.library, lambda _: None, self.release):
+            return f"{self.release} was built but does not load: worlds go on without it"
+        deepspeed.ops.__compatible_ops__[self.builder.NAME] = self.compatible
+        _pending = None
+        return f"{self.release} built beside the worlds in {took:.0f}s; worlds from now on use it, later runs load it"
+
+
+def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Background | None]:
+    """In the fork server: load the op (``warm_up``), or, when it is not built yet and the cache can be written,
+    build it in a child (or wait there for another process's build) and let worlds run without it meanwhile. A
+    ``TORCH_EXTENSIONS_DIR`` set by the user is torch's own JIT's, built as ``warm_up`` builds it."""
+    import deepspeed
+    import deepspeed.ops
+
+    from . import preload
+
+    builder = _builder()
+    if builder is None or not builder.is_compatible(False) or os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return warm_up(announce), None
+    directory = _directory(builder, None)
+    library = shared_library(directory)
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+    if library.exists() or not os.access(directory, os.W_OK):  # loaded now; a read-only cache is warm_up's to tell
+        return warm_up(announce), None
+    release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
+    announce(
+        f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
+        "the worlds: until it is built they run without it, as DeepSpeed does where it cannot build it, and a test "
+        "that calls inference_all_reduce waits for it there"
+    )
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)  # where ranks JIT-build DeepSpeed's other ops, as after a load
+    server = os.getpid()
+    child = preload.Child.start(lambda: warm_up(lambda what: print(what, file=sys.stderr), server), die_with=server)
+    background = Background(
+        child, builder, library, release, deepspeed.ops.__compatible_ops__.get(builder.NAME, True), time.monotonic()
+    )
+    deepspeed.ops.__compatible_ops__[builder.NAME] = False  # after the fork: the child builds it
+    _wait_in_ranks(library)
+    return BESIDE, background
+
+
+def _wait_in_ranks(library: Path) -> None:
+    """Make ``inference_all_reduce`` of a rank forked while the op builds wait for the build and load it, then do
+    what DeepSpeed's backend does with an op it built (``TorchBackend.__init__``, 0.14-0.19)."""
+    global _pending
+    from deepspeed.comm.torch import TorchBackend
+
+    _pending = library
+    original = TorchBackend.inference_all_reduce
+    if getattr(original, "dsrepro_waits", False):
+        return
+
+    @functools.wraps(original)
+    def inference_all_reduce(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "shm_comm_op", None) is None and _pending is not None:
+            self.shm_comm_op = _when_built(_pending)
+            self.shm_comm_op.initialize(self.get_world_size(), self.get_rank())
+            if hasattr(self.shm_comm_op, "vector_kernel_level"):
+                self.shm_vector_kernel_level = self.shm_comm_op.vector_kernel_level()
+        return original(self, *args, **kwargs)
+
+    inference_all_reduce.dsrepro_waits = True  # type: ignore[attr-defined]
+    TorchBackend.inference_all_reduce = inference_all_reduce
+
+
+def _when_built(library: Path) -> ModuleType:
+    """The op, once the fork server's child has built it (in a rank: the wait counts against its world's timeout)."""
+    from filelock import FileLock
+
+    with FileLock(library.parent.parent / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT):
+        if not library.exists():
+            raise RuntimeError(
+                f"pytest-dsrepro: DeepSpeed's CPU comm op could not be built in {library.parent.parent} (the fork "
+                "server's log says why), and this test calls inference_all_reduce, which needs it"
+            )
+    return _import(library)

@@ -124,6 +124,10 @@ class Child:
         os.close(write)
         return cls(pid, read)
 
+    def done(self) -> bool:
+        """Has it ended (its result can be read at once)?"""
+        return bool(select.select([self.read], [], [], 0)[0])
+
     def result(self, timeout: float) -> Any:
         """Its result; ``RuntimeError`` saying why when it failed (its traceback went to this process's stderr) or
         took longer than ``timeout``, when it is killed."""
@@ -426,11 +430,13 @@ def _load_built_ops() -> str | None:
     chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not chosen:
         return None
+    import deepspeed.ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
     loaded = []
     for name, builder in sorted(ALL_OPS.items()):
-        if name not in builder._loaded_ops and built_from(builder, Path(chosen) / name):
+        switched_off = deepspeed.ops.__compatible_ops__.get(name) is False  # the comm op, while it builds (comm_op)
+        if not switched_off and name not in builder._loaded_ops and built_from(builder, Path(chosen) / name):
             builder.load(verbose=False)
             loaded.append(name)
     return f"ops loaded: {', '.join(loaded)}" if loaded else None

@@ -92,8 +92,16 @@ class Hello:
 
 @dataclass(frozen=True)
 class Building:
-    """Before ``Hello``: the server is building (or waiting for another process to build) DeepSpeed's comm op, which
-    takes minutes the first time; ``what`` says so in words for the user."""
+    """The server is building (or waiting for another process to build) DeepSpeed's comm op, which takes minutes the
+    first time: before ``Hello``, or beside the worlds (``comm_op.start``); ``what`` says so in words for the user."""
+
+    what: str
+
+
+@dataclass(frozen=True)
+class BuildEnded:
+    """Answer to ``FinishBuild``: the comm-op build that ran beside the worlds has ended; ``what`` says how, in words
+    for the user ("" when there was none)."""
 
     what: str
 
@@ -139,8 +147,8 @@ class Reaped:
     world: int
 
 
-ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped
-SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped)
+ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped | BuildEnded
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped, BuildEnded)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 
@@ -188,8 +196,14 @@ class Reap:
     keep: bool = False
 
 
-ClientMessage = Spawn | DumpStacks | Kill | Reap
-CLIENT_MESSAGES = (Spawn, DumpStacks, Kill, Reap)
+@dataclass(frozen=True)
+class FinishBuild:
+    """The run's tests are over, and it was not interrupted: let a comm-op build that runs beside the worlds end, so
+    that later runs load the op, then say ``BuildEnded``."""
+
+
+ClientMessage = Spawn | DumpStacks | Kill | Reap | FinishBuild
+CLIENT_MESSAGES = (Spawn, DumpStacks, Kill, Reap, FinishBuild)
 
 # ---- the job every rank of a world runs -----------------------------------------------------------------------
 

@@ -71,9 +71,11 @@ from . import reuse as reuse_mod
 from . import workdir as layout
 from .protocol import (
     SCOUT_ARGUMENT,
+    BuildEnded,
     Building,
     DumpStacks,
     Exited,
+    FinishBuild,
     Finished,
     Hello,
     Kill,
@@ -111,10 +113,11 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 
 def preload(
     announce: Callable[[str], None] = lambda _: None, scout: bool = False
-) -> tuple[ServerFacts, preload_mod.Child | None]:
+) -> tuple[ServerFacts, preload_mod.Child | None, extensions.Background | None]:
     """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
-    code itself is imported with this module); build DeepSpeed's comm op; report what is in play; leave DeepSpeed to
-    the ranks where importing it poisoned this server's forks. Each import made here is one a forked rank does not
+    code itself is imported with this module); load DeepSpeed's comm op, or start its first build beside the worlds
+    (``comm_op.start``); report what is in play; leave DeepSpeed to the ranks where importing it poisoned this
+    server's forks. Each import made here is one a forked rank does not
     pay again (pytest alone is ~80 ms per world). ``scout``: the first world uses DeepSpeed, so what its ranks will
     import is found meanwhile, in a child (``preload.scout``, collected by ``warm_for_deepspeed``), not after the
     comm-op build.
@@ -129,31 +132,35 @@ def preload(
     facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
     found = devices.deferred(default_cache_dir(), str(torch.__version__))
     if found is not None:
-        return devices.without_deepspeed(facts, found), None
+        return devices.without_deepspeed(facts, found), None, None
     try:
         import deepspeed
     except ImportError as exc:
-        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}"), None
+        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}"), None, None
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     # Not on GPUs, where DeepSpeed may yet be left to the ranks (below).
     scouted = preload_mod.scout(*_install()) if scout and not devices.gpu_device_nodes() else None
     started = time.monotonic()
-    comm_op = extensions.warm_up(announce)
+    comm_op, building = extensions.start(announce)
     if devices.gpu_device_nodes() and devices.poisoned_fork():
         devices.restart_without_deepspeed(
             devices.Deferred.of(deepspeed, accelerator), default_cache_dir(), str(torch.__version__)
         )
-    return dataclasses.replace(
-        facts,
-        deepspeed=str(deepspeed.__version__),
-        deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
-        comm_op=comm_op,
-        comm_op_seconds=round(time.monotonic() - started, 2),
-        accelerator=str(accelerator.device_name()),
-        accelerator_backend=str(accelerator.communication_backend_name()),
-    ), scouted
+    return (
+        dataclasses.replace(
+            facts,
+            deepspeed=str(deepspeed.__version__),
+            deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
+            comm_op=comm_op,
+            comm_op_seconds=round(time.monotonic() - started, 2),
+            accelerator=str(accelerator.device_name()),
+            accelerator_backend=str(accelerator.communication_backend_name()),
+        ),
+        scouted,
+        building,
+    )
 
 
 def _marshal(code: CodeType | None) -> bytes | None:
@@ -404,7 +411,12 @@ class Worlds:
     """The worlds this server started for pytest: their ranks' pids until reaped, their directories until reaped."""
 
     def __init__(
-        self, conn: Connection, directories: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+        self,
+        conn: Connection,
+        directories: dict[int, Path],
+        store: Store,
+        scouted: preload_mod.Child | None = None,
+        building: extensions.Background | None = None,
     ) -> None:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
@@ -414,6 +426,7 @@ class Worlds:
         self._code: dict[tuple[object, ...], CodeType] = {}  # test modules compiled for the ranks, by file version
         self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
         self.scouted = scouted  # the child finding what that first Spawn imports, started before the comm-op build
+        self.building = building  # DeepSpeed's comm op building beside the worlds, until adopted
         self.kept: World | None = None  # a reusable world's ranks, alive between two tests of its scope
         self._finished: dict[int, set[int]] = {}  # world -> its ranks that said Finished
 
@@ -421,6 +434,8 @@ class Worlds:
         match message:
             case Spawn(world=world, job=job, size=size, workdir=workdir, reuse=reuse):
                 self.directories[world] = Path(workdir)
+                if self.building is not None and self.building.done():
+                    self.adopt_build()
                 rank_job = pickle.loads(job)
                 if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
                     self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
@@ -432,8 +447,22 @@ class Worlds:
                 self.signal(world, ranks, signal.SIGKILL)
             case Reap(world=world, keep=keep):
                 self.reap_world(world, keep)
+            case FinishBuild():
+                said = ""
+                if self.building is not None:
+                    self.building.wait()
+                    said, self.building = self.building.adopt(), None
+                self.conn.send(BuildEnded(said))
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
+
+    def adopt_build(self) -> str:
+        """The comm op built beside the worlds, loaded here for the worlds forked from now on; told to the user."""
+        assert self.building is not None
+        said = self.building.adopt()
+        self.building = None
+        self.conn.send(Building(said))
+        return said
 
     def spawn(self, world: int, job: RankJob, size: int, workdir: Path, reuse: str | None = None) -> None:
         """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
@@ -579,8 +608,9 @@ class Worlds:
                 os.kill(pid, signal.SIGKILL)
         self._wait_dead([pid for pid in ranks if pid != leader])
         others = {w.group for w in self.worlds.values()}  # worlds still open (never more than one, in practice)
+        own = {leader, self.store.pid, *(c.pid for c in (self.scouted, self.building and self.building.child) if c)}
         for _ in range(REAP_ROUNDS):
-            strays = [pid for pid in children() if pid not in (leader, self.store.pid) and not self._of(pid, others)]
+            strays = [pid for pid in children() if pid not in own and not self._of(pid, others)]
             if not strays:
                 break
             for pid in strays:
@@ -650,10 +680,14 @@ class Worlds:
 
 
 def serve(
-    conn: Connection, open_worlds: dict[int, Path], store: Store, scouted: preload_mod.Child | None = None
+    conn: Connection,
+    open_worlds: dict[int, Path],
+    store: Store,
+    scouted: preload_mod.Child | None = None,
+    building: extensions.Background | None = None,
 ) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = Worlds(conn, open_worlds, store, scouted)
+    worlds = Worlds(conn, open_worlds, store, scouted, building)
     wakeups = _child_exit_wakeups()
     while True:
         links = worlds.links()
@@ -726,10 +760,11 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
     open_worlds: dict[int, Path] = {}
     store = Store()
     scouted: preload_mod.Child | None = None
+    building: extensions.Background | None = None
     try:
         try:
             try:
-                facts, scouted = preload(lambda what: conn.send(Building(what)), scout)
+                facts, scouted, building = preload(lambda what: conn.send(Building(what)), scout)
                 if facts.fatal is None:
                     freeze()
                     store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
@@ -742,13 +777,15 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
-                serve(conn, open_worlds, store, scouted)
+                serve(conn, open_worlds, store, scouted, building)
         finally:
             # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
             # may still land here, before it is ignored, and only the outer block is sure to run to the end.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
+            building.stop()
         kill_descendants()
         shutil.rmtree(extensions.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
         for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
