@@ -42,13 +42,16 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
 from pytest_dsrepro.tools import bisect, install, matrix, upstream
+from pytest_dsrepro.worlds import shm
 
 ROOT = Path(__file__).resolve().parents[1]
 DIRECTORIES = ("unit/runtime/zero", "unit/v1/zero", "unit/checkpoint", "unit/comm", "unit/v1/moe",
@@ -127,6 +130,7 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         if side == "plugin":
             command += ["-p", upstream.PLUGIN]
         load = os.getloadavg()[0]
+        before = set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
         started = time.monotonic()
         seen = ""
         try:
@@ -136,6 +140,8 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         except subprocess.TimeoutExpired:
             code = -1
         seconds = time.monotonic() - started
+        for left in set(shm.SHM_DIR.glob(f"{shm.PREFIX}*")) - before:  # DeepSpeed's harness leaves its ranks' buffers,
+            left.unlink(missing_ok=True)  # named after its fixed ports: the next file's ranks would map stale ones
         return Side(round(seconds, 1), code, junit_outcomes(report), round(load, 2), seen)
 
 
@@ -192,8 +198,20 @@ def environments(args: argparse.Namespace) -> dict[str, str]:
     if not result.ok:
         raise SystemExit(f"deepspeed {args.release} for DeepSpeed's harness: {result.reason}")
     uv = [install.uv_binary(), "pip", "install", "-q", "--python", python, "-c", str(constraints)]
-    subprocess.run([*uv, f"pytest{args.deepspeed_pytest}"], check=True, env=install._env())
+    subprocess.run([*uv, f"pytest{args.deepspeed_pytest}", *hf_extra()], check=True, env=install._env())
     return {"plugin": plugin, "deepspeed": python}
+
+
+def hf_extra() -> list[str]:
+    """The plugin's ``hf`` extra as the plugin's side has it (``install.extras_installed_here``): a test that needs one
+    of its packages (``huggingface_hub``, say) must not fail under one harness only for lack of it."""
+    requires = [r for r in metadata.distribution(install.PLUGIN).requires or [] if _in_extra(r, "hf")]
+    return install.extras_installed_here(requires)
+
+
+def _in_extra(requirement: str, extra: str) -> bool:
+    marker = Requirement(requirement).marker
+    return marker is not None and marker.evaluate({"extra": extra})
 
 
 #: DeepSpeed's CPU ops that the tests' engines JIT-build in their ranks on first use (Adam, offloaded optimizers);
