@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,12 @@ from pytest_dsrepro.core.options import CACHE_ENV, OPTIONS, default_cache_dir
 
 #: Files that tests copy into their pytester directories (pyproject's pytester_example_dir), never collected here.
 collect_ignore = ["examples"]
+
+#: A test-suite started as a background job (``cmd &`` in a script) inherits SIGINT ignored, and so would every
+#: pytest, fork server and rank it starts: the Ctrl-C tests would interrupt processes that cannot hear it. A handler
+#: here is reset to the default in every program it starts, as at a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TAG = "DSREPRO_TEST_TAG"
 #: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).

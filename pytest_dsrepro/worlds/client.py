@@ -299,8 +299,7 @@ class ForkServer:
         if self._conn is None or self.facts is None or self.facts.comm_op != comm_op.BESIDE:
             return
         self._conn.send(FinishBuild())
-        started = time.monotonic()
-        self.progress("the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)")
+        started: float | None = None  # when the server said it still builds
         while True:
             try:
                 message = self.receive(PROGRESS_EVERY)
@@ -310,7 +309,10 @@ class ForkServer:
                 return self.progress("Ctrl-C: the build is stopped; the next run builds it again")
             if isinstance(message, BuildEnded):
                 return self.progress(message.what) if message.what else None
-            if message is None:
+            if isinstance(message, Building):
+                started = time.monotonic()
+                self.progress(message.what)
+            elif message is None and started is not None:
                 self.progress(f"... still building ({time.monotonic() - started:.0f}s)")
 
     def close(self) -> None:
@@ -534,12 +536,16 @@ class WorldRun:
         """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.
 
         Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left
-        and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends.
+        and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends. A
+        world whose ranks the server has not started yet (it may be busy preparing them: a first preload) is not
+        waited for: the server reaps it once it gets there, or, stopped, kills it with everything else.
         A dead server's ranks died with it: then only the directory (and its ``/dev/shm`` buffers) is left to remove.
         """
         try:
             if self.server.alive:
                 self.server.send(Reap(self.world_id, keep=self._keep()))
+                if not self.ranks:  # never started (Ctrl-C while the server prepared it): it reaps it when it does
+                    return
                 deadline = time.monotonic() + REAP_WAIT
                 while (left := deadline - time.monotonic()) > 0:
                     message = self.server.receive(left)

@@ -272,9 +272,9 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
 
 #: How ``start`` says that the op builds beside the worlds (``ServerFacts.comm_op``).
 BESIDE = "building beside the worlds"
-#: In the fork server while a build runs beside its worlds, and in the ranks it forks meanwhile: the op's library,
-#: which a rank that calls ``inference_all_reduce`` waits for.
-_pending: Path | None = None
+#: In the fork server while a build runs beside its worlds, and in the ranks it forks meanwhile: the op's library
+#: and the pid of the child building it, which a rank that calls ``inference_all_reduce`` waits for.
+_pending: tuple[Path, int] | None = None
 
 
 @dataclass
@@ -363,17 +363,17 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
         child, builder, library, release, deepspeed.ops.__compatible_ops__.get(builder.NAME, True), time.monotonic()
     )
     deepspeed.ops.__compatible_ops__[builder.NAME] = False  # after the fork: the child builds it
-    _wait_in_ranks(library)
+    _wait_in_ranks(library, child.pid)
     return BESIDE, background
 
 
-def _wait_in_ranks(library: Path) -> None:
+def _wait_in_ranks(library: Path, builder: int) -> None:
     """Make ``inference_all_reduce`` of a rank forked while the op builds wait for the build and load it, then do
     what DeepSpeed's backend does with an op it built (``TorchBackend.__init__``, 0.14-0.19)."""
     global _pending
     from deepspeed.comm.torch import TorchBackend
 
-    _pending = library
+    _pending = library, builder
     original = TorchBackend.inference_all_reduce
     if getattr(original, "dsrepro_waits", False):
         return
@@ -381,7 +381,7 @@ def _wait_in_ranks(library: Path) -> None:
     @functools.wraps(original)
     def inference_all_reduce(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "shm_comm_op", None) is None and _pending is not None:
-            self.shm_comm_op = _when_built(_pending)
+            self.shm_comm_op = _when_built(*_pending)
             self.shm_comm_op.initialize(self.get_world_size(), self.get_rank())
             if hasattr(self.shm_comm_op, "vector_kernel_level"):
                 self.shm_vector_kernel_level = self.shm_comm_op.vector_kernel_level()
@@ -391,10 +391,21 @@ def _wait_in_ranks(library: Path) -> None:
     TorchBackend.inference_all_reduce = inference_all_reduce
 
 
-def _when_built(library: Path) -> ModuleType:
-    """The op, once the fork server's child has built it (in a rank: the wait counts against its world's timeout)."""
+def _when_built(library: Path, builder: int) -> ModuleType:
+    """The op, once the fork server's child ``builder`` has built it (in a rank: the wait counts against its world's
+    timeout). The library appears as the build links it, complete only once the builder lets the build lock go; a
+    builder that ended without it failed."""
+    import psutil
     from filelock import FileLock
 
+    def building() -> bool:
+        try:
+            return psutil.Process(builder).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while not library.exists() and building():
+        time.sleep(0.2)
     with FileLock(library.parent.parent / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT):
         if not library.exists():
             raise RuntimeError(

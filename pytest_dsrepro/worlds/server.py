@@ -91,6 +91,8 @@ from .rank import Meeting
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+#: What the user is told when the run's tests are over and a comm-op build beside the worlds is not.
+FINISHING = "the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)"
 STACK_SIGNAL = signal.SIGUSR1  # ranks dump every thread's Python stack on it
 #: Connections the store's socket queues before it accepts them: every rank of the largest world at once.
 STORE_BACKLOG = 4096
@@ -450,7 +452,9 @@ class Worlds:
             case FinishBuild():
                 said = ""
                 if self.building is not None:
-                    self.building.wait()
+                    if not self.building.done():
+                        self.conn.send(Building(FINISHING))
+                        self.building.wait()
                     said, self.building = self.building.adopt(), None
                 self.conn.send(BuildEnded(said))
             case _:
