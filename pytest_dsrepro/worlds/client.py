@@ -65,6 +65,8 @@ STACK_DUMP_WAIT = 1.0
 #: How long the server may take to kill what is left of a world and answer ``Reaped`` (it takes milliseconds; this
 #: only bounds a wedged server).
 REAP_WAIT = 15.0
+#: The same for a world whose ranks were never announced (Ctrl-C while the server prepared them).
+UNANNOUNCED_REAP_WAIT = 1.0
 #: After pytest asks the fork server to stop (SIGTERM), how long it gets to clean up before its whole process group
 #: is killed.
 STOP_WAIT = 10.0
@@ -537,16 +539,14 @@ class WorldRun:
 
         Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left
         and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends. A
-        world whose ranks the server has not started yet (it may be busy preparing them: a first preload) is not
-        waited for: the server reaps it once it gets there, or, stopped, kills it with everything else.
+        world whose ranks were never announced is waited for only briefly: the server may be busy preparing them (a
+        first preload, seconds); it reaps the world once it gets there, or, stopped, kills it with everything else.
         A dead server's ranks died with it: then only the directory (and its ``/dev/shm`` buffers) is left to remove.
         """
         try:
             if self.server.alive:
                 self.server.send(Reap(self.world_id, keep=self._keep()))
-                if not self.ranks:  # never started (Ctrl-C while the server prepared it): it reaps it when it does
-                    return
-                deadline = time.monotonic() + REAP_WAIT
+                deadline = time.monotonic() + (REAP_WAIT if self.ranks else UNANNOUNCED_REAP_WAIT)
                 while (left := deadline - time.monotonic()) > 0:
                     message = self.server.receive(left)
                     if isinstance(message, Reaped) and message.world == self.world_id:

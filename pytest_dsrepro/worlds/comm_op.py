@@ -337,7 +337,6 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
     build it in a child (or wait there for another process's build) and let worlds run without it meanwhile. A
     ``TORCH_EXTENSIONS_DIR`` set by the user is torch's own JIT's, built as ``warm_up`` builds it."""
     import deepspeed
-    import deepspeed.ops
 
     from . import preload
 
@@ -350,6 +349,7 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
         directory.mkdir(parents=True, exist_ok=True)
     if library.exists() or not os.access(directory, os.W_OK):  # loaded now; a read-only cache is warm_up's to tell
         return warm_up(announce), None
+    import deepspeed.ops
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     announce(
         f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
