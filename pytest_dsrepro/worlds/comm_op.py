@@ -350,6 +350,7 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
     if library.exists() or not os.access(directory, os.W_OK):  # loaded now; a read-only cache is warm_up's to tell
         return warm_up(announce), None
     import deepspeed.ops
+
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     announce(
         f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
