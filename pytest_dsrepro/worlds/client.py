@@ -232,8 +232,8 @@ class ForkServer:
             elif message is None and building is not None:
                 self.progress(f"... still building ({time.monotonic() - building:.0f}s)")
             else:
-                beside = message.facts.comm_op == comm_op.BESIDE if isinstance(message, Hello) else False
-                if isinstance(message, Hello) and building is not None and message.facts.fatal is None and not beside:
+                facts = message.facts if isinstance(message, Hello) else None
+                if facts and facts.fatal is None and facts.comm_op != comm_op.BESIDE and building is not None:
                     self.progress(
                         f"DeepSpeed's CPU comm op ready after {time.monotonic() - building:.0f}s; "
                         "later runs load it from the cache"

@@ -84,14 +84,14 @@ def holds_builds(cache_dir: Path) -> bool:
     return any((cache_dir / "torch_extensions").glob(f"{OP_NAME}-*/{OP_NAME}/{OP_NAME}.so"))
 
 
-def remove_stale_locks(directory: Path, now: float | None = None) -> list[Path]:
+def remove_stale_locks(directory: Path) -> list[Path]:
     """Torch's build baton files that no live build owns; call only while holding the build lock.
 
     The comm op's own is stale then: its builds happen only under that lock. The other ops that ranks JIT-build in
     the same directory (FusedAdam, CPUAdam, ...) are built without it, so their baton is stale only once it is older
     than any build takes: removing a live one makes that build fail as it ends (torch removes its baton, and finds
     it gone)."""
-    cutoff = (time.time() if now is None else now) - BUILD_LOCK_TIMEOUT
+    cutoff = time.time() - BUILD_LOCK_TIMEOUT
     stale = [
         p for p in directory.glob("*/lock")
         if p.is_file() and (p.parent.name == OP_NAME or p.stat().st_mtime < cutoff)

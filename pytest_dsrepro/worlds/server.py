@@ -119,10 +119,9 @@ def preload(
     """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
     code itself is imported with this module); load DeepSpeed's comm op, or start its first build beside the worlds
     (``comm_op.start``); report what is in play; leave DeepSpeed to the ranks where importing it poisoned this
-    server's forks. Each import made here is one a forked rank does not
-    pay again (pytest alone is ~80 ms per world). ``scout``: the first world uses DeepSpeed, so what its ranks will
-    import is found meanwhile, in a child (``preload.scout``, collected by ``warm_for_deepspeed``), not after the
-    comm-op build.
+    server's forks. Each import made here is one a forked rank does not pay again (pytest alone is ~80 ms per world).
+    ``scout``: the first world uses DeepSpeed, so what its ranks will import is found meanwhile, in a child
+    (``preload.scout``, collected by ``warm_for_deepspeed``), beside the comm op's loading or first build.
 
     Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
     the pytest process imports nothing.
@@ -437,7 +436,7 @@ class Worlds:
             case Spawn(world=world, job=job, size=size, workdir=workdir, reuse=reuse):
                 self.directories[world] = Path(workdir)
                 if self.building is not None and self.building.done():
-                    self.adopt_build()
+                    self.conn.send(Building(self.adopt_build()))
                 rank_job = pickle.loads(job)
                 if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
                     self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
@@ -450,22 +449,17 @@ class Worlds:
             case Reap(world=world, keep=keep):
                 self.reap_world(world, keep)
             case FinishBuild():
-                said = ""
-                if self.building is not None:
-                    if not self.building.done():
-                        self.conn.send(Building(FINISHING))
-                        self.building.wait()
-                    said, self.building = self.building.adopt(), None
-                self.conn.send(BuildEnded(said))
+                if self.building is not None and not self.building.done():
+                    self.conn.send(Building(FINISHING))
+                    self.building.wait()
+                self.conn.send(BuildEnded(self.adopt_build() if self.building is not None else ""))
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
 
     def adopt_build(self) -> str:
-        """The comm op built beside the worlds, loaded here for the worlds forked from now on; told to the user."""
+        """The comm op built beside the worlds, loaded here for the worlds forked from now on; what to tell the user."""
         assert self.building is not None
-        said = self.building.adopt()
-        self.building = None
-        self.conn.send(Building(said))
+        said, self.building = self.building.adopt(), None
         return said
 
     def spawn(self, world: int, job: RankJob, size: int, workdir: Path, reuse: str | None = None) -> None:

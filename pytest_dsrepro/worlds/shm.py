@@ -30,11 +30,14 @@ def remove_world_buffers(addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[
     return found
 
 
+def is_buffer(path: Path, shm_dir: Path = SHM_DIR) -> bool:
+    return path.parent == shm_dir and path.name.startswith(PREFIX)
+
+
 def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR) -> list[Path]:
     """DeepSpeed's buffers this process maps, whatever port named them (none where ``maps`` cannot be read)."""
     try:
         lines = maps.read_text().splitlines()
     except OSError:
         return []
-    found = {Path(line.split(maxsplit=5)[-1]) for line in lines if f"{shm_dir}/{PREFIX}" in line}
-    return sorted(p for p in found if p.parent == shm_dir)
+    return sorted({p for p in (Path(line.split(maxsplit=5)[-1]) for line in lines) if is_buffer(p, shm_dir)})

@@ -93,12 +93,12 @@ def read_output(workdir: Path, rank: int) -> str:
 def discard(workdir: Path, buffers: bool = True) -> None:
     """Remove the world's /dev/shm buffers (keyed by its store port; ``buffers=False``: its ranks live on, kept for
     the next test, and still map them) and its directory."""
-    port = read_text(port_file(workdir))
-    if port and buffers:
-        shm.remove_world_buffers(LOOPBACK, int(port))
     if buffers:
+        port = read_text(port_file(workdir))
+        if port:
+            shm.remove_world_buffers(LOOPBACK, int(port))
         for listed in workdir.glob("buffers-*.txt"):
-            for line in read_text(listed).splitlines():
-                if Path(line).parent == shm.SHM_DIR and Path(line).name.startswith(shm.PREFIX):
-                    Path(line).unlink(missing_ok=True)
+            for path in map(Path, read_text(listed).splitlines()):
+                if shm.is_buffer(path):
+                    path.unlink(missing_ok=True)
     shutil.rmtree(workdir, ignore_errors=True)
