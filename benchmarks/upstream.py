@@ -228,10 +228,13 @@ _COMM_OP = {
 
 def side_environ(side: str, base: dict[str, str], out: Path) -> dict[str, str]:
     """Each side's own place for DeepSpeed's JIT-built ops, apart from every other process on the machine: a build
-    by another session's environment (other include paths) makes torch rebuild an op where the ranks load it."""
+    by another environment (other include paths) makes torch rebuild an op where it is loaded. One directory per
+    side, for its pytest process too (a plain test class runs there, not in a world), which the plugin's fork server
+    then takes as the user's own (``comm_op``)."""
+    extensions = {"TORCH_EXTENSIONS_DIR": str(out / f"torch-extensions-{side}")}
     if side == "plugin":
-        return {**base, CACHE_ENV: str(out / "cache-plugin")}
-    return {**base, "TORCH_EXTENSIONS_DIR": str(out / "torch-extensions-deepspeed")}
+        return {**base, **extensions, CACHE_ENV: str(out / "cache-plugin")}
+    return {**base, **extensions}
 
 
 def warm_ops(pythons: dict[str, str], environs: dict[str, dict[str, str]]) -> None:

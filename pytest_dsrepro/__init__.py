@@ -15,12 +15,12 @@ if TYPE_CHECKING:
     from .inrank.engine import ConfigRejected, EngineFactory
     from .inrank.fixtures import rank_fixture
     from .inrank.perf import Slowdown, slowdown
-    from .session.execution import WorldFailed
+    from .session.execution import WorldFailed, starting_worlds
     from .session.inworld import run_in_world
 
 __all__ = [
     "ConfigRejected", "EngineFactory", "RankContext", "Slowdown", "Verdict", "WorldFailed", "current", "rank_fixture",
-    "run_in_world", "slowdown",
+    "run_in_world", "slowdown", "starting_worlds",
 ]  # fmt: skip
 
 _WHERE = {
@@ -33,6 +33,7 @@ _WHERE = {
     "slowdown": "inrank.perf",
     "Verdict": "core.gates",
     "WorldFailed": "session.execution",
+    "starting_worlds": "session.execution",
     "run_in_world": "session.inworld",
 }
 

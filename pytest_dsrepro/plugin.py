@@ -16,7 +16,6 @@ from .session import collector, execution, launched, markers, parametrize, recor
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SETTINGS_KEY
 from .worlds import launcher
-from .worlds.client import WorldRunner
 from .worlds.protocol import RankValue
 
 
@@ -31,10 +30,8 @@ def pytest_configure(config: pytest.Config) -> None:
     launched.configure(config, resolved)
     scan.configure(config, resolved)
     collector.check_outputs(config, resolved)
-    progress = execution.progress_line(config)
-    config.stash[RUNNER_KEY] = WorldRunner(
-        resolved.cache_dir, resolved.startup_timeout, progress=progress, gpu_wait=resolved.gpu_wait
-    )
+    if RUNNER_KEY not in config.stash:  # made earlier to start its fork server (``starting_worlds``)
+        config.stash[RUNNER_KEY] = execution.world_runner(config, resolved)
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 
@@ -59,6 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     execution.check_cache(session)
+    execution.plan_worlds(session)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

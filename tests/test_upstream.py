@@ -132,6 +132,79 @@ def test_a_deepspeed_that_does_not_import_is_one_line_before_anything_runs(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
 
 
+EARLY = """\
+import psutil
+from unit.common import DistributedTest
+
+
+
+def servers():
+    return sum("pytest_dsrepro.worlds.server" in p.cmdline() for p in psutil.Process().children())
+
+
+print(f"fork servers while collecting: {servers()}")
+
+
+class TestEarly(DistributedTest):
+    world_size = 2
+
+    def test_world(self):
+        pass
+
+
+def test_no_world():
+    assert servers() == 0
+"""
+
+
+def test_the_fork_server_starts_while_pytest_imports_deepspeed(ds_checkout: Path, run: RunPytest) -> None:
+    """A run of DeepSpeed's tests starts its worlds' fork server from its first hook, so that the server imports
+    torch and DeepSpeed while pytest does and collects: it is there by the time a test file is collected, and the
+    file's world runs on it. A run whose tests turn out to start no world stops it once they are known; a
+    collection only starts none."""
+    (ds_checkout / "tests" / "unit" / "comm" / "test_early.py").write_text(EARLY)
+    result = run(*PLUGIN, "unit/comm/test_early.py::TestEarly", "-s")
+    result.stdout.fnmatch_lines(["fork servers while collecting: 1"])
+    result.assert_outcomes(passed=1)
+    plain = run(*PLUGIN, "unit/comm/test_early.py::test_no_world", "-s")
+    plain.stdout.fnmatch_lines(["fork servers while collecting: 1"])
+    plain.assert_outcomes(passed=1)
+    collected = run(*PLUGIN, "unit/comm/test_early.py", "-s", "--collect-only")
+    collected.stdout.fnmatch_lines(["fork servers while collecting: 0"])
+
+
+SPAWNED = """\
+import multiprocessing
+
+
+def imported(queue):
+    import deepspeed
+
+    queue.put(deepspeed.__file__)
+
+
+def test_a_spawned_child_imports_the_installed_deepspeed():
+    context = multiprocessing.get_context("spawn")  # as DeepSpeed's run_cpu_gloo_test helpers start theirs
+    queue = context.Queue()
+    child = context.Process(target=imported, args=(queue,))
+    child.start()
+    try:
+        assert "site-packages" in queue.get(timeout=120)
+    finally:
+        child.join()
+"""
+
+
+def test_the_checkout_comes_off_sys_path_once_deepspeeds_conftest_has_run(ds_checkout: Path, run: RunPytest) -> None:
+    """DeepSpeed's conftest puts the checkout first on ``sys.path``; the layer takes it off again, so that a test's
+    own ``multiprocessing`` children, which start from the pytest process's ``sys.path``, import the installed
+    DeepSpeed, not the checkout's (here an unbuilt one that raises), nor the checkout's ``op_builder``."""
+    (ds_checkout / "tests" / "unit" / "comm" / "test_spawned.py").write_text(SPAWNED)
+    result = run(*PLUGIN, "unit/comm/test_spawned.py", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_spawned.py::test_a_spawned_child_imports_the_installed_deepspeed PASSED*"])
+
+
 def test_dsrepro_upstream_runs_node_ids_from_where_you_are(ds_checkout: Path, tmp_path: Path, process_tag: str) -> None:
     out = tmp_path / "results"
     (ds_checkout / "tests" / "unit" / "comm" / "test_worlds.py").write_text(

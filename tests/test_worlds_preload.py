@@ -111,16 +111,42 @@ def test_engine_worlds_start_with_their_imports_done_and_trivial_worlds_never_pa
             assert "torch._dynamo" not in sys.modules
 
         @pytest.mark.ds_world
-        @pytest.mark.ds_config("zero3")
+        @pytest.mark.ds_config("zero1", "zero3")
         def test_2_engine(ds_engine, ds_rank):
             assert "torch._dynamo" in sys.modules  # an engine step needs it; nothing here imported it yet
         """
     )
     result = run("-v")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
-        ["worlds ran on: DeepSpeed *, accelerator cpu (communication backend gloo)*preloaded *"]
+        ["worlds ran on: DeepSpeed *, accelerator cpu (communication backend gloo)*preloaded * modules in *"]
     )
+
+
+def test_a_run_of_one_deepspeed_world_is_not_warmed_ahead(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """One world uses DeepSpeed (one repro, one upstream test): its ranks import what they need themselves, beside
+    each other, rather than after the server did it alone; the header says why nothing was preloaded."""
+    pytester.makepyfile(
+        test_trivial="""
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_trivial(ds_rank):
+            pass
+        """,
+        test_deepspeed="""
+        import sys
+        import deepspeed
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_body(ds_rank):
+            assert "torch._dynamo" not in sys.modules
+        """,
+    )
+    result = run("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["worlds ran on: *preloaded nothing: one world of this run uses DeepSpeed, *"])
 
 
 def test_a_test_written_the_deepspeed_way_starts_warm(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -134,7 +160,8 @@ def test_a_test_written_the_deepspeed_way_starts_warm(pytester: pytest.Pytester,
         import pytest
 
         @pytest.mark.ds_world(size=2)
-        def test_body(ds_rank):
+        @pytest.mark.parametrize("again", [False, True])  # two worlds: warming ahead pays
+        def test_body(ds_rank, again):
             from deepspeed.accelerator import get_accelerator
 
             assert "torch._dynamo" in sys.modules
@@ -155,5 +182,5 @@ def test_a_test_written_the_deepspeed_way_starts_warm(pytester: pytest.Pytester,
         """
     )
     result = run("-v")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["worlds ran on: *preloaded *; first use done ahead: cpuinfo, op probe (*"])

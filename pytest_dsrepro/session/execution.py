@@ -38,14 +38,15 @@ from ..core.gates import (
     installed_deepspeed,
     judge_runs,
 )
+from ..core.options import Settings
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.paths import unwritable
 from ..core.worlds import settle_backend
 from ..inrank.fixtures import RankFixture
-from ..worlds import comm_op, leases
+from ..worlds import comm_op, launcher, leases
 from ..worlds.client import RunStops, WorldInterrupted, WorldRunner
 from ..worlds.protocol import RankJob, TestRef
-from . import markers, scan
+from . import markers, scan, settings
 from .launched import LAUNCHED_KEY
 from .stash import (
     JUDGEMENT_KEY,
@@ -100,6 +101,41 @@ def progress_line(config: pytest.Config) -> Callable[[str], None]:
             writer.flush()
 
     return write
+
+
+def world_runner(config: pytest.Config, resolved: Settings) -> WorldRunner:
+    return WorldRunner(
+        resolved.cache_dir, resolved.startup_timeout, progress=progress_line(config), gpu_wait=resolved.gpu_wait
+    )
+
+
+@contextmanager
+def starting_worlds(config: pytest.Config) -> Iterator[None]:
+    """For a run whose tests are nearly all DeepSpeed worlds (``pytest_dsrepro.upstream``), around its earliest
+    work: make the world runner and start its fork server, whose import of torch and DeepSpeed (seconds) then
+    overlaps pytest's own and its collection. Should the block raise (the run ends before ``pytest_configure``, so
+    before anything stops the server), the server is stopped. Not for a run that starts no world (collection only,
+    help, an xdist controller), nor for a launcher's rank (no fork server there); bad options are left for
+    ``pytest_configure`` to report, once."""
+    known = config.known_args_namespace
+    if any(getattr(known, name, None) for name in ("collectonly", "help", "version", "numprocesses")):
+        yield
+        return
+    try:
+        resolved = None if launcher.launched() else settings.resolve(config, namespace=known)
+    except pytest.UsageError:
+        resolved = None
+    if resolved is None:
+        yield
+        return
+    runner = config.stash[RUNNER_KEY] = world_runner(config, resolved)
+    runner.launch()
+    try:
+        yield
+    except BaseException:
+        del config.stash[RUNNER_KEY]
+        runner.close()
+        raise
 
 
 def check_cache(session: pytest.Session) -> None:
@@ -226,10 +262,9 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     marks = item.stash[MARKS_KEY]
     fixes = [c.fix for c in holding(marks.prerequisites, installed_deepspeed()) if c.fix is not None]
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
-    engines = not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames)
     spec = prepared.spec
-    uses_deepspeed = engines or _imports_deepspeed(item)
-    deepspeed = uses_deepspeed and spec.process_group  # DeepSpeed's comm layer bound to the world's group
+    uses = uses_deepspeed(item)
+    deepspeed = uses and spec.process_group  # DeepSpeed's comm layer bound to the world's group
     setup = unnamed_rank_fixtures(item, kwargs)
     launched_run = item.config.stash.get(LAUNCHED_KEY, None)
     world: Callable[[int], WorldOutcome]
@@ -242,7 +277,7 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         _check_unchanged(item)
         job = RankJob(
             test=_reference(item), payload=payload(item.nodeid, kwargs, fixes, setup), backend=prepared.backend,
-            timeout=spec.timeout, deepspeed=deepspeed, warm=uses_deepspeed, process_group=spec.process_group,
+            timeout=spec.timeout, deepspeed=deepspeed, warm=uses, process_group=spec.process_group,
             launcher_env=spec.launcher_env,
         )  # fmt: skip
         runner = item.config.stash[RUNNER_KEY]
@@ -402,16 +437,35 @@ def _check_unchanged(item: pytest.Function) -> None:
         )
 
 
-def _imports_deepspeed(item: pytest.Function) -> bool:
-    return imports_deepspeed(getattr(item.module, "__file__", None))
+def uses_deepspeed(item: pytest.Item) -> bool:
+    """Does the test use DeepSpeed: the plugin's engine fixtures, or DeepSpeed imported anywhere in its module? Its
+    ranks then get DeepSpeed's comm layer bound, and start warm where the run has more than one such world."""
+    if not isinstance(item, pytest.Function):
+        return False
+    return not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames) or imports_deepspeed(
+        getattr(item.module, "__file__", None)
+    )
 
 
 def imports_deepspeed(path: str | None) -> bool:
-    """Does the module at ``path`` import DeepSpeed (anywhere)? Its ranks then get DeepSpeed's comm layer bound."""
+    """Does the module at ``path`` import DeepSpeed (anywhere)?"""
     try:
         return path is not None and source.imports(Path(path).read_text(), "deepspeed")
     except OSError:
         return False
+
+
+def plan_worlds(session: pytest.Session) -> None:
+    """Once the run's tests are known, tell the world runner how many are worlds, and whether more than one world
+    will use DeepSpeed (a ``ds_nondeterministic`` test runs a series of them): ``WorldRunner.plan``."""
+    worlds = deepspeed_worlds = 0
+    for item in session.items:
+        if item.get_closest_marker("ds_world") is None:
+            continue
+        worlds += 1
+        if deepspeed_worlds < 2 and uses_deepspeed(item):
+            deepspeed_worlds += 2 if item.get_closest_marker("ds_nondeterministic") is not None else 1
+    session.config.stash[RUNNER_KEY].plan(worlds, deepspeed_worlds)
 
 
 #: pytest's own fixtures that live in the pytest process (they hold its capture, its logging, its request): what a

@@ -6,6 +6,7 @@ names where it came from.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 
@@ -22,11 +23,15 @@ def add_options(parser: pytest.Parser) -> None:
         parser.addini(opt.ini, opt.help, default=None)
 
 
-def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> Settings:
+def resolve(
+    config: pytest.Config, environ: Mapping[str, str] | None = None, namespace: argparse.Namespace | None = None
+) -> Settings:
+    """``namespace``: the command line as pytest parsed it before ``pytest_configure`` (``known_args_namespace``),
+    for the hooks that come earlier."""
     environ = os.environ if environ is None else environ
 
     def command_line(opt: Option) -> tuple[object, str]:
-        return config.getoption(opt.dest), opt.flag
+        return (config.getoption(opt.dest) if namespace is None else getattr(namespace, opt.dest, None)), opt.flag
 
     def ini(opt: Option) -> tuple[object, str]:
         return config.getini(opt.ini) or None, f"ini option {opt.ini}"

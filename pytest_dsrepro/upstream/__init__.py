@@ -9,15 +9,19 @@ what the installed release lacks into NOT-APPLICABLE tests. The hooks here are a
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import inspect
 import os
+import sys
+from collections.abc import Generator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .. import rank_fixture
+from .. import rank_fixture, starting_worlds
 from ..core import checkout, versions
 from . import harness
 from .collection import STATE, State, UpstreamModule
@@ -26,19 +30,38 @@ from .collection import STATE, State, UpstreamModule
 PROJECT = "DeepSpeed"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None, None, None]:
     """Import the installed DeepSpeed before DeepSpeed's tests/conftest.py puts its checkout first on ``sys.path``:
     the tests then run against the release installed here (what the fork server's ranks import), never against the
-    checkout's sources, whatever release they came from."""
+    checkout's sources, whatever release they came from; once the conftests are loaded, the checkout comes off
+    ``sys.path`` again (``take_checkout_off_path``). The worlds' fork server starts first, to import torch and
+    DeepSpeed beside this process and its conftests (``starting_worlds``)."""
     spec = importlib.util.find_spec("deepspeed")
     if spec is None:
+        return (yield)
+    with starting_worlds(early_config):
+        try:
+            importlib.import_module("deepspeed")
+        except Exception as exc:  # whatever a broken DeepSpeed raises: one line, before anything runs
+            where = os.path.dirname(spec.origin or "?")
+            message = f"pytest_dsrepro.upstream: DeepSpeed from {where} does not import: {exc!r}"
+            raise pytest.UsageError(message) from exc
+        gc.freeze()  # torch's and DeepSpeed's million import-time objects: no collection of this run walks them again
+        yield
+        take_checkout_off_path(checkout.find(early_config.rootpath), importlib.import_module("deepspeed").__file__)
+
+
+def take_checkout_off_path(root: Path | None, deepspeed_file: str | None) -> None:
+    """Take the checkout's root back off ``sys.path`` once DeepSpeed's conftest has put it first there (unless the
+    installed DeepSpeed is that checkout, installed editable): what this process and its children then import by
+    name comes from the installed release too, not ``deepspeed`` alone (imported before). Otherwise DeepSpeed picks
+    the checkout's top-level ``op_builder`` and compiles its ops in this process from the checkout's C++ sources
+    (rebuilding the ranks' builds of the installed ones, and back), and a test's ``multiprocessing`` children
+    (DeepSpeed's ``run_cpu_gloo_test``), which start from this ``sys.path``, import the checkout's ``deepspeed``."""
+    if root is None or (deepspeed_file is not None and Path(deepspeed_file).resolve().is_relative_to(root)):
         return
-    try:
-        importlib.import_module("deepspeed")
-    except Exception as exc:  # whatever a broken DeepSpeed raises: one line, before anything runs
-        where = os.path.dirname(spec.origin or "?")
-        raise pytest.UsageError(f"pytest_dsrepro.upstream: DeepSpeed from {where} does not import: {exc!r}") from exc
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != root]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -98,6 +98,8 @@ class ServerGone(HarnessError):
         self.log = log
 
 
+#: The report header's note (``ServerFacts.preloaded``) for a run of one world that uses DeepSpeed (``plan``).
+NOT_WARMED = "nothing: one world of this run uses DeepSpeed, and its ranks import what they need themselves"
 #: While DeepSpeed's comm op builds, how often the user is told it still does.
 PROGRESS_EVERY = 30.0
 
@@ -150,6 +152,7 @@ class ForkServer:
         self.facts: ServerFacts | None = None
         self.refused: str | None = None  # why it could not get ready, when it said so: it is not started again
         self.environ: dict[str, str] = {}  # the pytest process's environment when the server started: its baseline
+        self._launched = 0.0  # when ``launch`` started it (monotonic)
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -160,13 +163,11 @@ class ForkServer:
         env[CACHE_ENV] = str(self.cache_dir)
         return devices.server_environment(env, self.accelerator, self.gpus)
 
-    def start(self, deepspeed: bool = False) -> ServerFacts:
-        """Start the server and wait until it is ready; ``deepspeed``: the world it starts for uses DeepSpeed, so
-        that what its ranks need first is prepared beside the comm-op build (``worlds.preload.scout``)."""
-        if self.facts is not None:
-            return self.facts
-        if self.refused is not None:  # not started again, only to fail the same way minutes later
-            raise HarnessError(f"the pytest-dsrepro fork server {self.refused}, when this run's first world started it")
+    def launch(self, deepspeed: bool = False) -> None:
+        """Start the server without waiting for it (``start`` waits); ``deepspeed``: its first world uses DeepSpeed,
+        so that what its ranks need first is prepared beside the comm-op build (``worlds.preload.scout``)."""
+        if self._proc is not None:
+            return
         ours, theirs = socket.socketpair()
         fd, log = tempfile.mkstemp(prefix="dsrepro-server-", suffix=".log")
         self._log = Path(log)
@@ -186,13 +187,21 @@ class ForkServer:
             os.close(fd)
             theirs.close()
         self._conn = Connection(ours.detach())
-        started = time.monotonic()
+        self._launched = time.monotonic()
+
+    def start(self, deepspeed: bool = False) -> ServerFacts:
+        """Start the server (``launch``), if it was not, and wait until it is ready."""
+        if self.facts is not None:
+            return self.facts
+        if self.refused is not None:  # not started again, only to fail the same way minutes later
+            raise HarnessError(f"the pytest-dsrepro fork server {self.refused}, when this run's first world started it")
+        self.launch(deepspeed)
         try:
             message = self._hello()
             failure = f"did not start: no answer within {self.startup_timeout:g}s"
         except ServerGone as exc:
             message = None
-            after = time.monotonic() - started
+            after = time.monotonic() - self._launched
             failure = f"ended ({exc.ending}) {after:.1f}s after it was started, before it was ready"
         if not isinstance(message, Hello) or message.facts.fatal is not None:
             self._stop()
@@ -619,6 +628,7 @@ class WorldRunner:
         self.stack_dump_wait = stack_dump_wait
         self.gpu_wait = gpu_wait
         self.servers: dict[str, ForkServer] = {}  # accelerator -> its fork server
+        self.warm_ahead = True  # ``plan``
         self._gpus: tuple[Gpu, ...] | None = None
         self._ids = itertools.count(1)
 
@@ -653,12 +663,29 @@ class WorldRunner:
     def facts(self) -> ServerFacts:
         return self.server.start()
 
+    def launch(self) -> None:
+        """Start the gloo worlds' fork server now, for DeepSpeed's worlds, without waiting for it: the run's first
+        world then finds it ready, or nearly."""
+        self.server.launch(deepspeed=True)
+
+    def plan(self, worlds: int, deepspeed_worlds: int) -> None:
+        """How many worlds the run has, and how many use DeepSpeed (counted up to 2). The fork server warms up ahead
+        of its ranks (``RankJob.warm``, ``worlds.preload``) only for more than one: warming there costs about what
+        one cold world's ranks spend on the same work side by side, and more where a test skips or fails before it
+        needs all of it. A run of one such world (one repro, one upstream test) gets its verdict that much sooner.
+        A run of no world stops a server started early (``launch``), which would only take CPU from the tests."""
+        self.warm_ahead = deepspeed_worlds > 1
+        if not worlds:
+            self.close()
+
     def run(self, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
         """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.warm``, starts warm); ``reuse``: the
         test's reuse scope (``Spawn.reuse``): ranks kept from its previous test may run it. An NCCL world
         runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
         server = self.server_for(job.backend)
         lease = self._lease(job, size) if job.backend == "nccl" else None
+        cold = job.warm and not self.warm_ahead
+        job = dataclasses.replace(job, warm=job.warm and self.warm_ahead)
         try:
             server.start(job.warm)
             if not server.alive:
@@ -682,7 +709,7 @@ class WorldRunner:
             try:
                 return world.run(job)
             finally:
-                server.noted_preload(world.preloaded, world.fork_hazard)
+                server.noted_preload(world.preloaded or (NOT_WARMED if cold else None), world.fork_hazard)
         finally:
             if lease is not None:
                 lease.release()

@@ -40,4 +40,5 @@ def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR
         lines = maps.read_text().splitlines()
     except OSError:
         return []
-    return sorted({p for p in (Path(line.split(maxsplit=5)[-1]) for line in lines) if is_buffer(p, shm_dir)})
+    named = (Path(line.split(maxsplit=5)[-1]) for line in lines if PREFIX in line)  # a rank maps hundreds of files
+    return sorted({p for p in named if is_buffer(p, shm_dir)})
