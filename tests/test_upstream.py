@@ -178,9 +178,12 @@ import multiprocessing
 
 
 def imported(queue):
-    import deepspeed
+    try:
+        import deepspeed
 
-    queue.put(deepspeed.__file__)
+        queue.put(deepspeed.__file__)
+    except ImportError as exc:
+        queue.put(repr(exc))
 
 
 def test_a_spawned_child_imports_the_installed_deepspeed():
@@ -189,7 +192,8 @@ def test_a_spawned_child_imports_the_installed_deepspeed():
     child = context.Process(target=imported, args=(queue,))
     child.start()
     try:
-        assert "site-packages" in queue.get(timeout=120)
+        imported_from = queue.get(timeout=120)
+        assert "site-packages" in imported_from, imported_from
     finally:
         child.join()
 """
