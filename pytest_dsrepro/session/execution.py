@@ -118,11 +118,9 @@ def starting_worlds(config: pytest.Config) -> Iterator[None]:
     help, an xdist controller), nor for a launcher's rank (no fork server there); bad options are left for
     ``pytest_configure`` to report, once."""
     known = config.known_args_namespace
-    if any(getattr(known, name, None) for name in ("collectonly", "help", "version", "numprocesses")):
-        yield
-        return
+    no_world = any(getattr(known, name, None) for name in ("collectonly", "help", "version", "numprocesses"))
     try:
-        resolved = None if launcher.launched() else settings.resolve(config, namespace=known)
+        resolved = None if no_world or launcher.launched() else settings.resolve(config, namespace=known)
     except pytest.UsageError:
         resolved = None
     if resolved is None:

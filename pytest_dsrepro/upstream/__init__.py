@@ -42,14 +42,14 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> Generator[None
         return (yield)
     with starting_worlds(early_config):
         try:
-            importlib.import_module("deepspeed")
+            deepspeed = importlib.import_module("deepspeed")
         except Exception as exc:  # whatever a broken DeepSpeed raises: one line, before anything runs
             where = os.path.dirname(spec.origin or "?")
             message = f"pytest_dsrepro.upstream: DeepSpeed from {where} does not import: {exc!r}"
             raise pytest.UsageError(message) from exc
         gc.freeze()  # torch's and DeepSpeed's million import-time objects: no collection of this run walks them again
         yield
-        take_checkout_off_path(checkout.find(early_config.rootpath), importlib.import_module("deepspeed").__file__)
+        take_checkout_off_path(checkout.find(early_config.rootpath), deepspeed.__file__)
 
 
 def take_checkout_off_path(root: Path | None, deepspeed_file: str | None) -> None:
