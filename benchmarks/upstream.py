@@ -50,7 +50,8 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
-from pytest_dsrepro.tools import bisect, install, matrix, upstream
+from pytest_dsrepro.tools import install, matrix, upstream_command
+from pytest_dsrepro.tools.environments import release_environment
 from pytest_dsrepro.worlds import shm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +129,7 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         report = Path(tmp) / "junit.xml"
         command = [python, "-c", _PYTEST_THEN_SAY_DEEPSPEED, path, "-p", "no:cacheprovider", f"--junitxml={report}"]
         if side == "plugin":
-            command += ["-p", upstream.PLUGIN]
+            command += ["-p", upstream_command.PLUGIN]
         load = os.getloadavg()[0]
         before = set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
         started = time.monotonic()
@@ -191,7 +192,7 @@ def environments(args: argparse.Namespace) -> dict[str, str]:
     constraints = install.find_constraints(cwd=ROOT)
     if constraints is None:
         raise SystemExit("no constraints.txt pinning torch (run it from a pytest-dsrepro checkout)")
-    plugin = bisect.release_environment(cache, constraints)(Version(args.release)).python
+    plugin = release_environment(cache, constraints)(Version(args.release)).python
     directory = cache / "envs" / f"deepspeed-harness-{args.release}-pytest{args.deepspeed_pytest.replace('<', 'lt')}"
     python = install.environment_python(directory)
     result = install.install_deepspeed(args.release, python=python, constraints=constraints, cache_dir=cache)
@@ -346,7 +347,7 @@ def regressions(args: argparse.Namespace, found: checkout.Checkout) -> None:
     options = argparse.Namespace(results=out, cache_dir=args.cache_dir, constraints=None, log_dir=None,
                                  pytest_args=pytest_args)  # fmt: skip
     targets = list(REGRESSIONS.values())
-    upstream.run_releases(options, found, targets, list(args.regression_releases))
+    upstream_command.run_releases(options, found, targets, list(args.regression_releases))
     files, warnings = results.read_all([out])
     merged = matrix.merge(files, warnings)
     print(matrix.render_terminal(merged, width=200))

@@ -27,13 +27,12 @@ from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.core.results import RankStory, TestRecord
-from pytest_dsrepro.tools import bisect, cli
+from pytest_dsrepro.tools import bisect, cli, environments
 from pytest_dsrepro.tools.bisect import (
     BisectError,
     Invocation,
     Probe,
     Prober,
-    ReleaseEnv,
     Result,
     bug_present,
     entered,
@@ -43,6 +42,7 @@ from pytest_dsrepro.tools.bisect import (
     search,
     specifier,
 )
+from pytest_dsrepro.tools.environments import ReleaseEnv
 
 INDEXED = [
     Version(v) for v in ["0.14.4", "0.15.3", "0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3", "0.19.8"]
@@ -395,7 +395,7 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
     monkeypatch.setattr(install, "install_deepspeed", slow_install)
     monkeypatch.setattr(install, "environment_python", lambda directory, python: str(directory / "bin" / "python"))
     monkeypatch.setattr(install, "add_this_plugin", lambda python, constraints, log: None)
-    prepares = [bisect.release_environment(tmp_path, tmp_path / "constraints.txt") for _ in range(2)]
+    prepares = [environments.release_environment(tmp_path, tmp_path / "constraints.txt") for _ in range(2)]
     jobs = [(prepare, Version(v)) for prepare in prepares for v in ("0.16.3", "0.16.4")]
     with ThreadPoolExecutor(len(jobs)) as pool:
         envs = list(pool.map(lambda job: job[0](job[1]), jobs))
@@ -403,8 +403,8 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
     assert first[1] <= second[0]  # the same release: strictly one after the other
     assert other[0] < first[1]
     assert first[0] < other[1]
-    assert envs[0].python == str(bisect.environment_dir(tmp_path, Version("0.16.3")) / "bin" / "python")
-    assert envs[0].environ["VIRTUAL_ENV"] == str(bisect.environment_dir(tmp_path, Version("0.16.3")))
+    assert envs[0].python == str(environments.environment_dir(tmp_path, Version("0.16.3")) / "bin" / "python")
+    assert envs[0].environ["VIRTUAL_ENV"] == str(environments.environment_dir(tmp_path, Version("0.16.3")))
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def test_command_prints_progress_and_the_specifier(
             return oracle(version)
 
     monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES)
-    monkeypatch.setattr(bisect, "release_environment", lambda *a, **k: "prepare")
+    monkeypatch.setattr(environments, "release_environment", lambda *a, **k: "prepare")
     monkeypatch.setattr(bisect, "Prober", FakeProber)
     code = cli.main(["bisect", "r/test_x.py::test_y", "--good", "0.18.3", "--bad", "0.15.4", "--", "-x", "-v"])
     assert code == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pytest_dsrepro.core.errors import HarnessError
-from pytest_dsrepro.core.worlds import accelerator_for
+from pytest_dsrepro.core.world_spec import accelerator_for
 from pytest_dsrepro.worlds import devices, leases, nccl
 from pytest_dsrepro.worlds.devices import Gpu
 

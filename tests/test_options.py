@@ -10,7 +10,7 @@ import pytest
 from pytest_dsrepro.core import options
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.options import OPTIONS, Settings, SettingsError
-from pytest_dsrepro.core.worlds import WorldSpec, ds_accelerator, settle_backend, size_id, world_sizes, world_spec
+from pytest_dsrepro.core.world_spec import WorldSpec, ds_accelerator, settle_backend, size_id, world_sizes, world_spec
 
 SETTINGS = Settings(2, "auto", 300.0, 1800.0, None, None, Path("/cache"), max_world_size=16)
 LIMIT_WORDS = (

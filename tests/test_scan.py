@@ -17,8 +17,8 @@ import pytest
 
 from conftest import ROOT, RunPytest
 from pytest_dsrepro.core import results
-from pytest_dsrepro.core.scan import ScanVerdict
-from pytest_dsrepro.tools import scan as scan_tool
+from pytest_dsrepro.core.results import ScanVerdict
+from pytest_dsrepro.tools import scan_command
 
 REPROS = """
 import pytest
@@ -198,12 +198,12 @@ def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalog
     command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "scan", str(user), "--catalogue", str(catalogue),
                "--markdown", "scan.md", "--", "-k", "optimizer"]  # fmt: skip
     proc = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == scan_tool.AFFECTED, proc.stdout + proc.stderr
+    assert proc.returncode == scan_command.AFFECTED, proc.stdout + proc.stderr
     assert "AFFECTED  needs-optimizer  on deepspeed" in proc.stdout
     assert "**1 AFFECTED**" in (pytester.path / "scan.md").read_text()
     bad = config(pytester, "{\n  // no closing brace\n", "bad.json")
     proc = subprocess.run([*command[:4], str(bad)], cwd=pytester.path, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == scan_tool.UNUSABLE
+    assert proc.returncode == scan_command.UNUSABLE
     assert (
         proc.stderr.strip() == f"dsrepro scan: {bad}:3:1: not JSON: Expecting property name enclosed in double quotes"
     )
@@ -211,7 +211,7 @@ def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalog
 
 def test_the_catalogue_travels_with_the_package() -> None:
     """Installed from the wheel (as tox installs it), the package holds the catalogue and its conftest.py."""
-    found = scan_tool.catalogue()
+    found = scan_command.catalogue()
     assert (found.parent.name, found.name) == ("pytest_dsrepro", "catalogue")
     shipped = {p.name for p in found.glob("*.py")}
     assert shipped >= {p.name for p in (ROOT / "repros").glob("*.py")}

@@ -19,8 +19,8 @@ from packaging.version import Version
 from conftest import RunPytest, deepspeed_version
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.tools import matrix, upstream
-from pytest_dsrepro.tools.bisect import BisectError, ReleaseEnv
+from pytest_dsrepro.tools import matrix, upstream_command
+from pytest_dsrepro.tools.environments import EnvironmentUnavailable, ReleaseEnv
 from pytest_dsrepro.upstream import collection, harness
 
 PLUGIN = ("-p", "pytest_dsrepro.upstream")
@@ -254,17 +254,17 @@ def test_releases_each_run_on_their_environment_and_are_checked(
 
     def prepare(version: Version) -> ReleaseEnv:
         if str(version) == "0.1.0":
-            raise BisectError("no wheel or sdist builds here")
+            raise EnvironmentUnavailable("no wheel or sdist builds here")
         return ReleaseEnv(sys.executable, dict(os.environ))  # this environment, whatever was asked for
 
     args = argparse.Namespace(results=out, pytest_args=["-p", "no:cacheprovider", "-k", "test_one"])
     found = checkout.read(ds_checkout)
     target = ["unit/comm/test_worlds.py::TestTwoRanks"]
-    assert upstream.run_releases(args, found, target, [installed, "0.1.0"], prepare) == 0
+    assert upstream_command.run_releases(args, found, target, [installed, "0.1.0"], prepare) == 0
     files, _ = results.read_all([out])
     assert sorted((f.run.version, bool(f.run.unavailable)) for f in files) == [("0.1.0", True), (installed, False)]
-    with pytest.raises(upstream.UpstreamError, match=f"the run on deepspeed 0.2.0 ran deepspeed {installed}"):
-        upstream.run_releases(args, found, target, ["0.2.0"], prepare)
+    with pytest.raises(upstream_command.UpstreamError, match=f"the run on deepspeed 0.2.0 ran deepspeed {installed}"):
+        upstream_command.run_releases(args, found, target, ["0.2.0"], prepare)
 
 
 # ---- the pieces, as plain functions ----------------------------------------------------------------------------
@@ -345,15 +345,15 @@ def test_requested_node_ids_inside_a_test_file(tmp_path: Path) -> None:
 def test_releases_files_and_targets(tmp_path: Path) -> None:
     releases = tmp_path / "releases.txt"
     releases.write_text("# tested\n0.16.4\n\n0.19.8  # newest\n")
-    assert upstream.read_releases(releases) == ["0.16.4", "0.19.8"]
+    assert upstream_command.read_releases(releases) == ["0.16.4", "0.19.8"]
     releases.write_text("0.16.4\nlatest\n")
-    with pytest.raises(upstream.UpstreamError, match=r"releases.txt:2: 'latest' is not a release version"):
-        upstream.read_releases(releases)
+    with pytest.raises(upstream_command.UpstreamError, match=r"releases.txt:2: 'latest' is not a release version"):
+        upstream_command.read_releases(releases)
     tests = tmp_path / "tests"
     (tests / "unit").mkdir(parents=True)
     (tests / "unit" / "test_x.py").write_text("")
-    assert upstream.target("tests/unit/test_x.py::T::t[a-b]", tmp_path, tests) == "unit/test_x.py::T::t[a-b]"
-    assert upstream.target(".", tests, tests) == "."
+    assert upstream_command.target("tests/unit/test_x.py::T::t[a-b]", tmp_path, tests) == "unit/test_x.py::T::t[a-b]"
+    assert upstream_command.target(".", tests, tests) == "."
 
 
 def _record(nodeid: str, outcome: str, revision: str, verdict: Verdict | None = None) -> dict[str, object]:

@@ -1,5 +1,5 @@
 """A user's ds_config.json as ``--ds-scan`` and ``dsrepro scan`` read it (``core.userconfig``), and the scan's
-verdicts and tables (``core.scan``): pure, no world."""
+verdicts and tables (``core.scan_verdicts``): pure, no world."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.core import configs, results, scan, userconfig
+from pytest_dsrepro.core import configs, results, scan_verdicts, userconfig
 from pytest_dsrepro.core.gates import Rate, Reason
-from pytest_dsrepro.core.results import Environment, ReproMeta, RunRecord, Source, TestRecord
-from pytest_dsrepro.core.scan import Finding, ScanSource, ScanVerdict
+from pytest_dsrepro.core.results import (
+    Environment,
+    Finding,
+    ReproMeta,
+    RunRecord,
+    ScanSource,
+    ScanVerdict,
+    Source,
+    TestRecord,
+)
 
 #: The seeds chapter's ZeRO-3 offload config, as it writes it: comments after values, "auto" batch sizes.
 SEED_ZERO3_OFFLOAD = """{
@@ -128,7 +136,7 @@ def test_scheduler_autos_are_filled_as_hugging_face_fills_them() -> None:
 def test_a_judgement_becomes_a_scan_verdict(reason: Reason, rate: Rate | None, verdict: ScanVerdict,
                                             detail: str) -> None:  # fmt: skip
     message = "REPRODUCED on deepspeed 0.18.3: ranks 0-1: E" if reason is Reason.REPRODUCED else "M"
-    found = scan.finding(reason, message, fixed_in="0.19.0", rate=rate)
+    found = scan_verdicts.finding(reason, message, fixed_in="0.19.0", rate=rate)
     assert (found.verdict, found.detail) == (verdict, detail)
 
 
@@ -148,7 +156,7 @@ def record(version: str, verdicts: dict[str, ScanVerdict]) -> RunRecord:
 
 def test_the_table_one_release() -> None:
     run = record("0.18.3", {"a": ScanVerdict.AFFECTED, "b": ScanVerdict.NOT_AFFECTED, "c": ScanVerdict.NOT_APPLICABLE})
-    assert scan.terminal(run) == [
+    assert scan_verdicts.terminal(run) == [
         "note: 1 comment(s)",
         "note: fp16 -> fp32: on CPU",
         "AFFECTED        a  a on 0.18.3",
@@ -158,7 +166,7 @@ def test_the_table_one_release() -> None:
         "NOT APPLICABLE  c  c on 0.18.3",
         "1 AFFECTED, 1 NOT AFFECTED, 1 NOT APPLICABLE (deepspeed 0.18.3, 2 ranks)",
     ]
-    text = scan.markdown(run)
+    text = scan_verdicts.markdown(run)
     assert "Config `cfg.json`, scanned against the pytest-dsrepro catalogue on DeepSpeed 0.18.3" in text
     assert "| `a` a title | **AFFECTED** | a on 0.18.3; workaround: the repro's fix `the_fix (repros/test_a.py)` | " \
            "[link](https://example.invalid/a) |" in text  # fmt: skip
@@ -169,15 +177,16 @@ def test_across_releases_the_first_clean_one() -> None:
     runs = [record("0.19.8", {"a": ScanVerdict.NOT_AFFECTED, "b": ScanVerdict.CANNOT_TELL}),
             record("0.18.3", {"a": ScanVerdict.AFFECTED, "b": ScanVerdict.NOT_AFFECTED}),
             record("0.19.0", {"a": ScanVerdict.NOT_AFFECTED, "b": ScanVerdict.NOT_AFFECTED})]  # fmt: skip
-    lines = scan.across(runs)
+    lines = scan_verdicts.across(runs)
     assert lines[0].split() == ["bug", "0.18.3", "0.19.0", "0.19.8"]
     assert lines[1].split() == ["a", "AFFECTED", "NOT", "AFFECTED", "NOT", "AFFECTED"]
     assert lines[-1] == "first release where this config hits no known bug: deepspeed 0.19.0"
-    assert scan.across(runs[:1])[-1] == (
+    assert scan_verdicts.across(runs[:1])[-1] == (
         "first release where this config hits no known bug: deepspeed 0.19.8 (but 1 could not be told there: CANNOT TELL)"
     )
-    assert scan.first_clean(runs[1:2]) is None
+    assert scan_verdicts.first_clean(runs[1:2]) is None
     assert (
-        scan.across(runs[1:2])[-1] == "the newest release scanned, deepspeed 0.18.3, has a known bug this config hits"
+        scan_verdicts.across(runs[1:2])[-1]
+        == "the newest release scanned, deepspeed 0.18.3, has a known bug this config hits"
     )
-    assert "| `a` | AFFECTED | NOT AFFECTED | NOT AFFECTED |" in scan.markdown_across(runs)
+    assert "| `a` | AFFECTED | NOT AFFECTED | NOT AFFECTED |" in scan_verdicts.markdown_across(runs)

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import json
 import os
 import platform
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
 
 from . import versions
 from .gates import Rate, Reason, Verdict
 from .outcome import Measurement, Status, WorldOutcome, group_ranks
-from .scan import Finding, ScanSource, ScanVerdict
 
 __all__ = [
     "OUTCOMES",
@@ -204,6 +204,33 @@ def _names(cls: type) -> tuple[str, ...]:
 
 
 # --- the records ---------------------------------------------------------------------------------------------------
+
+
+class ScanVerdict(str, enum.Enum):
+    """A scan's word for one bug with one config (``core.scan_verdicts`` derives it)."""
+
+    AFFECTED = "AFFECTED"
+    NOT_AFFECTED = "NOT AFFECTED"
+    NOT_APPLICABLE = "NOT APPLICABLE"
+    CANNOT_TELL = "CANNOT TELL"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One test's verdict in a scan: the word, what the user reads, and what was done to their config for it."""
+
+    verdict: ScanVerdict
+    detail: str
+    notes: tuple[str, ...] = ()  # the premise's settings put on top of the user's config, each with its reason
+
+
+@dataclass(frozen=True)
+class ScanSource:
+    """The config a run scanned: where it was read from, as written there (comments gone), what reading it said."""
+
+    path: str
+    config: dict[str, object] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

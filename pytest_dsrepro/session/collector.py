@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 
-from ..core import results, versions
-from ..core import scan as scans
+from ..core import results, scan_verdicts, versions
 from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
 from ..core.paths import unwritable, unwritable_file
 from ..core.report import Neutral
-from ..core.worlds import settle_backend
+from ..core.world_spec import settle_backend
 from . import diagnostics, recording, scan
 from .execution import RUNNER_KEY
 from .launched import LAUNCHED_KEY
@@ -83,7 +82,7 @@ class RunCollector:
             settings = self.config.stash[SETTINGS_KEY]
             run = self.run.record(results.environment(settings.backend, settings.world_size), scanned)
             terminalreporter.write_sep("=", f"dsrepro scan of {scanned.path} (deepspeed {installed_deepspeed()})")
-            for line in scans.terminal(run):
+            for line in scan_verdicts.terminal(run):
                 terminalreporter.write_line(line)
         lines = [] if scanned is not None else self.run.summary_lines()
         if lines:

@@ -5,7 +5,7 @@ imports neither torch nor DeepSpeed.
 
 The subprocesses get DeepSpeed's accelerator as the run's worlds had it: ``DS_ACCELERATOR=cpu`` when there is no CUDA
 device and the user chose no accelerator (as in every gloo world); on a GPU machine DeepSpeed's own choice, CUDA, as
-in its NCCL worlds (``core.worlds.accelerator_for``).
+in its NCCL worlds (``core.world_spec.accelerator_for``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 
 from ..core.results import Environment
-from ..core.worlds import ds_accelerator
+from ..core.world_spec import ds_accelerator
 
 #: Seconds each may take (importing DeepSpeed and probing its ops takes ~3 s here; a cold machine more).
 TIMEOUT = 180.0

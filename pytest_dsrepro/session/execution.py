@@ -41,7 +41,7 @@ from ..core.gates import (
 from ..core.options import Settings
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.paths import unwritable
-from ..core.worlds import settle_backend
+from ..core.world_spec import settle_backend
 from ..inrank.fixtures import RankFixture
 from ..worlds import comm_op, launcher, leases
 from ..worlds.client import RunStops, WorldInterrupted, WorldRunner

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ..core.errors import HarnessError, MarkerError
-from ..core.worlds import settle_backend, world_spec
+from ..core.world_spec import settle_backend, world_spec
 from ..inrank.fixtures import RankFixture
 from ..worlds.protocol import RankJob, RankValue
 from . import markers

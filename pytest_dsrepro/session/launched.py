@@ -20,7 +20,7 @@ from ..core import options, versions
 from ..core.options import Launched, Settings
 from ..core.outcome import WorldOutcome
 from ..core.results import Environment
-from ..core.worlds import WorldSpec
+from ..core.world_spec import WorldSpec
 from ..inrank.fixtures import RankFixture
 from ..worlds import launcher
 from ..worlds.launched import LaunchedWorld, stop_as_interrupted

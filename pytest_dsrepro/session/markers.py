@@ -25,7 +25,7 @@ from ..core.premises import PARAMETERS as PREMISE_PARAMETERS
 from ..core.premises import Premise, own_config_problem
 from ..core.premises import parse as parse_premise
 from ..core.results import REPRO_PARAMETERS, Origin
-from ..core.worlds import world_spec
+from ..core.world_spec import world_spec
 from .stash import Marks
 
 MARKERS = {

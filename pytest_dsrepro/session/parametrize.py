@@ -7,7 +7,7 @@ import pytest
 
 from ..core.errors import MarkerError
 from ..core.gates import common_fix
-from ..core.worlds import size_id, world_sizes
+from ..core.world_spec import size_id, world_sizes
 from . import markers
 from .stash import SETTINGS_KEY
 

@@ -23,9 +23,8 @@ from ..core import results
 from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
 from ..core.report import Neutral, render_markdown
-from ..core.results import Environment, Origin, ReproMeta, RunRecord, Source, TestRecord
-from ..core.scan import ScanSource
-from ..core.scan import markdown as scan_markdown
+from ..core.results import Environment, Origin, ReproMeta, RunRecord, ScanSource, Source, TestRecord
+from ..core.scan_verdicts import markdown as scan_markdown
 from ..core.source import module_slice
 from . import markers, scan
 from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY

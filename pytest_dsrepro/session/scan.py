@@ -21,7 +21,8 @@ import pytest
 from ..core import configs, userconfig
 from ..core.gates import Judgement, Reason
 from ..core.options import Settings
-from ..core.scan import Finding, ScanSource, ScanVerdict, finding, not_applicable
+from ..core.results import Finding, ScanSource, ScanVerdict
+from ..core.scan_verdicts import finding, not_applicable
 from ..worlds.devices import gpu_device_nodes
 from . import markers
 from .stash import Marks, Prepared

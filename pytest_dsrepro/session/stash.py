@@ -11,7 +11,7 @@ from ..core.gates import Condition, Fix, Judgement, Nondeterministic, VersionGat
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
 from ..core.premises import Premise
-from ..core.worlds import WorldSpec
+from ..core.world_spec import WorldSpec
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Three layers, the first two pure and tested directly:
   ``bug_present`` judges releases (the body failed: the release misbehaves); ``reproduced`` judges commits, whose
   ``version.txt`` already names the next release: did the stock variant raise what its gate declares (inside the
   affected range or outside it), or pass.
-- ``Prober``: prepare the point's environment (a release's, cached per release: ``release_environment``; a
+- ``Prober``: prepare the point's environment (a release's, cached per release: ``environments.release_environment``; a
   commit's: ``bisect_cache``), run the test's pytest invocation there with ``--ds-results DIR`` (``runs`` times at
   most, stopping at the first that shows the bug), and read the records back.
 """
@@ -21,7 +21,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 import urllib.request
@@ -36,10 +35,11 @@ from typing import Any, Generic, TypeVar
 from packaging.utils import InvalidSdistFilename, InvalidWheelFilename, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
-from ..core import results, versions
+from ..core import results
 from ..core.gates import FIXED, Reason, Verdict
 from ..core.results import TestRecord
 from . import processes
+from .environments import ReleaseEnv
 
 PACKAGE = "deepspeed"
 
@@ -358,22 +358,6 @@ def _tail(text: str, lines: int = 3) -> str:
 
 
 @dataclass(frozen=True)
-class ReleaseEnv:
-    """An environment that holds one release (or commit): its interpreter, and the variables to run it with."""
-
-    python: str
-    environ: Mapping[str, str]
-    deepspeed: str | None = None  # the version its DeepSpeed reports, where not the release asked for (a commit's)
-
-
-def probe_environ(directory: Path) -> dict[str, str]:
-    """The variables a probe's pytest runs with in the environment at ``directory``."""
-    environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
-    environ.setdefault("DS_ACCELERATOR", "cpu")
-    return environ
-
-
-@dataclass(frozen=True)
 class Invocation:
     """How a probe runs the test: ``python -m pytest NODEID -p no:cacheprovider --ds-results DIR ARGS``, from
     ``cwd``. Any node id pytest takes: a catalogue repro, a repro file of one's own, an upstream test (run from the
@@ -468,70 +452,6 @@ class Prober(Generic[P]):
         if not records:
             return None, f"no test ran (pytest exit code {done.returncode}): {_tail(done.output)}"
         return self.reading.judge(records), one_line(self.reading.describe(records))
-
-
-# --- one environment per release ----------------------------------------------------------------------------------
-
-
-def build_key() -> str:
-    """What a DeepSpeed build depends on besides its source: ``py311-torch-2.13.0+cpu``."""
-    return f"py{sys.version_info.major}{sys.version_info.minor}-torch-{versions.installed_text('torch') or 'none'}"
-
-
-def environment_dir(cache_dir: Path, version: Version) -> Path:
-    """Where one release's environment lives: per DeepSpeed release, Python and torch (a build depends on all)."""
-    return cache_dir / "envs" / f"deepspeed-{version}-{build_key()}"
-
-
-def torch_pin(cache_dir: Path) -> Path:
-    """A constraints file pinning the torch installed here: bisect must never move torch."""
-    torch = versions.installed_text("torch")
-    if torch is None:
-        raise BisectError("torch is not installed in this environment; install the torch to test with first")
-    path = cache_dir / "envs" / f"constraints-torch-{torch}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"torch=={torch}\n")
-    return path
-
-
-def release_environment(
-    cache_dir: Path | None = None,
-    constraints: Path | None = None,
-    python: str = sys.executable,
-    log_dir: Path | None = None,
-) -> Callable[[Version], ReleaseEnv]:
-    """The ``prepare`` step of a ``Prober``: one uv environment per release, kept in the cache and reused, holding
-    torch (pinned), that release (``install.install_deepspeed``) and this plugin as installed here
-    (``install.add_this_plugin``). A ``filelock`` per environment: two bisects (or a bisect and a benchmark) never
-    fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above,
-    else to a pin of the torch installed here.
-    """
-    from filelock import FileLock
-
-    from ..core.options import default_cache_dir
-    from . import install
-
-    root = cache_dir or default_cache_dir()
-    pins = constraints or install.find_constraints() or torch_pin(root)
-
-    def prepare(version: Version) -> ReleaseEnv:
-        directory = environment_dir(root, version)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        log = log_dir / f"install-deepspeed-{version}.log" if log_dir else None
-        with FileLock(str(directory) + ".lock", timeout=install.INSTALL_TIMEOUT):
-            try:
-                env_python = install.environment_python(directory, python)
-                install.add_this_plugin(env_python, pins, log)
-            except install.InstallError as exc:
-                raise BisectError(exc.reason) from None
-            result = install.install_deepspeed(
-                str(version), python=env_python, constraints=pins, cache_dir=root, log=log
-            )
-        if not result.ok:
-            raise BisectError(result.reason or "unavailable")
-        return ReleaseEnv(env_python, probe_environ(directory))
-
-    return prepare
 
 
 def release_specifier(result: Result[Version]) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..core import versions
-from .bisect import build_key
+from .environments import build_key
 from .history import Clone, Commit, describe_left_out
 
 READY = "ready.json"

@@ -27,7 +27,8 @@ from typing import TextIO
 from packaging.version import Version
 
 from . import bisect, bisect_cache, processes
-from .bisect import BisectError, Invocation, Probe, Prober, ReleaseEnv, Result
+from .bisect import BisectError, Invocation, Probe, Prober, Result
+from .environments import ReleaseEnv, probe_environ, torch_pin
 from .history import Clone, Commit
 
 #: The commits one release adds, for the first progress estimate (20-36 between DeepSpeed's releases).
@@ -83,7 +84,7 @@ def _name(commit: Commit) -> str:
 @contextlib.contextmanager
 def _environment(envs: bisect_cache.CommitEnvironments, commit: Commit) -> Iterator[ReleaseEnv]:
     with envs.using(commit) as env:
-        yield ReleaseEnv(env.python, bisect.probe_environ(env.directory), env.deepspeed)
+        yield ReleaseEnv(env.python, probe_environ(env.directory), env.deepspeed)
 
 
 def _ordered(clone: Clone, good: Commit, bad: Commit) -> tuple[Commit, Commit]:
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> int:
         raise BisectError(f"{args.nodeid}: no such file {test_file} (node ids are read from --chdir, else here)")
     invocation = Invocation(args.nodeid, tuple(args.pytest_args), args.chdir)
     root = (args.cache_dir or default_cache_dir()) / "bisect"
-    pins = args.constraints or install.find_constraints() or bisect.torch_pin(root)
+    pins = args.constraints or install.find_constraints() or torch_pin(root)
     log_dir = Path(args.log_dir) if args.log_dir else None
     limit = bisect_cache.DEFAULT_LIMIT if args.env_cache is None else args.env_cache
     envs = bisect_cache.CommitEnvironments(root, clone, pins, limit=limit, log_dir=log_dir)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import install, matrix, scan, upstream
+from . import install, matrix, scan_command, upstream_command
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -116,7 +116,7 @@ def _progress(out: TextIO) -> Callable[[object, int, int], None]:
 
 
 def _bisect(args: argparse.Namespace) -> int:
-    from . import bisect, bisect_repo, history
+    from . import bisect, bisect_repo, environments, history
 
     if args.repo is None and (args.fresh or args.env_cache is not None):
         _err("--fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone")
@@ -143,8 +143,8 @@ def _bisect(args: argparse.Namespace) -> int:
     )
     log_dir = Path(args.log_dir) if args.log_dir else None
     try:
-        prepare = bisect.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)
-    except bisect.BisectError as exc:
+        prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)
+    except environments.EnvironmentUnavailable as exc:
         _err(str(exc))
         return 1
     inner = bisect.Prober(
@@ -300,14 +300,14 @@ COMMANDS = (
     Command(
         "upstream",
         "run DeepSpeed's own tests/unit files, unchanged, in these worlds (on releases too)",
-        upstream.add_arguments,
-        upstream.run,
+        upstream_command.add_arguments,
+        upstream_command.run,
     ),
     Command(
         "scan",
         "does a known bug hit your ds_config.json? the catalogue run with it, per bug a verdict (on releases too)",
-        scan.add_arguments,
-        scan.run,
+        scan_command.add_arguments,
+        scan_command.run,
     ),
     Command(
         "export",

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from .. import rank_fixture, starting_worlds
+from ..api import rank_fixture, starting_worlds
 from ..core import checkout, versions
 from . import harness
 from .collection import STATE, State, UpstreamModule
@@ -177,7 +177,7 @@ def dsrepro_upstream_preamble(dsrepro_upstream_world: Preamble | None) -> None:
             f"{dsrepro_upstream_world.deepspeed_file}: the test would not run the release under test"
         )
     if dsrepro_upstream_world.init_distributed:
-        from .. import current
+        from ..api import current
 
         deepspeed.init_distributed(dist_backend=current().backend)
         deepspeed.comm.barrier()

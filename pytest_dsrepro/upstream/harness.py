@@ -123,7 +123,7 @@ def run_fixture(self: Any, request: pytest.FixtureRequest) -> None:
     """In place of ``DistributedExec.__call__``, which runs a ``DistributedFixture`` (by name, and in the newer
     ``SomeFixture()(request)`` form): its ``run`` in a world of each of its sizes, one after the other."""
     __tracebackhide__ = True
-    from .. import run_in_world  # the pytest side of the public API, only where a fixture runs
+    from ..api import run_in_world  # the pytest side of the public API, only where a fixture runs
 
     cls = type(self)
     skip = requires_accelerator_skip(cls)

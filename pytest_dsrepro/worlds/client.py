@@ -31,7 +31,7 @@ from ..core import versions
 from ..core.errors import HarnessError
 from ..core.options import CACHE_ENV
 from ..core.outcome import PHASES, RankResult, Status, WorldOutcome, describe_exit, phases, rank_ranges
-from ..core.worlds import accelerator_for
+from ..core.world_spec import accelerator_for
 from . import comm_op, devices, leases, nccl
 from . import workdir as layout
 from .devices import Gpu

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core import options
 from ..core.options import Launched
-from ..core.worlds import ds_accelerator, settle_backend
+from ..core.world_spec import ds_accelerator, settle_backend
 
 
 def launched() -> Launched | None:

@@ -7,7 +7,7 @@ directory you are in applies), and its results file is read back for the exit co
 installed with the package (``pytest_dsrepro/catalogue``, from ``repros/``), else, in a checkout, ``repros/``.
 
 With ``--release`` (or ``--releases FILE``) each release gets the environment ``dsrepro bisect`` and ``dsrepro
-upstream --release`` use (``bisect.release_environment``: uv, torch pinned, the recipe of ``dsrepro install``,
+upstream --release`` use (``environments.release_environment``: uv, torch pinned, the recipe of ``dsrepro install``,
 cached), a scan of its own, and the end is a table of bugs by release and the first release from which this config
 hits no known bug.
 """
@@ -27,13 +27,12 @@ from typing import TYPE_CHECKING
 import psutil
 from packaging.version import Version
 
-from ..core import results, userconfig
-from ..core import scan as scans
-from ..core.results import RunRecord
+from ..core import results, scan_verdicts, userconfig
+from ..core.results import RunRecord, ScanVerdict
 from . import processes
 
 if TYPE_CHECKING:
-    from .bisect import ReleaseEnv
+    from .environments import ReleaseEnv
 
 #: Exit codes: 0 no known bug hits the config; 1 one does (AFFECTED); 3 none does, but some could not be told; 2 the
 #: scan could not run (a bad config, no catalogue, a release that cannot be installed).
@@ -97,17 +96,17 @@ def _run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str])
 
 
 def exit_code(runs: Sequence[RunRecord]) -> int:
-    found = [row.verdict for run in runs for row in scans.rows(run)]
-    if scans.ScanVerdict.AFFECTED in found:
+    found = [row.verdict for run in runs for row in scan_verdicts.rows(run)]
+    if ScanVerdict.AFFECTED in found:
         return AFFECTED
-    return UNTOLD if scans.ScanVerdict.CANNOT_TELL in found else CLEAN
+    return UNTOLD if ScanVerdict.CANNOT_TELL in found else CLEAN
 
 
 def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
-    """Each release in its own environment (``prepare``: ``bisect.release_environment`` unless given), scanned."""
-    from .bisect import BisectError, release_environment
+    """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
+    from .environments import EnvironmentUnavailable, release_environment
 
     prepare = prepare or release_environment(args.cache_dir, args.constraints)
     runs = []
@@ -115,7 +114,7 @@ def scan_releases(
         print(f"dsrepro scan: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
         try:
             env = prepare(Version(release))
-        except BisectError as exc:
+        except EnvironmentUnavailable as exc:
             raise ScanError(f"deepspeed {release} cannot run here: {exc}") from None
         runs.append(scan_once(env.python, dict(env.environ), args, None))
     return runs
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .upstream import UpstreamError, read_releases
+    from .upstream_command import UpstreamError, read_releases
 
     if args.world_size is not None and args.world_size < 1:
         raise ScanError(f"--world-size {args.world_size}: must be a whole number >= 1")
@@ -172,9 +171,9 @@ def _run(args: argparse.Namespace) -> int:
         return exit_code([scan_once(sys.executable, dict(os.environ), args, args.markdown)])
     runs = scan_releases(args, releases)
     print(f"\ndsrepro scan of {args.config} on {len(runs)} releases")
-    for line in scans.across(runs):
+    for line in scan_verdicts.across(runs):
         print(line)
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(scans.markdown_across(runs))
+        args.markdown.write_text(scan_verdicts.markdown_across(runs))
     return exit_code(runs)

@@ -11,46 +11,16 @@ Pure: no pytest, no torch.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
 from .gates import Rate, Reason
-
-if TYPE_CHECKING:
-    from .results import ReproMeta, RunRecord, TestRecord
-
-
-class ScanVerdict(str, enum.Enum):
-    AFFECTED = "AFFECTED"
-    NOT_AFFECTED = "NOT AFFECTED"
-    NOT_APPLICABLE = "NOT APPLICABLE"
-    CANNOT_TELL = "CANNOT TELL"
-
+from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
 
 #: A bug's verdict over its tests is the first of these that any test earned.
 SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One test's verdict in a scan: the word, what the user reads, and what was done to their config for it."""
-
-    verdict: ScanVerdict
-    detail: str
-    notes: tuple[str, ...] = ()  # the premise's settings put on top of the user's config, each with its reason
-
-
-@dataclass(frozen=True)
-class ScanSource:
-    """The config a run scanned: where it was read from, as written there (comments gone), what reading it said."""
-
-    path: str
-    config: dict[str, object] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
 
 
 def _fixed(fixed_in: str | None) -> str:

@@ -4,9 +4,9 @@ installed here or on several releases (one uv environment each, the recipe of ``
 In a DeepSpeed checkout, ``dsrepro upstream [PATH|NODEID ...] [-- PYTEST_ARGS]`` is ``python -m pytest -p
 pytest_dsrepro.upstream ...`` run from the checkout's ``tests/`` (where DeepSpeed's pytest.ini and conftest.py are),
 paths and node ids given as from the directory you are in. With ``--release`` (or ``--releases FILE``) each release
-gets its environment (``bisect.release_environment``: cached, torch pinned, this plugin added) and a pytest run that
-writes its results file; each file is checked before it is kept: the tests' checkout at the revision its records
-name, the DeepSpeed release the one asked for. ``dsrepro matrix`` then shows the tests as rows beside the
+gets its environment (``environments.release_environment``: cached, torch pinned, this plugin added) and a pytest
+run that writes its results file; each file is checked before it is kept: the tests' checkout at the revision its
+records name, the DeepSpeed release the one asked for. ``dsrepro matrix`` then shows the tests as rows beside the
 catalogue's, named by node id and the checkout's revision.
 """
 
@@ -29,7 +29,7 @@ from ..core.checkout import Checkout, CheckoutError
 from ..core.gates import Verdict
 
 if TYPE_CHECKING:
-    from .bisect import ReleaseEnv
+    from .environments import ReleaseEnv
 
 #: The pytest plugin that runs DeepSpeed's tests in this plugin's worlds.
 PLUGIN = "pytest_dsrepro.upstream"
@@ -123,10 +123,11 @@ def run_releases(
     releases: list[str],
     prepare: Callable[[Version], ReleaseEnv] | None = None,
 ) -> int:
-    """Each release: its environment (``prepare``: ``bisect.release_environment`` unless given), one pytest run of the
+    """Each release: its environment (``prepare``: ``environments.release_environment`` unless given), one pytest run
+    of the
     targets, its results file checked (``check_run``) and kept in ``--results``; a release that cannot be installed
     is recorded as unavailable, as ``dsrepro install --results`` records it."""
-    from .bisect import BisectError, release_environment
+    from .environments import EnvironmentUnavailable, release_environment
 
     results_dir = (args.results or Path("results")).resolve()
     prepare = prepare or release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
@@ -134,7 +135,7 @@ def run_releases(
         print(f"dsrepro upstream: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
         try:
             env = prepare(Version(release))
-        except BisectError as exc:
+        except EnvironmentUnavailable as exc:
             path = _unavailable(results_dir, release, str(exc))
             print(f"dsrepro upstream: deepspeed {release} cannot run here: {exc} (recorded in {path})", file=sys.stderr)
             continue

@@ -1,0 +1,97 @@
+"""One uv environment per DeepSpeed release, kept in the cache and reused: what ``dsrepro bisect``, ``scan --release``,
+``upstream --release`` and the benchmarks run a release in. Each holds torch (pinned, never moved), the release as
+``dsrepro install`` puts it there, and this plugin as installed here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.version import Version
+
+from ..core import versions
+
+
+class EnvironmentUnavailable(Exception):
+    """A release's environment could not be made (no such release, a failed build or import): the reason, one line."""
+
+
+@dataclass(frozen=True)
+class ReleaseEnv:
+    """An environment that holds one release (or commit): its interpreter, and the variables to run it with."""
+
+    python: str
+    environ: Mapping[str, str]
+    deepspeed: str | None = None  # the version its DeepSpeed reports, where not the release asked for (a commit's)
+
+
+def probe_environ(directory: Path) -> dict[str, str]:
+    """The variables a probe's pytest runs with in the environment at ``directory``."""
+    environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
+    environ.setdefault("DS_ACCELERATOR", "cpu")
+    return environ
+
+
+def build_key() -> str:
+    """What a DeepSpeed build depends on besides its source: ``py311-torch-2.13.0+cpu``."""
+    return f"py{sys.version_info.major}{sys.version_info.minor}-torch-{versions.installed_text('torch') or 'none'}"
+
+
+def environment_dir(cache_dir: Path, version: Version) -> Path:
+    """Where one release's environment lives: per DeepSpeed release, Python and torch (a build depends on all)."""
+    return cache_dir / "envs" / f"deepspeed-{version}-{build_key()}"
+
+
+def torch_pin(cache_dir: Path) -> Path:
+    """A constraints file pinning the torch installed here: bisect must never move torch."""
+    torch = versions.installed_text("torch")
+    if torch is None:
+        raise EnvironmentUnavailable("torch is not installed in this environment; install the torch to test with first")
+    path = cache_dir / "envs" / f"constraints-torch-{torch}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"torch=={torch}\n")
+    return path
+
+
+def release_environment(
+    cache_dir: Path | None = None,
+    constraints: Path | None = None,
+    python: str = sys.executable,
+    log_dir: Path | None = None,
+) -> Callable[[Version], ReleaseEnv]:
+    """The ``prepare`` step of a ``Prober``: one uv environment per release, kept in the cache and reused, holding
+    torch (pinned), that release (``install.install_deepspeed``) and this plugin as installed here
+    (``install.add_this_plugin``). A ``filelock`` per environment: two bisects (or a bisect and a benchmark) never
+    fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above,
+    else to a pin of the torch installed here.
+    """
+    from filelock import FileLock
+
+    from ..core.options import default_cache_dir
+    from . import install
+
+    root = cache_dir or default_cache_dir()
+    pins = constraints or install.find_constraints() or torch_pin(root)
+
+    def prepare(version: Version) -> ReleaseEnv:
+        directory = environment_dir(root, version)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        log = log_dir / f"install-deepspeed-{version}.log" if log_dir else None
+        with FileLock(str(directory) + ".lock", timeout=install.INSTALL_TIMEOUT):
+            try:
+                env_python = install.environment_python(directory, python)
+                install.add_this_plugin(env_python, pins, log)
+            except install.InstallError as exc:
+                raise EnvironmentUnavailable(exc.reason) from None
+            result = install.install_deepspeed(
+                str(version), python=env_python, constraints=pins, cache_dir=root, log=log
+            )
+        if not result.ok:
+            raise EnvironmentUnavailable(result.reason or "unavailable")
+        return ReleaseEnv(env_python, probe_environ(directory))
+
+    return prepare
