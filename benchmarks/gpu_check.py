@@ -1,0 +1,418 @@
+"""The GPU check: what a machine with a GPU says of the plugin, in one table, within one lease (10 minutes).
+
+Two steps, because the GPU machine has no network:
+
+    python benchmarks/gpu_check.py prepare --into .gpu            # here, on a CPU machine that reaches PyPI
+    python benchmarks/gpu_check.py run --input .gpu --out OUT     # there, on the machine with the GPU
+
+``prepare`` puts into ``--into``: this plugin's wheel, the wheels of what the GPU image lacks for DeepSpeed (built
+``DS_BUILD_OPS=0`` from its sdist with the torch of this interpreter, a pure-Python wheel), and the CPU reference:
+the catalogue's verdicts in 1-rank and 2-rank gloo worlds on the same release (``--ds-results`` files).
+
+``run`` installs those wheels into a directory of its own (``pip --no-index --target``: nothing is fetched), then,
+each check with its own time limit, and prints one table (check, result, seconds, what was seen):
+
+- the catalogue in 1-rank NCCL worlds, every verdict compared with the CPU reference;
+- the catalogue in 2-rank worlds on the GPU machine with the gloo backend (that it finishes: a machine with CUDA
+  and Triton once stalled there), compared with the CPU reference;
+- on two GPUs or more, the catalogue in 2-rank NCCL worlds, compared likewise;
+- GPU leases across two sessions: one holds the GPU, a second with ``--ds-gpu-wait 1`` is skipped naming the
+  holder, a third with the default wait runs after it;
+- a real hang (a collective queued behind a long CUDA kernel): the failure must name, per rank, the collective NCCL's
+  flight recorder saw unfinished, and the dump must be kept;
+- the cost of an NCCL world per test (pytest's call phase, a session's first test left out), fresh and in a
+  ``reuse=True`` class, against a bare floor measured in the same run (a forked process's NCCL init, one
+  all_reduce, destroy).
+
+Without a CUDA device the GPU checks say SKIPPED, with why, and the rest runs: the script's own dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pytest_dsrepro.core import results  # noqa: E402 - the results schema's one reader
+
+#: What the GPU image lacks for DeepSpeed and this plugin (it has torch, pytest, psutil, numpy, ninja, py-cpuinfo,
+#: einops, msgpack, nvidia-ml-py and the HF stack): fetched here as wheels for its Python.
+MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "filelock")
+PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64")
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIPPED"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    result: str
+    seconds: float
+    seen: str
+
+
+@dataclass(frozen=True)
+class Ran:
+    returncode: int | None  # None: stopped at its limit
+    output: str
+    seconds: float
+
+
+def run(command: Sequence[str], *, timeout: float, cwd: Path, env: dict[str, str], log: Path) -> Ran:
+    """A child in a session of its own, stopped with its whole group at ``timeout``; its output kept in ``log``."""
+    started = time.monotonic()
+    with log.open("w") as out:
+        child = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code: int | None = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, 9)  # only the group this script started
+            child.wait()
+            code = None
+    return Ran(code, log.read_text(errors="replace"), time.monotonic() - started)
+
+
+def verdicts(directory: Path) -> dict[str, str]:
+    """``nodeid -> verdict`` (or pytest's outcome where the test has no verdict) from a results directory."""
+    files, _ = results.read_all([directory]) if directory.is_dir() else ([], [])
+    return {t.nodeid: t.verdict.value if t.verdict is not None else t.outcome for f in files for t in f.run.tests}
+
+
+def compare(found: dict[str, str], reference: dict[str, str]) -> tuple[str, str]:
+    """PASS when every test the reference judged got the same verdict; else what differs, test by test."""
+    if not reference:
+        return SKIP, "no CPU reference given (prepare writes it)"
+    if not found:
+        return FAIL, "no test was recorded"
+    differ = [
+        f"{n}: {reference[n]} on CPU, {found.get(n, 'not run')} here"
+        for n in sorted(reference)
+        if found.get(n) != reference[n]
+    ]
+    same = len(reference) - len(differ)
+    if not differ:
+        return PASS, f"{same} verdicts, all as on CPU"
+    listed = "; ".join(differ[:8]) + (" ..." if len(differ) > 8 else "")
+    return FAIL, f"{same} as on CPU, {len(differ)} differ: {listed}"
+
+
+def summary_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|xfailed|skipped|error)", line)]
+    return lines[-1].strip("= ") if lines else "(no pytest summary)"
+
+
+class GpuCheck:
+    """The checks of ``run``, each a method that returns a ``Check``."""
+
+    def __init__(
+        self, input_dir: Path, out: Path, env: dict[str, str], gpus: int, scale: float, select: str | None
+    ) -> None:
+        self.input = input_dir
+        self.select = ["-k", select] if select else []  # a slice of the catalogue, to rerun what failed
+        self.out = out
+        self.env = env
+        self.gpus = gpus
+        self.scale = scale  # every time limit, times this
+        self.work = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-check-"))
+        self.pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA"]
+
+    def limit(self, seconds: float) -> float:
+        return seconds * self.scale
+
+    def _catalogue(self, name: str, size: int, backend: str, limit: float, reference: str) -> Check:
+        results_dir = self.out / name
+        ran = run([*self.pytest, "repros", "--ds-world-size", str(size), "--ds-backend", backend,
+                   "--ds-results", str(results_dir), *self.select],
+                  timeout=self.limit(limit), cwd=ROOT, env=self.env, log=self.out / f"{name}.log")  # fmt: skip
+        if ran.returncode is None:
+            done = len(verdicts(results_dir))
+            return Check(name, FAIL, ran.seconds, f"stopped at {self.limit(limit):g}s; {summary_line(ran.output)}; "
+                         f"{done} tests recorded")  # fmt: skip
+        found = verdicts(results_dir)
+        expected = {n: v for n, v in verdicts(self.input / reference).items() if not self.select or n in found}
+        result, seen = compare(found, expected)
+        return Check(name, result, ran.seconds, f"{summary_line(ran.output)}; {seen}")
+
+    def catalogue_nccl(self) -> Check:
+        if self.gpus < 1:
+            return Check("catalogue, 1-rank NCCL", SKIP, 0.0, "no CUDA device")
+        return self._catalogue("catalogue-nccl-1", 1, "nccl", 240, "cpu-1")
+
+    def catalogue_gloo(self) -> Check:
+        return self._catalogue("catalogue-gloo-2", 2, "gloo", 180, "cpu-2")
+
+    def catalogue_nccl_two(self) -> Check:
+        if self.gpus < 2:
+            return Check("catalogue, 2-rank NCCL", SKIP, 0.0, f"{self.gpus} CUDA device(s): two are needed")
+        return self._catalogue("catalogue-nccl-2", 2, "nccl", 240, "cpu-2")
+
+    def _write(self, name: str, text: str) -> Path:
+        path = self.work / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    def leases(self) -> Check:
+        if self.gpus < 1:
+            return Check("GPU leases, two sessions", SKIP, 0.0, "no CUDA device")
+        started = self.work / "holding"
+        self._write(
+            "test_hold.py",
+            f"""
+            import pathlib, time
+            import pytest
+
+            @pytest.mark.ds_world(size=1, backend="nccl")
+            def test_holds_the_gpu(ds_rank):
+                import torch
+                torch.ones(1, device="cuda")
+                pathlib.Path({str(started)!r}).touch()
+                time.sleep(10)
+            """,
+        )
+        began = time.monotonic()
+        log = (self.out / "lease-holder.log").open("w")
+        holder = subprocess.Popen([*self.pytest, "test_hold.py"], cwd=self.work, env=self.env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            while not started.exists() and holder.poll() is None and time.monotonic() - began < self.limit(90):
+                time.sleep(0.2)
+            if not started.exists():
+                return Check("GPU leases, two sessions", FAIL, time.monotonic() - began, "the holder never ran")
+            busy = run([*self.pytest, "test_hold.py", "--ds-gpu-wait", "1"], timeout=self.limit(60), cwd=self.work,
+                       env=self.env, log=self.out / "lease-busy.log")  # fmt: skip
+            after = run([*self.pytest, "test_hold.py"], timeout=self.limit(90), cwd=self.work, env=self.env,
+                        log=self.out / "lease-after.log")  # fmt: skip
+        finally:
+            holder.wait(self.limit(60))
+            log.close()
+        named = re.search(r"busy: .*pid \d+", busy.output) is not None
+        skipped = "1 skipped" in busy.output
+        waited = after.returncode == 0
+        result = PASS if named and skipped and waited else FAIL
+        return Check("GPU leases, two sessions", result, time.monotonic() - began,
+                     f"second session skipped: {skipped}, naming the holder's pid: {named}; third ran after the "
+                     f"holder: {waited} ({after.seconds:.1f}s)")  # fmt: skip
+
+    def hang(self) -> Check:
+        if self.gpus < 1:
+            return Check("a hang, explained", SKIP, 0.0, "no CUDA device")
+        self._write(
+            "test_hang.py",
+            """
+            import pytest
+
+            @pytest.mark.ds_world(size=1, backend="nccl", timeout=15)
+            def test_collective_behind_a_long_kernel(ds_rank):
+                import torch
+                import torch.distributed as dist
+                t = torch.ones(4, device="cuda")
+                dist.all_reduce(t)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(2e12))  # minutes of GPU time: the next collective waits behind it
+                dist.all_reduce(t)
+                torch.cuda.synchronize()
+            """,
+        )
+        ran = run([*self.pytest, "test_hang.py"], timeout=self.limit(120), cwd=self.work, env=self.env,
+                  log=self.out / "hang.log")  # fmt: skip
+        recorder = re.findall(r"NCCL flight recorder: (.*)", ran.output)
+        told = [line for line in recorder if "no dump" not in line and "dump " in line]
+        kept = [Path(p) for line in told for p in re.findall(r"dump (\S+)", line)]
+        named = any(re.search(r"all_?reduce", line, re.IGNORECASE) for line in told)
+        ok = ran.returncode == 1 and bool(told) and named and all(p.exists() for p in kept)
+        return Check("a hang, explained", PASS if ok else FAIL, ran.seconds,
+                     "; ".join(recorder) or f"no flight-recorder line ({summary_line(ran.output)})")  # fmt: skip
+
+    def world_cost(self) -> Check:
+        if self.gpus < 1:
+            return Check("an NCCL world per test", SKIP, 0.0, "no CUDA device")
+        self._write(
+            "test_cost.py",
+            """
+            import pytest
+
+            @pytest.mark.ds_world(size=1, backend="nccl")
+            @pytest.mark.parametrize("n", range(11))
+            def test_fresh(ds_rank, n):
+                import torch, torch.distributed as dist
+                t = torch.ones(4, device="cuda")
+                dist.all_reduce(t)
+
+            @pytest.mark.ds_world(size=1, backend="nccl", reuse=True)
+            class TestKept:
+                @pytest.mark.parametrize("n", range(11))
+                def test_kept(self, ds_rank, n):
+                    import torch, torch.distributed as dist
+                    t = torch.ones(4, device="cuda")
+                    dist.all_reduce(t)
+            """,
+        )
+        ran = run([*self.pytest, "test_cost.py", "--durations=0", "--durations-min=0"], timeout=self.limit(180),
+                  cwd=self.work, env=self.env, log=self.out / "cost.log")  # fmt: skip
+        calls = re.findall(r"([\d.]+)s call\s+test_cost.py::(\w+)::?(\w*)\[(\d+)\]", ran.output)
+        fresh = sorted(float(s) for s, a, b, n in calls if "fresh" in a + b and n != "0")
+        kept = sorted(float(s) for s, a, b, n in calls if "kept" in a + b and n != "0")
+        floor = run([sys.executable, __file__, "floor", "10"], timeout=self.limit(120), cwd=self.work, env=self.env,
+                    log=self.out / "floor.log")  # fmt: skip
+        bare = re.search(r"FLOOR median=([\d.]+)", floor.output)
+        if not fresh or bare is None:
+            return Check("an NCCL world per test", FAIL, ran.seconds + floor.seconds,
+                         f"{summary_line(ran.output)}; floor: {floor.output.strip()[-200:]}")  # fmt: skip
+        base = float(bare.group(1))
+        f, k = statistics.median(fresh), statistics.median(kept) if kept else float("nan")
+        return Check("an NCCL world per test", PASS, ran.seconds + floor.seconds,
+                     f"fresh {f:.3f}s ({f / base:.2f}x the floor), reuse=True {k:.3f}s ({k / base:.2f}x), bare floor "
+                     f"{base:.3f}s; medians of {len(fresh)} and {len(kept)}")  # fmt: skip
+
+
+def floor(count: int) -> None:
+    """The bare floor: this process imports torch (no CUDA), then forks 1-rank NCCL worlds one after the other."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    seconds = []
+    for _ in range(count):
+        with socket.socket() as s:  # the floor's own port; the plugin's worlds bind theirs before they fork
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        began = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                    device_id=torch.device("cuda:0"))  # fmt: skip
+            t = torch.ones(4, device="cuda")
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+            dist.destroy_process_group()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise SystemExit(f"a floor world failed (status {status})")
+        seconds.append(time.perf_counter() - began)
+    print(f"FLOOR median={statistics.median(seconds):.3f} min={min(seconds):.3f} n={count}")
+
+
+def cuda_devices(env: dict[str, str]) -> int:
+    """Counted in a child (this process forks nothing with CUDA, but its children's children may)."""
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+def install(input_dir: Path, env: dict[str, str]) -> str:
+    """The prepared wheels into a directory of their own, on ``PYTHONPATH``: nothing fetched, nothing else moved."""
+    wheels = sorted((input_dir / "wheels").glob("*.whl"))
+    if not wheels:
+        return "no prepared wheels: the installed packages are used"
+    site = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-site-"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(site), *map(str, wheels)], check=True, env=env)  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    return f"{len(wheels)} wheels installed into {site}"
+
+
+def table(checks: Sequence[Check]) -> str:
+    rows = ["| check | result | seconds | seen |", "|---|---|---|---|"]
+    rows += [f"| {c.name} | {c.result} | {c.seconds:.0f} | {c.seen.replace('|', '/')} |" for c in checks]
+    return "\n".join(rows)
+
+
+def run_checks(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    env.pop("DS_ACCELERATOR", None)  # each world's backend picks DeepSpeed's accelerator
+    installed = install(args.input, env)
+    versions = subprocess.run([sys.executable, "-c", "import torch, deepspeed, pytest_dsrepro; print("
+                               "'torch', torch.__version__, 'deepspeed', deepspeed.__version__)"],
+                              env=env, capture_output=True, text=True)  # fmt: skip
+    gpus = cuda_devices(env)
+    print(f"gpu_check: {installed}; {versions.stdout.strip() or versions.stderr.strip()[-300:]}; {gpus} CUDA devices",
+          flush=True)  # fmt: skip
+    check = GpuCheck(args.input, args.out, env, gpus, args.scale, args.k)
+    steps = {"nccl-1": check.catalogue_nccl, "gloo-2": check.catalogue_gloo, "nccl-2": check.catalogue_nccl_two,
+             "leases": check.leases, "hang": check.hang, "cost": check.world_cost}  # fmt: skip
+    done: list[Check] = []
+    for name, step in steps.items():
+        if args.only and name not in args.only:
+            continue
+        done.append(step())
+        print(f"gpu_check: {done[-1].name}: {done[-1].result} in {done[-1].seconds:.0f}s: {done[-1].seen}", flush=True)
+    shutil.rmtree(check.work, ignore_errors=True)
+    text = table(done)
+    (args.out / "gpu-check.md").write_text(text + "\n")
+    print(text)
+    return 1 if any(c.result == FAIL for c in done) else 0
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """The inputs of ``run``: wheels for the GPU image's Python, and the CPU reference verdicts."""
+    wheels = args.into / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    subprocess.run(["uv", "build", "--wheel", "--out-dir", str(wheels), str(ROOT)], check=True)
+    platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
+    subprocess.run([py, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+                    args.python_version, "--implementation", "cp", *platforms, "-d", str(wheels), *MISSING_THERE],
+                   check=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as sdists:
+        subprocess.run([py, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdists,
+                        f"deepspeed=={args.release}"], check=True)  # fmt: skip
+        sdist = next(Path(sdists).glob("deepspeed-*.tar.gz"))
+        subprocess.run(["uv", "build", "--wheel", "--no-build-isolation", "--python", py, "--out-dir", str(wheels),
+                        str(sdist)], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for size in (1, 2):
+        reference = args.into / f"cpu-{size}"
+        shutil.rmtree(reference, ignore_errors=True)
+        subprocess.run([py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "repros", "--ds-world-size", str(size),
+                        "--ds-results", str(reference)], cwd=ROOT, env=env)  # fmt: skip
+        print(f"gpu_check prepare: {len(verdicts(reference))} CPU verdicts at {size} rank(s) in {reference}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="on a CPU machine with PyPI: wheels and the CPU reference")
+    p.add_argument("--into", type=Path, required=True)
+    p.add_argument("--release", default="0.19.8", help="the DeepSpeed release to check (its sdist, built here)")
+    p.add_argument("--python-version", default="3.12", help="the GPU image's Python")
+    r = sub.add_parser("run", help="on the GPU machine: every check, one table")
+    r.add_argument("--input", type=Path, required=True, help="what prepare wrote")
+    r.add_argument("--out", type=Path, required=True, help="logs, results and gpu-check.md")
+    r.add_argument("--scale", type=float, default=1.0, help="every check's time limit, times this")
+    r.add_argument(
+        "--only",
+        nargs="+",
+        choices=("nccl-1", "gloo-2", "nccl-2", "leases", "hang", "cost"),
+        help="run these checks only (a rerun of what failed)",
+    )
+    r.add_argument("-k", help="the catalogue checks run only the tests pytest's -k selects")
+    f = sub.add_parser("floor", help=argparse.SUPPRESS)
+    f.add_argument("count", type=int)
+    args = parser.parse_args(argv)
+    if args.command == "floor":
+        floor(args.count)
+        return 0
+    return prepare(args) if args.command == "prepare" else run_checks(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
