@@ -30,6 +30,7 @@ Without a CUDA device the GPU checks say SKIPPED, with why, and the rest runs: t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -43,6 +44,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.tags import sys_tags
+from packaging.utils import parse_wheel_filename
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -54,6 +58,13 @@ MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typin
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64")
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIPPED"
+
+#: pip, for downloads: this interpreter's, else the system's (a uv-made environment has none).
+PIP = (
+    [sys.executable, "-m", "pip"]
+    if importlib.util.find_spec("pip")
+    else [shutil.which("python3") or "python3", "-m", "pip"]
+)
 
 
 @dataclass(frozen=True)
@@ -134,32 +145,32 @@ class GpuCheck:
     def limit(self, seconds: float) -> float:
         return seconds * self.scale
 
-    def _catalogue(self, name: str, size: int, backend: str, limit: float, reference: str) -> Check:
+    def _catalogue(self, title: str, name: str, size: int, backend: str, limit: float, reference: str) -> Check:
         results_dir = self.out / name
         ran = run([*self.pytest, "repros", "--ds-world-size", str(size), "--ds-backend", backend,
                    "--ds-results", str(results_dir), *self.select],
                   timeout=self.limit(limit), cwd=ROOT, env=self.env, log=self.out / f"{name}.log")  # fmt: skip
         if ran.returncode is None:
             done = len(verdicts(results_dir))
-            return Check(name, FAIL, ran.seconds, f"stopped at {self.limit(limit):g}s; {summary_line(ran.output)}; "
+            return Check(title, FAIL, ran.seconds, f"stopped at {self.limit(limit):g}s; {summary_line(ran.output)}; "
                          f"{done} tests recorded")  # fmt: skip
         found = verdicts(results_dir)
         expected = {n: v for n, v in verdicts(self.input / reference).items() if not self.select or n in found}
         result, seen = compare(found, expected)
-        return Check(name, result, ran.seconds, f"{summary_line(ran.output)}; {seen}")
+        return Check(title, result, ran.seconds, f"{summary_line(ran.output)}; {seen}")
 
     def catalogue_nccl(self) -> Check:
         if self.gpus < 1:
             return Check("catalogue, 1-rank NCCL", SKIP, 0.0, "no CUDA device")
-        return self._catalogue("catalogue-nccl-1", 1, "nccl", 240, "cpu-1")
+        return self._catalogue("catalogue, 1-rank NCCL", "catalogue-nccl-1", 1, "nccl", 240, "cpu-1")
 
     def catalogue_gloo(self) -> Check:
-        return self._catalogue("catalogue-gloo-2", 2, "gloo", 180, "cpu-2")
+        return self._catalogue("catalogue, 2-rank gloo", "catalogue-gloo-2", 2, "gloo", 180, "cpu-2")
 
     def catalogue_nccl_two(self) -> Check:
         if self.gpus < 2:
             return Check("catalogue, 2-rank NCCL", SKIP, 0.0, f"{self.gpus} CUDA device(s): two are needed")
-        return self._catalogue("catalogue-nccl-2", 2, "nccl", 240, "cpu-2")
+        return self._catalogue("catalogue, 2-rank NCCL", "catalogue-nccl-2", 2, "nccl", 240, "cpu-2")
 
     def _write(self, name: str, text: str) -> Path:
         path = self.work / name
@@ -321,8 +332,12 @@ def install(input_dir: Path, env: dict[str, str]) -> str:
     wheels = sorted((input_dir / "wheels").glob("*.whl"))
     if not wheels:
         return "no prepared wheels: the installed packages are used"
+    here = set(sys_tags())
+    foreign = [w.name for w in wheels if here.isdisjoint(parse_wheel_filename(w.name)[3])]
+    if foreign:  # the dry run on a CPU machine, whose Python is not the GPU image's
+        return f"the prepared wheels are not for this interpreter ({foreign[0]}): the installed packages are used"
     site = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-site-"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+    subprocess.run([*PIP, "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--target", str(site), *map(str, wheels)], check=True, env=env)  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
     return f"{len(wheels)} wheels installed into {site}"
@@ -368,11 +383,11 @@ def prepare(args: argparse.Namespace) -> int:
     py = sys.executable
     subprocess.run(["uv", "build", "--wheel", "--out-dir", str(wheels), str(ROOT)], check=True)
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
-    subprocess.run([py, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+    subprocess.run([*PIP, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                     args.python_version, "--implementation", "cp", *platforms, "-d", str(wheels), *MISSING_THERE],
                    check=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as sdists:
-        subprocess.run([py, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdists,
+        subprocess.run([*PIP, "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdists,
                         f"deepspeed=={args.release}"], check=True)  # fmt: skip
         sdist = next(Path(sdists).glob("deepspeed-*.tar.gz"))
         subprocess.run(["uv", "build", "--wheel", "--no-build-isolation", "--python", py, "--out-dir", str(wheels),
@@ -381,8 +396,9 @@ def prepare(args: argparse.Namespace) -> int:
     for size in (1, 2):
         reference = args.into / f"cpu-{size}"
         shutil.rmtree(reference, ignore_errors=True)
+        select = ["-k", args.k] if args.k else []
         subprocess.run([py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "repros", "--ds-world-size", str(size),
-                        "--ds-results", str(reference)], cwd=ROOT, env=env)  # fmt: skip
+                        "--ds-results", str(reference), *select], cwd=ROOT, env=env)  # fmt: skip
         print(f"gpu_check prepare: {len(verdicts(reference))} CPU verdicts at {size} rank(s) in {reference}")
     return 0
 
@@ -394,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--into", type=Path, required=True)
     p.add_argument("--release", default="0.19.8", help="the DeepSpeed release to check (its sdist, built here)")
     p.add_argument("--python-version", default="3.12", help="the GPU image's Python")
+    p.add_argument("-k", help="the CPU reference of only the tests pytest's -k selects")
     r = sub.add_parser("run", help="on the GPU machine: every check, one table")
     r.add_argument("--input", type=Path, required=True, help="what prepare wrote")
     r.add_argument("--out", type=Path, required=True, help="logs, results and gpu-check.md")
