@@ -6,6 +6,7 @@ in a subprocess on the installed catalogue, with bad input of every kind, and on
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,9 @@ def test_a_release_outside_the_range_rules_the_bug_out_with_the_fixed_release() 
     assert ruled.reason == "deepspeed 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
     assert t.to_confirm(3) == [KEYERROR_BUG]  # confident evidence: a run says whether the rule holds
     assert triaging.verdict(t).startswith("no known bug here: the log looks like keyerror, but deepspeed 0.19.8")
+    assert triaging.markdown(t).startswith(
+        "### This looks like the known DeepSpeed bug `keyerror`, but deepspeed 0.19.8 is outside its affected range"
+    )
 
 
 def test_a_config_that_cannot_meet_the_premise_rules_the_bug_out() -> None:
@@ -216,6 +220,32 @@ def test_new_repro_prefilled_from_the_log() -> None:
         scaffold.prefill(logread.read("all fine\n"))
 
 
+def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
+    """``"auto"`` resolved as Hugging Face does before the premise is judged, comments allowed."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, // ZeRO-2\n "gradient_accumulation_steps": "auto"}')
+    config, said = tool.config(path, logread.read(""), 2)
+    assert said == str(path)
+    assert config is not None
+    assert config["gradient_accumulation_steps"] == 1
+    shown, said = tool.config(None, logread.read('{"zero_optimization": {"stage": 3}}'), 2)
+    assert said == "the config shown in the log"
+    assert shown is not None
+    assert shown["zero_optimization"] == {"stage": 3}
+
+
+def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tool, "HEAD_BYTES", 64)
+    monkeypatch.setattr(tool, "TAIL_BYTES", 64)
+    text = "deepspeed==0.18.3\n" + "noise line\n" * 1000 + "KeyError: 2\n"
+    log = tool.read_log("-", io.BytesIO(text.encode()))
+    assert log.cut
+    assert log.size == len(text)
+    assert log.text.startswith("deepspeed==0.18.3\n")
+    assert "[... dsrepro triage did not read" in log.text
+    assert log.text.endswith("noise line\nKeyError: 2\n")
+
+
 # --- the command ----------------------------------------------------------------------------------------------------
 
 
@@ -240,6 +270,7 @@ def test_standard_input_and_an_error_no_repro_declares(tmp_path: Path) -> None:
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
     proc = triage("-", "--release", "0.18.3", cwd=tmp_path, stdin=oom)
     assert proc.returncode == tool.UNKNOWN, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("dsrepro triage: standard input: 72 bytes, 2 lines\n")
     assert "the log shows: torch.OutOfMemoryError: CUDA out of memory." in proc.stdout
     assert "KNOWN BUG" not in proc.stdout
     assert "to catalogue it: dsrepro new NAME --from-log -" in proc.stdout
@@ -273,10 +304,13 @@ def test_a_missing_log_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_log_without_a_traceback_says_so(tmp_path: Path) -> None:
+    """No exception, and the release the log states is not the one installed here: both said."""
     log = tmp_path / "train.log"
-    log.write_text("step 1 loss 2.3\nstep 2 loss 2.1\ntraining finished\n")
+    log.write_text("DeepSpeed version 0.14.4\nstep 1 loss 2.3\nstep 2 loss 2.1\ntraining finished\n")
     proc = triage(str(log), cwd=tmp_path)
     assert proc.returncode == tool.UNKNOWN
+    assert proc.stdout.splitlines()[1].startswith("note: the log states deepspeed 0.14.4; judged on ")
+    assert proc.stdout.splitlines()[1].endswith("(installed here); --release 0.14.4 judges on the log's")
     assert "the log shows: no exception (no traceback, no `...Error: message` line)" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-2] == "no known bug matches this log"
 

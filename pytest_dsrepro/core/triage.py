@@ -88,7 +88,6 @@ class KnownBug:
     signatures: tuple[Signature, ...]
     premise: Premise | None = None
     fix: str | None = None
-    tests: tuple[str, ...] = ()
 
     @property
     def ranges(self) -> str:
@@ -407,9 +406,15 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
     confirmed = confirmed or {}
     best = t.known or (t.candidates[0] if t.candidates else None)
     out = []
+    strong = next((r for r in t.ruled_out if r.score >= CONFIDENT), None)
     if t.known is not None:
         b = t.known.bug
         out += [f"### This looks like a known DeepSpeed bug: `{b.id}`", "", f"**{b.title}**", ""]
+    elif strong is not None:
+        b = strong.bug
+        fixed = b.fixed_in or "none yet"
+        out += [f"### This looks like the known DeepSpeed bug `{b.id}`, but {strong.reason}", "", f"**{b.title}**",
+                "", f"- Upstream: {b.upstream or 'not recorded'}; fixed release: {fixed}"]  # fmt: skip
     else:
         out += ["### No known DeepSpeed bug matches this log with confidence", ""]
     out.append(f"- The log shows: `{showed(t.reading)}`")
@@ -427,7 +432,7 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
         out += ["", "Reproduce it (`pip install pytest-dsrepro`):", "", "```bash",
                 f"dsrepro triage {log}{release} --confirm", f"pytest {b.file} -rx   # in a pytest-dsrepro checkout",
                 "```"]  # fmt: skip
-    else:
+    elif strong is None:
         out += ["", f"To catalogue it: `dsrepro new NAME --from-log {log}` writes a repro prefilled from this error."]
     others = [c for c in t.candidates if c is not t.known]
     if others:

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import logread, premises, results, userconfig, versions
+from ..core import configs, logread, premises, results, userconfig, versions
 from ..core import triage as triaging
 from ..core.errors import MarkerError
-from ..core.gates import VersionGate, parse_gates
+from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.results import RunRecord, repro_meta
 from ..core.scan import Finding, ScanVerdict
 from . import processes
@@ -115,9 +115,9 @@ def read_log(source: str, stdin: BinaryIO | None = None) -> LogText:
         raise TriageError(f"{name}: binary, not a log (control bytes in its first {_bytes(SNIFF_BYTES)}); give the "
                           "text of the error")  # fmt: skip
     cut = size > len(head) + len(tail)
-    if cut:  # whole lines only, and a line that says what is missing
-        head = head[: head.rfind(b"\n") + 1]
-        tail = tail[tail.find(b"\n") + 1 :]
+    if cut:  # whole lines where there are lines, and a line that says what is missing
+        head = head[: head.rfind(b"\n") + 1] or head
+        tail = tail[tail.find(b"\n") + 1 :] or tail
         skipped = f"\n[... dsrepro triage did not read {_bytes(size - len(head) - len(tail))} here ...]\n"
         data = head + skipped.encode() + tail
     else:
@@ -172,10 +172,10 @@ def known_bugs(where: Path) -> list[triaging.KnownBug]:
     bugs = []
     for e in entries:
         gates = reader.gates.get(e.id, [])
-        fix = next((g.fix for g in gates if g.fix is not None), None)
+        fix = common_fix(gates)
         signatures = tuple(dict.fromkeys(triaging.Signature.of(g) for g in gates))
         bugs.append(triaging.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path, signatures,
-                                      reader.premises.get(e.id), getattr(fix, "__name__", None), e.tests))  # fmt: skip
+                                      reader.premises.get(e.id), getattr(fix, "__name__", None)))  # fmt: skip
     if not bugs:
         raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
     return bugs
@@ -210,23 +210,29 @@ def release(given: str | None, reading: logread.Reading) -> tuple[Version | None
     return None, ""
 
 
-def config(path: Path | None, reading: logread.Reading) -> tuple[dict[str, Any] | None, str | None]:
-    """``--config`` (read as ``dsrepro scan`` reads it), else the config the log shows; and where it came from."""
+def config(path: Path | None, reading: logread.Reading, world_size: int) -> tuple[dict[str, Any] | None, str | None]:
+    """``--config`` (read as ``dsrepro scan`` reads it), else the config the log shows; and where it came from. As a
+    scan judges premises: ``"auto"`` resolved as Hugging Face does, before any CPU adaptation."""
     if path is not None:
         try:
-            return userconfig.load(path).config, str(path)
+            given, said = userconfig.load(path).config, str(path)
         except userconfig.UserConfigError as exc:
             raise TriageError(str(exc)) from None
-    if reading.config is not None:
-        return reading.config, "the config shown in the log"
-    return None, None
+    elif reading.config is not None:
+        given, said = reading.config, "the config shown in the log"
+    else:
+        return None, None
+    try:
+        return configs.resolve(given, "triage", world_size, "gloo").written, said
+    except (configs.ConfigError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse: judged as written
+        return given, said
 
 
 def triage(log: LogText, bugs: Sequence[triaging.KnownBug], args: argparse.Namespace) -> triaging.Triage:
     declared = {s.raises for b in bugs for s in b.signatures}
     reading = logread.read(log.text, known=declared)
     judged_on, release_from = release(args.release, reading)
-    given, config_from = config(args.config, reading)
+    given, config_from = config(args.config, reading, args.world_size or 2)
     return triaging.rank(bugs, reading, judged_on, given, release_from=release_from, config_from=config_from)
 
 
