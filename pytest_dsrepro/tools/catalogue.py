@@ -148,8 +148,9 @@ def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Ent
     ]
 
 
-def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]:
-    """Collect ``paths`` with pytest in this process and return the catalogue.
+def collect(paths: Sequence[str], extra_args: Sequence[str] = (), plugins: Sequence[object] = ()) -> list[Entry]:
+    """Collect ``paths`` with pytest in this process and return the catalogue; ``plugins`` read more of the same
+    collection (``dsrepro triage`` its gates).
 
     pytest's own output is captured, and shown only when collection fails (``CollectionFailed``).
     """
@@ -157,7 +158,7 @@ def collect(paths: Sequence[str], extra_args: Sequence[str] = ()) -> list[Entry]
     out = io.StringIO()
     args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, *paths]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = pytest.main(args, plugins=[collector])
+        code = pytest.main(args, plugins=[collector, *plugins])
     if collector.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         detail = "\n".join(collector.errors) or out.getvalue().strip()
         raise CollectionFailed(f"pytest could not collect {' '.join(paths)} (exit code {int(code)}):\n{detail}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import install, matrix, scan_command, upstream_command
+from . import install, matrix, scan_command, triage_command, upstream_command
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -78,11 +78,14 @@ def _list_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _new(args: argparse.Namespace) -> int:
-    from . import scaffold
+    from . import scaffold, triage_command
 
     try:
-        path = scaffold.create(args.name, Path(args.dir), issue=args.issue, preset=args.config)
-    except scaffold.ScaffoldError as exc:
+        start = scaffold.Prefill()
+        if args.from_log is not None:
+            start = scaffold.prefill(triage_command.reading(args.from_log))
+        path = scaffold.create(args.name, Path(args.dir), issue=args.issue, preset=args.config, start=start)
+    except (scaffold.ScaffoldError, triage_command.TriageError) as exc:
         _err(str(exc))
         return 1
     test = f"{path.as_posix()}::test_{scaffold.names(args.name).slug}"
@@ -103,6 +106,9 @@ def _new_arguments(p: argparse.ArgumentParser) -> None:
         "--config", metavar="PRESET", default=DEFAULT_PRESET, help=f"ds_config preset (default {DEFAULT_PRESET})"
     )
     p.add_argument("--dir", default="repros", help="directory to write into (default repros/)")
+    p.add_argument(
+        "--from-log", metavar="LOG", help="prefill the title, raises= and match= from the error in LOG (- for stdin)"
+    )
 
 
 # --- bisect ------------------------------------------------------------------------------------------------------
@@ -308,6 +314,12 @@ COMMANDS = (
         "does a known bug hit your ds_config.json? the catalogue run with it, per bug a verdict (on releases too)",
         scan_command.add_arguments,
         scan_command.run,
+    ),
+    Command(
+        "triage",
+        "which known bug is this error? the catalogue ranked against a log (with --confirm: reproduced here)",
+        triage_command.add_arguments,
+        triage_command.run,
     ),
     Command(
         "export",

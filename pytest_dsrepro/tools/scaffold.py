@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import shlex
@@ -9,6 +10,8 @@ import string
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from ..core.logread import Reading
 
 DEFAULT_PRESET = "zero3"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]*")
@@ -38,6 +41,33 @@ def names(name: str) -> Names:
     return Names(id="-".join(words), slug="_".join(words))
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """What a new repro starts from: the ``ds_repro`` title and the gate's exception and message, as Python source."""
+
+    title: str = json.dumps("TODO: what goes wrong, in one line")
+    raises: str = "AttributeError"
+    match: str = json.dumps("TODO")
+    issue: str | None = None
+
+
+def prefill(reading: Reading) -> Prefill:
+    """A repro's start from a log's error (``core.logread``): its type where it is a built-in exception (else
+    ``Exception``: the gate then judges by the message), its first line escaped as ``match``, the first DeepSpeed issue
+    the text links. ``ScaffoldError`` when the log shows no exception."""
+    error = reading.primary
+    if error is None:
+        raise ScaffoldError("the log shows no exception (no traceback, no `...Error: message` line) to prefill from")
+    found = getattr(builtins, error.name, None)
+    raises = error.name if isinstance(found, type) and issubclass(found, BaseException) else "Exception"
+    first = error.message.split("\n", 1)[0][:100]
+    frame = error.innermost_deepspeed
+    where = f" (at {frame.path} in {frame.function})" if frame else ""
+    title = f"TODO, from the log: {error.name}{where}: {first[:60]}"
+    match = repr(re.escape(first).replace("\\ ", " ")) if first else "None"
+    return Prefill(json.dumps(title), raises, match, next(iter(reading.issues), None))
+
+
 def presets() -> list[str]:
     from ..core.configs import PRESETS  # imported late: the CLI starts without the plugin's modules
 
@@ -57,9 +87,11 @@ def check_issue(url: str | None) -> str | None:
     return url
 
 
-def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAULT_PRESET) -> str:
+def render(
+    name: str, path: Path, issue: str | None = None, preset: str = DEFAULT_PRESET, start: Prefill = Prefill()
+) -> str:
     """The text of a new repro file (pure apart from reading the template). Its ``ds_premise`` starts as the preset's
-    ZeRO stage, which its own config meets."""
+    ZeRO stage, which its own config meets; ``start`` prefills the title and the gate (``prefill``)."""
     from ..core.configs import PRESETS
 
     n = names(name)
@@ -74,6 +106,9 @@ def render(name: str, path: Path, issue: str | None = None, preset: str = DEFAUL
         upstream=upstream,
         preset=preset,
         stage=PRESETS[preset]["zero_optimization"]["stage"],
+        title=start.title,
+        raises=start.raises,
+        match=start.match,
     )
 
 
@@ -81,12 +116,19 @@ def target(name: str, directory: Path) -> Path:
     return directory / f"test_{names(name).slug}.py"
 
 
-def create(name: str, directory: Path = Path("repros"), issue: str | None = None, preset: str = DEFAULT_PRESET) -> Path:
+def create(
+    name: str,
+    directory: Path = Path("repros"),
+    issue: str | None = None,
+    preset: str = DEFAULT_PRESET,
+    start: Prefill = Prefill(),
+) -> Path:
     """Write ``directory/test_<slug>.py``; never overwrite (``ScaffoldError`` names the file that exists)."""
+    issue = issue or start.issue
     check_issue(issue)
     check_preset(preset)
     path = target(name, directory)
-    text = render(name, path, issue, preset)
+    text = render(name, path, issue, preset, start)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         with path.open("x", encoding="utf-8") as f:  # "x": the check and the creation are one step

@@ -74,7 +74,7 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
         command = pytest_command(python, where, args.config.resolve(), Path(tmp), args)
         if markdown is not None:
             command += ["--ds-report", str(markdown.resolve())]
-        returncode = _run_to_terminal(command, where, environ)
+        returncode = run_to_terminal(command, where, environ)
         written = Path(tmp) / "results"
         files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     if returncode not in (0, 1) or not files:
@@ -84,7 +84,7 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
     return files[0].run
 
 
-def _run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str]) -> int:
+def run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str]) -> int:
     """The scan's pytest, its output the user's to watch; on Ctrl-C (or SIGTERM) stopped as ``processes`` stops
     every child of ``dsrepro``, worlds and fork server included."""
     child = psutil.Popen(list(command), cwd=cwd, env=environ, stdin=subprocess.DEVNULL)

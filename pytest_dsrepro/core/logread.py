@@ -1,0 +1,376 @@
+"""A DeepSpeed error as users paste it, read back into what triage compares: exceptions, DeepSpeed frames, the
+release the log states and a config it shows.
+
+Logs arrive in the shapes terminals and issue trackers give them: ANSI colours (or what is left of them once the
+escape character is lost in a paste), every line prefixed by its rank (``[rank3]:``, torchrun's ``[default3]:``,
+mpirun's ``[1,3]<stderr>:``), several ranks' tracebacks interleaved line by line, lines hard-wrapped at a terminal's
+width, ``\\r`` progress bars. ``read`` undoes each of these, then splits the text into one stream per rank so that
+interleaved tracebacks come apart, and reads every traceback and every bare ``SomeError: message`` line.
+
+Pure: no pytest, no torch, no DeepSpeed; the text is never executed or imported from.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import itertools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from .outcome import PEER_LOST
+from .userconfig import strip_comments
+
+#: Escape sequences (CSI, OSC, two-byte), and the colour codes a paste leaves once the escape character is gone.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\[(?:\d{1,3};)*\d{1,3}m")
+#: Per-line rank prefixes: torch's ``[rank3]:``, torchrun's ``--tee`` ``[default3]:``, mpirun's ``[1,3]<stderr>:``,
+#: each possibly after a launcher's ``host: `` (DeepSpeed's pdsh runner).
+_RANK_PREFIX = re.compile(
+    r"^(?:[\w.-]+: )?(?:\[(?:rank|default)(?P<rank>\d+)\]:|\[\d+,(?P<mpi>\d+)\]<std(?:out|err)>:) ?"
+)
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)')
+#: A frame written compactly, as probes and summaries do: ``deepspeed/runtime/engine.py:2187 in _forward_prologue``.
+_COMPACT_FRAME = re.compile(r"(?P<path>(?:[\w.-]+/)*deepspeed/[\w/.-]+\.py):(?P<line>\d+),? in (?P<function>\w+)")
+_TRACEBACK = "Traceback (most recent call last):"
+#: The line that ends a traceback: the exception's (dotted) type, then its message. pytest writes ``E   `` before it.
+_RAISED = re.compile(r"^(?:E\s+)?(?P<type>[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)(?::\s?(?P<message>.*))?$")
+#: An error line outside a traceback: a type that names itself an error (``...Error``, ``...Exception``), anywhere
+#: on the line (``ranks 0-1: KeyError: 2``, ``E   AttributeError: ...``, a logger's ``ERROR ... RuntimeError: ...``).
+_BARE = re.compile(
+    r"(?:^|(?<=[\s:;(\[]))(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Interrupt))(?::\s?(?P<message>.*))?$"
+)
+_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+#: Lines that start something else (a logger's record, a new launcher line), ending a multi-line message.
+_NEW_RECORD = re.compile(
+    r"^(?:\d{4}-\d\d-\d\d[ T]|\[\d{4}-\d\d-\d\d|\[?(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\b|\[rank)"
+)
+#: Statements of the DeepSpeed release: ``deepspeed==0.18.3``, ``DeepSpeed version 0.18.3``, ds_report's ``deepspeed
+#: info ....... 0.18.3``, the engine's ``DeepSpeed info: version=0.18.3``, a wheel's ``deepspeed-0.18.3``.
+_VERSION = re.compile(
+    r"\bdeepspeed(?:[ _-]?(?:version|info))?(?:[\s.:=]|-(?=\d)|==)*(?:version\s*[=:]\s*)?v?"
+    r"(?P<version>\d+\.\d+\.\d+(?:\.?(?:post|dev|rc|a|b)\d+)?(?:\+[\w.]+)?)",
+    re.IGNORECASE,
+)
+#: Keys that make a JSON object in a log a DeepSpeed config.
+CONFIG_KEYS = frozenset({
+    "zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16",
+    "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer",
+})  # fmt: skip
+_ISSUE_URL = re.compile(r"https://github\.com/(?:deepspeedai|microsoft)/DeepSpeed/(?:issues|pull)/\d+")
+#: How many ``{`` a log may make ``read`` try as JSON, and how much text each try may span.
+_CONFIG_TRIES, _CONFIG_SPAN = 200, 64 * 1024
+#: Lines a message may span; characters kept of it.
+_MESSAGE_LINES, _MESSAGE_CHARS = 30, 4000
+#: A hard wrap is recognised at this width or wider, when at least this many lines end exactly there.
+_WRAP_MIN_WIDTH, _WRAP_MIN_LINES = 60, 3
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One traceback frame: the file as written (from ``deepspeed/`` on for DeepSpeed's), its line and function."""
+
+    path: str
+    line: int
+    function: str
+
+    @property
+    def deepspeed(self) -> bool:
+        return "deepspeed/" in self.path and "site-packages/deepspeed-" not in self.path
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} in {self.function}"
+
+    @classmethod
+    def of(cls, path: str, line: str, function: str) -> Frame:
+        cut = path.replace("\\", "/")
+        at = cut.rfind("/deepspeed/")
+        return cls(cut[at + 1 :] if at >= 0 else cut, int(line), function)
+
+
+@dataclass(frozen=True)
+class Raised:
+    """An exception the log shows: its type as written (``torch.distributed.DistBackendError``), its message (wrapped
+    lines rejoined, further lines kept), the traceback's frames outermost first (none for a bare error line), and the
+    ranks whose streams showed it (empty: no rank prefix)."""
+
+    type: str
+    message: str
+    frames: tuple[Frame, ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The type's own name, without its module."""
+        return self.type.rsplit(".", 1)[-1]
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        """The names this exception is an instance of, as far as the text tells: a built-in exception's MRO, else
+        its own name only."""
+        found = getattr(builtins, self.name, None)
+        if isinstance(found, type) and issubclass(found, BaseException):
+            return tuple(c.__name__ for c in found.__mro__ if c is not object)
+        return (self.name,)
+
+    @property
+    def deepspeed_frames(self) -> tuple[Frame, ...]:
+        return tuple(f for f in self.frames if f.deepspeed)
+
+    @property
+    def innermost_deepspeed(self) -> Frame | None:
+        frames = self.deepspeed_frames
+        return frames[-1] if frames else None
+
+    @property
+    def lost_peer(self) -> bool:
+        """Only lost a peer (gloo's "Connection closed by peer", ...): collateral of another rank's failure."""
+        return any(marker in self.message for marker in PEER_LOST)
+
+    @property
+    def headline(self) -> str:
+        first = self.message.split("\n", 1)[0]
+        return f"{self.type}: {first}" if first else self.type
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a log shows, as triage compares it."""
+
+    errors: tuple[Raised, ...]  # distinct exceptions: the unprefixed lines' first, then each rank's, in order
+    versions: tuple[str, ...] = ()  # DeepSpeed releases the log states, the most often stated first
+    config: dict[str, Any] | None = None  # the DeepSpeed config the log shows (the largest one)
+    issues: tuple[str, ...] = ()  # DeepSpeed issue and pull-request addresses in the text
+    text: str = field(default="", repr=False)  # the cleaned text (free-text evidence when no exception shows)
+    lines: int = 0
+
+    @property
+    def primary(self) -> Raised | None:
+        """The error a reader should look at: the first with DeepSpeed frames that did not only lose a peer; else the
+        first of its own; else the first."""
+        own = [e for e in self.errors if not e.lost_peer] or list(self.errors)
+        return next((e for e in own if e.deepspeed_frames), own[0] if own else None)
+
+    @property
+    def deepspeed_frames(self) -> tuple[Frame, ...]:
+        """Every DeepSpeed frame of every traceback, each once, in order (compact ones written in the text too)."""
+        return tuple(dict.fromkeys(f for e in self.errors for f in e.deepspeed_frames))
+
+
+# --- cleaning ------------------------------------------------------------------------------------------------------
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _lines(text: str) -> list[str]:
+    """Lines without colours, each ``\\r``-rewritten line as its last state (a progress bar's final value)."""
+    out = []
+    for raw in strip_ansi(text).replace("\r\n", "\n").split("\n"):
+        parts = [p for p in raw.split("\r") if p.strip()]
+        out.append((parts[-1] if parts else "").rstrip())
+    return out
+
+
+def streams(lines: Iterable[str]) -> dict[int | None, list[str]]:
+    """Lines split by the rank prefix they carry (None: no prefix), each stream in its own order: interleaved ranks
+    come apart, and each rank's traceback reads whole."""
+    found: dict[int | None, list[str]] = collections.defaultdict(list)
+    for line in lines:
+        m = _RANK_PREFIX.match(line)
+        if m is None:
+            found[None].append(line)
+        else:
+            found[int(m["rank"] or m["mpi"])].append(line[m.end() :])
+    return dict(found)
+
+
+def wrap_width(lines: Sequence[str]) -> int | None:
+    """The column a text was hard-wrapped at (a terminal copy, ``fold``), or None: a width of at least
+    ``_WRAP_MIN_WIDTH`` that several lines end exactly at, that no line passes, and after which the next line mostly
+    continues rather than starts a record (a logger's fixed-width records are not cut lines)."""
+    lengths = collections.Counter(len(line) for line in lines if len(line) >= _WRAP_MIN_WIDTH)
+    if not lengths:
+        return None
+    widest = max(lengths)
+    if lengths[widest] < _WRAP_MIN_LINES:
+        return None
+    followed = [after for line, after in itertools.pairwise(lines) if len(line) == widest]
+    cut = sum(not _starts_record(after) for after in followed)
+    return widest if 2 * cut > len(followed) else None
+
+
+def unwrap(lines: Sequence[str]) -> list[str]:
+    """Lines that a hard wrap cut (exactly ``wrap_width`` long, or a multiple once joined) joined with the line that
+    continues them, unless that line starts a record of its own."""
+    width = wrap_width(lines)
+    if width is None:
+        return list(lines)
+    out: list[str] = []
+    for line in lines:
+        if out and len(out[-1]) % width == 0 and not _starts_record(line):
+            out[-1] += line
+        else:
+            out.append(line)
+    return out
+
+
+def _starts_record(line: str) -> bool:
+    """A line that starts something of its own, never the rest of a cut one: indented (a frame, code), a logger's
+    record, a traceback's header, blank."""
+    return not line or line.startswith(("  ", "\t", _TRACEBACK)) or bool(_NEW_RECORD.match(line))
+
+
+# --- exceptions ----------------------------------------------------------------------------------------------------
+
+
+def _message(first: str, rest: Sequence[str], known: re.Pattern[str] | None = None) -> str:
+    """A message's first line and the lines that continue it, up to a blank line or the start of something else."""
+    kept = [first.strip()]
+    for line in rest[:_MESSAGE_LINES]:
+        if not line.strip() or line.startswith(_TRACEBACK) or line.startswith(_CHAIN) or _NEW_RECORD.match(line):
+            break
+        if _FRAME.match(line) or _bare(line.strip(), known):
+            break
+        kept.append(line.strip())
+    return "\n".join(kept)[:_MESSAGE_CHARS]
+
+
+def _traceback(lines: Sequence[str], start: int, known: re.Pattern[str] | None) -> tuple[Raised | None, int]:
+    """The traceback whose header is ``lines[start]``: its exception, and the index after its message."""
+    frames: list[Frame] = []
+    i = start + 1
+    while i < len(lines):
+        line = lines[i]
+        frame = _FRAME.match(line)
+        if frame:
+            frames.append(Frame.of(frame["path"], frame["line"], frame["function"]))
+        elif line.strip() and not line[:1].isspace():
+            break
+        i += 1
+    if i >= len(lines):
+        return None, i
+    raised = _RAISED.match(lines[i].strip())
+    if raised is None:
+        return None, i
+    message = _message(raised["message"] or "", lines[i + 1 :], known)
+    return Raised(raised["type"], message, tuple(frames)), i + 1 + message.count("\n")
+
+
+def _errors(lines: Sequence[str], known: re.Pattern[str] | None) -> list[Raised]:
+    """Every traceback's exception, and every bare error line outside tracebacks, in order."""
+    found: list[Raised] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _TRACEBACK in line:
+            raised, i = _traceback(lines, i, known)
+            if raised is not None:
+                found.append(raised)
+            continue
+        bare = _bare(line, known)
+        if bare is not None:
+            text = bare["message"] or ""
+            compact = _COMPACT_FRAME.search(line) if "deepspeed/" in line else None
+            at = text.find("  @ ") if compact else -1  # a probe's "Error: message  @ deepspeed/...py:12 in f"
+            frames = (Frame.of(compact["path"], compact["line"], compact["function"]),) if compact else ()
+            message = _message(text[:at] if at >= 0 else text, lines[i + 1 :], known)
+            found.append(Raised(bare["type"], message, frames))
+            i += 1 + message.count("\n")
+            continue
+        i += 1
+    return found
+
+
+def _bare(line: str, known: re.Pattern[str] | None) -> re.Match[str] | None:
+    """The error a line outside a traceback states, if any (a cheap look first: most lines of a log state none)."""
+    if "Error" in line or "Exception" in line or "Interrupt" in line:
+        found = _BARE.search(line)
+        if found is not None:
+            return found
+    return known.search(line) if known is not None and ":" in line else None
+
+
+def _known(names: Iterable[str]) -> re.Pattern[str] | None:
+    """Bare lines of types the catalogue declares whose names do not say they are errors (``Slowdown: ...``)."""
+    alternatives = "|".join(re.escape(n) for n in sorted(set(names)))
+    if not alternatives:
+        return None
+    return re.compile(rf"(?:^|(?<=[\s:;]))(?P<type>(?:\w+\.)*(?:{alternatives}))(?::\s?(?P<message>.*))?$")
+
+
+def _merge(per_rank: Iterable[tuple[int | None, list[Raised]]]) -> tuple[Raised, ...]:
+    """The same exception seen in several ranks told once, with those ranks; the first with frames kept."""
+    merged: dict[tuple[str, str], Raised] = {}
+    for rank, errors in per_rank:
+        for e in errors:
+            key = (e.name, e.message)
+            have = merged.get(key)
+            ranks = () if rank is None else (rank,)
+            if have is None:
+                merged[key] = Raised(e.type, e.message, e.frames, ranks)
+            else:
+                frames = have.frames or e.frames
+                merged[key] = Raised(have.type, have.message, frames, tuple(sorted({*have.ranks, *ranks})))
+    return tuple(merged.values())
+
+
+# --- what else the log states --------------------------------------------------------------------------------------
+
+
+def versions(text: str) -> tuple[str, ...]:
+    """The DeepSpeed releases ``text`` states, the most often stated first (ties: the first stated)."""
+    said: collections.Counter[str] = collections.Counter()
+    for m in _VERSION.finditer(text):
+        try:
+            said[str(Version(m["version"]))] += 1
+        except InvalidVersion:
+            continue
+    return tuple(v for v, _ in said.most_common())
+
+
+def config(text: str) -> dict[str, Any] | None:
+    """The largest JSON object in ``text`` that is a DeepSpeed config (``CONFIG_KEYS``), comments allowed; None when
+    there is none. Only a ``{`` that starts a line or follows ``=``/``:`` is tried, at most ``_CONFIG_TRIES``."""
+    decoder = json.JSONDecoder()
+    best: dict[str, Any] | None = None
+    tries = 0
+    for m in re.finditer(r"(?:^|[=:]\s*)(\{)", text, re.MULTILINE):
+        if tries >= _CONFIG_TRIES:
+            break
+        tries += 1
+        start = m.start(1)
+        try:
+            plain, _ = strip_comments(text[start : start + _CONFIG_SPAN])
+            found, _ = decoder.raw_decode(plain)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and CONFIG_KEYS & set(found) and (best is None or _size(found) > _size(best)):
+            best = found
+    return best
+
+
+def _size(node: object) -> int:
+    return sum(1 + _size(v) for v in node.values()) if isinstance(node, Mapping) else 0
+
+
+def read(text: str, known: Iterable[str] = ()) -> Reading:
+    """Everything triage compares, from a log as pasted. ``known``: exception names that do not end in ``Error``
+    but that a catalogued bug raises (``Slowdown``), recognised on bare lines too."""
+    lines = _lines(text)
+    pattern = _known(known)
+    per_rank = [(rank, _errors(unwrap(stream), pattern)) for rank, stream in streams(lines).items()]
+    clean = "\n".join(lines)
+    return Reading(
+        errors=_merge(per_rank),
+        versions=versions(clean),
+        config=config(clean),
+        issues=tuple(dict.fromkeys(_ISSUE_URL.findall(clean))),
+        text=clean,
+        lines=len(lines),
+    )

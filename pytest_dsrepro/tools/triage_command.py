@@ -1,0 +1,361 @@
+"""``dsrepro triage LOG``: is the error in this log a catalogued DeepSpeed bug, which release fixes it, what to do.
+
+The log is read within limits (``read_log``): its first ``HEAD_BYTES`` and last ``TAIL_BYTES`` only, so a 200 MB log
+answers as fast as a short one; an empty or binary file is a usage error in one line. The catalogue is read from its
+markers by pytest's collection (``catalogue.collect``, with ``_Gates`` reading the ``ds_version`` gates and
+``ds_premise`` of the same items); ``core.triage`` ranks it against ``core.logread``'s reading of the log.
+
+``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them: with the user's config (a
+scan, ``--ds-scan``) or with the repros' own configs, on the release judged on (its environment built as ``dsrepro
+bisect`` builds one where it is not the release installed here), and reads the verdicts from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from packaging.version import InvalidVersion, Version
+
+from ..core import configs, logread, premises, results, triage, userconfig, versions
+from ..core.errors import MarkerError
+from ..core.gates import VersionGate, common_fix, parse_gates
+from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
+from . import processes
+
+if TYPE_CHECKING:
+    import pytest
+
+#: Exit codes: 0 a known bug matched with confidence (or reproduced here); 1 no known bug; 2 a usage error.
+KNOWN, UNKNOWN, USAGE = 0, 1, 2
+#: The parts of a log that are read: its start (where versions and configs are printed) and its end (the error).
+HEAD_BYTES, TAIL_BYTES = 1 << 20, 4 << 20
+#: How much of the start decides whether the input is text.
+SNIFF_BYTES = 8192
+#: Candidates ``--confirm`` runs by default.
+CONFIRM_TOP = 3
+
+
+class TriageError(Exception):
+    """The triage cannot run (bad input, no catalogue, a release that cannot run): one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class LogText:
+    """A log as read: its text (head and tail when it was cut), its size in bytes, whether its middle was left."""
+
+    name: str
+    text: str
+    size: int
+    cut: bool = False
+
+    @property
+    def described(self) -> str:
+        if self.cut:
+            return (f"{self.name}: {_bytes(self.size)}, its first {_bytes(HEAD_BYTES)} and last {_bytes(TAIL_BYTES)} "
+                    "read")  # fmt: skip
+        return f"{self.name}: {_bytes(self.size)}"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
+    return f"{n} bytes"
+
+
+def _windows(stream: BinaryIO) -> tuple[bytes, bytes, int]:
+    """A stream's first ``HEAD_BYTES`` and last ``TAIL_BYTES`` (empty when the head holds it all), and its size."""
+    head = stream.read(HEAD_BYTES)
+    tail = bytearray()
+    size = len(head)
+    while chunk := stream.read(1 << 20):
+        size += len(chunk)
+        tail += chunk
+        del tail[: max(0, len(tail) - TAIL_BYTES)]
+    return head, bytes(tail), size
+
+
+def _binary(sample: bytes) -> bool:
+    """NUL bytes, or more than a tenth of control characters that no log prints (ANSI's escape is allowed)."""
+    if b"\0" in sample:
+        return True
+    controls = sum(1 for b in sample if b < 32 and b not in (9, 10, 12, 13, 27, 8))
+    return controls > len(sample) // 10
+
+
+def read_log(source: str, stdin: BinaryIO | None = None) -> LogText:
+    """The log at ``source`` (``-``: standard input), within ``HEAD_BYTES`` + ``TAIL_BYTES``; ``TriageError`` names
+    the file and what is wrong with it (missing, a directory, empty, binary)."""
+    name = "standard input" if source == "-" else source
+    try:
+        if source == "-":
+            head, tail, size = _windows(stdin or sys.stdin.buffer)
+        else:
+            with Path(source).open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(HEAD_BYTES)
+                if size > HEAD_BYTES + TAIL_BYTES:
+                    f.seek(size - TAIL_BYTES)
+                tail = f.read(TAIL_BYTES)
+    except OSError as exc:
+        raise TriageError(f"{name}: cannot be read ({exc.strerror or exc})") from None
+    if not (head + tail).strip():
+        raise TriageError(f"{name}: empty; give the log, traceback or issue text that shows the error")
+    if _binary(head[:SNIFF_BYTES]):
+        raise TriageError(f"{name}: binary, not a log (control bytes in its first {_bytes(SNIFF_BYTES)}); give the "
+                          "text of the error")  # fmt: skip
+    cut = size > len(head) + len(tail)
+    if cut:  # whole lines where there are lines, and a line that says what is missing
+        head = head[: head.rfind(b"\n") + 1] or head
+        tail = tail[tail.find(b"\n") + 1 :] or tail
+        skipped = f"\n[... dsrepro triage did not read {_bytes(size - len(head) - len(tail))} here ...]\n"
+        data = head + skipped.encode() + tail
+    else:
+        data = head + tail
+    return LogText(name, data.decode("utf-8", errors="replace"), size, cut)
+
+
+def reading(source: str) -> logread.Reading:
+    """The log at ``source`` read (``read_log``'s limits), for what else starts from a log (``dsrepro new``)."""
+    return logread.read(read_log(source).text)
+
+
+# --- the catalogue -------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
+class _Gates:
+    """A pytest plugin object: each catalogued item's ``ds_version`` gates and ``ds_premise``, by repro id."""
+
+    gates: dict[str, list[VersionGate]] = field(default_factory=dict)
+    premises: dict[str, premises.Premise] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            mark = item.get_closest_marker("ds_repro")
+            if mark is None:
+                continue
+            bug = repro_meta(mark.args, mark.kwargs, item.path, ()).id
+            premise = item.get_closest_marker("ds_premise")
+            try:
+                gates = parse_gates([(m.args, dict(m.kwargs)) for m in item.iter_markers("ds_version")], item.nodeid)
+                if premise is not None:
+                    self.premises[bug] = premises.parse(premise.args, premise.kwargs, item.nodeid)
+            except MarkerError as exc:
+                self.errors.append(str(exc))
+                continue
+            self.gates.setdefault(bug, []).extend(gates)
+
+
+def known_bugs(where: Path) -> list[triage.KnownBug]:
+    """The catalogue at ``where``, from its markers, as triage compares it."""
+    from . import catalogue
+
+    reader = _Gates()
+    try:
+        entries = catalogue.collect([str(where)], ["--rootdir", str(where)], plugins=[reader])
+    except catalogue.CollectionFailed as exc:
+        raise TriageError(str(exc).splitlines()[0]) from None
+    if reader.errors:
+        raise TriageError(f"the catalogue's markers are wrong: {reader.errors[0]}")
+    bugs = []
+    for e in entries:
+        gates = reader.gates.get(e.id, [])
+        fix = common_fix(gates)
+        signatures = tuple(dict.fromkeys(triage.Signature.of(g) for g in gates))
+        bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path, signatures,
+                                      reader.premises.get(e.id), getattr(fix, "__name__", None)))  # fmt: skip
+    if not bugs:
+        raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
+    return bugs
+
+
+def _catalogue(args: argparse.Namespace) -> Path:
+    from .scan_command import ScanError, catalogue
+
+    if args.catalogue is not None:
+        return Path(args.catalogue).resolve()
+    try:
+        return catalogue()
+    except ScanError as exc:
+        raise TriageError(str(exc)) from None
+
+
+# --- what the triage is judged on ----------------------------------------------------------------------------------
+
+
+def release(given: str | None, reading: logread.Reading) -> tuple[Version | None, str]:
+    """``--release``, else the DeepSpeed installed here, else the release the log states; and where it came from."""
+    if given is not None:
+        try:
+            return Version(given), "--release"
+        except InvalidVersion:
+            raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
+    installed = versions.installed("deepspeed")
+    if installed is not None:
+        return installed, "installed here"
+    if reading.versions:
+        return Version(reading.versions[0]), "stated in the log"
+    return None, ""
+
+
+def config(path: Path | None, reading: logread.Reading, world_size: int) -> tuple[dict[str, Any] | None, str | None]:
+    """``--config`` (read as ``dsrepro scan`` reads it), else the config the log shows; and where it came from. As a
+    scan judges premises: ``"auto"`` resolved as Hugging Face does, before any CPU adaptation."""
+    if path is not None:
+        try:
+            given, said = userconfig.load(path).config, str(path)
+        except userconfig.UserConfigError as exc:
+            raise TriageError(str(exc)) from None
+    elif reading.config is not None:
+        given, said = reading.config, "the config shown in the log"
+    else:
+        return None, None
+    try:
+        return configs.resolve(given, "triage", world_size, "gloo").written, said
+    except (configs.ConfigError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse: judged as written
+        return given, said
+
+
+def triage_log(log: LogText, bugs: Sequence[triage.KnownBug], args: argparse.Namespace) -> triage.Triage:
+    declared = {s.raises for b in bugs for s in b.signatures}
+    reading = logread.read(log.text, known=declared)
+    judged_on, release_from = release(args.release, reading)
+    given, config_from = config(args.config, reading, args.world_size or 2)
+    return triage.rank(bugs, reading, judged_on, given, release_from=release_from, config_from=config_from)
+
+
+# --- --confirm -----------------------------------------------------------------------------------------------------
+
+
+def _environment(args: argparse.Namespace, judged_on: str | None) -> tuple[str, dict[str, str]]:
+    """The interpreter and variables that run the release judged on: this one's where it is installed here, else
+    the release's environment (``environments.release_environment``, built once and cached)."""
+    if judged_on is None or judged_on == versions.installed_text("deepspeed"):
+        return sys.executable, dict(os.environ)
+    from .environments import EnvironmentUnavailable, release_environment
+
+    print(f"dsrepro triage: deepspeed {judged_on}: preparing its environment ...", file=sys.stderr, flush=True)
+    try:
+        env = release_environment(args.cache_dir, args.constraints)(Version(judged_on))
+    except EnvironmentUnavailable as exc:
+        raise TriageError(f"deepspeed {judged_on} cannot run here: {exc}") from None
+    return env.python, dict(env.environ)
+
+
+def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, bugs: Sequence[triage.KnownBug],
+               where: Path) -> RunRecord:  # fmt: skip
+    """The bugs' own tests, stock variants only, in a child pytest from the catalogue's directory (as a scan runs)."""
+    from .scan_command import run_to_terminal
+
+    files = list(dict.fromkeys(str(Path(b.path).resolve()) for b in bugs))
+    with tempfile.TemporaryDirectory(prefix="dsrepro-triage-") as tmp:
+        command = [python, "-m", "pytest", *files, "--rootdir", str(where), "-p", "no:cacheprovider", "-q", "--tb=no",
+                   "-rN", "-k", "not fixed", "--ds-results", f"{tmp}/results", "--basetemp", f"{tmp}/tmp"]  # fmt: skip
+        if args.world_size is not None:
+            command += ["--ds-world-size", str(args.world_size)]
+        returncode = run_to_terminal(command, where, environ)
+        written = Path(tmp) / "results"
+        files_read, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
+    if returncode not in (0, 1) or not files_read or unreadable:
+        raise TriageError(f"the repros' pytest ended with exit code {returncode} and wrote no results (its output is "
+                          "above)")  # fmt: skip
+    return files_read[0].run
+
+
+def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str, Finding]:
+    """The best candidates' repros (``Triage.to_confirm``) run here: with ``--config`` as a scan, else on their own
+    configs."""
+    chosen = t.to_confirm(args.top)
+    if not chosen:
+        return {}
+    names = ", ".join(b.id for b in chosen)
+    print(f"dsrepro triage: confirming {names} on deepspeed {t.release or 'installed here'} ...", file=sys.stderr,
+          flush=True)  # fmt: skip
+    python, environ = _environment(args, t.release)
+    if args.config is not None:
+        from .scan_command import ScanError, scan_once
+
+        select = " or ".join(PurePath(b.path).stem for b in chosen)
+        scan = argparse.Namespace(config=args.config, world_size=args.world_size, pytest_args=["-k", select],
+                                  catalogue=where)  # fmt: skip
+        try:
+            run = scan_once(python, environ, scan, None)
+        except ScanError as exc:
+            raise TriageError(str(exc)) from None
+    else:
+        run = _stock_run(python, environ, args, chosen, where)
+    return triage.confirmations(run, {b.id: b.fixed_in for b in chosen})
+
+
+# --- the command ---------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Rank the catalogue's DeepSpeed bugs by how well an error log matches each (the exception and message each "
+        "repro declares, the DeepSpeed frames, the config, the release), say why for each candidate, and rule out "
+        "what cannot be it. --confirm runs the best candidates' repros here. Exit code 0: a known bug matched with "
+        "confidence (or reproduced here); 1: no known bug; 2: the input or an option is wrong."
+    )
+    parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
+    parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
+    parser.add_argument(
+        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the one "
+        "installed here, else the one the log states)"
+    )  # fmt: skip
+    parser.add_argument("--markdown", type=Path, metavar="PATH", help="write a ready GitHub comment to PATH")
+    parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
+    parser.add_argument(
+        "--top", type=int, default=CONFIRM_TOP, metavar="N", help=f"candidates --confirm runs (default {CONFIRM_TOP})"
+    )
+    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
+    parser.add_argument("--catalogue", type=Path, default=None, metavar="DIR", help="repros to triage against")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro scan)")
+    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with processes.interrupting(signal.SIGTERM):
+            return _run(args)
+    except TriageError as exc:
+        print(f"dsrepro triage: {exc}", file=sys.stderr)
+        return USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.top < 1 or (args.world_size is not None and args.world_size < 1):
+        raise TriageError("--top and --world-size must be whole numbers >= 1")
+    log = read_log(args.log)
+    where = _catalogue(args)
+    t = triage_log(log, known_bugs(where), args)
+    print(f"dsrepro triage: {log.described}, {t.reading.lines} lines")
+    stated = t.reading.versions
+    if stated and t.release is not None and stated[0] != t.release:
+        print(f"note: the log states deepspeed {stated[0]}; judged on {t.release} ({t.release_from}); "
+              f"--release {stated[0]} judges on the log's")  # fmt: skip
+    confirmed = confirm(args, t, where) if args.confirm else {}
+    for line in triage.terminal(t, confirmed):
+        print(line)
+    if t.known is None:
+        print(triage.new_repro_hint(args.log))
+    if args.markdown is not None:
+        try:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(triage.markdown(t, confirmed, log=args.log))
+        except OSError as exc:
+            raise TriageError(f"--markdown {args.markdown}: cannot be written ({exc.strerror or exc})") from None
+        print(f"wrote {args.markdown}")
+    return (
+        KNOWN if t.known is not None or any(f.verdict is ScanVerdict.AFFECTED for f in confirmed.values()) else UNKNOWN
+    )

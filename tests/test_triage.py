@@ -1,0 +1,342 @@
+"""``dsrepro triage LOG``: a log read as pasted, the catalogue ranked against it, and the command as a user meets it.
+
+The reading and the ranking are pure and tested directly on logs in the shapes users paste them; the command runs
+in a subprocess on the installed catalogue, with bad input of every kind, and once with ``--confirm`` in real worlds.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from pytest_dsrepro.core import logread, premises, triage
+from pytest_dsrepro.core.logread import Frame
+from pytest_dsrepro.core.results import Finding, ScanVerdict
+from pytest_dsrepro.tools import scaffold, triage_command
+
+EPILOGUE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
+TRACEBACK = """Traceback (most recent call last):
+  File "/home/u/train.py", line 40, in <module>
+    engine.backward(loss)
+  File "/venv/lib/python3.11/site-packages/deepspeed/runtime/engine.py", line 2300, in backward
+    self.allreduce_gradients()
+AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'overlapping_partition_gradients_reduce_epilogue'
+"""
+
+
+# --- reading a log --------------------------------------------------------------------------------------------------
+
+
+def test_a_plain_traceback_gives_the_exception_and_its_deepspeed_frames() -> None:
+    reading = logread.read(TRACEBACK)
+    (error,) = reading.errors
+    assert error.type == "AttributeError"
+    assert error.message == EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+    assert [f.deepspeed for f in error.frames] == [False, True]
+
+
+def test_colours_rank_prefixes_and_interleaved_ranks_come_apart() -> None:
+    """Two ranks' tracebacks interleaved line by line, each line coloured and prefixed as torch prints them."""
+    lines = TRACEBACK.splitlines()
+    mixed = []
+    for line in lines:
+        for rank in (3, 1):
+            coloured = line.replace("AttributeError", "\x1b[31mAttributeError\x1b[0m")
+            mixed.append(f"[rank{rank}]: {coloured}")
+    (error,) = logread.read("\n".join(mixed)).errors
+    assert error.ranks == (1, 3)
+    assert error.headline == "AttributeError: " + EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")
+    assert len(error.frames) == 2
+
+
+def test_colour_codes_whose_escape_was_lost_in_a_paste_are_removed() -> None:
+    assert logread.strip_ansi("[1;31mKeyError[0m: 2") == "KeyError: 2"
+
+
+def test_torchrun_and_mpirun_prefixes_name_the_rank() -> None:
+    found = logread.streams(["[default2]:KeyError: 2", "[1,5]<stderr>:KeyError: 3", "no prefix"])
+    assert found == {2: ["KeyError: 2"], 5: ["KeyError: 3"], None: ["no prefix"]}
+
+
+def test_lines_hard_wrapped_at_a_terminal_width_are_joined() -> None:
+    """A terminal copy cut every line at 70 columns: the message reads whole again, the frame too."""
+    text = TRACEBACK.replace("    ", "  ") + "RuntimeError: " + "x" * 150 + "\n"
+    wrapped = [line[i : i + 70] for line in text.splitlines() for i in range(0, max(len(line), 1), 70)]
+    assert logread.wrap_width(wrapped) == 70
+    errors = logread.read("\n".join(wrapped)).errors
+    assert errors[0].message == EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")
+    assert errors[0].innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+    assert errors[1].message == "x" * 150
+
+
+def test_chained_exceptions_and_bare_error_lines_are_each_read() -> None:
+    text = (TRACEBACK + "\nDuring handling of the above exception, another exception occurred:\n\n"
+            "Traceback (most recent call last):\n  File \"t.py\", line 1, in <module>\nKeyError: 2\n"
+            "ranks 0-1: IndexError: pop from an empty deque\nE   Slowdown: a training step took 5x\n")  # fmt: skip
+    errors = logread.read(text, known={"Slowdown"}).errors
+    assert [e.headline for e in errors[1:]] == ["KeyError: 2", "IndexError: pop from an empty deque",
+                                                "Slowdown: a training step took 5x"]  # fmt: skip
+
+
+def test_a_multi_line_message_is_kept_until_the_next_record() -> None:
+    text = "RuntimeError: Direct calls to tensor.backward() are not supported.\nPlease use engine.backward(loss).\n\nok"
+    (error,) = logread.read(text).errors
+    assert error.message.splitlines() == ["Direct calls to tensor.backward() are not supported.",
+                                          "Please use engine.backward(loss)."]  # fmt: skip
+
+
+def test_the_error_to_read_is_not_one_that_only_lost_a_peer() -> None:
+    text = ("rank 1: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1234\n"
+            "rank 0: KeyError: torch.bfloat16\n")  # fmt: skip
+    reading = logread.read(text)
+    assert reading.primary is not None
+    assert reading.primary.headline == "KeyError: torch.bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("statement", "version"),
+    [
+        ("pip install deepspeed==0.18.3", "0.18.3"),
+        ("DeepSpeed version 0.16.3", "0.16.3"),
+        ("deepspeed info ................... 0.17.5, unknown, unknown", "0.17.5"),
+        ("[Rank 0] DeepSpeed info: version=0.19.2, git-hash=unknown", "0.19.2"),
+        ("site-packages/deepspeed-0.15.4.dist-info", "0.15.4"),
+    ],
+)
+def test_the_release_a_log_states(statement: str, version: str) -> None:
+    assert logread.read(f"{statement}\nKeyError: 2\n").versions == (version,)
+
+
+def test_a_config_pasted_in_the_log_with_comments_is_read() -> None:
+    text = 'my config:\n{\n  "zero_optimization": {"stage": 3},  // ZeRO-3\n  "train_batch_size": 8\n}\n{"a": 1}\n'
+    assert logread.read(text).config == {"zero_optimization": {"stage": 3}, "train_batch_size": 8}
+
+
+# --- ranking --------------------------------------------------------------------------------------------------------
+
+
+def bug(id: str, *signatures: triage.Signature, premise: premises.Premise | None = None, fixed_in: str | None = None,
+        root_cause: str = "") -> triage.KnownBug:  # fmt: skip
+    return triage.KnownBug(id, f"title of {id}", None, fixed_in, root_cause, f"/x/repros/test_{id}.py", signatures,
+                             premise, "the_fix")  # fmt: skip
+
+
+EPILOGUE_BUG = bug(
+    "epilogue",
+    triage.Signature("<0.18.3", "AttributeError", EPILOGUE.format("backward")),
+    triage.Signature(">=0.18.3", "AttributeError", EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")),
+    premise=premises.parse((), {"stage": 3}, "test"),
+    root_cause="engine.backward calls allreduce_gradients on DeepSpeedZeRoOffload",
+)
+KEYERROR_BUG = bug("keyerror", triage.Signature("<0.19.6", "KeyError", r"^2$"), fixed_in="0.19.6")
+CATALOGUE = [EPILOGUE_BUG, KEYERROR_BUG]
+
+
+def test_the_declared_message_makes_a_confident_candidate_and_says_why() -> None:
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), Version("0.18.3"))
+    assert t.known is not None
+    assert t.known.bug.id == "epilogue"
+    assert t.known.reason.startswith("the message is the one it declares: AttributeError matching")
+    assert "frames backward" in t.known.reason
+    assert t.known.reason.endswith("deepspeed 0.18.3 is in that range")
+    assert [c.bug.id for c in t.candidates] == ["epilogue"]
+
+
+def test_another_releases_message_is_still_the_bug_and_is_said_so() -> None:
+    t = triage.rank(CATALOGUE, logread.read("AttributeError: " + EPILOGUE.format("backward")), Version("0.19.0"))
+    assert t.known is not None
+    assert "that message is the one of deepspeed<0.18.3; on 0.19.0 it raises AttributeError matching" in t.known.reason
+
+
+def test_the_type_alone_is_weak_evidence() -> None:
+    t = triage.rank(CATALOGUE, logread.read("KeyError: 'input_ids'\n"), Version("0.18.3"))
+    assert t.known is None
+    assert [c.bug.id for c in t.candidates] == ["keyerror"]
+    assert t.candidates[0].score < triage.CONFIDENT
+    assert "no known bug with confidence; the closest is keyerror" in triage.verdict(t)
+
+
+def test_a_release_outside_the_range_rules_the_bug_out_with_the_fixed_release() -> None:
+    t = triage.rank(CATALOGUE, logread.read("KeyError: 2\n"), Version("0.19.8"))
+    assert t.candidates == ()
+    (ruled,) = t.ruled_out
+    assert ruled.reason == "deepspeed 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
+    assert t.to_confirm(3) == [KEYERROR_BUG]  # confident evidence: a run says whether the rule holds
+    assert triage.verdict(t).startswith("no known bug here: the log looks like keyerror, but deepspeed 0.19.8")
+    assert triage.markdown(t).startswith(
+        "### This looks like the known DeepSpeed bug `keyerror`, but deepspeed 0.19.8 is outside its affected range"
+    )
+
+
+def test_a_config_that_cannot_meet_the_premise_rules_the_bug_out() -> None:
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), None, {"zero_optimization": {"stage": 2}})
+    assert t.known is None
+    (ruled,) = t.ruled_out
+    assert ruled.reason == "the config cannot meet its premise: needs ZeRO stage 3; the config has 2"
+    met = triage.rank(CATALOGUE, logread.read(TRACEBACK), None, {"zero_optimization": {"stage": 3}})
+    assert met.known is not None
+    assert "the config meets its premise (ZeRO stage 3)" in met.known.reason
+
+
+def test_a_log_with_no_exception_is_compared_by_its_words_and_never_confident() -> None:
+    text = "backward dies on DeepSpeedZeRoOffload with allreduce_gradients, no traceback kept"
+    t = triage.rank(CATALOGUE, logread.read(text))
+    assert t.reading.errors == ()
+    assert t.candidates[0].bug.id == "epilogue"
+    assert not t.candidates[0].confident
+    assert "no exception (no traceback" in triage.showed(t.reading)
+
+
+def test_the_markdown_is_a_ready_comment() -> None:
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), Version("0.18.3"), release_from="--release")
+    said = {"epilogue": Finding(ScanVerdict.AFFECTED, "on deepspeed 0.18.3: ranks 0-1: AttributeError")}
+    text = triage.markdown(t, said, log="crash.log")
+    assert text.startswith("### This looks like a known DeepSpeed bug: `epilogue`")
+    assert "- Workaround: the repro's fix `the_fix` in repros/test_epilogue.py" in text
+    assert "- Reproduced: **REPRODUCED here**: on deepspeed 0.18.3" in text
+    assert "dsrepro triage crash.log --release 0.18.3 --confirm" in text
+    assert "pytest repros/test_epilogue.py -rx" in text
+
+
+def test_new_repro_prefilled_from_the_log() -> None:
+    start = scaffold.prefill(logread.read(TRACEBACK + "see https://github.com/deepspeedai/DeepSpeed/issues/7650\n"))
+    assert start.raises == "AttributeError"
+    assert start.issue == "https://github.com/deepspeedai/DeepSpeed/issues/7650"
+    text = scaffold.render("zero3-x", Path("repros/test_zero3_x.py"), start.issue, start=start)
+    compile(text, "<scaffold>", "exec")
+    assert "raises=AttributeError, match=\"'DeepSpeedZeRoOffload' object has no attribute" in text
+    assert "(at deepspeed/runtime/engine.py in backward)" in text
+    with pytest.raises(scaffold.ScaffoldError, match="no exception"):
+        scaffold.prefill(logread.read("all fine\n"))
+
+
+def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
+    """``"auto"`` resolved as Hugging Face does before the premise is judged, comments allowed."""
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, // ZeRO-2\n "gradient_accumulation_steps": "auto"}')
+    config, said = triage_command.config(path, logread.read(""), 2)
+    assert said == str(path)
+    assert config is not None
+    assert config["gradient_accumulation_steps"] == 1
+    shown, said = triage_command.config(None, logread.read('{"zero_optimization": {"stage": 3}}'), 2)
+    assert said == "the config shown in the log"
+    assert shown is not None
+    assert shown["zero_optimization"] == {"stage": 3}
+
+
+def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triage_command, "HEAD_BYTES", 64)
+    monkeypatch.setattr(triage_command, "TAIL_BYTES", 64)
+    text = "deepspeed==0.18.3\n" + "noise line\n" * 1000 + "KeyError: 2\n"
+    log = triage_command.read_log("-", io.BytesIO(text.encode()))
+    assert log.cut
+    assert log.size == len(text)
+    assert log.text.startswith("deepspeed==0.18.3\n")
+    assert "[... dsrepro triage did not read" in log.text
+    assert log.text.endswith("noise line\nKeyError: 2\n")
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+def dsrepro_triage(
+    *args: str, cwd: Path, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", *args]
+    return subprocess.run(command, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_known_bug_from_a_file_with_markdown(tmp_path: Path) -> None:
+    log = tmp_path / "crash.log"
+    log.write_text("\n".join(f"[rank0]: {line}" for line in TRACEBACK.splitlines()))
+    proc = dsrepro_triage(str(log), "--release", "0.18.3", "--markdown", "comment.md", cwd=tmp_path)
+    assert proc.returncode == triage_command.KNOWN, proc.stdout + proc.stderr
+    assert "KNOWN BUG  zero3-backward-without-optimizer" in proc.stdout
+    assert proc.stdout.rstrip().endswith("wrote comment.md")
+    assert "a known bug: zero3-backward-without-optimizer (unfixed upstream)" in proc.stdout
+    comment = (tmp_path / "comment.md").read_text()
+    assert "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.3/deepspeed/runtime/engine.py#L2300" in comment
+
+
+def test_standard_input_and_an_error_no_repro_declares(tmp_path: Path) -> None:
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+    proc = dsrepro_triage("-", "--release", "0.18.3", cwd=tmp_path, stdin=oom)
+    assert proc.returncode == triage_command.UNKNOWN, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("dsrepro triage: standard input: 72 bytes, 2 lines\n")
+    assert "the log shows: torch.OutOfMemoryError: CUDA out of memory." in proc.stdout
+    assert "KNOWN BUG" not in proc.stdout
+    assert "to catalogue it: dsrepro new NAME --from-log -" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "empty; give the log, traceback or issue text that shows the error"),
+        (b"  \n\n", "empty; give the log, traceback or issue text that shows the error"),
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00" * 100, "binary, not a log (control bytes in its first 8 KiB)"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, content: bytes, said: str) -> None:
+    log = tmp_path / "input"
+    log.write_bytes(content)
+    proc = dsrepro_triage(str(log), cwd=tmp_path)
+    assert proc.returncode == triage_command.USAGE
+    assert proc.stderr.startswith(f"dsrepro triage: {log}: {said}")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_log_is_one_line(tmp_path: Path) -> None:
+    missing = dsrepro_triage(str(tmp_path / "nowhere.log"), cwd=tmp_path)
+    assert missing.returncode == triage_command.USAGE
+    assert (
+        missing.stderr.strip()
+        == f"dsrepro triage: {tmp_path / 'nowhere.log'}: cannot be read (No such file or directory)"
+    )
+
+
+def test_a_log_without_a_traceback_says_so(tmp_path: Path) -> None:
+    """No exception, and the release the log states is not the one installed here: both said."""
+    log = tmp_path / "train.log"
+    log.write_text("DeepSpeed version 0.14.4\nstep 1 loss 2.3\nstep 2 loss 2.1\ntraining finished\n")
+    proc = dsrepro_triage(str(log), cwd=tmp_path)
+    assert proc.returncode == triage_command.UNKNOWN
+    assert proc.stdout.splitlines()[1].startswith("note: the log states deepspeed 0.14.4; judged on ")
+    assert proc.stdout.splitlines()[1].endswith("(installed here); --release 0.14.4 judges on the log's")
+    assert "the log shows: no exception (no traceback, no `...Error: message` line)" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-2] == "no known bug matches this log"
+
+
+def test_a_200_mb_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
+    log = tmp_path / "big.log"
+    line = b"[2025-01-09 10:12:44,101] [INFO] [logging.py:128:log_dist] [Rank 0] step=1000, skipped=0\n"
+    block = line * ((1 << 20) // len(line) + 1)
+    with log.open("wb") as f:
+        f.write(b"DeepSpeed version 0.18.3\n")
+        for _ in range(200):
+            f.write(block)
+        f.write(TRACEBACK.encode())
+    proc = dsrepro_triage(str(log), "--release", "0.18.3", cwd=tmp_path)
+    assert proc.returncode == triage_command.KNOWN, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"dsrepro triage: {log}: 200")
+    assert "MiB, its first 1 MiB and last 4 MiB read, " in proc.stdout.splitlines()[0]
+    assert "KNOWN BUG  zero3-backward-without-optimizer" in proc.stdout
+
+
+def test_confirm_says_honestly_that_a_fixed_bug_does_not_reproduce_here(tmp_path: Path, process_tag: str) -> None:
+    """The module-id bug's own failure text, on the DeepSpeed installed here (fixed since 0.16.4): ruled out by its
+    range, and the run says so too."""
+    log = tmp_path / "issue.txt"
+    log.write_text("AssertionError: ZeRO-3 initialize replaced the user's expert ids: [100, 101] -> [3, 5]\n")
+    proc = dsrepro_triage(str(log), "--confirm", cwd=tmp_path, timeout=600)
+    assert proc.returncode == triage_command.UNKNOWN, proc.stdout + proc.stderr
+    assert "ruled out zero3-module-id-clobbered: deepspeed" in proc.stdout
+    assert "confirm: not reproduced here: fixed: passes on deepspeed" in proc.stdout
+    assert "FIXED  test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, above the triage
+    assert "no known bug here: the log looks like zero3-module-id-clobbered" in proc.stdout
