@@ -232,7 +232,9 @@ def test_a_flight_recorder_dump_never_imports_anything() -> None:
         def __reduce__(self) -> tuple[object, ...]:
             return (os.system, ("true",))
 
-    assert nccl_diagnostics.summary(pickle.dumps({"entries": [Evil()]})).startswith("unreadable (UnpicklingError: posix.system")
+    assert nccl_diagnostics.summary(pickle.dumps({"entries": [Evil()]})).startswith(
+        "unreadable (UnpicklingError: posix.system"
+    )
     assert nccl_diagnostics.summary(pickle.dumps({"dsrepro_error": "RuntimeError: no recorder"})) == (
         "not dumped: RuntimeError: no recorder"
     )
@@ -257,7 +259,9 @@ def test_a_poisoning_install_is_noted_for_later_fork_servers(tmp_path: Path, mon
     from pytest_dsrepro.core import versions
 
     release = versions.resolved("deepspeed", "deepspeed")
-    found = cuda_reexec.Deferred("importing it initialises CUDA", str(release.version), str(release.path), "cuda", "nccl")
+    found = cuda_reexec.Deferred(
+        "importing it initialises CUDA", str(release.version), str(release.path), "cuda", "nccl"
+    )
     noted = cuda_reexec.verdict_file(tmp_path, release.version, release.path, "2.13.0", "cuda")
     noted.parent.mkdir(parents=True)
     noted.write_text(found.dumps())

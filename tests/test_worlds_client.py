@@ -24,8 +24,7 @@ from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.outcome import PHASES, Status, WorldOutcome
 from pytest_dsrepro.tools import processes
 from pytest_dsrepro.worlds import client, device_nodes, protocol
-from pytest_dsrepro.worlds.client import server_process
-from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
+from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner, server_process
 from pytest_dsrepro.worlds.protocol import (
     Building,
     ClientMessage,

@@ -67,7 +67,7 @@ class ServerFacts:
     builds_beside: bool = False  # the comm op's first build runs beside the worlds (``comm_op.start``)
     accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu", "cuda"
     accelerator_backend: str | None = None  # its communication backend: "gloo", "ccl", "nccl"
-    preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
+    preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.server.preload``)
     store_pid: int | None = None  # the server's store process, where every world's ranks meet
     fork_hazard: str | None = None  # what would make its forks unsafe (a thread, a CUDA context); None: nothing
     fatal: str | None = None  # the server could not preload and will not run worlds
@@ -93,7 +93,7 @@ class ServerFacts:
 
 
 #: The fork server's last argument when its first world uses DeepSpeed: what ranks import is found while the comm op
-#: builds (``worlds.preload.scout``).
+#: builds (``worlds.server.preload.scout``).
 SCOUT_ARGUMENT = "--scout"
 
 # ---- server -> pytest -----------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ class Spawned:
 
     world: int
     pids: tuple[int, ...]
-    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.preload``)
+    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.server.preload``)
     fork_hazard: str | None = None  # what made forking these ranks unsafe (a thread, a CUDA context); None: nothing
     reused: bool = False  # the ranks ran the previous test of the same ``Spawn.reuse`` and were kept for this one
 
@@ -307,7 +307,9 @@ class RankJob:
     deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
     process_group: bool = True  # each rank joins the world's default process group before the body
     launcher_env: bool = True  # each rank gets torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...)
-    warm: bool = False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.preload``)
+    warm: bool = (
+        False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.server.preload``)
+    )
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class ForkServer:
 
     def launch(self, deepspeed: bool = False) -> None:
         """Start the server without waiting for it (``start`` waits); ``deepspeed``: its first world uses DeepSpeed,
-        so that what its ranks need first is prepared beside the comm-op build (``worlds.preload.scout``)."""
+        so that what its ranks need first is prepared beside the comm-op build (``worlds.server.preload.scout``)."""
         if self.process.started:
             return
         self.process.launch(deepspeed)

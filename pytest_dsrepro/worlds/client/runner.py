@@ -90,7 +90,7 @@ class WorldRunner:
 
     def plan(self, worlds: int, deepspeed_worlds: int) -> None:
         """How many worlds the run has, and how many use DeepSpeed (counted up to 2). The fork server warms up ahead
-        of its ranks (``RankJob.warm``, ``worlds.preload``) only for more than one: warming there costs about what
+        of its ranks (``RankJob.warm``, ``server.preload``) only for more than one: warming there costs about what
         one cold world's ranks spend on the same work side by side, and more where a test skips or fails before it
         needs all of it. A run of one such world (one repro, one upstream test) gets its verdict that much sooner.
         A run of no world stops a server started early (``launch``), which would only take CPU from the tests."""

@@ -81,7 +81,7 @@ def _install() -> tuple[Path, str, str, Path]:
 
 
 def warm_for_deepspeed(scouted: preload.Child | None, announce: Callable[[str], None]) -> str:
-    """Do what a rank's first DeepSpeed use would (``worlds.preload``: the imports of a first engine step, then the
+    """Do what a rank's first DeepSpeed use would (``preload``: the imports of a first engine step, then the
     first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
     for it, and however the test is written, its ranks start warm. ``scouted``: the child finding the imports,
     started beside the comm-op build (``preload``)."""
