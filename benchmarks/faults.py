@@ -379,7 +379,7 @@ def flakes(base: Path, worlds: int) -> Figure:
 
 def _built_op() -> Path:
     """This environment's comm-op directory in the real cache, built there first if it is not (a warm-up world)."""
-    code = "from pytest_dsrepro.worlds.comm_op import op_directory; print(op_directory())"
+    code = "from pytest_dsrepro.worlds.server.comm_op import op_directory; print(op_directory())"
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     found = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
                  .stdout.strip().splitlines()[-1])  # fmt: skip

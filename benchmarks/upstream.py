@@ -222,7 +222,7 @@ _BUILD = "import deepspeed.ops.op_builder as b\nfor name in {ops!r}:\n    getatt
 #: Each side's comm op first, where its ranks load it: the plugin's fork server keeps it (and sets
 #: TORCH_EXTENSIONS_DIR to it, where the ranks then build the other ops); DeepSpeed's ranks build it themselves.
 _COMM_OP = {
-    "plugin": "from pytest_dsrepro.worlds.comm_op import warm_up\nwarm_up()\n",
+    "plugin": "from pytest_dsrepro.worlds.server.comm_op import warm_up\nwarm_up()\n",
     "deepspeed": "from deepspeed.comm.torch import build_shm_op\nbuild_shm_op()\n",
 }
 

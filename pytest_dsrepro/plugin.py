@@ -15,7 +15,7 @@ from .inrank.engine import EngineFactory
 from .session import collector, execution, launched, markers, parametrize, recording, scan, settings, shard
 from .session.execution import RUNNER_KEY
 from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SETTINGS_KEY
-from .worlds import launcher
+from .worlds.launched import launcher
 from .worlds.protocol import RankValue
 
 

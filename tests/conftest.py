@@ -122,7 +122,7 @@ def comm_op_directory() -> Path | None:
 
     Asked in a child: importing torch here, where pytester restores ``sys.modules`` between tests, breaks torch.
     """
-    code = "from pytest_dsrepro.worlds.comm_op import op_directory; print(op_directory() or '')"
+    code = "from pytest_dsrepro.worlds.server.comm_op import op_directory; print(op_directory() or '')"
     env = {**os.environ, CACHE_ENV: REAL_CACHE, "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -17,7 +17,7 @@ from filelock import FileLock
 from conftest import RunPytest, comm_op_directory, deepspeed_version
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.options import CACHE_ENV
-from pytest_dsrepro.worlds.comm_op import (
+from pytest_dsrepro.worlds.server.comm_op import (
     BUILD_LOCK_TIMEOUT,
     build_key,
     extensions_dir,
@@ -123,7 +123,7 @@ def test_another_install_of_the_same_release_loads_the_op_built_by_the_first(
 def _damage_of(library: Path) -> str:
     """``comm_op.damage`` as the fork server calls it: in a process that has torch, which the op links against."""
     code = (
-        "import sys, torch; from pathlib import Path; from pytest_dsrepro.worlds.comm_op import damage; "
+        "import sys, torch; from pathlib import Path; from pytest_dsrepro.worlds.server.comm_op import damage; "
         "print(damage(Path(sys.argv[1])))"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True, text=True, timeout=300)

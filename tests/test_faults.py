@@ -149,6 +149,45 @@ def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     assert left_in_tmp == [], "the killed compilers' temporary files were left in TMPDIR"
 
 
+#: A DeepSpeed whose import is slow and has started a process that started another (a compiler driver and its stage):
+#: the fork server is still starting, and has a grandchild, when Ctrl-C comes.
+SLOW_DEEPSPEED_WITH_A_GRANDCHILD = """
+import subprocess, time
+subprocess.Popen(["sh", "-c", "sleep 600 & echo $! > grandchild; wait"])
+time.sleep(600)
+"""
+#: How soon pytest ends after Ctrl-C while its fork server starts (1.5 s here on 2 loaded cores).
+PROMPT_END = 3.0
+
+
+def test_ctrl_c_while_the_fork_server_starts_ends_at_once(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, the fork server's part: Ctrl-C while the server is still importing, with a grandchild of its own.
+    pytest prints its summary and ends within moments: the server, stopped mid-import, kills every process below it,
+    reaps them and exits at once, leaving nothing."""
+    slow = pytester.mkpydir("slow")
+    (slow / "deepspeed").mkdir()
+    (slow / "deepspeed" / "__init__.py").write_text(SLOW_DEEPSPEED_WITH_A_GRANDCHILD)
+    monkeypatch.setenv("PYTHONPATH", str(slow))
+    pytester.makepyfile("import pytest\n\n@pytest.mark.ds_world\ndef test_x(ds_rank):\n    pass\n")
+    proc = start_pytest(pytester)
+    try:
+        grandchild = pytester.path / "grandchild"
+        wait_until(lambda: grandchild.exists() and grandchild.read_text().strip() != "", "the server's grandchild")
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+        took = time.monotonic() - interrupted
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in out, out
+    assert took < PROMPT_END, f"pytest ended {took:.1f}s after Ctrl-C\n{out}"
+    left = wait_for_no_processes(process_tag, timeout=5)
+    assert not left, f"left running: {[p.cmdline() for p in left]}\n{out}"
+    assert leftovers(private_tmp) == []
+
+
 @pytest.mark.parametrize("gap", [0.05, 0.5], ids=lambda g: f"{g}s-apart")
 def test_ctrl_c_twice_mid_world_leaves_nothing(
     pytester: pytest.Pytester, process_tag: str, private_tmp: Path, gap: float

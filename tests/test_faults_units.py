@@ -124,7 +124,7 @@ def test_a_rank_that_exited_while_the_others_waited_on_it_is_named_first() -> No
 
 STORE = """
 import socket
-from pytest_dsrepro.worlds.rank import serve_store
+from pytest_dsrepro.worlds.server.store import serve_store
 
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
@@ -133,11 +133,12 @@ serve_store(listener)
 SLOW_RANK = """
 import pickle, sys, time
 from pathlib import Path
-from pytest_dsrepro.worlds import rank as R
+from pytest_dsrepro.worlds.protocol import Meeting
+from pytest_dsrepro.worlds.rank import rendezvous, spawned_rank
 from pytest_dsrepro.worlds.protocol import RankJob, RankValue, TestRef
 
 workdir, rank, port = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-connect = R.init_default_group
+connect = rendezvous.init_default_group
 
 def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up its world after the mesh is up
     connect(*args, **kwargs)
@@ -145,10 +146,10 @@ def slow_to_connect(*args, **kwargs):  # the fault: rank 1 is still setting up i
         time.sleep(1.0)
         (workdir / "rank1-connected").touch()
 
-R.init_default_group = slow_to_connect
+rendezvous.init_default_group = slow_to_connect
 ref = TestRef("bodies", str(workdir / "bodies.py"), "test_body", (str(workdir), *sys.path), str(workdir))
 job = RankJob(ref, pickle.dumps(({"rank": RankValue("rank")}, [], ())), "gloo", 60.0)
-report = R.run_rank(job, rank, 2, R.Meeting(port, world=1))
+report = spawned_rank.run_rank(job, rank, 2, Meeting(port, world=1))
 print(report.status.value, report.error.summary if report.error else "")
 """
 

@@ -21,8 +21,8 @@ import pytest
 
 from conftest import REAL_CACHE, RunPytest
 from pytest_dsrepro.core.options import CACHE_ENV
-from pytest_dsrepro.worlds import leases
-from pytest_dsrepro.worlds.devices import Gpu
+from pytest_dsrepro.worlds.client import leases
+from pytest_dsrepro.worlds.client.gpu_probe import Gpu
 
 SIM = Path(__file__).parent / "cuda_sim"
 
@@ -179,7 +179,7 @@ def test_a_hung_nccl_world_ends_with_stacks_and_flight_recorder(
             f"recorded; not completed: nccl:all_reduce #2 started (sizes [[4]]); dump {kept[rank]}"
         ) in out
     result.stdout.fnmatch_lines(["---- rank 0: Python stacks when hung ----", "*", "*line 9 in test_hangs"])
-    assert "nccl.py" not in out  # the thread that dumps the flight recorder is the harness's
+    assert "nccl_recorder.py" not in out  # the thread that dumps the flight recorder is the harness's
 
 
 BUSY = """

@@ -17,8 +17,11 @@ import pytest
 
 from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.world_spec import accelerator_for
-from pytest_dsrepro.worlds import devices, leases, nccl
-from pytest_dsrepro.worlds.devices import Gpu
+from pytest_dsrepro.worlds import device_nodes, workdir
+from pytest_dsrepro.worlds.client import gpu_probe, leases, nccl_diagnostics
+from pytest_dsrepro.worlds.client.gpu_probe import Gpu
+from pytest_dsrepro.worlds.rank import nccl_recorder
+from pytest_dsrepro.worlds.server import cuda_reexec
 
 GPUS = tuple(Gpu(i, f"GPU-fa4e0000-0000-4000-8000-{i:012d}", "Fake GPU") for i in range(3))
 
@@ -28,36 +31,36 @@ GPUS = tuple(Gpu(i, f"GPU-fa4e0000-0000-4000-8000-{i:012d}", "Fake GPU") for i i
 
 def test_the_probe_output_is_parsed_whatever_else_it_printed() -> None:
     printed = 'a warning\ndsrepro-gpus: [[0, "6e0d-11", "NVIDIA H100"], [1, "GPU-77", "NVIDIA H100"], [2, "", "X"]]\n'
-    assert devices.parse_probe(printed) == (
+    assert gpu_probe.parse_probe(printed) == (
         Gpu(0, "GPU-6e0d-11", "NVIDIA H100"),  # torch's UUID without the prefix CUDA_VISIBLE_DEVICES wants
         Gpu(1, "GPU-77", "NVIDIA H100"),
         Gpu(2, "", "X"),
     )
-    assert [g.visible_id for g in devices.parse_probe(printed)] == ["GPU-6e0d-11", "GPU-77", "2"]
+    assert [g.visible_id for g in gpu_probe.parse_probe(printed)] == ["GPU-6e0d-11", "GPU-77", "2"]
     with pytest.raises(ValueError, match="no device list"):
-        devices.parse_probe("Traceback ...\n")
+        gpu_probe.parse_probe("Traceback ...\n")
 
 
 def test_a_cpu_machine_starts_no_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(devices, "DEVICE_DIR", tmp_path)
-    monkeypatch.setattr(devices, "probe", lambda: pytest.fail("probed without a GPU device node"))
-    assert devices.find() == ()
+    monkeypatch.setattr(device_nodes, "DEVICE_DIR", tmp_path)
+    monkeypatch.setattr(gpu_probe, "probe", lambda: pytest.fail("probed without a GPU device node"))
+    assert gpu_probe.find() == ()
     (tmp_path / "nvidia0").touch()
-    monkeypatch.setattr(devices, "probe", lambda: GPUS)
-    assert devices.find() == GPUS
+    monkeypatch.setattr(gpu_probe, "probe", lambda: GPUS)
+    assert gpu_probe.find() == GPUS
 
 
 def test_a_failing_probe_is_a_harness_error_with_its_output() -> None:
     broken = {**os.environ, "PYTHONPATH": ""}
     with pytest.raises(HarnessError, match=r"counting CUDA devices .* failed"):
-        devices.probe({**broken, "PYTHONSAFEPATH": "1", "PYTHONHOME": "/nonexistent"}, timeout=30)
+        gpu_probe.probe({**broken, "PYTHONSAFEPATH": "1", "PYTHONHOME": "/nonexistent"}, timeout=30)
 
 
 def test_the_fork_server_environment_keeps_the_users_choices() -> None:
-    assert devices.server_environment({}, "cpu", ()) == {"DS_ACCELERATOR": "cpu"}  # a CPU machine: as before
-    assert devices.server_environment({}, "cuda", GPUS) == {"DS_ACCELERATOR": "cuda", devices.NVML_CHECK: "1"}
-    mine = {"DS_ACCELERATOR": "xpu", devices.NVML_CHECK: "0"}
-    assert devices.server_environment(dict(mine), "cuda", GPUS) == mine
+    assert gpu_probe.server_environment({}, "cpu", ()) == {"DS_ACCELERATOR": "cpu"}  # a CPU machine: as before
+    assert gpu_probe.server_environment({}, "cuda", GPUS) == {"DS_ACCELERATOR": "cuda", gpu_probe.NVML_CHECK: "1"}
+    mine = {"DS_ACCELERATOR": "xpu", gpu_probe.NVML_CHECK: "0"}
+    assert gpu_probe.server_environment(dict(mine), "cuda", GPUS) == mine
 
 
 def test_deepspeeds_accelerator_follows_the_backend() -> None:
@@ -67,8 +70,8 @@ def test_deepspeeds_accelerator_follows_the_backend() -> None:
 
 
 def test_what_a_poisoned_server_found_survives_its_restart() -> None:
-    found = devices.Deferred("why", "0.18.3", "/x/deepspeed", "cuda", "nccl")
-    assert devices.Deferred.loads(found.dumps()) == found
+    found = cuda_reexec.Deferred("why", "0.18.3", "/x/deepspeed", "cuda", "nccl")
+    assert cuda_reexec.Deferred.loads(found.dumps()) == found
 
 
 # ---- leases ---------------------------------------------------------------------------------------------------
@@ -114,8 +117,8 @@ def test_more_gpus_than_the_machine_has_is_busy_at_once(tmp_path: Path) -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from pytest_dsrepro.worlds import leases
-from pytest_dsrepro.worlds.devices import Gpu
+from pytest_dsrepro.worlds.client import leases
+from pytest_dsrepro.worlds.client.gpu_probe import Gpu
 lease = leases.try_lease([Gpu(0, sys.argv[2], "Fake GPU")], 1, Path(sys.argv[1]), "a killed holder")
 print("held" if lease else "busy", flush=True)
 time.sleep(600)
@@ -144,8 +147,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.worlds import leases
-from pytest_dsrepro.worlds.devices import Gpu
+from pytest_dsrepro.worlds.client import leases
+from pytest_dsrepro.worlds.client.gpu_probe import Gpu
 
 GPUS = [Gpu(i, f"GPU-fa4e0000-0000-4000-8000-{i:012d}", "Fake GPU") for i in range(2)]
 
@@ -184,15 +187,15 @@ def test_xdist_workers_never_share_a_gpu(pytester: pytest.Pytester, monkeypatch:
 
 @pytest.mark.parametrize("world", [1.0, 300.0, 1800.0])
 def test_nccl_waits_longer_than_the_world(world: float) -> None:
-    assert nccl.process_group_timeout(world) >= world + nccl.MARGIN
+    assert nccl_recorder.process_group_timeout(world) >= world + nccl_recorder.MARGIN
 
 
 def test_nccl_ranks_get_diagnostics_unless_the_user_chose(tmp_path: Path) -> None:
-    given = nccl.environment(tmp_path, {"NCCL_DEBUG": "INFO"})
+    given = nccl_diagnostics.environment(tmp_path, {"NCCL_DEBUG": "INFO"})
     assert given["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert given["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert int(given["TORCH_FR_BUFFER_SIZE"]) > 0
-    assert given[nccl.TRACE_FILE] == str(tmp_path / nccl.TRACE_PREFIX)
+    assert given[workdir.NCCL_TRACE_FILE] == str(tmp_path / workdir.NCCL_TRACE_PREFIX)
     assert "NCCL_DEBUG" not in given
 
 
@@ -210,13 +213,13 @@ def test_a_hung_ranks_flight_recorder_is_asked_for_kept_and_summarised(
 ) -> None:
     world, keep = tmp_path / "world", tmp_path / "kept"
     world.mkdir()
-    monkeypatch.setenv(nccl.TRACE_FILE, str(world / nccl.TRACE_PREFIX))
-    nccl.serve_dump_request(1, dump=lambda: pickle.dumps(RECORDER), poll=0.01)
+    monkeypatch.setenv(workdir.NCCL_TRACE_FILE, str(world / workdir.NCCL_TRACE_PREFIX))
+    nccl_recorder.serve_dump_request(1, dump=lambda: pickle.dumps(RECORDER), poll=0.01)
     time.sleep(0.05)
-    assert not nccl.dump_file(world, 1).exists()  # nothing until the harness asks
-    nccl.request_dumps(world)
-    nccl.wait_for_dumps(world, [1], timeout=10)
-    told = nccl.keep_dumps(world, [0, 1], keep)
+    assert not workdir.nccl_dump_file(world, 1).exists()  # nothing until the harness asks
+    nccl_diagnostics.request_dumps(world)
+    nccl_diagnostics.wait_for_dumps(world, [1], timeout=10)
+    told = nccl_diagnostics.keep_dumps(world, [0, 1], keep)
     assert told[0] == "NCCL flight recorder: no dump (the rank did not answer)"
     assert told[1] == (
         "NCCL flight recorder: 3 collectives recorded; not completed: nccl:broadcast #8 started (sizes [[8]]), "
@@ -229,20 +232,22 @@ def test_a_flight_recorder_dump_never_imports_anything() -> None:
         def __reduce__(self) -> tuple[object, ...]:
             return (os.system, ("true",))
 
-    assert nccl.summary(pickle.dumps({"entries": [Evil()]})).startswith("unreadable (UnpicklingError: posix.system")
-    assert nccl.summary(pickle.dumps({"dsrepro_error": "RuntimeError: no recorder"})) == (
+    assert nccl_diagnostics.summary(pickle.dumps({"entries": [Evil()]})).startswith(
+        "unreadable (UnpicklingError: posix.system"
+    )
+    assert nccl_diagnostics.summary(pickle.dumps({"dsrepro_error": "RuntimeError: no recorder"})) == (
         "not dumped: RuntimeError: no recorder"
     )
 
 
 def test_the_flight_recorders_own_thread_is_not_in_a_ranks_stacks() -> None:
-    here = f"/site/pytest_dsrepro{nccl.HERE}"
+    here = f"/site/pytest_dsrepro{nccl_diagnostics.HERE}"
     dump = (
         f'Thread 0x01 (most recent call first):\n  File "{here}", line 81 in serve\n  File "threading.py", line 982 in '
         'run\n\nThread 0x02 (most recent call first):\n  File "user.py", line 3 in worker\n\nCurrent thread 0x03 '
         '(most recent call first):\n  File "test_x.py", line 9 in test_hangs'
     )
-    kept = nccl.without_recorder_thread(dump)
+    kept = nccl_diagnostics.without_recorder_thread(dump)
     assert here not in kept
     assert kept.startswith("Thread 0x02")
     assert kept.endswith("line 9 in test_hangs")
@@ -254,18 +259,20 @@ def test_a_poisoning_install_is_noted_for_later_fork_servers(tmp_path: Path, mon
     from pytest_dsrepro.core import versions
 
     release = versions.resolved("deepspeed", "deepspeed")
-    found = devices.Deferred("importing it initialises CUDA", str(release.version), str(release.path), "cuda", "nccl")
-    noted = devices.verdict_file(tmp_path, release.version, release.path, "2.13.0", "cuda")
+    found = cuda_reexec.Deferred(
+        "importing it initialises CUDA", str(release.version), str(release.path), "cuda", "nccl"
+    )
+    noted = cuda_reexec.verdict_file(tmp_path, release.version, release.path, "2.13.0", "cuda")
     noted.parent.mkdir(parents=True)
     noted.write_text(found.dumps())
-    monkeypatch.delenv(devices.DEFERRED, raising=False)
+    monkeypatch.delenv(cuda_reexec.DEFERRED, raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
-    monkeypatch.setattr(devices, "DEVICE_DIR", tmp_path)
-    assert devices.deferred(tmp_path, "2.13.0") is None  # a CPU machine never looks
+    monkeypatch.setattr(device_nodes, "DEVICE_DIR", tmp_path)
+    assert cuda_reexec.deferred(tmp_path, "2.13.0") is None  # a CPU machine never looks
     (tmp_path / "nvidia0").touch()
-    assert devices.deferred(tmp_path, "2.13.0") == dataclasses.replace(
+    assert cuda_reexec.deferred(tmp_path, "2.13.0") == dataclasses.replace(
         found, reason=f"importing it initialises CUDA; noted by an earlier fork server in {noted}"
     )
-    assert devices.deferred(tmp_path, "2.14.0") is None  # another torch: asked again
+    assert cuda_reexec.deferred(tmp_path, "2.14.0") is None  # another torch: asked again
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    assert devices.deferred(tmp_path, "2.13.0") is None  # another accelerator: asked again
+    assert cuda_reexec.deferred(tmp_path, "2.13.0") is None  # another accelerator: asked again

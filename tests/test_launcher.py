@@ -22,8 +22,8 @@ import pytest
 from conftest import RunPytest
 from pytest_dsrepro.core import options
 from pytest_dsrepro.core.options import Launched
-from pytest_dsrepro.worlds.launched import unrunnable
-from pytest_dsrepro.worlds.launcher import settle_backend_here
+from pytest_dsrepro.worlds.launched.launched_world import unrunnable
+from pytest_dsrepro.worlds.launched.launcher import settle_backend_here
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-rA"]

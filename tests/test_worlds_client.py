@@ -23,8 +23,8 @@ from conftest import REAL_CACHE
 from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.outcome import PHASES, Status, WorldOutcome
 from pytest_dsrepro.tools import processes
-from pytest_dsrepro.worlds import client, devices, workdir
-from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner
+from pytest_dsrepro.worlds import client, device_nodes, protocol
+from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner, server_process
 from pytest_dsrepro.worlds.protocol import (
     Building,
     ClientMessage,
@@ -47,11 +47,14 @@ from pytest_dsrepro.worlds.protocol import (
 WORLD = 1
 
 
-class ScriptedServer:
+class ScriptedServer(ForkServer):
     """Stands in for ``ForkServer``: on ``Spawn`` the ranks in ``ends`` write their report (if any) and exit with
     their code; the others run until the client has them killed."""
 
+    alive = True  # type: ignore[assignment]
+
     def __init__(self, ends: dict[int, tuple[RankReport | None, int]] | None = None, *, starts: bool = True) -> None:
+        super().__init__(Path("/nonexistent"), startup_timeout=0)
         self.ends = ends or {}
         self.starts = starts
         self.sent: list[ClientMessage] = []
@@ -66,7 +69,7 @@ class ScriptedServer:
             self.replies.append(Spawned(message.world, tuple(range(1000, 1000 + message.size))))
             for rank, (report, code) in self.ends.items():
                 if report is not None:
-                    workdir.write_report(self.workdir, rank, report)
+                    protocol.write_report(self.workdir, rank, report)
                 self.replies.append(Exited(message.world, rank, code))
         elif isinstance(message, Kill):
             self.replies += [Exited(message.world, rank, -9) for rank in message.ranks]
@@ -153,7 +156,7 @@ def test_a_server_that_does_not_start_the_ranks_is_a_harness_error() -> None:
 
 
 def test_a_server_that_does_not_start_is_a_harness_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client, "SERVER_MODULE", "pytest_dsrepro.worlds.no_such_module")
+    monkeypatch.setattr(server_process, "SERVER_MODULE", "pytest_dsrepro.worlds.no_such_module")
     server = ForkServer(tmp_path, startup_timeout=60)
     with pytest.raises(HarnessError) as failed:
         server.start()
@@ -336,11 +339,11 @@ def test_the_servers_death_mid_world_is_reported_as_such(runner: WorldRunner, tm
 
 def test_without_gpu_device_nodes_no_server_is_needed_to_count_devices(tmp_path: Path) -> None:
     """Issue 11, item 11: a CPU machine settles its backend without starting the fork server."""
-    assert devices.gpu_device_nodes(tmp_path) == []
+    assert device_nodes.gpu_device_nodes(tmp_path) == []
     (tmp_path / "nvidiactl").touch()
-    assert devices.gpu_device_nodes(tmp_path) == [tmp_path / "nvidiactl"]
+    assert device_nodes.gpu_device_nodes(tmp_path) == [tmp_path / "nvidiactl"]
     runner = WorldRunner(tmp_path, startup_timeout=60)
-    if not devices.gpu_device_nodes():
+    if not device_nodes.gpu_device_nodes():
         assert runner.cuda_devices() == 0
         assert runner.server.facts is None  # nothing was started
 

@@ -35,7 +35,7 @@ def test_preloading_stops_before_a_module_that_starts_a_thread(tmp_path: Path) -
     proc = _python(
         """
         import json, sys
-        from pytest_dsrepro.worlds.preload import import_ahead
+        from pytest_dsrepro.worlds.server.preload import import_ahead
         result = import_ahead(["plain_a", "no_such_module", "starts_thread", "plain_c"])
         print(json.dumps([result, "plain_c" in sys.modules]))
         """,
@@ -54,7 +54,7 @@ def test_discovery_finds_what_an_engine_step_imports_and_is_cached(tmp_path: Pat
         import json
         import torch, deepspeed
         from pathlib import Path
-        from pytest_dsrepro.worlds import comm_op, preload
+        from pytest_dsrepro.worlds.server import comm_op, preload
         comm_op.warm_up()  # as the fork server does first: the op in its keyed cache, not rebuilt in the default one
         cache = Path({str(tmp_path / "cache")!r})
         where = Path(deepspeed.__file__).parent
@@ -85,7 +85,7 @@ def test_vetting_leaves_out_modules_that_start_threads_and_those_that_import_the
     proc = _python(
         """
         import json, sys
-        from pytest_dsrepro.worlds.preload import threads, vet
+        from pytest_dsrepro.worlds.server.preload import threads, vet
         safe, unsafe = vet(["plain_a", "starts_thread", "uses_it", "plain_c"])
         print(json.dumps([safe, unsafe, [m for m in ("plain_a", "starts_thread") if m in sys.modules], threads()]))
         """,

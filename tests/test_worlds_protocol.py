@@ -12,8 +12,9 @@ import pytest
 
 from conftest import RunPytest
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
-from pytest_dsrepro.worlds import workdir
-from pytest_dsrepro.worlds.client import ForkServer, _user_frames
+from pytest_dsrepro.worlds import protocol, workdir
+from pytest_dsrepro.worlds.client import ForkServer
+from pytest_dsrepro.worlds.client.world_run import _user_frames
 from pytest_dsrepro.worlds.protocol import (
     CLIENT_MESSAGES,
     SERVER_MESSAGES,
@@ -145,14 +146,14 @@ def test_a_rank_report_becomes_that_ranks_result() -> None:
 
 
 def test_the_report_file_round_trips_and_only_holds_a_report(tmp_path: Path) -> None:
-    assert workdir.read_report(tmp_path, 0) is None  # the rank wrote nothing: a crash, judged by the client
+    assert protocol.read_report(tmp_path, 0) is None  # the rank wrote nothing: a crash, judged by the client
     report = RankReport(Status.SKIPPED, detail="needs a bigger machine")
-    workdir.write_report(tmp_path, 0, report)
-    assert workdir.read_report(tmp_path, 0) == report
+    protocol.write_report(tmp_path, 0, report)
+    assert protocol.read_report(tmp_path, 0) == report
     assert [p.name for p in tmp_path.iterdir()] == [workdir.result_file(tmp_path, 0).name]  # no temporary left
     workdir.result_file(tmp_path, 1).write_bytes(pickle.dumps({"status": Status.PASSED}))
     with pytest.raises(TypeError, match="holds a dict, not a RankReport"):
-        workdir.read_report(tmp_path, 1)
+        protocol.read_report(tmp_path, 1)
 
 
 def test_rank_values_and_test_refs_are_plain_data() -> None:
@@ -167,8 +168,8 @@ def test_stack_dumps_keep_only_the_users_frames() -> None:
             "Current thread 0x00007f (most recent call first):",
             '  File "/usr/lib/python3.11/threading.py", line 320 in wait',
             '  File "/tmp/test_hang.py", line 10 in test_hangs',
-            f'  File "{harness / "rank.py"}", line 170 in run_body',
-            f'  File "{harness / "server.py"}", line 118 in _rank_body',
+            f'  File "{harness / "rank" / "body.py"}", line 170 in run_body',
+            f'  File "{harness / "rank" / "spawned_rank.py"}", line 118 in rank_life',
             '  File "<frozen runpy>", line 88 in _run_code',
         ]
     )

@@ -43,9 +43,10 @@ from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe
 from ..core.paths import unwritable
 from ..core.world_spec import settle_backend
 from ..inrank.fixtures import RankFixture
-from ..worlds import comm_op, launcher, leases
-from ..worlds.client import RunStops, WorldInterrupted, WorldRunner
+from ..worlds.client import RunStops, WorldInterrupted, WorldRunner, leases
+from ..worlds.launched import launcher
 from ..worlds.protocol import RankJob, TestRef
+from ..worlds.server import comm_op
 from . import markers, scan, settings
 from .launched import LAUNCHED_KEY
 from .stash import (

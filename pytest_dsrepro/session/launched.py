@@ -22,9 +22,9 @@ from ..core.outcome import WorldOutcome
 from ..core.results import Environment
 from ..core.world_spec import WorldSpec
 from ..inrank.fixtures import RankFixture
-from ..worlds import launcher
-from ..worlds.launched import LaunchedWorld, stop_as_interrupted
-from ..worlds.rank import Fix
+from ..worlds.launched import launcher
+from ..worlds.launched.launched_world import LaunchedWorld, stop_as_interrupted
+from ..worlds.rank.body import Fix
 from . import markers
 from .stash import Prepared
 

@@ -23,7 +23,7 @@ from ..core.gates import Judgement, Reason
 from ..core.options import Settings
 from ..core.results import Finding, ScanSource, ScanVerdict
 from ..core.scan_verdicts import finding, not_applicable
-from ..worlds.devices import gpu_device_nodes
+from ..worlds.device_nodes import gpu_device_nodes
 from . import markers
 from .stash import Marks, Prepared
 

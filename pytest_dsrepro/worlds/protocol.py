@@ -1,24 +1,32 @@
-"""Everything that crosses a process boundary in a spawned world, as small frozen dataclasses.
+"""Runs in every process of a spawned world: everything that crosses a process boundary, as small frozen dataclasses,
+described here once.
 
 Three processes meet here: the pytest process (``worlds.client``), the fork server (``worlds.server``) and the ranks
-it forks (``worlds.rank``).
+it forks (``worlds.rank``). Three channels join them:
 
 - **The socket between pytest and the fork server** carries the messages below, pickled in
-  ``multiprocessing.connection`` framing, and each side dispatches on the message's class, never on a position:
+  ``multiprocessing.connection`` framing; each side dispatches on the message's class, never on a position, in one
+  loop (``client.fork_server.ForkServer.wait_for``, ``server.serving.serve``):
 
-      server -> pytest   Building(what) while a first comm-op build runs, then Hello(facts) once preloaded;
-                         Spawned(world, pids); Exited(world, rank, returncode);
-                         Finished(world, rank) when a rank of a reusable world is done and waits for a next test;
-                         Reaped(world) once a Reap is done
+      server -> pytest   Building(what): a first comm-op build (or a first preload) runs, in words for the user,
+                         before Hello or while a Spawn waits; Hello(facts) once preloaded;
+                         Spawned(world, pids, ...); Exited(world, rank, returncode, at);
+                         Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
+                         Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
       pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
-                         Reap(world, keep)
+                         Reap(world, keep); FinishBuild()
 
   The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
   ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
-- **A rank's job** (``RankJob``, pickled inside ``Spawn``) names the test by reference (``TestRef``) and carries its
-  arguments pickled apart, with ``RankValue`` placeholders for per-rank fixture values.
-- **A rank's report** (``RankReport``) is the one typed verdict a rank produces, written to its result file by a
-  spawned rank and consumed in place by the launcher path.
+- **The report file**: a rank's one verdict (``RankReport``) is written atomically into its world's directory by
+  the rank (``write_report``) and read by the pytest process after the rank's ``Exited`` or ``Finished``
+  (``read_report``); the launcher path consumes it in place.
+- **The reuse link** (a socket pair per rank of a reusable world, ``Spawn.reuse``): a rank whose test passed sends
+  ``RankFinished`` and waits; the server sends it the scope's next test (``NextTest``), or closes the link to end it.
+
+A rank's job (``RankJob``, pickled inside ``Spawn``) names the test by reference (``TestRef``) and carries its
+arguments pickled apart, with ``RankValue`` placeholders for per-rank fixture values; ranks meet where ``Meeting``
+says.
 
 Only builtins, ``core`` data and these classes travel: unpickling a message in the pytest process must never import
 torch (hence ``ServerFacts.torch`` is ``str(torch.__version__)``, not torch's own version object). This module
@@ -27,11 +35,18 @@ imports neither torch nor pytest.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 from ..core.outcome import ErrorInfo, Measurement, RankResult, Status
+from .workdir import result_file
+
+#: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped: the same
+#: for a spawned world (``client``) and a launched one (``launched``).
+FAILURE_GRACE = 5.0
 
 # ---- what the fork server found -------------------------------------------------------------------------------
 
@@ -49,9 +64,10 @@ class ServerFacts:
     gpus: tuple[str, ...] = ()
     comm_op: str | None = None  # how DeepSpeed's CPU comm op was built or loaded (see ``comm_op.warm_up``)
     comm_op_seconds: float | None = None
+    builds_beside: bool = False  # the comm op's first build runs beside the worlds (``comm_op.start``)
     accelerator: str | None = None  # DeepSpeed's accelerator as the ranks get it: "cpu", "cuda"
     accelerator_backend: str | None = None  # its communication backend: "gloo", "ccl", "nccl"
-    preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.preload``)
+    preloaded: str | None = None  # what the server imported ahead of its ranks (see ``worlds.server.preload``)
     store_pid: int | None = None  # the server's store process, where every world's ranks meet
     fork_hazard: str | None = None  # what would make its forks unsafe (a thread, a CUDA context); None: nothing
     fatal: str | None = None  # the server could not preload and will not run worlds
@@ -77,7 +93,7 @@ class ServerFacts:
 
 
 #: The fork server's last argument when its first world uses DeepSpeed: what ranks import is found while the comm op
-#: builds (``worlds.preload.scout``).
+#: builds (``worlds.server.preload.scout``).
 SCOUT_ARGUMENT = "--scout"
 
 # ---- server -> pytest -----------------------------------------------------------------------------------------
@@ -112,7 +128,7 @@ class Spawned:
 
     world: int
     pids: tuple[int, ...]
-    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.preload``)
+    preloaded: str | None = None  # what the server has done ahead of its ranks, once it has (``worlds.server.preload``)
     fork_hazard: str | None = None  # what made forking these ranks unsafe (a thread, a CUDA context); None: nothing
     reused: bool = False  # the ranks ran the previous test of the same ``Spawn.reuse`` and were kept for this one
 
@@ -291,7 +307,9 @@ class RankJob:
     deepspeed: bool = False  # the test uses DeepSpeed: bind its comm layer to the world before the body
     process_group: bool = True  # each rank joins the world's default process group before the body
     launcher_env: bool = True  # each rank gets torchrun's variables (RANK, WORLD_SIZE, MASTER_PORT, ...)
-    warm: bool = False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.preload``)
+    warm: bool = (
+        False  # the test uses DeepSpeed (bound or not): the server warms up for it first (``worlds.server.preload``)
+    )
 
 
 # ---- what a rank reports --------------------------------------------------------------------------------------
@@ -321,3 +339,52 @@ class RankReport:
             rank, self.status, error=self.error, detail=self.detail, output=output, at=at, where=self.where,
             returned=self.returned, fix=self.fix, measurements=self.measurements,
         )  # fmt: skip
+
+
+def write_report(workdir: Path, rank: int, report: RankReport) -> None:
+    """Atomically, so that the pytest process never reads half a report."""
+    path = result_file(workdir, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(report))
+    tmp.rename(path)
+
+
+def read_report(workdir: Path, rank: int) -> RankReport | None:
+    """The rank's report; None when it wrote none (it died, or exited before its body completed)."""
+    path = result_file(workdir, rank)
+    if not path.exists():
+        return None
+    report = pickle.loads(path.read_bytes())
+    if not isinstance(report, RankReport):
+        raise TypeError(f"{path} holds a {type(report).__name__}, not a RankReport")
+    return report
+
+
+# ---- the reuse link: the fork server and a kept rank --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where a world's ranks meet: the fork server's store (its loopback port) and the world's id there."""
+
+    port: int
+    world: int
+
+
+@dataclass(frozen=True)
+class RankFinished:
+    """rank -> server: the test passed, the rank put back what it had when it was forked (``rank.reuse_reset``) and
+    waits for the next test of its scope; ``at`` on ``time.monotonic()``'s clock. The server tells pytest ``Finished``.
+    """
+
+    at: float
+
+
+@dataclass(frozen=True)
+class NextTest:
+    """server -> rank: the next test of its scope for a kept rank (``code``: the test module's, marshalled)."""
+
+    job: RankJob
+    workdir: str
+    meeting: Meeting
+    code: bytes | None

@@ -1,4 +1,6 @@
-"""DeepSpeed's CPU shared-memory allreduce leaves one ~66 MiB file per rank in /dev/shm and never deletes it.
+"""Runs in every process of a spawned world (a rank lists what it maps; the fork server, or pytest if the server died,
+removes them): DeepSpeed's CPU shared-memory allreduce leaves one ~66 MiB file per rank in /dev/shm and never
+deletes it.
 
 Names are ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp, the same
 from 0.14 to 0.19). A world's MASTER_PORT is the port of its fork server's store, held by that server while it

@@ -1,21 +1,21 @@
-"""A world's private directory: the one place that knows its layout, and how to leave nothing of it behind.
+"""Runs in every process of a spawned world: a world's private directory, the one place that knows its layout, and
+how to leave nothing of it behind.
 
 Ranks write their reports, output and stacks here, and the ``/dev/shm`` buffers they mapped; the fork server writes
 down its store's port, which names the world's buffers when its ranks bind DeepSpeed to the plugin's group. The
 pytest process reads it after the world; whoever outlives the world (the fork server, or pytest if the server died)
-discards it. A rank's report file is written and read only through ``write_report`` and ``read_report``.
+discards it. A rank's report file is written and read only through ``protocol.write_report`` and
+``protocol.read_report``.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 from pathlib import Path
 
 from ..core.outcome import OUTPUT_HEAD_BYTES, OUTPUT_TAIL_BYTES, bounded_output
 from . import shm
-from .protocol import RankReport
 
 LOOPBACK = "127.0.0.1"
 
@@ -52,23 +52,20 @@ def stack_file(workdir: Path, rank: int) -> Path:
     return workdir / f"stack-{rank}.txt"
 
 
-def write_report(workdir: Path, rank: int, report: RankReport) -> None:
-    """Atomically, so that the pytest process never reads half a report."""
-    path = result_file(workdir, rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(report))
-    tmp.rename(path)
+#: torch's variable naming where its NCCL flight recorder dumps (``<prefix><rank>``; torch 2.13's name, once
+#: TORCH_NCCL_DEBUG_INFO_TEMP_FILE): an NCCL world's is a prefix in its directory.
+NCCL_TRACE_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+NCCL_TRACE_PREFIX = "nccl-trace-rank-"
+#: The file whose existence asks an NCCL world's ranks for their flight recorder.
+NCCL_REQUEST = "nccl-trace-request"
 
 
-def read_report(workdir: Path, rank: int) -> RankReport | None:
-    """The rank's report; None when it wrote none (it died, or exited before its body completed)."""
-    path = result_file(workdir, rank)
-    if not path.exists():
-        return None
-    report = pickle.loads(path.read_bytes())
-    if not isinstance(report, RankReport):
-        raise TypeError(f"{path} holds a {type(report).__name__}, not a RankReport")
-    return report
+def nccl_request_file(workdir: Path) -> Path:
+    return workdir / NCCL_REQUEST
+
+
+def nccl_dump_file(workdir: Path, rank: int) -> Path:
+    return workdir / f"{NCCL_TRACE_PREFIX}{rank}"
 
 
 def read_text(path: Path) -> str:

@@ -9,6 +9,6 @@ import sitecustomize
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from pytest_dsrepro.worlds import devices
+    from pytest_dsrepro.worlds import device_nodes
 
-    sitecustomize.patch_devices(devices)
+    sitecustomize.patch_devices(device_nodes)

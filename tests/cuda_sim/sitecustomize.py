@@ -12,7 +12,7 @@ own Python code runs on them, so what counts, names and binds devices is torch's
   the NVML-based availability check behave as torch's do, ``CUDA_VISIBLE_DEVICES`` (ordinals or UUIDs) included;
 - an NCCL process group is a gloo one underneath (a CPU torch has no NCCL), after checking that the rank's
   ``device_id`` is its current device;
-- ``/dev/nvidia0`` exists for pytest-dsrepro's device-node check (``worlds.devices.DEVICE_DIR``; in a pytest
+- ``/dev/nvidia0`` exists for pytest-dsrepro's device-node check (``worlds.device_nodes.DEVICE_DIR``; in a pytest
   process through ``dsrepro_cuda_sim``, a plugin this module names in ``PYTEST_PLUGINS``);
 - the NCCL flight recorder (``_dump_nccl_trace``) holds one unfinished all-reduce (``FLIGHT_RECORDER``);
 - ``DSREPRO_SIM_UNGUARDED=1``: importing DeepSpeed with its CUDA accelerator initialises CUDA, as releases before
@@ -194,7 +194,7 @@ def _fake_nvcc() -> None:
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "torch.cuda": _patch_cuda,
     "torch.distributed": _patch_distributed,
-    "pytest_dsrepro.worlds.devices": patch_devices,
+    "pytest_dsrepro.worlds.device_nodes": patch_devices,
     "deepspeed": _patch_deepspeed,
 }
 

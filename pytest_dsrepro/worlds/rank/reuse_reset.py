@@ -1,5 +1,5 @@
-"""Between two tests on the same ranks (``ds_world(reuse=True)``): what a rank puts back so that the next test starts
-as it would on a freshly forked rank, as far as a process can be taken back.
+"""Runs in a kept rank, between two tests on the same ranks (``ds_world(reuse=True)``): what a rank puts back so that
+the next test starts as it would on a freshly forked rank, as far as a process can be taken back.
 
 torch's ``MultiProcContinuousTest`` keeps its workers and gives every test a fresh process group; DeepSpeed's own
 ``reuse_dist_env`` keeps the process group as well. Here a rank destroys its default process group after every test

@@ -1,4 +1,5 @@
-"""What a rank would import for a DeepSpeed engine step, imported once in the fork server instead of in every rank.
+"""Runs in the fork server and its throwaway children: what a rank would import for a DeepSpeed engine step,
+imported once in the fork server instead of in every rank.
 
 A first ZeRO step imports ~1,400 modules that ``import torch, deepspeed`` does not (sympy, networkx, torch._dynamo,
 inductor, ...): about 2 s in every rank of every test. The fork server imports them once, before it forks. Which
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.outcome import describe_exit
-from . import shm
+from ...core.outcome import describe_exit
+from .. import shm
 
 #: The ZeRO stages whose first step the discovery runs (each imports its own optimizer code).
 PRESETS = ("zero1", "zero2", "zero3")
@@ -180,10 +181,10 @@ def _engine_steps() -> None:
     import torch
     import torch.distributed as dist
 
-    from ..core import configs
-    from ..inrank import context
-    from ..inrank.engine import EngineFactory
-    from ..inrank.models import make_batch, tiny_mlp
+    from ...core import configs
+    from ...inrank import context
+    from ...inrank.engine import EngineFactory
+    from ...inrank.models import make_batch, tiny_mlp
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1")
     # Only a name here (the group's store is in-process): DeepSpeed names its /dev/shm buffer after it, so this

@@ -1,18 +1,16 @@
-"""NCCL worlds that fail loudly: the harness, not NCCL, ends a hang, and says where each rank was.
+"""Runs in the pytest process: NCCL worlds that fail loudly. The harness, not NCCL, ends a hang, and says where each
+rank was.
 
-- The process group's timeout is longer than the world's deadline (``process_group_timeout``): at the deadline the
-  harness dumps every rank's Python stack and NCCL's flight recorder, then kills the world. An NCCL timeout first
-  would abort the ranks with nothing but "Watchdog caught collective operation timeout".
+- The process group's timeout is longer than the world's deadline (``rank.nccl_recorder.process_group_timeout``): at
+  the deadline the harness dumps every rank's Python stack and NCCL's flight recorder, then kills the world. An NCCL
+  timeout first would abort the ranks with nothing but "Watchdog caught collective operation timeout".
 - Each rank gets NCCL's diagnostics (``environment``, a user's own values win): async error handling (a failed or
   aborted communicator ends the rank instead of leaving it waiting), the flight recorder (the last collectives of
   every process group, with their state), its dump on an NCCL timeout into the world's directory, NCCL's warnings.
 - At the deadline the harness asks for the flight recorder (``request_dumps``): a thread of each rank
-  (``serve_dump_request``) writes it where NCCL would on a timeout; the pytest process keeps the files
-  (``keep_dumps``) before the world's directory is discarded and summarises each rank's unfinished collectives in
-  its story. A torch build without the flight recorder (a CPU build) says so instead.
-
-The thread needs the GIL: a rank stuck in a call that holds it (rare: torch releases it while waiting on NCCL)
-writes no dump, and its story says so.
+  (``rank.nccl_recorder.serve_dump_request``) writes it where NCCL would on a timeout; the pytest process keeps the
+  files (``keep_dumps``) before the world's directory is discarded and summarises each rank's unfinished collectives
+  in its story. A torch build without the flight recorder (a CPU build) says so instead.
 """
 
 from __future__ import annotations
@@ -21,28 +19,17 @@ import io
 import os
 import pickle
 import shutil
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-#: How much longer than the world's timeout a collective may wait, at least: the harness's deadline comes first.
-MARGIN = 60.0
-#: Where torch's flight recorder dumps (``<prefix><rank>``; torch 2.13's name, once TORCH_NCCL_DEBUG_INFO_TEMP_FILE);
-#: set per world to a prefix in its directory.
-TRACE_FILE = "TORCH_FR_DUMP_TEMP_FILE"
-TRACE_PREFIX = "nccl-trace-rank-"
-REQUEST = "nccl-trace-request"
+from ..workdir import NCCL_TRACE_FILE, NCCL_TRACE_PREFIX, nccl_dump_file, nccl_request_file
+
 #: How long the pytest process waits for the ranks' dumps once asked.
 DUMP_WAIT = 5.0
 #: Entries of the flight recorder's ring buffer (0 turns it off; torch 2.13's name, once TORCH_NCCL_TRACE_BUFFER_SIZE).
 TRACE_BUFFER = ("TORCH_FR_BUFFER_SIZE", "2000")
-
-
-def process_group_timeout(world_timeout: float) -> float:
-    """A collective's timeout in an NCCL world: twice the world's, and at least ``MARGIN`` seconds longer."""
-    return max(2 * world_timeout, world_timeout + MARGIN)
 
 
 def environment(workdir: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -51,48 +38,14 @@ def environment(workdir: Path, environ: Mapping[str, str]) -> dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         TRACE_BUFFER[0]: TRACE_BUFFER[1],
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        TRACE_FILE: str(workdir / TRACE_PREFIX),
+        NCCL_TRACE_FILE: str(workdir / NCCL_TRACE_PREFIX),
         "NCCL_DEBUG": "WARN",
     }
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
-def _dump_from_torch() -> bytes:
-    """NCCL's flight recorder of this process, as torch dumps it on a timeout (a pickle of builtins)."""
-    import torch
-
-    c10d: Any = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_nccl_trace", None)
-    if dump is None:
-        raise RuntimeError("this torch build has no NCCL flight recorder")
-    return bytes(dump())
-
-
-def serve_dump_request(rank: int, dump: Callable[[], bytes] = _dump_from_torch, poll: float = 0.1) -> None:
-    """In a rank of an NCCL world: a daemon thread that writes the flight recorder when the harness asks
-    (``request_dumps``), where torch itself would (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). Nothing without it."""
-    prefix = os.environ.get(TRACE_FILE)
-    if not prefix:
-        return
-    request = Path(prefix).parent / REQUEST
-    target = Path(f"{prefix}{rank}")
-
-    def serve() -> None:
-        while not request.exists():
-            time.sleep(poll)
-        try:
-            data = dump()
-        except Exception as exc:  # noqa: BLE001 - said in the rank's story instead of a dump
-            data = pickle.dumps({"dsrepro_error": f"{type(exc).__name__}: {exc}"})
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(target)
-
-    threading.Thread(target=serve, name="dsrepro-nccl-flight-recorder", daemon=True).start()
-
-
-#: How faulthandler names the file of this module's frames.
-HERE = os.sep + os.path.join("worlds", "nccl.py")
+#: How faulthandler names the file of the recorder thread's frames (``rank.nccl_recorder``, in every NCCL rank).
+HERE = os.sep + os.path.join("worlds", "rank", "nccl_recorder.py")
 
 
 def without_recorder_thread(stacks: str) -> str:
@@ -102,16 +55,12 @@ def without_recorder_thread(stacks: str) -> str:
 
 
 def request_dumps(workdir: Path) -> None:
-    (workdir / REQUEST).touch()
-
-
-def dump_file(workdir: Path, rank: int) -> Path:
-    return workdir / f"{TRACE_PREFIX}{rank}"
+    nccl_request_file(workdir).touch()
 
 
 def wait_for_dumps(workdir: Path, ranks: list[int], timeout: float = DUMP_WAIT) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(dump_file(workdir, r).exists() for r in ranks):
+    while time.monotonic() < deadline and not all(nccl_dump_file(workdir, r).exists() for r in ranks):
         time.sleep(0.05)
 
 
@@ -150,7 +99,7 @@ def keep_dumps(workdir: Path, ranks: list[int], keep: Path) -> dict[int, str]:
     a line for its story: where its dump is and what it says, or that it wrote none."""
     told = {}
     for rank in ranks:
-        source = dump_file(workdir, rank)
+        source = nccl_dump_file(workdir, rank)
         if not source.exists():
             told[rank] = "NCCL flight recorder: no dump (the rank did not answer)"
             continue

@@ -1,4 +1,4 @@
-"""GPU leases: an NCCL world runs on GPUs no other world of this machine is using.
+"""Runs in the pytest process: GPU leases, so that an NCCL world runs on GPUs no other world of this machine is using.
 
 Every pytest process (each pytest-xdist worker, each concurrent session) runs its own worlds, and NCCL worlds on a
 shared GPU fail in ways that look like the bug under test (out of memory, a collective that never meets). So each
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from filelock import BaseFileLock, FileLock, Timeout
 
-from .devices import Gpu
+from .gpu_probe import Gpu
 
 #: How long a world waits for its GPUs by default (``--ds-gpu-wait``).
 WAIT = 600.0

@@ -1,4 +1,5 @@
-"""The test module as a rank imports it: the file pytest collected, its asserts rewritten as pytest rewrites them.
+"""Runs in a rank, and in the fork server just before it forks one (``compile_source``, once for every rank of a
+world): the test module as a rank imports it, the file pytest collected, its asserts rewritten as pytest does.
 
 A rank is forked from the fork server, which never imports tests, so the rank imports the test module itself. pytest
 rewrites ``assert`` statements only in modules its own import hook loads, and that hook needs the pytest process's

@@ -1,4 +1,5 @@
-"""One world test under an external launcher: every pytest process is one rank, and together they make one run.
+"""Runs in a pytest process that an external launcher made a rank: one world test, every pytest process one rank,
+and together they make one run.
 
 For the n-th world test of the session, over the launcher's store (keys under ``pytest-dsrepro/<restart>/<n>``):
 
@@ -21,7 +22,7 @@ For the n-th world test of the session, over the launcher's store (keys under ``
    starts no further test; each rank re-raises ``KeyboardInterrupt`` (never a test's outcome), and whatever the body
    started is killed.
 
-Torch is imported inside functions only; nothing here knows pytest (``session.launched`` is the pytest side).
+Torch is imported inside functions only; nothing here knows pytest (``session/launched`` is the pytest side).
 """
 
 from __future__ import annotations
@@ -39,17 +40,16 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from ..core.errors import HarnessError
-from ..core.options import Launched
-from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, rank_ranges
-from ..inrank.context import RankContext
-from ..inrank.fixtures import RankFixture
+from ...core.errors import HarnessError
+from ...core.options import Launched
+from ...core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, rank_ranges
+from ...inrank.context import RankContext
+from ...inrank.fixtures import RankFixture
+from ..prctl import PR_SET_CHILD_SUBREAPER, prctl
+from ..protocol import FAILURE_GRACE, RankReport
+from ..rank import body, rendezvous
+from ..rank.body import Fix
 from . import launcher
-from . import rank as inrank
-from .client import FAILURE_GRACE
-from .protocol import RankReport
-from .rank import Fix
-from .server import PR_SET_CHILD_SUBREAPER, prctl
 
 #: How often the watcher looks at the clock and at the store.
 POLL = 0.1
@@ -263,7 +263,7 @@ class LaunchedWorld:
             before = _children()
             watch = _Watch(self, self._store(self.seq, watcher=True, run=run), deadline, timeout)
             with watch, contextlib.suppress(Interrupted):
-                report = watch.interruptible(inrank.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed, setup=setup)
+                report = watch.interruptible(body.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed, setup=setup)
             _kill_what_it_started(before)
             if watch.fired is not None:
                 result = watch.fired
@@ -316,13 +316,15 @@ class LaunchedWorld:
             # CleanUpOnly: NCCL's watchdog aborts a failed communicator, but leaves the pytest process alive.
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         group_store = dist.PrefixStore("pg", store)  # type: ignore[attr-defined]
-        inrank.init_default_group(backend, group_store, self.world.rank, self.world.world_size, timeout + GROUP_MARGIN)
-        inrank.agree_connected(group_store, self.world.world_size, timeout)
+        rendezvous.init_default_group(
+            backend, group_store, self.world.rank, self.world.world_size, timeout + GROUP_MARGIN
+        )
+        rendezvous.agree_connected(group_store, self.world.world_size, timeout)
 
     def _warm_comm_op(self) -> None:
         """DeepSpeed's CPU comm op from the plugin's cache (as the fork server loads it), once per process."""
         if not self._comm_op_ready:
-            from . import comm_op
+            from ..server import comm_op
 
             comm_op.warm_up()
             self._comm_op_ready = True
@@ -593,7 +595,7 @@ class _Watch:
         frame = sys._current_frames().get(self._main)
         entries = traceback.extract_stack(frame)
         inner = max(
-            (i for i, e in enumerate(entries) if e.name == "run_body" and e.filename == inrank.__file__), default=-1
+            (i for i, e in enumerate(entries) if e.name == "run_body" and e.filename == body.__file__), default=-1
         )
         lines = [f'  File "{e.filename}", line {e.lineno} in {e.name}' for e in reversed(entries[inner + 1 :])]
         return "\n".join(["Stack (most recent call first):", *lines])

@@ -1,8 +1,8 @@
-"""Multi-node: when an existing launcher started pytest, every pytest process already is a rank.
+"""Runs in a pytest process that an external launcher made a rank (multi-node): what the launcher made of it.
 
 torchrun (and ``srun ... torchrun``, DeepSpeed's launcher, MPI wrappers that export the same variables) sets RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Then the plugin spawns nothing: each world
-test runs in place, in every pytest process, as one world (``worlds.launched``). This module answers what the
+test runs in place, in every pytest process, as one world (``launched_world``). This module answers what the
 launcher made of this process and of its node: the rank, its devices, the backend, the launcher's store.
 """
 
@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any
 
-from ..core import options
-from ..core.options import Launched
-from ..core.world_spec import ds_accelerator, settle_backend
+from ...core import options
+from ...core.options import Launched
+from ...core.world_spec import ds_accelerator, settle_backend
 
 
 def launched() -> Launched | None:

@@ -1,0 +1,113 @@
+"""Runs in a rank the fork server forked: its whole life, from its own output files to its report, and for a rank of
+a reusable world the loop on its link (``protocol.NextTest``, ``protocol.RankFinished``) between two tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import marshal
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import CodeType
+
+from ...core.outcome import Status
+from ...inrank.context import RankContext
+from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, write_report
+from ..workdir import output_file, record_buffers, stack_file
+from . import body, rendezvous, reuse_reset
+
+#: The signal on which a rank dumps every thread's Python stack (the fork server sends it, asked by pytest).
+STACK_SIGNAL = signal.SIGUSR1
+
+
+def _into(workdir: Path, rank: int) -> None:
+    """The rank's output and stack files are this world's: fds 1 and 2, and faulthandler's file."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(output_file(workdir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    for stream in (sys.stdout, sys.stderr):  # keep Python's prints in order with C-level writes to the same file
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    stack = open(stack_file(workdir, rank), "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(STACK_SIGNAL, file=stack, all_threads=True)
+    faulthandler.enable(file=stack, all_threads=True)  # a segfault or abort leaves the Python stack too
+
+
+def rank_life(
+    job: RankJob,
+    rank: int,
+    size: int,
+    workdir: Path,
+    meeting: Meeting,
+    code: CodeType | None,
+    link: Connection | None = None,
+) -> None:
+    """One forked rank: its test, reported. A rank of a reusable world (``link``) that passed puts back what it had
+    when it was forked (``reuse_reset``), says it finished, and waits on its link for the next test of its scope; it
+    exits after any other ending, or when the server closes its link."""
+    baseline = reuse_reset.Baseline.take() if link is not None else None
+    while True:
+        _into(workdir, rank)
+        report = run_rank(job, rank, size, meeting, code)
+        record_buffers(workdir, rank)
+        if link is None or baseline is None or report.status is not Status.PASSED:
+            write_report(workdir, rank, report)
+            return
+        baseline.restore()
+        write_report(workdir, rank, report)
+        link.send(RankFinished(time.monotonic()))
+        try:
+            following = link.recv()
+        except (EOFError, OSError):
+            return
+        assert isinstance(following, NextTest)
+        job, workdir, meeting = following.job, Path(following.workdir), following.meeting
+        code = None if following.code is None else marshal.loads(following.code)
+
+
+def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: CodeType | None = None) -> RankReport:
+    """A spawned rank's test, from its rendezvous to its report, except process plumbing (``rank_life``); ``code``:
+    the test module's code, compiled by the fork server for every rank of the world (None: compiled here). Its
+    report's ``marks`` say when it got through each phase of the world (``core.outcome.PHASES``)."""
+    marks = [time.monotonic()]
+
+    def mark() -> None:
+        marks.append(time.monotonic())
+
+    job.environ.apply(os.environ)
+    master = None  # a world without the plugin's process group: (port, rank 0's own store), alive with the rank
+    try:
+        store = rendezvous.rendezvous(meeting.port, meeting.world, job.timeout)
+        if job.launcher_env:
+            if not job.process_group:  # the body makes the group, on a MASTER_PORT nobody else serves
+                master = rendezvous.own_master_port(store, rank, job.timeout)
+            rendezvous.set_rank_environment(rank, world_size, master[0] if master else meeting.port)
+        if job.process_group:
+            rendezvous.init_default_group(job.backend, store, rank, world_size, job.timeout)
+        rendezvous.agree_connected(store, world_size, job.timeout)
+    except BaseException as exc:  # noqa: BLE001
+        return body.failed_report(exc, "world setup failed:\n", traceback.format_exc())
+    mark()
+    ctx = RankContext(rank=rank, world_size=world_size, local_rank=rank, backend=job.backend)
+    try:
+        fn = body.resolve_test(job.test, code)
+        kwargs, fixes, setup = pickle.loads(job.payload)
+    except BaseException as exc:  # noqa: BLE001
+        return body.failed_report(exc, "loading the test failed:\n", traceback.format_exc())
+    mark()
+    report = body.run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and report.status is Status.PASSED:
+        # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
+        dist.destroy_process_group()
+    return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))

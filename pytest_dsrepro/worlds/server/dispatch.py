@@ -1,0 +1,190 @@
+"""Runs in the fork server: its answer to each of pytest's messages, and the worlds it started for pytest.
+
+``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
+ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` waits for a comm-op build
+that runs beside the worlds. What all ranks of a world share is done once, before the fork: the job unpickled, the
+test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test that uses it.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from .. import workdir
+from ..protocol import (
+    BuildEnded,
+    Building,
+    DumpStacks,
+    FinishBuild,
+    Finished,
+    Kill,
+    Meeting,
+    NextTest,
+    RankFinished,
+    RankJob,
+    Reap,
+    Reaped,
+    Spawn,
+    Spawned,
+)
+from ..rank.spawned_rank import STACK_SIGNAL
+from . import comm_op, preload
+from .kept import KeptWorld
+from .reaping import RankTable
+from .spawning import TestModules, World, freeze, start_world
+from .store import Store
+from .warmup import warm_for_deepspeed
+
+#: What the user is told when the run's tests are over and a comm-op build beside the worlds is not.
+FINISHING = "the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)"
+
+
+class Worlds:
+    """The worlds this server started for pytest: their ranks until told, their directories until reaped."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        directories: dict[int, Path],
+        store: Store,
+        scouted: preload.Child | None = None,
+        building: comm_op.Background | None = None,
+    ) -> None:
+        self.conn = conn
+        self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
+        self.store = store
+        self.worlds: dict[int, World] = {}
+        self.ranks = RankTable(conn)
+        self.modules = TestModules()
+        self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
+        self.scouted = scouted  # the child finding what that first Spawn imports, started before the comm-op build
+        self.building = building  # DeepSpeed's comm op building beside the worlds, until adopted
+        self.kept = KeptWorld(self.end, store)  # a reusable world's ranks, alive between two tests of its scope
+        self._finished: dict[int, set[int]] = {}  # world -> its ranks that said Finished
+
+    def handle(self, message: object) -> None:
+        match message:
+            case Spawn(world=world, job=job, size=size, workdir=directory, reuse=reuse):
+                self.directories[world] = Path(directory)
+                if self.building is not None and self.building.done():
+                    self.conn.send(Building(self.adopt_build()))
+                rank_job = pickle.loads(job)
+                if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
+                    self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
+                    self.scouted = None
+                self.spawn(world, rank_job, size, Path(directory), reuse)
+            case DumpStacks(world=world, ranks=ranks):
+                self.ranks.signal(world, ranks, STACK_SIGNAL)
+            case Kill(world=world, ranks=ranks):
+                self.ranks.signal(world, ranks, signal.SIGKILL)
+            case Reap(world=world, keep=keep):
+                self.reap_world(world, keep)
+            case FinishBuild():
+                if self.building is not None and not self.building.done():
+                    self.conn.send(Building(FINISHING))
+                    self.building.wait()
+                self.conn.send(BuildEnded(self.adopt_build() if self.building is not None else ""))
+            case _:
+                print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
+
+    def adopt_build(self) -> str:
+        """The comm op built beside the worlds, loaded here for the worlds forked from now on; what to tell the user."""
+        assert self.building is not None
+        said, self.building = self.building.adopt(), None
+        return said
+
+    def spawn(self, world: int, job: RankJob, size: int, directory: Path, reuse: str | None = None) -> None:
+        """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
+        compiled, the store running and its port (which names the world's ``/dev/shm`` buffers) written down. A
+        world kept for this ``reuse`` scope and size runs the test instead, on its live ranks."""
+        if self.store.pid is None:
+            self.store.start(self.conn, os.getpid())
+        workdir.write_port(directory, self.store.port)
+        meeting = Meeting(self.store.port, world)
+        code = self.modules.compiled(job.test)
+        marshalled = None if code is None else marshal.dumps(code)
+        started = self.kept.resume(reuse, size, NextTest(job, str(directory), meeting, marshalled))
+        hazard = None
+        if started is None:
+            hazard = preload.hazard()
+            if hazard is not None:  # never expected: told to pytest, which shows it in 'worlds ran on'
+                print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
+            freeze()  # what the server made since, too
+            pids, links = start_world(job, size, directory, meeting, code, os.getpid(), self.conn, reuse is not None)
+            started = World(tuple(pids), tuple(links), reuse)
+        self.worlds[world] = started
+        self._finished[world] = set()
+        self.ranks.add(world, started.pids)
+        self.conn.send(Spawned(world, started.pids, self.preloaded, hazard, reused=started.reused))
+
+    def links(self) -> dict[Connection, tuple[int, int]]:
+        """The links of ranks in open reusable worlds that have not said Finished: link -> (world, rank)."""
+        return {
+            link: (world, rank)
+            for world, w in self.worlds.items()
+            for rank, link in enumerate(w.links)
+            if rank not in self._finished.get(world, ())
+        }
+
+    def finished(self, link: Connection, world: int, rank: int) -> None:
+        """A rank of a reusable world said it finished its test cleanly (``RankFinished``; end of file: it died, which
+        its exit tells)."""
+        try:
+            said = link.recv()
+        except (EOFError, OSError):
+            said = None
+        self._finished.setdefault(world, set()).add(rank)  # no longer waited on; reap() tells how a dead one ended
+        if isinstance(said, RankFinished):
+            self.conn.send(Finished(world, rank, said.at))
+
+    def reap_world(self, world: int, keep: bool = False) -> None:
+        """Kill what is left of the world, tell pytest how each rank ended, discard the directory, say ``Reaped``.
+        ``keep``: a reusable world whose ranks all finished cleanly and live is kept instead, for the next test of
+        its scope (its ``/dev/shm`` buffers too, which its ranks still map).
+
+        The directory is discarded here, by the process that outlives the world, not left to pytest: a second Ctrl-C
+        may cut pytest's own cleanup short, and a directory forgotten here would never be removed.
+        """
+        ending = self.worlds.pop(world, None)
+        finished = self._finished.pop(world, set())
+        kept = False
+        if ending is not None:
+            if keep and ending.links and len(finished) == len(ending.pids) and self._alive(ending):
+                for pid in ending.pids:
+                    self.ranks.pids.pop(pid, None)
+                self.kept.keep(ending)
+                kept = True
+            else:
+                self.end(ending)
+                for link in ending.links:
+                    link.close()
+        directory = self.directories.pop(world, None)
+        if directory is not None:
+            workdir.discard(directory, buffers=not kept)
+        self.conn.send(Reaped(world))
+
+    def _alive(self, world: World) -> bool:
+        """Every rank of the world still runs: none was told dead, nor died since."""
+        return all(pid in self.ranks.pids for pid in world.pids) and world.whole()
+
+    def end(self, world: World) -> None:
+        """Kill every process of ``world`` (``RankTable.end``), sparing the server's own children and other worlds."""
+        own = (self.store.pid, *(c.pid for c in (self.scouted, self.building and self.building.child) if c))
+        self.ranks.end(world, set(own), {w.group for w in self.worlds.values()})
+
+    def reap(self) -> None:
+        """Tell the ends of ranks that exited (rank 0 of an open world without reaping it: it holds its group's id
+        until the world is reaped); a store process that ended is replaced at the next world, a kept world whose rank
+        died is ended. Processes that ranks left behind are reaped with their world."""
+        self.ranks.poll({w.group for w in self.worlds.values()})
+        if self.store.pid is not None:
+            done, _ = os.waitpid(self.store.pid, os.WNOHANG)
+            if done:
+                self.store.ended()
+        self.kept.check()

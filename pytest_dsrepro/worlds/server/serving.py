@@ -1,0 +1,143 @@
+"""Runs in the fork server: its life, from ``python -m pytest_dsrepro.worlds.server FD PARENT_PID LOG [--scout]``
+(``__main__``) to its exit, and its one loop over pytest's messages and its ranks' links.
+
+Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
+world still gets brand-new rank processes, so nothing a test does leaks into the next. The server speaks the typed
+messages of ``protocol`` over one socket; it forks every rank and is the only process that signals one.
+
+End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
+the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit. Ranks and
+the store die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
+start are its children and get killed. Ctrl-C is pytest's to handle: the server ignores SIGINT.
+
+Fork safety: when the server forks, it holds no thread, no CUDA context and no process group (``preload.hazard``,
+checked at start-up, after preloading, and at every world); its objects are frozen out of the garbage collector's
+reach (``spawning.freeze``). On GPUs it never touches a CUDA context (``cuda_reexec``). There is one server per
+DeepSpeed accelerator (``DS_ACCELERATOR``, chosen by the pytest process from the world's backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import os
+import shutil
+import signal
+import sys
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from .. import shm, workdir
+from ..prctl import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
+from ..protocol import SCOUT_ARGUMENT, Building, Hello, ServerFacts
+from . import comm_op, preload
+from .dispatch import Worlds
+from .reaping import kill_descendants
+from .spawning import freeze
+from .store import Store
+from .warmup import prepare
+
+
+def _child_exit_wakeups() -> int:
+    """A file descriptor that becomes readable whenever a child exits, so the loop answers at once."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return r
+
+
+def serve(
+    conn: Connection,
+    open_worlds: dict[int, Path],
+    store: Store,
+    scouted: preload.Child | None = None,
+    building: comm_op.Background | None = None,
+) -> None:
+    """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
+    worlds = Worlds(conn, open_worlds, store, scouted, building)
+    wakeups = _child_exit_wakeups()
+    while True:
+        links = worlds.links()
+        ready = wait([conn, wakeups, *links], timeout=1.0)
+        if wakeups in ready:
+            os.read(wakeups, 4096)
+        for link in ready:
+            if isinstance(link, Connection) and link in links:
+                worlds.finished(link, *links[link])
+        if conn in ready:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            worlds.handle(message)
+        worlds.reap()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    """Serve until pytest goes away, clean up, then leave at once: the interpreter's own teardown of torch and
+    DeepSpeed takes a second or more, and pytest waits for the server's exit."""
+    code = 1
+    try:
+        run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:] == [SCOUT_ARGUMENT])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - into the log, which pytest shows when the server failed
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
+    faulthandler.enable()  # a fatal signal (a damaged shared object's SIGBUS, say) leaves its stack in the log
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    die_with_parent(parent, signal.SIGTERM)  # not SIGKILL: the server must still clean up after its worlds
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's to handle; it then tears the world down
+    conn = Connection(fd)
+    open_worlds: dict[int, Path] = {}
+    store = Store()
+    scouted: preload.Child | None = None
+    building: comm_op.Background | None = None
+    try:
+        try:
+            try:
+                facts, scouted, building = prepare(lambda what: conn.send(Building(what)), scout)
+                if facts.fatal is None:
+                    freeze()
+                    store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
+                    facts = dataclasses.replace(facts, store_pid=store.pid, fork_hazard=preload.hazard())
+            except comm_op.Unusable as exc:  # the cache cannot serve any world: the run stops, saying what to do
+                facts = ServerFacts(pid=os.getpid(), torch="", fatal=str(exc), stops_run=True)
+            except Exception as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
+                # Not SystemExit: pytest's SIGTERM while the comm op builds must unwind the build (torch then
+                # removes its build lock) and reach the cleanup below, which kills the compilers.
+                facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
+            conn.send(Hello(facts))
+            if facts.fatal is None:
+                serve(conn, open_worlds, store, scouted, building)
+        finally:
+            # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
+            # may still land here, before it is ignored, and only the outer block is sure to run to the end.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
+            building.stop()
+        kill_descendants()
+        shutil.rmtree(comm_op.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
+        for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
+            workdir.discard(directory)
+        if store.port:  # a kept world's buffers, which no directory names any more
+            shm.remove_world_buffers(workdir.LOOPBACK, store.port)
+        if os.getppid() != parent:  # nobody is left to read the log
+            log.unlink(missing_ok=True)

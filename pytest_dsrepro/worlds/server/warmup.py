@@ -1,0 +1,93 @@
+"""Runs in the fork server: what it imports and does once, ahead of its ranks, so that no forked rank pays for it.
+
+At start-up (``prepare``): torch, DeepSpeed and pytest imported, DeepSpeed's comm op loaded (or its first build
+started beside the worlds, ``comm_op.start``), and the facts pytest gets in ``Hello``; where importing DeepSpeed
+poisons the server's forks for CUDA, the restart without it (``cuda_reexec``). Before the first world whose test
+uses DeepSpeed (``warm_for_deepspeed``): the imports and first use of a first engine step (``preload``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ...core.options import default_cache_dir
+from ..device_nodes import gpu_device_nodes
+from ..protocol import ServerFacts
+from . import comm_op, cuda_reexec, preload
+
+
+def prepare(
+    announce: Callable[[str], None] = lambda _: None, scout: bool = False
+) -> tuple[ServerFacts, preload.Child | None, comm_op.Background | None]:
+    """Import what every rank imports, once: torch, DeepSpeed and pytest (a rank's fixes and skips use it; the rank
+    code itself is imported with this module); load DeepSpeed's comm op, or start its first build beside the worlds
+    (``comm_op.start``); report what is in play; leave DeepSpeed to the ranks where importing it poisoned this
+    server's forks. Each import made here is one a forked rank does not pay again (pytest alone is ~80 ms per world).
+    ``scout``: the first world uses DeepSpeed, so what its ranks will import is found meanwhile, in a child
+    (``preload.scout``, collected by ``warm_for_deepspeed``), beside the comm op's loading or first build.
+
+    Every fact is a builtin (``str(torch.__version__)``, not torch's version object), so that unpickling them in
+    the pytest process imports nothing.
+    """
+    import pytest  # noqa: F401
+    import torch
+
+    # Devices are the pytest process's business (``client.gpu_probe``): asking torch here would poison every fork.
+    facts = ServerFacts(pid=os.getpid(), torch=str(torch.__version__))
+    found = cuda_reexec.deferred(default_cache_dir(), str(torch.__version__))
+    if found is not None:
+        return cuda_reexec.without_deepspeed(facts, found), None, None
+    try:
+        import deepspeed
+    except ImportError as exc:
+        return dataclasses.replace(facts, deepspeed_error=f"{type(exc).__name__}: {exc}"), None, None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    # Not on GPUs, where DeepSpeed may yet be left to the ranks (below).
+    scouted = preload.scout(*_install()) if scout and not gpu_device_nodes() else None
+    started = time.monotonic()
+    loaded, building = comm_op.start(announce)
+    if gpu_device_nodes() and cuda_reexec.poisoned_fork():
+        cuda_reexec.restart_without_deepspeed(
+            cuda_reexec.Deferred.of(deepspeed, accelerator), default_cache_dir(), str(torch.__version__)
+        )
+    return (
+        dataclasses.replace(
+            facts,
+            deepspeed=str(deepspeed.__version__),
+            deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
+            comm_op=loaded,
+            comm_op_seconds=round(time.monotonic() - started, 2),
+            builds_beside=building is not None,
+            accelerator=str(accelerator.device_name()),
+            accelerator_backend=str(accelerator.communication_backend_name()),
+        ),
+        scouted,
+        building,
+    )
+
+
+def _install() -> tuple[Path, str, str, Path]:
+    """The cache directory and the DeepSpeed install (version, torch, where) that preload lists are kept for."""
+    import deepspeed
+    import torch
+
+    return default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), Path(deepspeed.__file__).parent
+
+
+def warm_for_deepspeed(scouted: preload.Child | None, announce: Callable[[str], None]) -> str:
+    """Do what a rank's first DeepSpeed use would (``preload``: the imports of a first engine step, then the
+    first-use work after them), once, before the first world whose test uses DeepSpeed: worlds that do not never pay
+    for it, and however the test is written, its ranks start warm. ``scouted``: the child finding the imports,
+    started beside the comm-op build (``preload``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    preloaded = preload.warm(*_install(), scouted, announce)
+    if preloaded.stopped:
+        return preloaded.describe()
+    return f"{preloaded.describe()}; {preload.first_use(str(get_accelerator().device_name()))}"
