@@ -1,7 +1,7 @@
 """Who the running rank is, for repro bodies and the plugin's rank-side helpers (``pytest_dsrepro.current()``).
 
-Set by the world's rank bootstrap (``worlds.rank``) or, under an external launcher, by ``worlds.launcher``, for the
-duration of one test body.
+Set by the world's rank bootstrap (``worlds.rank.spawned_rank``) or, under an external launcher, by
+``worlds.launched.launched_world``, for the duration of one test body.
 """
 
 from __future__ import annotations
