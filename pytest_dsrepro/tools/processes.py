@@ -71,6 +71,20 @@ def run(
     return Finished(_code(child), text, timed_out, time.monotonic() - started)
 
 
+def to_terminal(command: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None) -> int:
+    """Run ``command`` to its end, its output on this process's terminal, the user's to watch; its exit code. On an
+    exception here (Ctrl-C, SIGTERM under ``interrupting``) it is stopped as ``stop`` stops a child: a pytest first
+    prints its summary and writes its results, then the exception goes on."""
+    child = psutil.Popen(
+        list(command), cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL
+    )  # fmt: skip
+    try:
+        return int(child.wait())
+    except BaseException:
+        stop(child, told=True)
+        raise
+
+
 def _code(child: psutil.Popen) -> int:
     code = child.returncode
     return -1 if code is None else int(code)
