@@ -93,9 +93,14 @@ class ServerGone(HarnessError):
     """The fork server's socket closed: it died (or was never running). ``ending`` says how, when it is known."""
 
     def __init__(self, ending: str, log: str) -> None:
-        super().__init__(f"the pytest-dsrepro fork server is gone ({ending}); its log:\n{log}")
+        super().__init__(f"the pytest-dsrepro fork server is gone ({ending}); {told_log(log)}")
         self.ending = ending
         self.log = log
+
+
+def told_log(log: str) -> str:
+    """The server's log in a message: its tail, or that it is empty (never a colon with nothing after it)."""
+    return f"its log:\n{log}" if log.strip() else "its log is empty"
 
 
 #: The report header's note (``ServerFacts.preloaded``) for a run of one world that uses DeepSpeed (``plan``).
@@ -212,8 +217,7 @@ class ForkServer:
                     raise CacheUnusable(message.facts.fatal)
                 self.refused = f"could not get ready ({message.facts.fatal})"  # the same for every later world
                 failure = self.refused
-            told = f"its log:\n{log}" if log.strip() else "its log is empty"
-            raise HarnessError(f"the pytest-dsrepro fork server {failure}; {told}")
+            raise HarnessError(f"the pytest-dsrepro fork server {failure}; {told_log(log)}")
         expected = versions.resolved("deepspeed", "deepspeed")
         seen = versions.Release(message.facts.deepspeed, message.facts.deepspeed_path)
         if not versions.same_release(expected, seen):
@@ -444,7 +448,7 @@ class WorldRun:
                 message = self.server.receive(self.timeout)
                 if message is None:
                     raise HarnessError(
-                        f"the pytest-dsrepro fork server did not start the ranks; its log:\n{self.server.log_tail()}"
+                        f"the pytest-dsrepro fork server did not start the ranks; {told_log(self.server.log_tail())}"
                     )
                 if isinstance(message, Building):  # a first preload of a release: what it does, and how long
                     self.server.progress(message.what)
@@ -457,7 +461,7 @@ class WorldRun:
         except ServerGone as exc:
             raise HarnessError(
                 f"the pytest-dsrepro fork server died while this test's world ran ({exc.ending}), "
-                f"{time.monotonic() - started:.1f}s in; its ranks died with it. Its log:\n{exc.log}"
+                f"{time.monotonic() - started:.1f}s in; its ranks died with it; {told_log(exc.log)}"
             ) from None
         except (KeyboardInterrupt, HarnessError):
             raise  # Ctrl-C ends at once: the cleanup below kills the ranks without waiting for their stacks
