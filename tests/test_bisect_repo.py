@@ -697,19 +697,19 @@ def test_bad_input_is_refused_before_anything_is_installed(
 
     assert refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--fresh") == (
         2,
-        "dsrepro: --fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone",
+        "dsrepro bisect: --fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone",
     )
     assert refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--repo", str(tmp_path)) == (
-        1,
-        f"dsrepro: --repo {tmp_path}: not a git repository (give the path of your DeepSpeed clone)",
+        2,
+        f"dsrepro bisect: --repo {tmp_path}: not a git repository (give the path of your DeepSpeed clone)",
     )
     code, err = refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.19.8", "--repo", str(repo))
-    assert (code, err.split(" in ")[0]) == (1, "dsrepro: deepspeed 0.19.8 has no tag v0.19.8")
+    assert (code, err.split(" in ")[0]) == (2, "dsrepro bisect: deepspeed 0.19.8 has no tag v0.19.8")
     code, err = refused("test_nope.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--repo", str(repo))
-    assert (code, err) == (1, f"dsrepro: test_nope.py::test_total: no such file {tmp_path / 'test_nope.py'} (node "
+    assert (code, err) == (2, f"dsrepro bisect: test_nope.py::test_total: no such file {tmp_path / 'test_nope.py'} (node "
                               "ids are read from --chdir, else here)")  # fmt: skip
     code, err = refused("test_total.py::test_total", "--good", "0.2.0", "--bad", "v0.2.0", "--repo", str(repo))
-    assert (code, err) == (1, f"dsrepro: --good and --bad are the same commit (v0.2.0 {shas['Release 0.2.0 (#10)'][:9]});"
+    assert (code, err) == (2, f"dsrepro bisect: --good and --bad are the same commit (v0.2.0 {shas['Release 0.2.0 (#10)'][:9]});"
                               " give two different ones")  # fmt: skip
     with pytest.raises(SystemExit):
         cli.main(["bisect", "t.py::t", "--good", "1", "--bad", "2", "--runs", "0"])
