@@ -30,8 +30,8 @@ from pytest_dsrepro.core.results import RankStory, TestRecord
 from pytest_dsrepro.tools import bisect, cli, environments
 from pytest_dsrepro.tools.bisect import (
     BisectError,
-    NoVerdict,
     Invocation,
+    NoVerdict,
     Probe,
     Prober,
     Result,

@@ -104,7 +104,7 @@ def test_a_key_given_twice_is_refused_as_deepspeed_refuses_it(tmp_path: Path) ->
     from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
 
     text = '{"train_batch_size": 8, "train_batch_size": 16}'
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="Duplicate keys"):
         json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
     assert refused(tmp_path, text).startswith('CFG:1:25: the key "train_batch_size" is given twice')
 

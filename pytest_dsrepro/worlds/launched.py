@@ -531,7 +531,9 @@ def unrunnable(mine: Sequence[str], lists: Sequence[Sequence[str]]) -> dict[str,
 
 
 def _died(ranks: Sequence[int]) -> str:
-    return f"{rank_ranges(ranks)}'s pytest process died" if len(ranks) == 1 else f"the processes of {rank_ranges(ranks)} died"
+    """``rank 1's pytest process died``: what a wait for ``ranks`` ended on."""
+    who = rank_ranges(ranks)
+    return f"{who}'s pytest process died" if len(ranks) == 1 else f"the pytest processes of {who} died"
 
 
 def _children() -> set[int]:
