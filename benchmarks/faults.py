@@ -474,54 +474,190 @@ def outputs_lost_at_end(base: Path) -> Figure:
                   f"exit {run.proc.returncode}: {run.first('pytest-dsrepro: NOT SAVED')}", run.leftovers())  # fmt: skip
 
 
-def torchrun_ctrl_c(base: Path) -> Figure:
+def _tagged(command: list[str], base: Path, **more: str) -> tuple[subprocess.Popen[str], str]:
+    """``command`` in ``base``, in a session of its own (as a shell's job), every process it starts tagged."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, TMPDIR=str(base), COLUMNS="200", **{TAG: tag}, **more)
+    proc = subprocess.Popen(command, cwd=base, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return proc, tag
+
+
+def _left(tag: str) -> list[str]:
+    """Tagged processes still running 2 s after the end (killed, so that the next fault starts clean)."""
+    time.sleep(2)
+    left = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(TAG) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"process {p.name()}")
+                p.kill()
+    return left
+
+
+def _recorded(directory: Path) -> list[str]:
+    return sorted(t["nodeid"].split("::")[-1] for f in directory.glob("*.json")
+                  for t in json.loads(f.read_text())["tests"])  # fmt: skip
+
+
+def _until_exists(*paths: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.stat().st_size for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+#: What every torchrun fault's test file starts with: a world test that passes before the fault.
+TORCHRUN_FIRST = """
+import os, signal, subprocess, time
+import pytest
+
+@pytest.mark.ds_world
+def test_1(ds_rank):
+    pass
+"""
+
+
+def _torchrun(base: Path, tests: str, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """``test_1`` (which passes), then ``tests``, run by 2 ranks of torchrun on this machine, rank 0's results in
+    ``base/results``."""
     base.mkdir(parents=True)
-    (base / "test_fault.py").write_text(
-        textwrap.dedent("""
-        import subprocess, time
-        import pytest
+    (base / "test_fault.py").write_text(TORCHRUN_FIRST + textwrap.dedent(tests))
+    return _tagged([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    *PYTEST[1:], "--ds-results=results", "-q", *args], base)  # fmt: skip
 
-        @pytest.mark.ds_world
-        def test_1(ds_rank):
-            pass
 
+def torchrun_ctrl_c(base: Path) -> Figure:
+    proc, tag = _torchrun(
+        base,
+        """
         @pytest.mark.ds_world
         def test_2(ds_rank):
             subprocess.Popen(["sleep", "600"])
-            open(f"ready-{ds_rank}", "w").close()
+            open(f"ready-{ds_rank}", "w").write("1")
             time.sleep(600)
 
         @pytest.mark.ds_world
         def test_3(ds_rank):
             pass
-    """)
+    """,
     )
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, TMPDIR=str(base), **{TAG: tag})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST[1:],
-         "--ds-results=results", "-q"], cwd=base, env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not all((base / f"ready-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until_exists(*(base / f"ready-{r}" for r in (0, 1)))
     pressed = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=120)[0]
     seconds = time.monotonic() - pressed
-    time.sleep(2)
-    left = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(TAG) == tag:
-                left.append(f"process {p.name()}")
-                p.kill()
-    recorded = sorted(t["nodeid"].split("::")[1] for f in (base / "results").glob("*.json")
-                      for t in json.loads(f.read_text())["tests"])  # fmt: skip
     interrupts = out.count("KeyboardInterrupt")
+    recorded = _recorded(base / "results")
     sees = f"'KeyboardInterrupt' lines {interrupts}; test_3 started: {'test_3' in out}; recorded {recorded}"
-    return Figure("17 ctrl-c under torchrun (2 ranks, mid-body)", seconds, sees, left)
+    return Figure("17 ctrl-c under torchrun (2 ranks, mid-body)", seconds, sees, _left(tag))
+
+
+def torchrun_rank_killed(base: Path) -> Figure:
+    """Issue 38, item 2: rank 1's pytest SIGKILLed in a body that started a ``sleep``; seconds from the kill to
+    torchrun's end (it used to be torchrun's 30 s before its own SIGKILL)."""
+    proc, tag = _torchrun(
+        base,
+        """
+        @pytest.mark.ds_world
+        def test_2(ds_rank):
+            if ds_rank == 1:
+                subprocess.Popen(["sleep", "600"])
+                open("dying", "w").write("1")
+                os.kill(os.getpid(), signal.SIGKILL)
+    """,
+        "--ds-timeout=120",
+    )
+    _until_exists(base / "dying")
+    died = time.monotonic()
+    out = proc.communicate(timeout=300)[0]
+    seconds = time.monotonic() - died
+    summaries = sum(" in " in line and line.strip().endswith("s") and "passed" in line for line in out.splitlines())
+    sees = f"exit {proc.returncode}; pytest summaries {summaries}; recorded {_recorded(base / 'results')}"
+    return Figure("21 a rank SIGKILLed under torchrun", seconds, sees, _left(tag))
+
+
+def upstream_ctrl_c(base: Path) -> Figure:
+    """Issue 38, item 3: Ctrl-C in ``dsrepro upstream`` while its second test runs; seconds to its exit."""
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "tests" / "examples" / "upstream", base)
+    (base / "tests" / "unit" / "comm" / "test_interrupted.py").write_text(
+        textwrap.dedent("""
+        import time
+        from pathlib import Path
+
+        from unit.common import DistributedTest
+
+
+        class TestInterrupted(DistributedTest):
+            world_size = 1
+
+            def test_1_passes(self):
+                pass
+
+            def test_2_interrupted(self):
+                Path("ready").write_text("1")
+                time.sleep(600)
+    """)
+    )
+    for git in (["init", "-q"], ["add", "-A"], ["-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "t"]):
+        subprocess.run(["git", "-C", str(base), *git], check=True, capture_output=True)
+    command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "upstream", "unit/comm/test_interrupted.py",
+               "--results", str(base / "results"), "--", "-p", "no:cacheprovider"]  # fmt: skip
+    proc, tag = _tagged(command, base / "tests")
+    _until_exists(base / "tests" / "ready")
+    pressed = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    seconds = time.monotonic() - pressed
+    summary = next((line.strip("= ") for line in out.splitlines() if " in " in line and "passed" in line), "none")
+    logs = [f"tmp {p.name}" for p in (base / "tests").glob("dsrepro-*")]
+    sees = f"exit {proc.returncode}; pytest's summary: {summary}; recorded {_recorded(base / 'results')}"
+    return Figure("22 ctrl-c in dsrepro upstream", seconds, sees, _left(tag) + logs)
+
+
+def damaged_user_extensions(base: Path) -> Figure:
+    """Issue 38, item 4: the op truncated in a TORCH_EXTENSIONS_DIR the user set (torch's JIT builds it again)."""
+    extensions = base / "extensions"
+    shutil.copytree(_built_op() / "deepspeed_shm_comm", extensions / "deepspeed_shm_comm")
+    library = extensions / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    try:
+        run = Run(base / "run", ONE_WORLD)
+    finally:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    seconds = run.finish(timeout=1800)
+    discarded = run.first("pytest-dsrepro: the cached build")[:110]
+    return Figure("23 a truncated comm op in the user's TORCH_EXTENSIONS_DIR", seconds,
+                  f"{discarded}...; {run.lines[-1].strip('= ')}", run.leftovers(extensions))  # fmt: skip
+
+
+def empty_op(base: Path) -> Figure:
+    """Issue 38, item 5: a 0-byte op in the cache, said as such; rebuilt beside the worlds: seconds to the first
+    world's verdict and to the run's end."""
+    cache, library = _cache_with_op(base / "setup")
+    library.write_bytes(b"")
+    run = Run(base / "run", ONE_WORLD, "-v", cache=cache)
+    run.wait_for(lambda: any("PASSED" in line or "FAILED" in line for line in run.lines), timeout=1800)
+    verdict = time.monotonic() - run.started
+    seconds = run.finish(timeout=1800)
+    said = run.first("pytest-dsrepro: the cached build")
+    said = said[said.find("(") : said.find(")") + 1]
+    return Figure("24 a 0-byte comm op in the cache", seconds, f"said: {said}; first verdict at {verdict:.1f} s",
+                  run.leftovers(cache))  # fmt: skip
+
+
+def duplicate_keys(base: Path) -> Figure:
+    """Issue 38, item 5: ``dsrepro scan`` of a config with a key given twice."""
+    base.mkdir(parents=True)
+    config = base / "ds_config.json"
+    config.write_text('{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 1, "stage": 3}\n}\n')
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "scan", str(config)],
+                          capture_output=True, text=True, cwd=base)  # fmt: skip
+    said = proc.stderr.strip().splitlines()[-1][:120] if proc.stderr.strip() else ""
+    return Figure("25 dsrepro scan of a config with a key twice", time.monotonic() - started,
+                  f"exit {proc.returncode}: {said}")  # fmt: skip
 
 
 def install_typo(base: Path) -> Figure:
@@ -594,6 +730,11 @@ FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "unwritable-outputs": lambda d, a: unwritable_outputs(d),
     "outputs-lost-at-end": lambda d, a: outputs_lost_at_end(d),
     "torchrun-ctrl-c": lambda d, a: torchrun_ctrl_c(d),
+    "torchrun-rank-killed": lambda d, a: torchrun_rank_killed(d),
+    "upstream-ctrl-c": lambda d, a: upstream_ctrl_c(d),
+    "damaged-user-extensions": lambda d, a: damaged_user_extensions(d),
+    "empty-op": lambda d, a: empty_op(d),
+    "duplicate-keys": lambda d, a: duplicate_keys(d),
     "install-typo": lambda d, a: install_typo(d),
     "matrix-read-only": lambda d, a: matrix_read_only(d),
     "matrix-cut-short": lambda d, a: matrix_cut_short(d),

@@ -31,6 +31,7 @@ from pytest_dsrepro.tools import bisect, cli, environments
 from pytest_dsrepro.tools.bisect import (
     BisectError,
     Invocation,
+    NoVerdict,
     Probe,
     Prober,
     Result,
@@ -161,14 +162,16 @@ def test_skips_next_to_the_flip_make_the_answer_a_range() -> None:
 
 
 def test_ends_must_be_testable_and_differ() -> None:
+    """Ends that agree, or one that cannot be tested, are no verdict (exit 1); too few points cannot start (2)."""
     _, same = fake("9.0")
-    with pytest.raises(BisectError, match=r"the bug shows on both deepspeed 0\.15\.4 and deepspeed 0\.18\.3: no flip"):
+    with pytest.raises(NoVerdict, match=r"the bug shows on both deepspeed 0\.15\.4 and deepspeed 0\.18\.3: no flip"):
         search(RELEASES, same)
     _, broken_end = fake("0.16.4", skip=["0.15.4"])
-    with pytest.raises(BisectError, match=r"deepspeed 0.15.4 could not be tested \(cannot install: no wheel\)"):
+    with pytest.raises(NoVerdict, match=r"deepspeed 0.15.4 could not be tested \(cannot install: no wheel\)"):
         search(RELEASES, broken_end)
-    with pytest.raises(BisectError, match="at least two"):
+    with pytest.raises(BisectError, match="at least two") as refused:
         search(RELEASES[:1], broken_end)
+    assert not isinstance(refused.value, NoVerdict)
 
 
 def test_progress_is_told_before_each_probe() -> None:
@@ -441,8 +444,12 @@ def test_command_prints_progress_and_the_specifier(
     assert "note: the bug shows on --good" not in out  # 0.18.3, the --good end, is the one without the bug
 
     monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES[:3])
-    assert cli.main(["bisect", "t.py::t", "--good", "0.16.9", "--bad", "0.15.4"]) == 1
-    assert "dsrepro: deepspeed 0.16.9 is not a release on the index" in capsys.readouterr().err
+    assert cli.main(["bisect", "t.py::t", "--good", "0.16.9", "--bad", "0.15.4"]) == 2  # a usage error
+    assert "dsrepro bisect: deepspeed 0.16.9 is not a release on the index" in capsys.readouterr().err
+    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES)
+    monkeypatch.setattr(bisect, "Prober", lambda invocation, **kwargs: fake("9.0")[1])  # the bug on both ends
+    assert cli.main(["bisect", "t.py::t", "--good", "0.18.3", "--bad", "0.15.4"]) == 1  # no verdict
+    assert "dsrepro bisect: the bug shows on both deepspeed 0.15.4 and deepspeed 0.18.3" in capsys.readouterr().err
 
 
 def test_result_summary_notes_swapped_labels() -> None:

@@ -10,6 +10,7 @@ parts (the clone read, the environments' cache, the probe store, what a run says
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -341,6 +342,75 @@ def test_an_interrupted_or_failed_install_leaves_nothing(
     assert not envs.directory(commit).exists()
 
 
+#: A commit's install in ``dsrepro bisect --repo``'s cache, its environment thousands of files by the time uv is
+#: stopped (a real one is ~800 MB), so that removing it takes long enough for a second Ctrl-C to land in it.
+INSTALLING = """
+import sys
+from pathlib import Path
+
+from pytest_dsrepro.tools import install, processes
+from pytest_dsrepro.tools.bisect_cache import CommitEnvironments
+from pytest_dsrepro.tools.history import Clone
+
+root, repo, sha, constraints = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+
+
+def environment_python(directory, python):
+    for d in range(40):
+        (directory / "lib" / str(d)).mkdir(parents=True)
+        for i in range(500):
+            (directory / "lib" / str(d) / str(i)).write_bytes(b"x")
+    return sys.executable
+
+
+def install_source(tree, *args, **kwargs):
+    processes.run(["sh", "-c", f"touch {root / 'installing'}; exec sleep 60"])
+
+
+install.environment_python = environment_python
+install.add_this_plugin = lambda *args: None
+install.install_source = install_source
+try:
+    with CommitEnvironments(root, Clone(repo), constraints).using(Clone(repo).commit(sha)):
+        pass
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_second_ctrl_c_while_a_half_made_environment_is_removed_waits_for_it(
+    tmp_path: Path, clone: tuple[Path, dict[str, str]]
+) -> None:
+    """Issue 38: a second Ctrl-C during the removal that the first started left 819 MB in the cache. It now waits
+    until the environment and the commit's tree are gone, then ends the command as interrupted."""
+    repo, shas = clone
+    root = tmp_path / "bisect"
+    sha = shas["Sum in place (#8)"]
+    directory = CommitEnvironments(root, Clone(repo), ROOT / "constraints.txt").directory(Clone(repo).commit(sha))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INSTALLING, str(root), str(repo), sha, str(ROOT / "constraints.txt")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "installing").exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the install never started"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at the terminal: dsrepro and its uv
+        lib = directory / "lib"
+        while lib.is_dir() and len(os.listdir(lib)) == 40 and proc.poll() is None:
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGINT)  # the second, while the environment is being removed
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert not directory.exists(), "a half-made environment was left in the cache"
+    assert list((root / "sources").iterdir()) == []
+
+
 def test_outcomes_are_kept_per_test_and_commit(tmp_path: Path) -> None:
     (tmp_path / "test_a.py").write_text("def test_a(): pass\n")
     key = repro_key("test_a.py::test_a", [], tmp_path, 1)
@@ -627,19 +697,19 @@ def test_bad_input_is_refused_before_anything_is_installed(
 
     assert refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--fresh") == (
         2,
-        "dsrepro: --fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone",
+        "dsrepro bisect: --fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone",
     )
     assert refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--repo", str(tmp_path)) == (
-        1,
-        f"dsrepro: --repo {tmp_path}: not a git repository (give the path of your DeepSpeed clone)",
+        2,
+        f"dsrepro bisect: --repo {tmp_path}: not a git repository (give the path of your DeepSpeed clone)",
     )
     code, err = refused("test_total.py::test_total", "--good", "0.1.0", "--bad", "0.19.8", "--repo", str(repo))
-    assert (code, err.split(" in ")[0]) == (1, "dsrepro: deepspeed 0.19.8 has no tag v0.19.8")
+    assert (code, err.split(" in ")[0]) == (2, "dsrepro bisect: deepspeed 0.19.8 has no tag v0.19.8")
     code, err = refused("test_nope.py::test_total", "--good", "0.1.0", "--bad", "0.2.0", "--repo", str(repo))
-    assert (code, err) == (1, f"dsrepro: test_nope.py::test_total: no such file {tmp_path / 'test_nope.py'} (node "
+    assert (code, err) == (2, f"dsrepro bisect: test_nope.py::test_total: no such file {tmp_path / 'test_nope.py'} (node "
                               "ids are read from --chdir, else here)")  # fmt: skip
     code, err = refused("test_total.py::test_total", "--good", "0.2.0", "--bad", "v0.2.0", "--repo", str(repo))
-    assert (code, err) == (1, f"dsrepro: --good and --bad are the same commit (v0.2.0 {shas['Release 0.2.0 (#10)'][:9]});"
+    assert (code, err) == (2, f"dsrepro bisect: --good and --bad are the same commit (v0.2.0 {shas['Release 0.2.0 (#10)'][:9]});"
                               " give two different ones")  # fmt: skip
     with pytest.raises(SystemExit):
         cli.main(["bisect", "t.py::t", "--good", "1", "--bad", "2", "--runs", "0"])

@@ -151,14 +151,18 @@ def test_a_damaged_build_is_told_apart_without_loading_it_here(pytester: pytest.
     assert _damage_of(truncated) == "loading it in a throwaway child: it failed (killed by signal SIGBUS)"
     empty = library.with_name("empty.so")
     empty.touch()
-    assert _damage_of(empty) == "loading it in a throwaway child: it failed (exit code 1)"
+    assert _damage_of(empty) == "it is empty: 0 bytes, a build or a copy cut short"
+    garbage = library.with_name("garbage.so")
+    garbage.write_bytes(b"not an ELF file")
+    assert _damage_of(garbage).startswith("loading it in a throwaway child: ImportError: ")
 
 
 def test_a_damaged_build_in_the_cache_is_discarded_and_built_again(
     pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Item 1: a truncated build (a full disk, a copy cut short) made the fork server die by SIGBUS in every later
-    session. It is found, said, discarded with ninja's state and built again; the run passes."""
+    session. It is found, said, discarded with ninja's state and built again, beside the worlds as a first build is
+    (issue 38: it held up the first world for two minutes); the run passes."""
     pytester.makepyfile(USES_OP)
     cache, library = _private_copy(pytester, run)
     whole = library.stat().st_size
@@ -170,30 +174,66 @@ def test_a_damaged_build_in_the_cache_is_discarded_and_built_again(
         [
             "pytest-dsrepro: the cached build of DeepSpeed's CPU comm op for * does not load (loading it in a "
             f"throwaway child: it failed (killed by signal SIGBUS)): discarded, building it again ({library})",
-            "pytest-dsrepro: building DeepSpeed's CPU comm op for *",
+            "pytest-dsrepro: building DeepSpeed's CPU comm op for *, beside the worlds: *",
         ]
     )
     assert library.stat().st_size > whole // 3
     assert _damage_of(library) == "None"
 
 
+def _in_user_extensions_dir(pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This environment's built op in a ``TORCH_EXTENSIONS_DIR`` of the user's (torch's JIT layout, another op's
+    build beside it); the op's shared object."""
+    extensions = pytester.path / "extensions"
+    shutil.copytree(_built_op(pytester, run) / "deepspeed_shm_comm", extensions / "deepspeed_shm_comm")
+    (extensions / "cpu_adam").mkdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    return extensions / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+
+
+def test_a_damaged_build_in_the_users_extensions_dir_is_discarded_and_built_again(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38, item 4: a truncated op in a ``TORCH_EXTENSIONS_DIR`` the user set killed the fork server by SIGBUS
+    in every world of every session. It is found and said as in the plugin's cache, and torch's JIT builds it again
+    there; the other builds of that directory are left alone."""
+    pytester.makepyfile(USES_OP)
+    library = _in_user_extensions_dir(pytester, run, monkeypatch)
+    whole = library.stat().st_size
+    library.write_bytes(library.read_bytes()[: whole // 3])
+    result = run(timeout=1800)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-dsrepro: the cached build of DeepSpeed's CPU comm op for * does not load (loading it in a "
+            f"throwaway child: it failed (killed by signal SIGBUS)): discarded, building it again ({library})",
+        ]
+    )
+    assert "SIGBUS" not in result.stdout.str().split("discarded, building it again")[1]
+    assert _damage_of(library) == "None"
+    assert (library.parent.parent / "cpu_adam").is_dir()
+
+
 def test_a_build_that_fails_again_names_the_directory_and_how_to_clear_it(
     pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rebuilt once: when that fails too (here no compiler works), the run stops at its first world in one line
-    that names the directory and the command that clears it, instead of a server crash in every test."""
+    """Rebuilt once: when that fails too (here no compiler works) in a ``TORCH_EXTENSIONS_DIR`` the user set, the
+    run stops at its first world in one line that names the directory and the command that clears the op's build
+    there (not the directory: the user's other builds are in it), instead of a server crash in every test. An empty
+    shared object is said as such."""
     pytester.makepyfile(TWICE)
-    cache, library = _private_copy(pytester, run)
+    library = _in_user_extensions_dir(pytester, run, monkeypatch)
     library.write_bytes(b"")
-    monkeypatch.setenv("DSREPRO_CACHE_DIR", str(cache))
     monkeypatch.setenv("CXX", "false")
     result = run(timeout=600)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     directory = library.parent.parent
     result.stdout.fnmatch_lines(
         [
-            f"*pytest-dsrepro: DeepSpeed's CPU comm op for * could not be built in {directory} (*); remove that "
-            f"directory (rm -rf {directory}) and run again, or point --ds-cache-dir elsewhere*"
+            "pytest-dsrepro: the cached build of DeepSpeed's CPU comm op for * does not load (it is empty: 0 bytes, "
+            f"a build or a copy cut short): discarded, building it again ({library})",
+            f"*pytest-dsrepro: DeepSpeed's CPU comm op for * could not be built in {directory} (*); remove its "
+            f"build (rm -rf {library.parent}) and run again, or unset TORCH_EXTENSIONS_DIR*",
         ]
     )
     assert "test_uses_op_again" not in result.stdout.str(), "the run went on to fail the next world test"

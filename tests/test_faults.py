@@ -98,10 +98,34 @@ def test_the_fork_servers_death_mid_world_is_told_at_once(
     result.stdout.fnmatch_lines(
         [
             "*pytest-dsrepro could not run this test's world: the pytest-dsrepro fork server died while this test's "
-            "world ran (killed by signal SIGKILL), *s in; its ranks died with it. Its log:",
+            "world ran (killed by signal SIGKILL), *s in; its ranks died with it; its log is empty",
         ]
     )
     assert "hung" not in result.stdout.str()
+    assert leftovers(private_tmp) == []
+
+
+def test_setsid_in_a_body_behaves_as_documented(pytester: pytest.Pytester, run: RunPytest, private_tmp: Path) -> None:
+    """Issue 38, item 5: ``os.setsid()`` fails in rank 0 only, the leader of the world's process group (as
+    docs/writing-repros.md says); ``start_new_session=True`` works in every rank, and what it started is killed when
+    the world ends (``process_tag``)."""
+    pytester.makepyfile(
+        """
+        import os, subprocess
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_sessions(ds_rank):
+            child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+            assert os.getsid(child.pid) == child.pid
+            if ds_rank == 0:
+                with pytest.raises(PermissionError):
+                    os.setsid()
+            else:
+                os.setsid()
+        """
+    )
+    run().assert_outcomes(passed=1)
     assert leftovers(private_tmp) == []
 
 

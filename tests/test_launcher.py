@@ -475,3 +475,64 @@ def test_a_launcher_stopping_one_rank_ends_the_session_on_every_rank(
     outputs = _interrupt(pytester, lambda proc, pids: os.kill(pids[1], signal.SIGTERM))
     assert "KeyboardInterrupt: the launcher stopped this rank (SIGTERM)" in outputs[1]
     assert "KeyboardInterrupt: rank 1 was interrupted" in outputs[0]
+
+
+# ---- a rank that dies under torchrun (issue 38) -----------------------------------------------------------------
+
+DYING = """\
+import os
+import signal
+import subprocess
+
+import pytest
+
+
+@pytest.mark.ds_world
+def test_1_before(ds_rank):
+    pass
+
+
+@pytest.mark.ds_world
+def test_2_rank_1_dies(ds_rank):
+    if ds_rank == 1:
+        sleeper = subprocess.Popen(["sleep", "600"])  # what the dead rank's body started: killed all the same
+        with open("sleeper", "w") as f:
+            f.write(str(sleeper.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.ds_world
+def test_3_after(ds_rank):
+    pass
+"""
+
+
+def test_a_rank_killed_under_torchrun_is_noticed_at_once(pytester: pytest.Pytester, process_tag: str) -> None:
+    """Rank 1's pytest process SIGKILLed in a body: rank 0 waits for it no longer (not the 120 s world timeout, nor
+    torchrun's 30 s before its own SIGKILL), prints its summary and writes its results, and the dead rank's
+    ``sleep`` is killed (``process_tag``)."""
+    pytester.makepyfile(test_dying=DYING)
+    logs = pytester.path / "logs"
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3"]
+    proc = subprocess.Popen(
+        [*command, *PYTEST, "--ds-timeout", "120", "--ds-results", "results"], cwd=pytester.path,
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        sleeper = pytester.path / "sleeper"
+        deadline = time.monotonic() + 240
+        while not (sleeper.exists() and sleeper.read_text()):
+            assert proc.poll() is None, "torchrun ended before rank 1 died"
+            assert time.monotonic() < deadline, "rank 1 never reached its death"
+            time.sleep(0.1)
+        died = time.monotonic()
+        proc.communicate(timeout=60)
+        assert time.monotonic() - died < 25, "torchrun had to kill rank 0: it waited for the dead rank"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # only matters when an assertion above failed
+    out = _rank_outputs(logs)[0]
+    assert "test_3_after PASSED" not in out
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines(["PASSED *::test_1_before", "*1 passed* in *"])
+    (run,) = _results(pytester.path / "results")
+    assert _verdicts(run)["test_1_before"] == (None, "passed")

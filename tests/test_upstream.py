@@ -7,16 +7,19 @@ Nothing of DeepSpeed's own is copied; real DeepSpeed and real worlds run the tes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
-from conftest import RunPytest, deepspeed_version
+from conftest import RunPytest, deepspeed_version, leftovers
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.tools import matrix, upstream_command
@@ -226,6 +229,59 @@ def test_dsrepro_upstream_runs_node_ids_from_where_you_are(ds_checkout: Path, tm
     assert record.outcome == "passed"
     assert record.origin is not None
     assert record.origin.revision == _git(ds_checkout, "rev-parse", "HEAD") + "+dirty"
+
+
+INTERRUPTED = """\
+import time
+from pathlib import Path
+
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+
+
+class TestInterrupted(DistributedTest):
+    world_size = 1
+
+    def test_1_passes(self):
+        assert dist.get_world_size() == 1
+
+    def test_2_interrupted(self):
+        Path("ready").write_text("1")
+        time.sleep(600)
+"""
+
+
+def test_ctrl_c_in_dsrepro_upstream_lets_pytest_write_its_summary_and_results(
+    ds_checkout: Path, tmp_path: Path, process_tag: str, private_tmp: Path
+) -> None:
+    """Issue 38, item 3: Ctrl-C at the terminal reaches ``dsrepro upstream`` and its pytest; pytest is left to end as
+    Ctrl-C ends it (its summary, its results file, no server log left), then ``dsrepro`` says it was interrupted."""
+    (ds_checkout / "tests" / "unit" / "comm" / "test_interrupted.py").write_text(INTERRUPTED)
+    out = tmp_path / "results"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest_dsrepro.tools.cli", "upstream", "unit/comm/test_interrupted.py",
+         "--results", str(out), "--", "-p", "no:cacheprovider", "-rA"],
+        cwd=ds_checkout / "tests", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        ready = ds_checkout / "tests" / "ready"
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the second test never started"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C at a terminal: the whole foreground group
+        text = proc.communicate(timeout=120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # only matters when an assertion above failed
+    assert proc.returncode == 130, text[-3000:]
+    pytest.LineMatcher(text.splitlines()).fnmatch_lines(
+        ["*KeyboardInterrupt*", "*1 passed*in *", "dsrepro upstream: interrupted"]
+    )
+    assert {r.nodeid.split("::")[-1]: r.outcome for r in _records(out).values()} == {"test_1_passes": "passed"}
+    assert leftovers(private_tmp) == []
 
 
 def test_dsrepro_upstream_refuses_what_is_not_a_checkout_or_not_in_it(ds_checkout: Path, tmp_path: Path) -> None:

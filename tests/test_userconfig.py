@@ -88,10 +88,25 @@ def test_slashes_in_strings_are_no_comment() -> None:
          "CFG: this scan runs in gloo (CPU) worlds; optimizer.type 'Lamb' needs CUDA: DeepSpeed's Lamb is its "
          "FusedLamb CUDA kernel"),
         ('{"amp": {"enabled": true}}', "CFG: this scan runs in gloo (CPU) worlds; amp.enabled needs CUDA"),
+        ('{\n  "zero_optimization": {"stage": 1,\n    "stage": 3}\n}',
+         'CFG:3:5: the key "stage" is given twice in one object (first at 2:25); DeepSpeed refuses such a config'),
+        ('{"a": {"x": 1}, "b": [{"x": 1}, {"x": 2}], "c": "x", "a": 2}',
+         'CFG:1:54: the key "a" is given twice in one object (first at 1:2)'),
     ],
 )  # fmt: skip
 def test_what_cannot_be_scanned_is_refused_naming_the_place(tmp_path: Path, text: str, message: str) -> None:
     assert refused(tmp_path, text).startswith(message)
+
+
+def test_a_key_given_twice_is_refused_as_deepspeed_refuses_it(tmp_path: Path) -> None:
+    """JSON's parsers keep the last of two equal keys; DeepSpeed's config reader refuses the file, and so does a
+    scan, before any world."""
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+
+    text = '{"train_batch_size": 8, "train_batch_size": 16}'
+    with pytest.raises(ValueError, match="Duplicate keys"):
+        json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    assert refused(tmp_path, text).startswith('CFG:1:25: the key "train_batch_size" is given twice')
 
 
 def test_cuda_only_settings_pass_where_the_worlds_may_have_gpus(tmp_path: Path) -> None:

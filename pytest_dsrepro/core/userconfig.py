@@ -3,7 +3,9 @@
 Accepted: plain JSON, and JSON with ``//`` and ``/* */`` comments (the way tutorials and the seeds' chapter write
 configs, a comment after a value to say why). Comments are blanked out in place (every character but newlines
 becomes a space), so a syntax error still names the file, line and column of the user's own text. Anything else
-JSON does not allow (a trailing comma, single quotes) is refused with that place; nothing is guessed.
+JSON does not allow (a trailing comma, single quotes) is refused with that place; nothing is guessed. A key given
+twice in one object is refused too, at its second place: JSON's parsers keep the last silently, DeepSpeed refuses the
+file.
 
 What this module decides once, before any world: the file is one JSON object whose ZeRO stage and offload devices
 DeepSpeed can read; every ``"auto"`` is one Hugging Face fills (``configs.resolve_auto``); and, when the worlds run
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,33 @@ def _place(text: str, index: int) -> tuple[int, int]:
     return line, index - (text.rfind("\n", 0, index) + 1) + 1
 
 
+_COLON = re.compile(r"\s*:")
+
+
+def duplicate_key(plain: str) -> tuple[str, int, int] | None:
+    """The first key that appears twice in one object of the valid JSON ``plain``: the key, the index of its second
+    appearance and of its first; None when every object's keys are distinct."""
+    seen: list[dict[str, int] | None] = []  # per open object its keys and where; None for an open array
+    i = 0
+    while i < len(plain):
+        ch = plain[i]
+        if ch == '"':
+            text, end = json.decoder.scanstring(plain, i + 1)  # type: ignore[attr-defined]
+            keys = seen[-1] if seen else None
+            if keys is not None and _COLON.match(plain, end):
+                if text in keys:
+                    return text, i, keys[text]
+                keys[text] = i
+            i = end
+            continue
+        if ch in "{[":
+            seen.append({} if ch == "{" else None)
+        elif ch in "}]":
+            seen.pop()
+        i += 1
+    return None
+
+
 def parse(text: str, path: str) -> tuple[dict[str, Any], int]:
     """The config object in ``text`` (read from ``path``) and how many comments it had; ``UserConfigError`` naming
     ``path:line:col`` for what is not JSON."""
@@ -91,6 +121,14 @@ def parse(text: str, path: str) -> tuple[dict[str, Any], int]:
         raise UserConfigError(f"{path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
     if not isinstance(data, dict):
         raise UserConfigError(f"{path}: a DeepSpeed config is one JSON object ({{...}}), not a {type(data).__name__}")
+    twice = duplicate_key(plain)
+    if twice is not None:
+        key, second, first = twice
+        line, col = _place(plain, second)
+        raise UserConfigError(
+            f"{path}:{line}:{col}: the key {json.dumps(key)} is given twice in one object (first at "
+            f"{':'.join(map(str, _place(plain, first)))}); DeepSpeed refuses such a config"
+        )
     return data, comments
 
 

@@ -48,7 +48,12 @@ P = TypeVar("P")
 
 
 class BisectError(Exception):
-    """The bisect cannot start or cannot conclude; the message says why."""
+    """The bisect cannot start (its ends, its test, its options: ``dsrepro bisect`` exits 2); the message says why."""
+
+
+class NoVerdict(BisectError):
+    """The search ran and can name no flip: an end could not be tested, or both ends agree (``dsrepro bisect``
+    exits 1)."""
 
 
 @dataclass(frozen=True)
@@ -162,10 +167,10 @@ def search(
     low, high = run(0), run(len(ordered) - 1)
     for end in (low, high):
         if end.bug is None:
-            raise BisectError(f"{name(end.at)} could not be tested ({end.detail}); choose another end")
+            raise NoVerdict(f"{name(end.at)} could not be tested ({end.detail}); choose another end")
     if low.bug == high.bug:
         state = "shows" if low.bug else "does not show"
-        raise BisectError(f"the bug {state} on both {name(low.at)} and {name(high.at)}: no flip to find between them")
+        raise NoVerdict(f"the bug {state} on both {name(low.at)} and {name(high.at)}: no flip to find between them")
     lo, hi = 0, len(ordered) - 1
     outcome = {lo: low, hi: high}
     pending = set(range(1, len(ordered) - 1))

@@ -33,6 +33,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..core import versions
+from . import processes
 from .environments import build_key
 from .history import Clone, Commit, describe_left_out
 
@@ -146,24 +147,29 @@ class CommitEnvironments:
         sources = self.root / "sources"
         sources.mkdir(parents=True, exist_ok=True)
         try:
-            with tempfile.TemporaryDirectory(prefix=f"{commit.short}-", dir=sources) as tree:
-                left_out = self.clone.export(commit, Path(tree))
+            tree = Path(tempfile.mkdtemp(prefix=f"{commit.short}-", dir=sources))
+            try:
+                left_out = self.clone.export(commit, tree)
                 if left_out:
                     self._note(
                         f"left out of commits' trees, their objects not in the clone: {describe_left_out(left_out)}"
                     )
                 python = install.environment_python(directory, self.python)
                 self._add_plugin(python)
-                result = install.install_source(Path(tree), f"+{commit.short}", python=python,
+                result = install.install_source(tree, f"+{commit.short}", python=python,
                                                 constraints=self.constraints, log=log, name=commit.short)  # fmt: skip
+            finally:
+                with processes.shielded():
+                    _remove(tree)
             if not result.ok or result.probe is None or result.probe.deepspeed is None:
                 raise CannotInstall(result.reason or "unavailable")
             seconds = round(time.monotonic() - started, 1)
             ready = Ready(commit.sha, result.probe.deepspeed, own_bytes(directory), seconds)
             (directory / READY).write_text(json.dumps(dataclasses.asdict(ready)))
             return ready
-        except BaseException:  # failed, or interrupted: nothing half made stays
-            _remove(directory)
+        except BaseException:  # failed, or interrupted (a second Ctrl-C waits for it): nothing half made stays
+            with processes.shielded():
+                _remove(directory)
             raise
 
     def _note(self, note: str) -> None:

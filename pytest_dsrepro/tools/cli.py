@@ -30,8 +30,8 @@ EPILOG = (
 )
 
 
-def _err(message: str) -> None:
-    print(f"dsrepro: {message}", file=sys.stderr, flush=True)
+def _err(message: str, command: str = "") -> None:
+    print(f"dsrepro{' ' if command else ''}{command}: {message}", file=sys.stderr, flush=True)
 
 
 def terminal_width(limit: int = 120) -> int:
@@ -122,25 +122,35 @@ def _progress(out: TextIO) -> Callable[[object, int, int], None]:
 
 
 def _bisect(args: argparse.Namespace) -> int:
-    from . import bisect, bisect_repo, environments, history
+    """Exit codes: 0 a verdict, 1 none (an end could not be tested, or both ends agree), 2 a bisect that cannot
+    start (its ends, test, options, clone or release list), 130 interrupted (``main``)."""
+    from . import bisect, environments, history
 
-    if args.repo is None and (args.fresh or args.env_cache is not None):
-        _err("--fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone")
+    try:
+        return _bisect_releases(args) if args.repo is None else _bisect_repo(args)
+    except bisect.NoVerdict as exc:
+        _err(str(exc), "bisect")
+        return 1
+    except (bisect.BisectError, history.HistoryError, environments.EnvironmentUnavailable) as exc:
+        _err(str(exc), "bisect")
         return 2
-    if args.repo is not None:
-        try:
-            return bisect_repo.run(args)
-        except (bisect.BisectError, history.HistoryError) as exc:
-            _err(str(exc))
-            return 1
+
+
+def _bisect_repo(args: argparse.Namespace) -> int:
+    from . import bisect_repo
+
+    return bisect_repo.run(args)
+
+
+def _bisect_releases(args: argparse.Namespace) -> int:
+    from . import bisect, environments
+
+    if args.fresh or args.env_cache is not None:
+        raise bisect.BisectError("--fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone")
     out = sys.stderr
     started = time.monotonic()
-    try:
-        available = bisect.available_releases()
-        releases = bisect.releases_between(available, args.good, args.bad)
-    except bisect.BisectError as exc:
-        _err(str(exc))
-        return 1
+    available = bisect.available_releases()
+    releases = bisect.releases_between(available, args.good, args.bad)
     print(
         f"bisecting {args.nodeid} over {len(releases)} deepspeed releases {releases[0]} .. {releases[-1]} "
         f"(about {bisect.estimated_steps(len(releases))} probes)",
@@ -148,11 +158,7 @@ def _bisect(args: argparse.Namespace) -> int:
         flush=True,
     )
     log_dir = Path(args.log_dir) if args.log_dir else None
-    try:
-        prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)
-    except environments.EnvironmentUnavailable as exc:
-        _err(str(exc))
-        return 1
+    prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)
     inner = bisect.Prober(
         bisect.Invocation(args.nodeid, tuple(args.pytest_args), args.chdir),
         prepare=bisect.entered(prepare),
@@ -167,11 +173,7 @@ def _bisect(args: argparse.Namespace) -> int:
         print(f"    deepspeed {version}: {probe.word}{detail} in {probe.timing}", file=out, flush=True)
         return probe
 
-    try:
-        result = bisect.search(releases, oracle, progress=_progress(out))
-    except bisect.BisectError as exc:
-        _err(str(exc))
-        return 1
+    result = bisect.search(releases, oracle, progress=_progress(out))
     print(bisect.summary(result, args.good, args.bad, time.monotonic() - started))
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -64,11 +65,27 @@ def run(
             timed_out = True
             stop(child, grace, told=False)
         except BaseException:
-            stop(child, grace, told=True)
+            with shielded():
+                stop(child, grace, told=True)
             raise
         sink.seek(0)
         text = sink.read()
     return Finished(_code(child), text, timed_out, time.monotonic() - started)
+
+
+def to_terminal(command: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None) -> int:
+    """Run ``command`` to its end, its output on this process's terminal, the user's to watch; its exit code. On an
+    exception here (Ctrl-C, SIGTERM under ``interrupting``) it is stopped as ``stop`` stops a child: a pytest first
+    prints its summary and writes its results, then the exception goes on."""
+    child = psutil.Popen(
+        list(command), cwd=cwd, env=None if env is None else dict(env), stdin=subprocess.DEVNULL
+    )  # fmt: skip
+    try:
+        return int(child.wait())
+    except BaseException:
+        with shielded():
+            stop(child, told=True)
+        raise
 
 
 def _code(child: psutil.Popen) -> int:
@@ -122,3 +139,22 @@ def interrupting(signum: int) -> Iterator[None]:
         yield
     finally:
         signal.signal(signum, previous)
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """While inside, Ctrl-C (and SIGTERM) wait: what cleans up after a first one (a child stopped, a half-made
+    environment removed) is never cut short by a second, which is raised as KeyboardInterrupt once it is done.
+    Outside the main thread (where no signal handler can be set), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if came:
+        raise KeyboardInterrupt

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 from ..core import checkout, results
 from ..core.checkout import Checkout, CheckoutError
 from ..core.gates import Verdict
+from . import processes
 
 if TYPE_CHECKING:
     from .environments import ReleaseEnv
@@ -141,12 +142,12 @@ def run_releases(
             continue
         with tempfile.TemporaryDirectory(prefix=f"dsrepro-upstream-{release}-") as tmp:
             command = pytest_command(env.python, targets, Path(tmp), args.pytest_args)
-            proc = subprocess.run(command, cwd=found.tests, env=dict(env.environ), check=False)
+            returncode = processes.to_terminal(command, cwd=found.tests, env=env.environ)
             files, unreadable = results.read_all([Path(tmp)])
             if unreadable:
                 raise UpstreamError(f"unreadable results of the run on deepspeed {release}: {unreadable[0]}")
-            if proc.returncode not in (0, 1, 5):  # 1: tests failed, as regression tests do where affected
-                raise UpstreamError(f"pytest on deepspeed {release} ended with exit code {proc.returncode}")
+            if returncode not in (0, 1, 5):  # 1: tests failed, as regression tests do where affected
+                raise UpstreamError(f"pytest on deepspeed {release} ended with exit code {returncode}")
             check_run(files, release, found)
             results_dir.mkdir(parents=True, exist_ok=True)
             for f in files:
@@ -188,8 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Ctrl-C (or SIGTERM) stops pytest as Ctrl-C stops it: its summary and results file written, then ``dsrepro``
+    ends as interrupted."""
     try:
-        return _run(args)
+        with processes.interrupting(signal.SIGTERM):
+            return _run(args)
     except (UpstreamError, CheckoutError) as exc:
         print(f"dsrepro upstream: {exc}", file=sys.stderr)
         return 2
@@ -210,4 +214,4 @@ def _run(args: argparse.Namespace) -> int:
     if releases:
         return run_releases(args, found, targets, releases)
     command = pytest_command(sys.executable, targets, args.results, args.pytest_args)
-    return subprocess.run(command, cwd=found.tests, check=False).returncode
+    return processes.to_terminal(command, cwd=found.tests)

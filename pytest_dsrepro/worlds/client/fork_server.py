@@ -31,7 +31,7 @@ from ..protocol import (
     Spawned,
 )
 from .gpu_probe import Gpu
-from .server_process import ServerGone, ServerProcess
+from .server_process import ServerGone, ServerProcess, told_log
 
 
 class RunStops(HarnessError):
@@ -135,8 +135,7 @@ class ForkServer:
                     raise CacheUnusable(message.facts.fatal)
                 self.refused = f"could not get ready ({message.facts.fatal})"  # the same for every later world
                 failure = self.refused
-            told = f"its log:\n{log}" if log.strip() else "its log is empty"
-            raise HarnessError(f"the pytest-dsrepro fork server {failure}; {told}")
+            raise HarnessError(f"the pytest-dsrepro fork server {failure}; {told_log(log)}")
         expected = versions.resolved("deepspeed", "deepspeed")
         seen = versions.Release(message.facts.deepspeed, message.facts.deepspeed_path)
         if not versions.same_release(expected, seen):

@@ -40,9 +40,14 @@ class ServerGone(HarnessError):
     """The fork server's socket closed: it died (or was never running). ``ending`` says how, when it is known."""
 
     def __init__(self, ending: str, log: str) -> None:
-        super().__init__(f"the pytest-dsrepro fork server is gone ({ending}); its log:\n{log}")
+        super().__init__(f"the pytest-dsrepro fork server is gone ({ending}); {told_log(log)}")
         self.ending = ending
         self.log = log
+
+
+def told_log(log: str) -> str:
+    """The server's log in a message: its tail, or that it is empty (never a colon with nothing after it)."""
+    return f"its log:\n{log}" if log.strip() else "its log is empty"
 
 
 def server_pythonpath(package_root: str, pythonpath: str | None, site_dirs: list[str]) -> str | None:

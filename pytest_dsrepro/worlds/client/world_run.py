@@ -41,7 +41,7 @@ from ..protocol import (
 from ..workdir import discard, read_output, read_text, stack_file
 from . import nccl_diagnostics
 from .fork_server import ForkServer, WorldMessage
-from .server_process import ServerGone
+from .server_process import ServerGone, told_log
 
 #: How long ranks get to write their Python stacks before they are killed.
 STACK_DUMP_WAIT = 1.0
@@ -152,14 +152,14 @@ class WorldRun:
             # The server may be silent for the world's timeout at most (a first preload says Building as it goes).
             if not self.server.wait_for(lambda: bool(self.ranks), math.inf, self, silence=self.timeout):
                 raise HarnessError(
-                    f"the pytest-dsrepro fork server did not start the ranks; its log:\n{self.server.log_tail()}"
+                    f"the pytest-dsrepro fork server did not start the ranks; {told_log(self.server.log_tail())}"
                 )
             self._wait(started + self.timeout)
             return self._outcome(started)
         except ServerGone as exc:
             raise HarnessError(
                 f"the pytest-dsrepro fork server died while this test's world ran ({exc.ending}), "
-                f"{time.monotonic() - started:.1f}s in; its ranks died with it. Its log:\n{exc.log}"
+                f"{time.monotonic() - started:.1f}s in; its ranks died with it; {told_log(exc.log)}"
             ) from None
         except (KeyboardInterrupt, HarnessError):
             raise  # Ctrl-C ends at once: the cleanup below kills the ranks without waiting for their stacks

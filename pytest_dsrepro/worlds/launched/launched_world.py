@@ -21,6 +21,10 @@ For the n-th world test of the session, over the launcher's store (keys under ``
    rank as pytest's own interrupt does: the rank posts it, the others' watchers stop their bodies and the lockstep
    starts no further test; each rank re-raises ``KeyboardInterrupt`` (never a test's outcome), and whatever the body
    started is killed.
+7. **A rank that died** (SIGKILL, the OOM killer, a crash of the interpreter) is noticed at once by the ranks on its
+   node: every rank posts its process (``RankProcess``), and no wait goes on for a rank whose process has ended; its
+   result is that it died, and what its body started is killed with its process group. A dead rank on another node
+   is its launcher's to notice (torchrun stops every rank): after an interrupt no rank waits long for another.
 
 Torch is imported inside functions only; nothing here knows pytest (``session/launched`` is the pytest side).
 """
@@ -32,13 +36,15 @@ import gc
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from ...core.errors import HarnessError
 from ...core.options import Launched
@@ -70,7 +76,14 @@ NO_RESULT = (
     "published no result by the world's deadline: its pytest process died, or its body is stuck where Python "
     "cannot interrupt it"
 )
+#: A rank's result when its process was seen to end first.
+DIED = "its pytest process died before it published a result"
+#: After an interrupt, how long rank 0 waits for the other ranks to end their sessions (they end at once, unless
+#: dead on another node, where only their launcher can tell).
+INTERRUPTED_WAIT = 10.0
 
+
+_T = TypeVar("_T")
 
 #: The session's key a rank sets when Ctrl-C (or the launcher's SIGTERM) reached it: its rank, in words.
 INTERRUPT_KEY = "interrupted"
@@ -111,6 +124,42 @@ def stop_as_interrupted() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+@dataclass(frozen=True)
+class RankProcess:
+    """A rank's pytest process as it posted itself: enough for a rank on the same node to tell whether it ended."""
+
+    host: str
+    pid: int
+    created: float  # psutil's create_time: a later process with the same pid is another one
+    leads_group: bool  # its process group is its own (torchrun starts each rank in a session of its own)
+
+    @classmethod
+    def this(cls) -> RankProcess:
+        import psutil
+
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, psutil.Process(pid).create_time(), os.getpgrp() == pid)
+
+    def ended(self) -> bool:
+        """Has it ended? Known only on its own node: elsewhere, False."""
+        import psutil
+
+        if self.host != socket.gethostname():
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.create_time() != self.created or proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def kill_leftovers(self) -> None:
+        """Kill what it started and left when it died (they keep its process group, though reparented): only when
+        that group was its own, so that no one else's process is in it."""
+        if self.leads_group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+
 class LaunchedWorld:
     """This process's rank in the launcher's world: the protocol above, one world test at a time."""
 
@@ -122,6 +171,8 @@ class LaunchedWorld:
         self._stores: tuple[Any, Any] | None = None
         self._settled: set[int] = set()  # tests whose start this rank has posted (ready or not)
         self._comm_op_ready = False
+        self._processes: dict[int, RankProcess] = {}  # the other ranks' processes, as they posted them
+        self._dead: set[int] = set()
 
     # ---- the store ----------------------------------------------------------------------------------------------
 
@@ -143,6 +194,29 @@ class LaunchedWorld:
     def _missing(self, store: Any, key: str) -> list[int]:
         return [r for r in range(self.world.world_size) if not store.check([f"{key}/{r}"])]
 
+    def dead(self, ranks: Iterable[int], watcher: bool = False) -> list[int]:
+        """Those of ``ranks`` whose pytest process is seen to have ended (``RankProcess.ended``); whatever a dead
+        rank's body started is killed as soon as its death is seen."""
+        session = self._store(0, watcher)
+        for r in ranks:
+            if r in self._dead or r == self.world.rank:
+                continue
+            if r not in self._processes:
+                with contextlib.suppress(RuntimeError):  # the store went with rank 0
+                    if not session.check([f"process/{r}"]):
+                        continue
+                    process = pickle.loads(session.get(f"process/{r}"))
+                    assert isinstance(process, RankProcess)
+                    self._processes[r] = process
+            if r in self._processes and self._processes[r].ended():
+                self._dead.add(r)
+                self._processes[r].kill_leftovers()
+        return sorted(self._dead.intersection(ranks))
+
+    def _all_dead(self, ranks: Sequence[int]) -> bool:
+        """Are ``ranks`` (those a wait still waits for) all dead, so that it can never end?"""
+        return bool(ranks) and len(self.dead(ranks)) == len(ranks)
+
     def publish(self, store: Any, result: RankResult) -> None:
         """This rank's result of the test; a failure is also told to the other ranks' watchers."""
         if result.status in (Status.FAILED, Status.CRASHED):
@@ -159,9 +233,14 @@ class LaunchedWorld:
         fails once instead of putting every later test out of step. Lists that never came (a rank died) are left to
         the lockstep, which names where each rank is."""
         session = self._store(0)
+        session.set(f"process/{self.world.rank}", pickle.dumps(RankProcess.this()))
         session.set(f"plan/{self.world.rank}", "\n".join(nodeids))
         self._count(session, "planned")
-        if not _until(session, "all-planned", time.monotonic() + timeout, lambda: bool(session.check(["ended"]))):
+
+        def given_up() -> bool:
+            return bool(session.check(["ended"])) or bool(self.dead(self._missing(session, "plan")))
+
+        if not _until(session, "all-planned", time.monotonic() + timeout, given_up):
             return {}
         keys = [f"plan/{r}" for r in range(self.world.world_size)]
         return unrunnable(nodeids, [text.split("\n") if (text := _text(v)) else [] for v in session.multi_get(keys)])
@@ -187,16 +266,19 @@ class LaunchedWorld:
         session = self._store(0)
 
         def given_up() -> bool:
-            return self._ended_missing(store, session) or self.interrupted() is not None
+            missing = self._missing(store, "at")
+            return self._ended_missing(store, session) or bool(self.dead(missing)) or self.interrupted() is not None
 
         arrived = self._interruptible(lambda: _until(store, "all-arrived", time.monotonic() + timeout, given_up))
         self.check_interrupted()
         if not arrived:
             missing = self._missing(store, "at")
             ended = [r for r in missing if session.check([f"ended/{r}"])]
+            dead = self.dead(missing)
             why = f"; {rank_ranges(ended)} ended {'its' if len(ended) == 1 else 'their'} session" if ended else ""
+            why += f"; {_died(dead)}" if dead else ""
             problem = f"{rank_ranges(missing)} did not reach this test within {timeout:g}s{why}"
-            if ended:
+            if ended or dead:
                 problem = f"{rank_ranges(missing)} will not reach this test{why}"
         elif int(store.add("differ", 0)):
             keys = [f"at/{r}" for r in range(self.world.world_size)]
@@ -279,11 +361,13 @@ class LaunchedWorld:
         # A rank blocked in a collective that no peer will join is answered by the group's own timeout at the latest.
         final = deadline + GROUP_MARGIN + SLACK
         if self.world.rank == 0:
-            results = self._gather(store, final)
+            results = self._interruptible(lambda: self._gather(store, final))
             outcome = WorldOutcome(self.world.world_size, backend, results, time.monotonic() - started)
             store.set("outcome", pickle.dumps(outcome))
             return outcome
-        if not _until(store, "outcome", final + SLACK):
+        if not self._interruptible(lambda: _until(store, "outcome", final + SLACK, lambda: bool(self.dead([0])))):
+            if self.dead([0]):
+                raise HarnessError(f"rank 0 published no outcome of this world: {_died([0])}")
             raise HarnessError(f"rank 0 published no outcome of this world within {final + SLACK - started:.0f}s")
         outcome = pickle.loads(store.get("outcome"))
         assert isinstance(outcome, WorldOutcome)
@@ -293,13 +377,17 @@ class LaunchedWorld:
         self._settled.add(self.seq)
         store.set(f"start/{self.world.rank}", "")
         self._count(store, "started")
-        started = self._interruptible(
-            lambda: _until(store, "all-started", time.monotonic() + timeout, lambda: self.interrupted() is not None)
-        )
+
+        def given_up() -> bool:
+            return self.interrupted() is not None or bool(self.dead(self._missing(store, "start")))
+
+        started = self._interruptible(lambda: _until(store, "all-started", time.monotonic() + timeout, given_up))
         self.check_interrupted()
         if not started:
-            late = rank_ranges(self._missing(store, "start"))
-            raise HarnessError(f"{late} did not get to this test's body within {timeout:g}s")
+            late = self._missing(store, "start")
+            if dead := self.dead(late):
+                raise HarnessError(f"{rank_ranges(late)} did not get to this test's body: {_died(dead)}")
+            raise HarnessError(f"{rank_ranges(late)} did not get to this test's body within {timeout:g}s")
         if int(store.add("unready", 0)):
             keys = [f"start/{r}" for r in range(self.world.world_size)]
             why = [(r, _text(v)) for r, v in enumerate(store.multi_get(keys)) if v]
@@ -330,8 +418,8 @@ class LaunchedWorld:
             self._comm_op_ready = True
 
     def _gather(self, store: Any, deadline: float) -> tuple[RankResult, ...]:
-        """Every rank's result; a rank whose result never came is named as such."""
-        _until(store, "all-results", deadline)
+        """Every rank's result; a rank whose result never came is named as such (and one that died, at once)."""
+        _until(store, "all-results", deadline, lambda: self._all_dead(self._missing(store, "result")))
         results = []
         for r in range(self.world.world_size):
             key = f"result/{r}"
@@ -340,7 +428,7 @@ class LaunchedWorld:
                 assert isinstance(result, RankResult)
                 results.append(result)
             else:
-                results.append(RankResult(r, Status.CRASHED, detail=NO_RESULT))
+                results.append(RankResult(r, Status.CRASHED, detail=DIED if self.dead([r]) else NO_RESULT))
         return tuple(results)
 
     # ---- 6. Ctrl-C ----------------------------------------------------------------------------------------------
@@ -367,7 +455,7 @@ class LaunchedWorld:
         if who is not None:
             raise KeyboardInterrupt(f"{who} was interrupted")
 
-    def _interruptible(self, wait: Callable[[], bool]) -> bool:
+    def _interruptible(self, wait: Callable[[], _T]) -> _T:
         """``wait()``; Ctrl-C meanwhile is told to every rank first."""
         try:
             return wait()
@@ -379,7 +467,7 @@ class LaunchedWorld:
     def close(self) -> None:
         """The end of this process. torchrun stops every rank as soon as one exits with a failure, so the others
         wait until rank 0 says it has written the run's files (while rank 0 still runs tests, and ``CLOSE_WAIT``
-        after it ended them); a store that is gone means rank 0 is."""
+        after it ended them); a store that is gone, or a process that ended, means rank 0 is."""
         import torch.distributed as dist
 
         try:
@@ -388,7 +476,7 @@ class LaunchedWorld:
                 session.set("closed", "1")
                 return
             deadline = None
-            while not session.check(["closed"]):
+            while not session.check(["closed"]) and not self.dead([0]):
                 if deadline is None and session.check(["ended/0"]):
                     deadline = time.monotonic() + CLOSE_WAIT
                 if deadline is not None and time.monotonic() > deadline:
@@ -399,7 +487,8 @@ class LaunchedWorld:
 
     def finish(self, timeout: float) -> None:
         """Tell any rank still waiting at a next world test that this one has none; rank 0 (which hosts the store
-        under launchers other than torchrun) waits, within ``timeout``, until every rank has said so."""
+        under launchers other than torchrun) waits, within ``timeout`` (``INTERRUPTED_WAIT`` after an interrupt),
+        until every rank has said so, or died. What the dead ranks of this node started is killed by then."""
         import torch.distributed as dist
 
         try:
@@ -407,8 +496,11 @@ class LaunchedWorld:
             session = self._store(0)
             session.set(f"ended/{self.world.rank}", "1")
             self._count(session, "ended")
+            self.dead(range(self.world.world_size))
             if self.world.rank == 0:
-                _until(session, "all-ended", time.monotonic() + timeout)
+                wait = min(timeout, INTERRUPTED_WAIT) if self.interrupted() is not None else timeout
+                given_up = lambda: self._all_dead(self._missing(session, "ended"))  # noqa: E731
+                _until(session, "all-ended", time.monotonic() + wait, given_up)
         except dist.DistError:
             pass  # the store went with rank 0: nobody is left to tell
 
@@ -438,6 +530,12 @@ def unrunnable(mine: Sequence[str], lists: Sequence[Sequence[str]]) -> dict[str,
             places = "; ".join(f"rank {r}: world test {pos[name] + 1}" for r, pos in enumerate(positions))
             why[name] = f"the ranks reach this test in another order ({places})"
     return why
+
+
+def _died(ranks: Sequence[int]) -> str:
+    """``rank 1's pytest process died``: what a wait for ``ranks`` ended on."""
+    who = rank_ranges(ranks)
+    return f"{who}'s pytest process died" if len(ranks) == 1 else f"the pytest processes of {who} died"
 
 
 def _children() -> set[int]:
@@ -556,30 +654,32 @@ class _Watch:
             raise Interrupted(self.fired.detail)
 
     def _loop(self) -> None:
-        failed: list[int] = []
+        failed = ""
         failed_at: float | None = None
         while not self._stop.wait(POLL):
             now = time.monotonic()
-            if failed_at is None and self._peers_failed(failed):
+            if failed_at is None and (failed := self._peers_failed()):
                 failed_at = now
             if (who := self.world.interrupted(watcher=True)) is not None:
                 self._fire(Status.STOPPED, f"{who} was interrupted")
             elif now >= self.deadline:
                 self._fire(Status.HUNG, f"still running when the {self.timeout:g}s world timeout expired")
             elif failed_at is not None and now >= failed_at + FAILURE_GRACE:
-                self._fire(Status.STOPPED, f"still running {FAILURE_GRACE:g}s after {rank_ranges(failed)} failed")
+                self._fire(Status.STOPPED, f"still running {FAILURE_GRACE:g}s after {failed}")
             else:
                 continue
             return
 
-    def _peers_failed(self, into: list[int]) -> bool:
+    def _peers_failed(self) -> str:
+        """Which other ranks failed, or died, in words; empty while none has."""
         try:
-            if not self.store.check(["failed"]):
-                return False
-            into += sorted({int(r) for r in _text(self.store.get("failed")).split(",") if r})
+            if self.store.check(["failed"]):
+                failed = sorted({int(r) for r in _text(self.store.get("failed")).split(",") if r})
+                return f"{rank_ranges(failed)} failed"
+            dead = self.world.dead(range(self.world.world.world_size), watcher=True)
         except RuntimeError:  # the store is unreachable: the deadline still applies
-            return False
-        return True
+            return ""
+        return _died(dead) if dead else ""
 
     def _fire(self, status: Status, detail: str) -> None:
         with self._lock:

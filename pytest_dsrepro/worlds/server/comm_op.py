@@ -12,7 +12,9 @@ directly, without torch's JIT (and so without ninja noticing new paths); one bui
 
 A cached build is loaded in a throwaway child first: a shared object cut short (a full disk, a copy interrupted)
 kills whatever maps it with SIGBUS, and must never take the fork server with it. One that does not load is discarded
-and built again, once; a read-only cache serves the builds it holds and builds nothing.
+and built again, once, beside the worlds as a first build is; a read-only cache serves the builds it holds and builds
+nothing. The same holds in a ``TORCH_EXTENSIONS_DIR`` the user set, where torch's JIT then builds it again: only the
+op's own build directory there is discarded, which torch would rebuild anyway.
 
 A first build never holds up a world (:func:`start`): the fork server builds in a child of its own, and the worlds
 forked meanwhile run without the op, as DeepSpeed itself runs where it cannot build it (its compatibility switch,
@@ -46,6 +48,8 @@ from . import preload
 BUILD_LOCK_TIMEOUT = 1800.0  # a cold build on a loaded 2-core machine takes minutes; never forever
 #: How long a throwaway child may take to load a cached build (milliseconds, normally).
 LOAD_CHECK_TIMEOUT = 120.0
+#: The file lock of the builds in an op's directory: one builder at a time, across processes.
+BUILD_LOCK = ".dsrepro-build.lock"
 #: The op's name (DeepSpeed's ``ShareMemCommBuilder.NAME``, 0.14-0.19): torch builds it into ``<dir>/<name>/<name>.so``.
 OP_NAME = "deepspeed_shm_comm"
 
@@ -159,13 +163,23 @@ def _import(library: Path) -> ModuleType:
     return module
 
 
+def _import_error(library: Path) -> str | None:
+    try:
+        _import(library)
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def damage(library: Path) -> str | None:
     """How loading the build at ``library`` fails, found in a throwaway child; None when it loads."""
+    if library.stat().st_size == 0:
+        return "it is empty: 0 bytes, a build or a copy cut short"
     try:
-        preload.in_child(lambda: bool(_import(library)), LOAD_CHECK_TIMEOUT)
+        error = preload.in_child(lambda: _import_error(library), LOAD_CHECK_TIMEOUT)
     except RuntimeError as exc:
         return f"loading it in a throwaway child: {exc}"
-    return None
+    return None if error is None else f"loading it in a throwaway child: {error}"
 
 
 def _register(builder: Any, module: ModuleType) -> bool:
@@ -178,17 +192,34 @@ def _register(builder: Any, module: ModuleType) -> bool:
     return True
 
 
-def _cached(builder: Any, library: Path, announce: Callable[[str], None], release: str) -> bool:
-    """Load the cached build at ``library`` if it loads; discard it (the whole build: objects and ninja's state
-    too) if it does not, saying so."""
+def _sound(library: Path, announce: Callable[[str], None], release: str) -> bool:
+    """Is there a build at ``library`` that loads? One that does not is discarded (the op's whole build: objects
+    and ninja's state too), saying so. Call while no build is under way there (under the build lock)."""
     if not library.exists():
         return False
     why = damage(library)
     if why is None:
-        return _register(builder, _import(library))
+        return True
     announce(f"the cached build of {release} does not load ({why}): discarded, building it again ({library})")
     shutil.rmtree(library.parent, ignore_errors=True)
     return False
+
+
+def _cached(builder: Any, library: Path, announce: Callable[[str], None], release: str) -> bool:
+    """Load the cached build at ``library`` if it loads (``_sound``)."""
+    return _sound(library, announce, release) and _register(builder, _import(library))
+
+
+def _discarded(directory: Path, library: Path, announce: Callable[[str], None], release: str) -> bool:
+    """Was the build at ``library`` damaged, and so discarded now (``_sound``)? Only while no build holds the lock:
+    a library that another process is still linking is no damaged one."""
+    from filelock import FileLock, Timeout
+
+    try:
+        with FileLock(directory / BUILD_LOCK, timeout=0):
+            return not _sound(library, announce, release)
+    except Timeout:
+        return False  # built elsewhere now: warm_up waits for that build
 
 
 #: How long the build in its directory took, in seconds: what tells the user how long the next one will take.
@@ -214,7 +245,7 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
     Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
     (minutes, the first time a release is used) or a wait for another process's build. Returns a short description
     for the report header; raises ``Unusable`` when the op can be neither loaded nor built here. A
-    ``TORCH_EXTENSIONS_DIR`` set by the user is used as it is, with torch's own JIT.
+    ``TORCH_EXTENSIONS_DIR`` set by the user is used with torch's own JIT, once a damaged build there is discarded.
     """
     import deepspeed
     from deepspeed.comm.torch import build_shm_op
@@ -228,7 +259,7 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
     os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     library = shared_library(directory)
-    lock = FileLock(directory / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT)
+    lock = FileLock(directory / BUILD_LOCK, timeout=BUILD_LOCK_TIMEOUT)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
@@ -244,7 +275,9 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
         ) from None
     try:
         remove_stale_locks(directory)
-        if not chosen and _cached(builder, library, announce, release):
+        if chosen:
+            _sound(library, announce, release)  # torch's JIT loads it, or builds it again
+        elif _cached(builder, library, announce, release):
             return f"loaded from {directory}"
         if not library.exists():
             took = expected_build(directory.parent)
@@ -259,9 +292,11 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
             with contextlib.suppress(OSError):  # for the next build's estimate
                 (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
         except Exception as exc:  # noqa: BLE001 - told as what to do: every world would fail on it
+            ours = library.parent if chosen else directory  # the user's directory may hold other builds
+            elsewhere = "unset TORCH_EXTENSIONS_DIR" if chosen else "point --ds-cache-dir elsewhere"
             raise Unusable(
-                f"{release} could not be built in {directory} ({type(exc).__name__}: {exc}); remove that directory "
-                f"(rm -rf {directory}) and run again, or point --ds-cache-dir elsewhere"
+                f"{release} could not be built in {directory} ({type(exc).__name__}: {exc}); remove its build "
+                f"(rm -rf {ours}) and run again, or {elsewhere}"
             ) from None
     finally:
         lock.release()
@@ -347,11 +382,12 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
     library = shared_library(directory)
     with contextlib.suppress(OSError):
         directory.mkdir(parents=True, exist_ok=True)
-    if library.exists() or not os.access(directory, os.W_OK):  # loaded now; a read-only cache is warm_up's to tell
-        return warm_up(announce), None
+    writable = os.access(directory, os.W_OK)  # a read-only cache is warm_up's to tell
+    release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
+    if not writable or (library.exists() and not _discarded(directory, library, announce, release)):
+        return warm_up(announce), None  # loaded now
     import deepspeed.ops
 
-    release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     announce(
         f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
         "the worlds: until it is built they run without it, as DeepSpeed does where it cannot build it, and a test "
@@ -407,7 +443,7 @@ def _when_built(library: Path, builder: int) -> ModuleType:
 
     while not library.exists() and building():
         time.sleep(0.2)
-    with FileLock(library.parent.parent / ".dsrepro-build.lock", timeout=BUILD_LOCK_TIMEOUT):
+    with FileLock(library.parent.parent / BUILD_LOCK, timeout=BUILD_LOCK_TIMEOUT):
         if not library.exists():
             raise RuntimeError(
                 f"pytest-dsrepro: DeepSpeed's CPU comm op could not be built in {library.parent.parent} (the fork "
