@@ -147,10 +147,9 @@ def check_cache(session: pytest.Session) -> None:
     if why is None:
         return
     if not comm_op.holds_builds(cache):
-        pytest.exit(
+        raise pytest.UsageError(  # one line, as every startup error: pytest.exit() here reads "! Exit: ... !"
             f"pytest-dsrepro: the cache directory {cache} cannot be written ({why}) and holds no build of DeepSpeed's "
-            "comm op for worlds to use: point --ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory",
-            returncode=pytest.ExitCode.USAGE_ERROR,
+            "comm op for worlds to use: point --ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory"
         )
     progress_line(config)(f"the cache directory {cache} cannot be written ({why}): worlds use the builds it holds")
 
@@ -527,12 +526,23 @@ def _story(exc: BaseException | None) -> str:
     return story
 
 
+def _judged(exc: BaseException | None) -> bool:
+    """Is ``exc`` an ending of the body (a failure, a pass)? A skip or xfail stands as pytest's; Ctrl-C, pytest's
+    exit and the like end the session, never judged (a test interrupted is no verdict). pytest's ``Failed`` (a world
+    failed, a marker is wrong) derives from ``BaseException``, as ``xfail``'s does from it."""
+    if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
+        return False
+    return exc is None or isinstance(exc, (Exception, pytest.fail.Exception))
+
+
 def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
     """The verdict on the body's ending: returns when pytest's own outcome stands, else raises the judged one.
 
     A harness error (no world ran) fails the test as such and is never judged against the gates.
     """
     __tracebackhide__ = True
+    if not _judged(exc):
+        return
     marks = item.stash.get(MARKS_KEY, Marks(None, (), None, None))
     if isinstance(exc, RunStops):
         pytest.exit(f"pytest-dsrepro: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
@@ -540,7 +550,7 @@ def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
         if marks.gates:
             item.stash[JUDGEMENT_KEY] = Judgement(Reason.HARNESS_ERROR, f"no world ran: {exc}")
         markers.fail(f"pytest-dsrepro could not run this test's world: {exc}")
-    if not marks.gates or isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
+    if not marks.gates:
         return
     where = f"@pytest.mark.ds_version on {item.nodeid}"
     version = installed_deepspeed()
