@@ -12,7 +12,8 @@ from .inrank.context import RankContext, current
 from .inrank.engine import ConfigRejected, EngineFactory
 from .inrank.fixtures import rank_fixture
 from .inrank.perf import Slowdown, slowdown
-from .session.execution import WorldFailed, starting_worlds
+from .session.backends import starting_worlds
+from .session.execution import WorldFailed
 from .session.inworld import run_in_world
 
 __all__ = [

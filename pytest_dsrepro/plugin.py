@@ -11,12 +11,30 @@ from typing import Any
 import pytest
 
 from .core import configs
+from .core.gates import Judgement
 from .inrank.engine import EngineFactory
-from .session import collector, execution, launched, markers, parametrize, recording, scan, settings, shard
-from .session.execution import RUNNER_KEY
-from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SETTINGS_KEY
+from .session import (
+    backends,
+    cache_check,
+    collector,
+    execution,
+    hookspecs,
+    markers,
+    parametrize,
+    recording,
+    scan_plugin,
+    settings,
+    shard,
+    skip_location,
+    source_digests,
+)
+from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SCAN_PLAN_KEY, SETTINGS_KEY, WORLDS_KEY
 from .worlds.launched import launcher
 from .worlds.protocol import RankValue
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,11 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
     markers.register(config)
     resolved = settings.resolve(config)
     config.stash[SETTINGS_KEY] = resolved
-    launched.configure(config, resolved)
-    scan.configure(config, resolved)
+    config.stash[WORLDS_KEY] = backends.choose(config, resolved)  # once: spawned worlds, or a launcher's
+    scan_plugin.configure(config, resolved)  # registered only for --ds-scan
     collector.check_outputs(config, resolved)
-    if RUNNER_KEY not in config.stash:  # made earlier to start its fork server (``starting_worlds``)
-        config.stash[RUNNER_KEY] = execution.world_runner(config, resolved)
     config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
 
 
@@ -39,10 +55,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[INTERRUPTED_KEY] = exitstatus == pytest.ExitCode.INTERRUPTED
 
 
+@pytest.hookimpl(trylast=True)  # after the summary and every output written (a launched rank 0's, for its peers)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    runner = config.stash.get(RUNNER_KEY, None)
-    if runner is not None:  # after the summary: a comm-op build beside the worlds ends here, not in the verdicts' way
-        runner.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
+    worlds = config.stash.get(WORLDS_KEY, None)
+    if worlds is not None:  # a comm-op build beside the worlds ends here, not in the verdicts' way
+        worlds.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -50,26 +67,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    scan.deselect(config, items)
     shard.select(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    execution.check_cache(session)
-    execution.plan_worlds(session)
+    session.config.stash[WORLDS_KEY].plan(session.items)
+    cache_check.check(session)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    execution.remember_source(item)
+    source_digests.remember(item)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    scanned = scan.parametrize(metafunc)  # one [scan] test id in place of the repro's configs and variants
-    if not scanned:
-        parametrize.configs(metafunc)
-    parametrize.sizes(metafunc)
-    if not scanned:
-        parametrize.variants(metafunc)
+    parametrize.expand(metafunc)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -90,11 +101,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, o
     return result
 
 
+@pytest.hookimpl(trylast=True)  # a scan's conclusion (``scan_plugin.Scan``) comes first
+def pytest_dsrepro_conclude(item: pytest.Item, judgement: Judgement, story: str) -> bool:
+    return execution.conclude(judgement, story)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    skip_location.relocate(item, report)
     recording.attach(item, report)
     return report
 
@@ -131,7 +148,8 @@ def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
     if param is None:
         markers.fail(f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test")
     name, spec = param
-    spec = scan.config_spec(request.node, name, spec)
+    plan = request.node.stash.get(SCAN_PLAN_KEY, None)  # a scan's: the user's config, the premise's settings on top
+    spec = plan.config if plan is not None else spec
     prepared = request.node.stash.get(PREPARED_KEY, None)
     size = prepared.spec.size if prepared else request.config.stash[SETTINGS_KEY].world_size
     try:

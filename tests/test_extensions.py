@@ -274,13 +274,14 @@ def test_a_read_only_cache_without_builds_stops_the_run_before_the_first_world(
     pytester.makepyfile(test_world=USES_OP, test_plain="def test_plain():\n    pass\n")
     result = run("test_world.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stdout.fnmatch_lines(
+    result.stderr.fnmatch_lines(
         [
-            f"*pytest-dsrepro: the cache directory {cache} cannot be written (*) and holds no build of DeepSpeed's "
-            "comm op for worlds to use: point --ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory*"
+            f"ERROR: pytest-dsrepro: the cache directory {cache} cannot be written (*) and holds no build of "
+            "DeepSpeed's comm op for worlds to use: point --ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory"
         ]
     )
     assert "sentinel" not in result.stdout.str()
+    assert "Exit" not in result.stdout.str() + result.stderr.str(), "issue 38 item 5: a startup error, not an exit"
     run("test_plain.py").assert_outcomes(passed=1)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RunPytest, deepspeed_version, leftovers, tagged_processes, wait_for_no_processes
+from pytest_dsrepro.core import results
 from pytest_dsrepro.core.options import CACHE_ENV
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
@@ -238,6 +239,51 @@ def test_ctrl_c_twice_mid_world_leaves_nothing(
     left = wait_for_no_processes(process_tag, timeout=10)
     assert not left, f"left running: {[p.cmdline() for p in left]}\n{out}"
     assert leftovers(private_tmp, [port]) == []
+
+
+GATED_SLEEPER = """
+import pathlib, time
+import pytest
+
+def fix(monkeypatch):
+    pass
+
+@pytest.mark.ds_world(timeout=600)
+@pytest.mark.ds_version(affected=">=0", raises=RuntimeError, fix=fix)
+def test_gated(ds_rank, ds_variant):
+    if ds_variant == "fixed":
+        return
+    if ds_rank == 0:
+        pathlib.Path("body-started").write_text("")
+    time.sleep(3600)
+"""
+
+
+def test_ctrl_c_in_a_gated_test_ends_the_session_and_is_no_verdict(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path
+) -> None:
+    """Issue 38 item 1: Ctrl-C while a gated test's world runs was judged as its ending (``[stock] FAILED ... rank
+    0: KeyboardInterrupt``, recorded UNEXPECTED) and the session went on to ``[fixed]``. It now ends the session as
+    pytest ends it, and the results file holds no verdict for the interrupted test."""
+    pytester.makepyfile(GATED_SLEEPER)
+    saved = pytester.path / "results"
+    proc = start_pytest(pytester, "-v", "-p", "no:randomly", f"--ds-results={saved}")
+    try:
+        wait_until(lambda: (pytester.path / "body-started").exists(), "the [stock] body started")
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "!!! KeyboardInterrupt !!!" in out, out
+    assert "test_gated[fixed]" not in out, out
+    assert "UNEXPECTED" not in out, out
+    files, unreadable = results.read_all([saved])
+    assert unreadable == []
+    assert [(t.nodeid, t.verdict) for f in files for t in f.run.tests] == []
+    left = wait_for_no_processes(process_tag, timeout=10)
+    assert not left, f"left running: {[p.cmdline() for p in left]}\n{out}"
+    assert leftovers(private_tmp) == []
 
 
 def test_a_world_too_big_for_the_machine_is_refused_at_startup(

@@ -414,6 +414,7 @@ def test_1_before(ds_rank):
 
 
 @pytest.mark.ds_world
+@pytest.mark.ds_version(affected=">=0", raises=RuntimeError)  # gated, as every repro: Ctrl-C is still no verdict
 def test_2_interrupted(ds_rank):
     subprocess.Popen(["sleep", "600"])  # what the body started: killed with it
     with open(f"ready-{ds_rank}", "w") as f:

@@ -15,11 +15,10 @@ from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
 from ..core.paths import unwritable, unwritable_file
 from ..core.report import Neutral
+from ..core.results import ScanSource
 from ..core.world_spec import settle_backend
-from . import diagnostics, recording, scan
-from .execution import RUNNER_KEY
-from .launched import LAUNCHED_KEY
-from .stash import SETTINGS_KEY
+from . import diagnostics, recording
+from .stash import SCAN_KEY, SETTINGS_KEY, WORLDS_KEY
 
 
 def header_line(settings: Settings, launched: Launched | None) -> str:
@@ -44,8 +43,7 @@ NOT_SAVED = 6
 def check_outputs(config: pytest.Config, settings: Settings) -> None:
     """Every file the run will write, checked before anything runs, by the process that will write them: a path
     that cannot be written is a usage error now, not a traceback after the last test."""
-    launched_run = config.stash.get(LAUNCHED_KEY, None)
-    if config.option.collectonly or hasattr(config, "workerinput") or (launched_run and not launched_run.writes):
+    if config.option.collectonly or hasattr(config, "workerinput") or not config.stash[WORLDS_KEY].writes:
         return
     junit = getattr(config.option, "xmlpath", None)
     outputs = [
@@ -57,6 +55,12 @@ def check_outputs(config: pytest.Config, settings: Settings) -> None:
                 if path is not None and (why := check(path)) is not None]  # fmt: skip
     if problems:
         raise pytest.UsageError(f"pytest-dsrepro: {'; '.join(problems)}; nothing of this run could be saved there")
+
+
+def _scanned(config: pytest.Config) -> ScanSource | None:
+    """The config a scan ran (``--ds-scan``), as the run's record names it."""
+    scan = config.stash.get(SCAN_KEY, None)
+    return scan.source if scan is not None else None
 
 
 class RunCollector:
@@ -77,7 +81,7 @@ class RunCollector:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         for what in self.unsaved:
             terminalreporter.write_line(f"pytest-dsrepro: NOT SAVED: {what}", red=True, bold=True)
-        scanned = scan.source(self.config)
+        scanned = _scanned(self.config)
         if scanned is not None:  # a scan's verdicts are its table's, per bug
             settings = self.config.stash[SETTINGS_KEY]
             run = self.run.record(results.environment(settings.backend, settings.world_size), scanned)
@@ -89,30 +93,28 @@ class RunCollector:
             terminalreporter.write_sep("=", f"dsrepro verdicts (deepspeed {installed_deepspeed()})")
             for line in lines:
                 terminalreporter.write_line(line)
-        for facts in self.config.stash[RUNNER_KEY].started():  # one fork server per DeepSpeed accelerator used
+        for facts in self.config.stash[WORLDS_KEY].started():  # one fork server per DeepSpeed accelerator used
             if lines or self.config.option.verbose > 0:
                 terminalreporter.write_line(f"worlds ran on: {facts.describe()}")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput") or self.config.option.collectonly:
             return  # the controller writes; a mere collection writes nothing
-        launched_run = self.config.stash.get(LAUNCHED_KEY, None)
-        if launched_run is not None and not launched_run.writes:
+        worlds = self.config.stash[WORLDS_KEY]
+        if not worlds.writes:
             return  # under torchrun rank 0 writes the run's files; every rank holds the same verdicts
         s = self.config.stash[SETTINGS_KEY]
-        facts = next(iter(self.config.stash[RUNNER_KEY].started()), None)
+        facts = next(iter(worlds.started()), None)
         cuda_devices = facts.cuda_devices if facts else 0
         backend, _ = settle_backend(s.backend, s.world_size, cuda_devices)
         env = results.environment(backend, s.world_size, list(facts.gpus) if facts else None)
         accelerator = facts.accelerator if facts and facts.accelerator else diagnostics.known_accelerator(cuda_devices)
-        env = dataclasses.replace(env, accelerator=accelerator)
-        if launched_run is not None:
-            env = launched_run.environment(env)
-            cuda_devices = env.gpu_count or 0
+        env = worlds.environment(dataclasses.replace(env, accelerator=accelerator))
+        cuda_devices = facts.cuda_devices if facts else env.gpu_count or 0  # a launched run's: this node's devices
         if s.report is not None:  # what a maintainer asks for: only for a report, and only now
             env = diagnostics.gather(env, cuda_devices)
         neutral = Neutral.here(self.config.rootpath)
-        run = self.run.record(env, scan.source(self.config))
+        run = self.run.record(env, _scanned(self.config))
         self.unsaved = recording.write_outputs(run, s.results, s.report, neutral)
         if self.unsaved and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
             session.exitstatus = NOT_SAVED  # the summary still says how the tests went

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from ..core.errors import HarnessError, MarkerError
-from ..core.world_spec import settle_backend, world_spec
+from ..core.world_spec import world_spec
 from ..inrank.fixtures import RankFixture
-from ..worlds.protocol import RankJob, RankValue
+from ..worlds.protocol import RankValue
 from . import markers
-from .execution import RUNNER_KEY, WorldFailed, declare, imports_deepspeed, payload, reference, run_spawned
-from .launched import LAUNCHED_KEY
-from .stash import SETTINGS_KEY
+from .execution import WorldFailed, declare
+from .rank_job import WorldCall, imports_deepspeed, reference
+from .stash import SETTINGS_KEY, WORLDS_KEY
 
 
 def run_in_world(
@@ -62,26 +62,18 @@ def run_in_world(
         setup = _rank_fixtures(request, usefixtures, where)
     except MarkerError as exc:
         markers.fail(str(exc))
-    if request.config.stash.get(LAUNCHED_KEY, None) is not None:
-        markers.fail(f"{where}: run_in_world forks a world of its own, which an externally launched run cannot")
-    runner = request.config.stash[RUNNER_KEY]
+    worlds = request.config.stash[WORLDS_KEY]
     try:
-        settled, skip = settle_backend(spec.backend, spec.size, runner.cuda_devices())
-        if skip:
-            pytest.skip(skip)
-        uses_deepspeed = imports_deepspeed(path)
-        job = RankJob(
-            test=reference(module, path, qualname, request.config), payload=payload(where, arguments, [], setup),
-            backend=settled, timeout=spec.timeout, deepspeed=process_group and uses_deepspeed,
-            warm=uses_deepspeed, process_group=spec.process_group, launcher_env=spec.launcher_env,
-        )  # fmt: skip
-        outcome = run_spawned(runner, job, spec.size)
+        prepared = worlds.own_world(spec, where)
+        test = reference(module, path, qualname, request.config)
+        call = WorldCall(where, function, test, arguments, setup=setup, uses_deepspeed=imports_deepspeed(path))
+        outcome = worlds.run(call, prepared)
     except HarnessError as exc:
         markers.fail(f"pytest-dsrepro could not run the world of {where}: {exc}")
     if outcome.passed:
         return
     if outcome.declared is not None:
-        declare(outcome.declared)
+        declare(request.node, outcome.declared)
     raise WorldFailed(outcome, heading=f"the {spec.size}-rank world of {where} failed:")
 
 

@@ -6,7 +6,7 @@ from typing import NoReturn
 
 import pytest
 
-from ..core import configs
+from ..core import configs, premises
 from ..core.configs import PRESETS
 from ..core.errors import MarkerError
 from ..core.gates import (
@@ -21,9 +21,7 @@ from ..core.gates import (
     parse_nondeterministic,
 )
 from ..core.options import Settings
-from ..core.premises import PARAMETERS as PREMISE_PARAMETERS
 from ..core.premises import Premise, own_config_problem
-from ..core.premises import parse as parse_premise
 from ..core.results import REPRO_PARAMETERS, Origin
 from ..core.world_spec import world_spec
 from .stash import Marks
@@ -54,7 +52,7 @@ MARKERS = {
     "`failures` runs fail as declared (said as 'REPRODUCED 9/20'), FIXED and PASSES-WITH-FIX only when none fails.",
     "ds_repro": "ds_repro(id, title, upstream, fix_ref=None, fixed_in=None, root_cause=''): catalogue metadata of a "
     "repro module: upstream issue, first fixed release (None: unfixed), root cause.",
-    "ds_premise": f"ds_premise({'=, '.join(PREMISE_PARAMETERS)}=): what a DeepSpeed config must have for the "
+    "ds_premise": f"ds_premise({'=, '.join(premises.PARAMETERS)}=): what a DeepSpeed config must have for the "
     "repro's bug to be possible (ZeRO stage, precision fp32/fp16/bf16, offload devices, an optimizer section or not, "
     "gradient accumulation as a number or '>=3', other dotted keys); `sets` (with `because`) is what a scan puts on "
     "top of a user's config. Checked against the repro's own configs at setup; used by --ds-scan.",
@@ -92,7 +90,7 @@ def premise(node: pytest.Item) -> Premise | None:
     mark = node.get_closest_marker("ds_premise")
     if mark is None:
         return None
-    return parse_premise(mark.args, mark.kwargs, f"@pytest.mark.ds_premise on {node.nodeid}")
+    return premises.parse(mark.args, mark.kwargs, f"@pytest.mark.ds_premise on {node.nodeid}")
 
 
 def nondeterministic(item: pytest.Item, gated: bool, world: bool) -> Nondeterministic | None:

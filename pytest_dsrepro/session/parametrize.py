@@ -9,7 +9,7 @@ from ..core.errors import MarkerError
 from ..core.gates import common_fix
 from ..core.world_spec import size_id, world_sizes
 from . import markers
-from .stash import SETTINGS_KEY
+from .stash import SCANNED_KEY, SETTINGS_KEY
 
 _PARAM_TYPE = type(pytest.param(None))
 
@@ -21,6 +21,17 @@ def config_entry(spec: object, index: int) -> tuple[str, object]:
         value = spec.values[0] if len(spec.values) == 1 else spec.values
         return (spec.id if isinstance(spec.id, str) else config_entry(value, index)[0]), value
     return (spec if isinstance(spec, str) else f"config{index}"), spec
+
+
+def expand(metafunc: pytest.Metafunc) -> None:
+    """Every expansion of the test; a test the scan gave its config (``SCANNED_KEY``) gets neither its own configs
+    nor its variants."""
+    scanned = metafunc.definition.stash.get(SCANNED_KEY, False)
+    if not scanned:
+        configs(metafunc)
+    sizes(metafunc)
+    if not scanned:
+        variants(metafunc)
 
 
 def configs(metafunc: pytest.Metafunc) -> None:

@@ -19,15 +19,14 @@ from typing import Any
 
 import pytest
 
-from ..core import results
+from ..core import results, scan_verdicts
 from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
 from ..core.report import Neutral, render_markdown
 from ..core.results import Environment, Origin, ReproMeta, RunRecord, ScanSource, Source, TestRecord
-from ..core.scan_verdicts import markdown as scan_markdown
 from ..core.source import module_slice
-from . import markers, scan
-from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY
+from . import markers
+from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SCAN_KEY
 
 #: The ``user_properties`` name under which a report carries its record.
 PROPERTY = "dsrepro"
@@ -108,6 +107,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     judgement = item.stash.get(JUDGEMENT_KEY, None)
     marks = item.stash.get(MARKS_KEY, None)
     prepared = item.stash.get(PREPARED_KEY, None)
+    scan = item.config.stash.get(SCAN_KEY, None)
     verdict, reason = (judgement.verdict, judgement.reason) if judgement else (None, None)
     gated = bool(marks.gates) if marks is not None else item.get_closest_marker("ds_version") is not None
     if judgement is None and report.skipped and not hasattr(report, "wasxfail") and gated:
@@ -135,7 +135,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         rate=judgement.rate if judgement else None,
         measurements=outcome.measurements if outcome is not None else (),
         origin=_origin(item),
-        scan=scan.finding_of(item, judgement, error),
+        scan=scan.finding(item, judgement, error) if scan is not None else None,
     )
 
 
@@ -250,7 +250,7 @@ def write_outputs(
     if report is not None:
         try:
             report.parent.mkdir(parents=True, exist_ok=True)
-            report.write_text(scan_markdown(run) if run.scan else render_markdown(run, neutral=neutral))
+            report.write_text(scan_verdicts.markdown(run) if run.scan else render_markdown(run, neutral=neutral))
         except OSError as exc:
             unsaved.append(f"--ds-report {report} ({exc.strerror or exc})")
     return unsaved

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -11,7 +12,12 @@ from ..core.gates import Condition, Fix, Judgement, Nondeterministic, VersionGat
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
 from ..core.premises import Premise
+from ..core.results import Finding
 from ..core.world_spec import WorldSpec
+
+if TYPE_CHECKING:  # the plugin objects kept on the stash; their modules import this one
+    from .backends import Worlds
+    from .scan_plugin import Scan
 
 
 @dataclass(frozen=True)
@@ -44,14 +50,42 @@ class Series:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ScanPlan:
+    """What a scanned test's world runs: the user's config with the premise's settings on top, and those settings
+    in words."""
+
+    config: dict[str, Any]
+    notes: tuple[str, ...]
+
+
+# ---- the run's (config.stash) ---------------------------------------------------------------------------------
+
 SETTINGS_KEY = pytest.StashKey[Settings]()
+#: Where this run's worlds run, chosen once at configure (``backends.choose``).
+WORLDS_KEY: pytest.StashKey[Worlds] = pytest.StashKey()
+#: ``--ds-scan``'s plugin object: the user's config; absent outside a scan.
+SCAN_KEY: pytest.StashKey[Scan] = pytest.StashKey()
+#: Did the session end interrupted (Ctrl-C)? Then nothing is waited for at its end.
+INTERRUPTED_KEY = pytest.StashKey[bool]()
+#: Each test file's digest when pytest collected it: ranks import the file again, which must still be that code.
+SOURCES_KEY = pytest.StashKey[dict[str, str | None]]()
+
+# ---- a test function's definition (metafunc.definition.stash) -------------------------------------------------
+
+#: The scan gave this test its config: neither its own configs nor its ``[fixed]`` variant are made.
+SCANNED_KEY = pytest.StashKey[bool]()
+
+# ---- each test's (item.stash) ---------------------------------------------------------------------------------
+
 MARKS_KEY = pytest.StashKey[Marks]()
 PREPARED_KEY = pytest.StashKey[Prepared]()
 CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
 OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
-#: Did the session end interrupted (Ctrl-C)? Then nothing is waited for at its end.
-INTERRUPTED_KEY = pytest.StashKey[bool]()
 JUDGEMENT_KEY = pytest.StashKey[Judgement]()
 SERIES_KEY = pytest.StashKey[Series]()
-#: Each test file's digest when pytest collected it: ranks import the file again, which must still be that code.
-SOURCES_KEY = pytest.StashKey[dict[str, str | None]]()
+#: Where a skip the harness raised is reported (``skip_location``): the body's line in its rank, or the test's.
+SKIP_AT_KEY = pytest.StashKey[tuple[str, int]]()
+#: A scanned test's plan (its config); its verdict when decided at setup (no world ran for it).
+SCAN_PLAN_KEY = pytest.StashKey[ScanPlan]()
+SCAN_FINDING_KEY = pytest.StashKey[Finding]()

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 
@@ -21,16 +20,17 @@ from ..core.options import Launched, Settings
 from ..core.outcome import WorldOutcome
 from ..core.results import Environment
 from ..core.world_spec import WorldSpec
-from ..inrank.fixtures import RankFixture
 from ..worlds.launched import launcher
 from ..worlds.launched.launched_world import LaunchedWorld, stop_as_interrupted
-from ..worlds.rank.body import Fix
+from ..worlds.protocol import ServerFacts
 from . import markers
+from .rank_job import WorldCall
 from .stash import Prepared
 
 
 class LaunchedRun:
-    """This process's part in a launched run; registered as a plugin (``dsrepro-launched``) for its hooks."""
+    """This process's part in a launched run: the session's worlds (``backends.Worlds``), registered as a plugin
+    (``dsrepro-launched``) for its hooks."""
 
     def __init__(self, world: Launched, settings: Settings) -> None:
         self.world = world
@@ -70,24 +70,27 @@ class LaunchedRun:
             pytest.skip(skip)
         return Prepared(spec, backend)
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        kwargs: dict[str, Any],
-        fixes: Sequence[Fix],
-        prepared: Prepared,
-        *,
-        deepspeed: bool = False,
-        run: int = 0,
-        setup: Sequence[RankFixture] = (),
-    ) -> WorldOutcome:
+    def own_world(self, spec: WorldSpec, where: str) -> Prepared:
+        markers.fail(f"{where}: run_in_world forks a world of its own, which an externally launched run cannot")
+
+    def run(self, call: WorldCall, prepared: Prepared, run: int = 0) -> WorldOutcome:
         """The body as one world across every rank; the outcome is rank 0's, the same on every rank. ``run``: which
         world of a nondeterministic verdict's series (every rank runs the same series: it stops on one outcome)."""
         self.arrived = None
         spec = prepared.spec
+        deepspeed = call.uses_deepspeed and spec.process_group
         return self.ranks.run(
-            fn, kwargs, fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, run=run, setup=setup
-        )
+            call.function, call.kwargs, call.fixes, prepared.backend, spec.timeout, deepspeed=deepspeed, run=run,
+            setup=call.setup,
+        )  # fmt: skip
+
+    def plan(self, items: Sequence[pytest.Item]) -> None:
+        """Every rank's world tests compared (``LaunchedWorld.plan``): a test that not every rank has fails."""
+        world_tests = [item.nodeid for item in items if item.get_closest_marker("ds_world") is not None]
+        self.uncollected = self.ranks.plan(world_tests, self.settings.timeout)
+
+    def started(self) -> list[ServerFacts]:
+        return []  # no fork server: this process is a rank
 
     def environment(self, environment: Environment) -> Environment:
         """What the worlds of this run really ran on: the launcher's world size, this node's devices, the backend
@@ -103,11 +106,11 @@ class LaunchedRun:
             accelerator=launcher.accelerator(devices),
         )
 
-    # ---- hooks --------------------------------------------------------------------------------------------------
+    def close(self, finish_builds: bool) -> None:
+        """Rank 0 has written the run's files by now; the other ranks exit only then (``LaunchedWorld.close``)."""
+        self.ranks.close()
 
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        world_tests = [item.nodeid for item in session.items if item.get_closest_marker("ds_world") is not None]
-        self.uncollected = self.ranks.plan(world_tests, self.settings.timeout)
+    # ---- hooks --------------------------------------------------------------------------------------------------
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -127,14 +130,6 @@ class LaunchedRun:
         """Tell the ranks still at a world test that this one has none left (even when it collected none)."""
         self.ranks.finish(self.settings.timeout)
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_unconfigure(self, config: pytest.Config) -> None:
-        """Rank 0 has written the run's files by now; the other ranks exit only then (``LaunchedWorld.close``)."""
-        self.ranks.close()
-
-
-LAUNCHED_KEY = pytest.StashKey[LaunchedRun]()
-
 
 def configure(config: pytest.Config, settings: Settings) -> LaunchedRun | None:
     """At startup: ``srun pytest`` without a launcher is refused; under a launcher, the run's part of this process
@@ -147,7 +142,6 @@ def configure(config: pytest.Config, settings: Settings) -> LaunchedRun | None:
         return None
     run = LaunchedRun(world, settings)
     stop_as_interrupted()
-    config.stash[LAUNCHED_KEY] = run
     if not run.writes and getattr(config.option, "xmlpath", None):
         config.option.xmlpath = None  # read by pytest's junitxml plugin in its own pytest_configure, after this one
     config.pluginmanager.register(run, "dsrepro-launched")
