@@ -16,7 +16,7 @@ import pytest
 from conftest import RunPytest
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.versions import Release, same_release
-from pytest_dsrepro.worlds.client import server_pythonpath
+from pytest_dsrepro.worlds.client.server_process import server_pythonpath
 
 
 def test_an_installed_plugin_adds_nothing_to_the_servers_path() -> None:
