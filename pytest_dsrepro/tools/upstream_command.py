@@ -26,7 +26,9 @@ from packaging.version import InvalidVersion, Version
 
 from ..core import checkout, results
 from ..core.checkout import Checkout, CheckoutError
+from ..core.failures import FailuresFileError
 from ..core.gates import Verdict
+from . import shards, triage
 
 if TYPE_CHECKING:
     from .environments import ReleaseEnv
@@ -184,18 +186,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
+    shards.add_arguments(parser)
+    triage.add_arguments(parser)
     parser.set_defaults(pytest_args=[])
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (UpstreamError, CheckoutError) as exc:
+    except (UpstreamError, CheckoutError, FailuresFileError, shards.ShardError) as exc:
         print(f"dsrepro upstream: {exc}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return shards.merge(args)
     cwd = Path.cwd()
     root = args.checkout.resolve() if args.checkout else checkout.find(cwd)
     if root is None:
@@ -207,7 +213,10 @@ def _run(args: argparse.Namespace) -> int:
     releases = [_release(r, "--release") for r in args.release]
     releases += read_releases(args.releases) if args.releases else []
     print(f"dsrepro upstream: DeepSpeed's tests from {found.describe()}", file=sys.stderr, flush=True)
+    known = triage.known(args.failures)
+    if args.shard:
+        args.results = (args.results or Path("results")).resolve()
+        args.pytest_args = [*shards.pytest_args(args.shard, args.results), *args.pytest_args]
     if releases:
         return run_releases(args, found, targets, releases)
-    command = pytest_command(sys.executable, targets, args.results, args.pytest_args)
-    return subprocess.run(command, cwd=found.tests, check=False).returncode
+    return triage.run_here(args, found, targets, known)

@@ -1,0 +1,65 @@
+"""A run of DeepSpeed's tests against the failures file (``core.failures``): which failures are known, with their
+class, and which are new; the exit code that tells them apart.
+
+``dsrepro upstream`` (after its run) and ``dsrepro upstream --merge`` (over the shards) print the same summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..core import failures, results
+from ..core.checkout import Checkout
+
+#: Exit codes of a run judged against the failures file.
+KNOWN_ONLY = 0  # no failure, or every failure known
+NEW_FAILURES = 1  # a failure the file does not list
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--failures",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the failures file that says why known tests fail on a CPU (default: the one packaged, "
+        "upstream-failures.toml); failures it does not list are NEW, and make the exit code 1",
+    )
+
+
+def known(path: Path | None) -> tuple[failures.Known, ...]:
+    """The failures file given, else the packaged one (``FailuresFileError`` names ``file:line``)."""
+    return failures.read(path or failures.PACKAGED)
+
+
+def sort(files: Sequence[results.ResultsFile], entries: Sequence[failures.Known]) -> failures.Sorted:
+    """The failures of ``files``, each on the DeepSpeed its run imported, against ``entries``."""
+    return failures.classify(((f.run.environment.deepspeed, f.run.tests) for f in files), entries)
+
+
+def exit_code(found: failures.Sorted) -> int:
+    return NEW_FAILURES if found.new else KNOWN_ONLY
+
+
+def run_here(args: argparse.Namespace, found: Checkout, targets: Sequence[str], entries: Sequence[failures.Known]) -> int:
+    """``dsrepro upstream`` on the DeepSpeed installed here: pytest, its results read back (and kept in
+    ``--results``), its failures sorted; pytest's own exit codes other than 0 and 1 pass through."""
+    from .upstream_command import pytest_command
+
+    with tempfile.TemporaryDirectory(prefix="dsrepro-upstream-") as tmp:
+        command = pytest_command(sys.executable, targets, Path(tmp), args.pytest_args)
+        code = subprocess.run(command, cwd=found.tests, check=False).returncode
+        files, _ = results.read_all([Path(tmp)])
+        if args.results is not None:
+            args.results.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                shutil.move(str(f.path), args.results / f.path.name)
+    sorted_failures = sort(files, entries)
+    print("\n".join(f"dsrepro upstream: {line}" for line in failures.summary(sorted_failures)), file=sys.stderr)
+    return exit_code(sorted_failures) if code in (0, 1) else code
