@@ -154,13 +154,15 @@ def test_the_fix_commits_of_a_range_with_their_tests_and_releases(clone: Path) -
     assert [t.nodeid for t in found[1].tests] == ["unit/launcher/test_run.py::test_run"]  # not util.py
     assert found[0].files == ["unit/runtime/test_zero.py"]
     lines = atlas.listing(found, count, 1.25)
-    assert lines[0] == f"{found[0].commit.short} Fix the gradient norm (#12) [subject says fix; before 0.1.0, first 0.2.0]"
+    assert (
+        lines[0] == f"{found[0].commit.short} Fix the gradient norm (#12) [subject says fix; before 0.1.0, first 0.2.0]"
+    )
     assert lines[1] == "    ~ unit/runtime/test_zero.py::TestZero::test_edited (DistributedTest)"
     assert lines[-1] == (
         "4 fix commits, 3 with tests under tests/unit/ (1 in no release yet); 4 tests (3 added, 2 in DistributedTest "
         "classes) in 3 files; 1.2 s"
     )
-    with pytest.raises(atlas.AtlasError, match="give OLDER..NEWER"):
+    with pytest.raises(atlas.AtlasError, match=r"give OLDER\.\.NEWER"):
         atlas.parse_range(repo, "v0.1.0")
     with pytest.raises(atlas.AtlasError, match="is not an ancestor"):
         atlas.fixes(repo, newer, older)
@@ -195,7 +197,9 @@ def test_each_tests_range_from_its_runs() -> None:
     newer = atlas.range_of(t, fix, {old: [_test("unit/x.py::(module)", "skipped", Verdict.NOT_APPLICABLE)],
                                     new: [_test(t, "passed")]})  # fmt: skip
     assert (newer.clean, newer.outcomes[0]) == (False, (old, "NOT-RUN"))
-    not_applicable = atlas.range_of(t, fix, {old: [_test(t, "skipped", Verdict.NOT_APPLICABLE)], new: [_test(t, "passed")]})
+    not_applicable = atlas.range_of(
+        t, fix, {old: [_test(t, "skipped", Verdict.NOT_APPLICABLE)], new: [_test(t, "passed")]}
+    )
     assert not_applicable.why == "cannot be collected on 0.16.4 (the test imports what the fix added)"
     both = atlas.range_of(t, fix, {old: [_test(t, "passed")], new: [_test(t, "passed")]})
     assert both.why.startswith("passes on both")
@@ -218,7 +222,7 @@ def test_a_fix_runs_at_its_own_revision_and_its_ranges_come_from_the_results(clo
         seen.append((tests.revision, targets, releases))
         assert (tests.tests / "unit" / "runtime" / "test_zero.py").read_text() == AFTER
         assert not (tests.root / "deepspeed").exists()  # only tests/ and version.txt
-        for release, outcome in zip(releases, ("failed", "passed")):
+        for release, outcome in zip(releases, ("failed", "passed"), strict=True):
             env = results.Environment(**{**results.environment("gloo", 2).to_json(), "deepspeed": release})
             records = tuple(_test(t, outcome) for t in targets)
             results.write(results.RunRecord(environment=env, tests=records), where)

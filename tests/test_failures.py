@@ -42,7 +42,11 @@ def _record(nodeid: str, outcome: str, verdict: Verdict | None = None) -> result
 def test_entries_are_read_with_their_class_detail_and_place() -> None:
     autocast, newer, race = failures.parse(GOOD, "f.toml")
     assert (autocast.cls, autocast.detail, autocast.where) == (FailureClass.CPU_ACCELERATOR_LACKS, "fp16", "f.toml:2")
-    assert (newer.cls, newer.detail, newer.where) == (FailureClass.NEWER_THAN_RELEASE, "deepspeed.runtime.added", "f.toml:7")
+    assert (newer.cls, newer.detail, newer.where) == (
+        FailureClass.NEWER_THAN_RELEASE,
+        "deepspeed.runtime.added",
+        "f.toml:7",
+    )
     assert (race.cls, race.report, race.repro, race.where) == (
         FailureClass.DEEPSPEED_BUG, "docs/upstream-reports/race.md", None, "f.toml:13"
     )  # fmt: skip

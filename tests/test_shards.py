@@ -100,8 +100,9 @@ def test_shards_as_processes_merge_and_a_killed_one_is_named(
 
     dead = _merge(*(str(tmp_path / f"shard-{i}") for i in (1, 2, 3)), cwd=tmp_path)
     assert dead.returncode == 3, dead.stdout + dead.stderr
-    assert f"shard 2/3 on deepspeed {results_release()}: dead: planned 1 tests, no results file: pytest never ended" in (
-        dead.stdout
+    assert (
+        f"shard 2/3 on deepspeed {results_release()}: dead: planned 1 tests, no results file: pytest never ended"
+        in (dead.stdout)
     )
     assert "    not run: unit/runtime/test_plain.py::test_waits" in dead.stdout
     assert "shard 1/3" in dead.stdout

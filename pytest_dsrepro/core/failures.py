@@ -141,56 +141,82 @@ def parse(text: str, path: str = "upstream-failures.toml") -> tuple[Known, ...]:
     if not isinstance(entries, list):
         raise FailuresFileError(f"{path}:1: 'failure' must be [[failure]] tables")
     headers = _entry_lines(text)
-    return tuple(_entry(e, text, path, headers[i] if i < len(headers) else 1, i + 1) for i, e in enumerate(entries))
+    return tuple(
+        _entry(e, _Place(text, path, headers[i] if i < len(headers) else 1, i + 1)) for i, e in enumerate(entries)
+    )
 
 
-def _entry(data: dict[str, Any], text: str, path: str, line: int, number: int) -> Known:
-    def bad(key: str | None, problem: str) -> FailuresFileError:
-        at = line if key is None else _key_line(text, line, key)
-        return FailuresFileError(f"{path}:{at}: failure {number}: {problem}")
+@dataclass(frozen=True)
+class _Place:
+    """One entry being read: where it is, for messages that name the line of the key at fault."""
 
-    unknown = sorted(set(data) - set(_KEYS))
-    if unknown:
-        raise bad(unknown[0], f"unknown key {unknown[0]!r} (keys: {', '.join(_KEYS)})")
+    text: str
+    path: str
+    line: int
+    number: int
+
+    def bad(self, key: str | None, problem: str) -> FailuresFileError:
+        at = self.line if key is None else _key_line(self.text, self.line, key)
+        return FailuresFileError(f"{self.path}:{at}: failure {self.number}: {problem}")
+
+
+def _tests(data: dict[str, Any], place: _Place) -> tuple[str, ...]:
     tests = data.get("tests")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
-        raise bad("tests" if "tests" in data else None, "'tests' must be a non-empty list of node ids or patterns")
-    if not all("::" in t or t.endswith("*") for t in tests):
-        wrong = next(t for t in tests if "::" not in t and not t.endswith("*"))
-        raise bad("tests", f"{wrong!r} is no node id (FILE::TEST) or pattern ending in '*'")
+        raise place.bad(
+            "tests" if "tests" in data else None, "'tests' must be a non-empty list of node ids or patterns"
+        )
+    wrong = [t for t in tests if "::" not in t and not t.endswith("*")]
+    if wrong:
+        raise place.bad("tests", f"{wrong[0]!r} is no node id (FILE::TEST) or pattern ending in '*'")
+    return tuple(tests)
+
+
+def _class(data: dict[str, Any], place: _Place) -> FailureClass:
     try:
-        cls = FailureClass(data.get("class"))
+        return FailureClass(data.get("class"))
     except ValueError:
-        raise bad(
-            "class" if "class" in data else None,
-            f"'class' is {data.get('class')!r}, not one of {', '.join(c.value for c in FailureClass)}",
-        ) from None
-    texts = {}
+        choices = ", ".join(c.value for c in FailureClass)
+        key = "class" if "class" in data else None
+        raise place.bad(key, f"'class' is {data.get('class')!r}, not one of {choices}") from None
+
+
+def _detail(cls: FailureClass, texts: dict[str, str | None], place: _Place) -> str:
+    """The class's own field (a deepspeed-bug's repro, else its report); no other class's field."""
+    misplaced = [k for k in _OWN if texts[k] and k != cls.field]
+    if misplaced:
+        raise place.bad(misplaced[0], f"{misplaced[0]!r} belongs to another class than {cls.value}")
+    if cls is FailureClass.DEEPSPEED_BUG:
+        detail = texts["repro"] or texts["report"]
+        if not detail:
+            raise place.bad(None, "a deepspeed-bug names its catalogue 'repro' or its upstream 'report' (or both)")
+        return detail
+    detail = texts[cls.field]
+    if not detail:
+        raise place.bad(None, f"a {cls.value} entry says which in {cls.field!r}")
+    return detail
+
+
+def _entry(data: dict[str, Any], place: _Place) -> Known:
+    unknown = sorted(set(data) - set(_KEYS))
+    if unknown:
+        raise place.bad(unknown[0], f"unknown key {unknown[0]!r} (keys: {', '.join(_KEYS)})")
+    tests, cls = _tests(data, place), _class(data, place)
+    texts: dict[str, str | None] = {}
     for key in _KEYS[2:]:
         value = data.get(key)
         if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise bad(key, f"{key!r} must be a non-empty string")
+            raise place.bad(key, f"{key!r} must be a non-empty string")
         texts[key] = value
-    if cls is FailureClass.DEEPSPEED_BUG:
-        if not (texts["repro"] or texts["report"]):
-            raise bad(None, "a deepspeed-bug names its catalogue 'repro' or its upstream 'report' (or both)")
-        detail = texts["repro"] or texts["report"]
-    else:
-        detail = texts[cls.field]
-        if not detail:
-            raise bad(None, f"a {cls.value} entry says which in {cls.field!r}")
-    misplaced = [k for k in _OWN if texts[k] and k != cls.field]
-    if misplaced:
-        raise bad(misplaced[0], f"{misplaced[0]!r} belongs to another class than {cls.value}")
+    detail = _detail(cls, texts, place)
     specifier = None
     if texts["deepspeed"]:
         try:
             specifier = SpecifierSet(texts["deepspeed"])
         except InvalidSpecifier:
-            raise bad("deepspeed", f"'deepspeed' {texts['deepspeed']!r} is no version specifier") from None
-    return Known(
-        tuple(tests), cls, str(detail), f"{path}:{line}", specifier, texts["why"] or "", texts["repro"], texts["report"]
-    )
+            raise place.bad("deepspeed", f"'deepspeed' {texts['deepspeed']!r} is no version specifier") from None
+    where = f"{place.path}:{place.line}"
+    return Known(tests, cls, detail, where, specifier, texts["why"] or "", texts["repro"], texts["report"])
 
 
 def read(path: Path) -> tuple[Known, ...]:

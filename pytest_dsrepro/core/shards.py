@@ -122,7 +122,9 @@ class Shard:
         return f"shard {self.index}/{self.count}" + (f" on deepspeed {self.deepspeed}" if self.deepspeed else "")
 
 
-def judge(manifests: Sequence[tuple[Path, Manifest]], files: Sequence[ResultsFile], count: int | None = None) -> list[Shard]:
+def judge(
+    manifests: Sequence[tuple[Path, Manifest]], files: Sequence[ResultsFile], count: int | None = None
+) -> list[Shard]:
     """Each shard of each (release, count) the manifests name, and each index of ``count`` (or of the counts the
     manifests name) that none does: a shard's results are the results files in its manifest's directory, on its
     DeepSpeed release."""
@@ -139,7 +141,10 @@ def judge(manifests: Sequence[tuple[Path, Manifest]], files: Sequence[ResultsFil
         planned = len(m.planned)
         if not mine:
             ended = "pytest never ended" if m.exitstatus is None else f"pytest ended ({m.exitstatus}) without results"
-            state, detail = State.DEAD, f"planned {planned} tests, no results file: {ended} (killed, or its machine lost?)"
+            state, detail = (
+                State.DEAD,
+                f"planned {planned} tests, no results file: {ended} (killed, or its machine lost?)",
+            )
         elif missing:
             status = "" if m.exitstatus is None else f", pytest exit status {m.exitstatus}"
             state, detail = State.INCOMPLETE, f"ran {planned - len(missing)} of {planned} planned tests{status}"

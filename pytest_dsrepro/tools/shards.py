@@ -95,7 +95,9 @@ def merge(args: argparse.Namespace) -> int:
     print("\n".join(report(verdicts, sorted_failures, unreadable)))
     bad = [s for s in verdicts if s.state is not core_shards.State.COMPLETE]
     if not verdicts:
-        print("dsrepro upstream --merge: no shard manifest found: were the shards run with --shard I/N?", file=sys.stderr)
+        print(
+            "dsrepro upstream --merge: no shard manifest found: were the shards run with --shard I/N?", file=sys.stderr
+        )
     if bad or unreadable or not verdicts:
         names = ", ".join(f"{s.name} ({s.state.value})" for s in bad)
         print(f"dsrepro upstream --merge: incomplete: {names or 'unreadable results'}", file=sys.stderr)

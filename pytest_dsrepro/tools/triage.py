@@ -47,7 +47,9 @@ def exit_code(found: failures.Sorted) -> int:
     return NEW_FAILURES if found.new else KNOWN_ONLY
 
 
-def run_here(args: argparse.Namespace, found: Checkout, targets: Sequence[str], entries: Sequence[failures.Known]) -> int:
+def run_here(
+    args: argparse.Namespace, found: Checkout, targets: Sequence[str], entries: Sequence[failures.Known]
+) -> int:
     """``dsrepro upstream`` on the DeepSpeed installed here: pytest, its results read back (and kept in
     ``--results``), its failures sorted; pytest's own exit codes other than 0 and 1 pass through."""
     from .upstream_command import pytest_command
