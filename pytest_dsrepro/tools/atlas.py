@@ -335,6 +335,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--releases-between", action="store_true", help="also run every release from the range's start to the fix"
     )
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="run the first N fixes with a release")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="REV", help="run only this fix commit (repeatable)"
+    )
     parser.add_argument("--results", type=Path, default=Path("results"), metavar="DIR", help="(default: results/)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro upstream)")
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch")
@@ -365,7 +368,8 @@ def _run(args: argparse.Namespace) -> int:
 
     start = release_of(args.range.partition("..")[0])
     available = sorted(clone.releases())
-    runnable = [fix for fix in found if fix.first is not None and fix.before is not None][: args.limit]
+    only = {clone.commit(rev).sha for rev in args.only}
+    runnable = [f for f in found if f.first and f.before and (not only or f.commit.sha in only)][: args.limit]
     ranges: list[Range] = []
     for fix in runnable:
         print(f"dsrepro atlas: {fix.commit.short} {fix.commit.subject}", file=sys.stderr, flush=True)
