@@ -39,30 +39,10 @@ def test_plain():
 def helper():
     return 1
 """
-AFTER = """\
-import pytest
-from unit.common import DistributedTest
-
-
-class TestBase(DistributedTest):
-    world_size = [1, 2]
-
-
-class TestZero(TestBase):
-    def test_kept(self):
-        assert True
-
-    def test_edited(self):
-        assert 2  # the fix's new check
-
-
-def test_plain():
-    pass
-
-
-def helper():
-    return 2  # a helper's change is no test's
-
+AFTER = BEFORE.replace("assert 1", "assert 2  # the fix's new check").replace(
+    "return 1", "return 2  # a helper's change is no test's"
+) + (
+    """
 
 class TestAdded(DistributedTest):
     world_size = 4
@@ -75,6 +55,7 @@ class Helper:
     def test_not_collected(self):
         pass
 """
+)
 
 
 def test_a_fix_is_what_its_subject_says_or_an_issue_it_closes() -> None:

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..core import failures, results
@@ -58,10 +58,10 @@ def run_here(
         command = pytest_command(sys.executable, targets, Path(tmp), args.pytest_args)
         code = subprocess.run(command, cwd=found.tests, check=False).returncode
         files, _ = results.read_all([Path(tmp)])
-        if args.results is not None:
-            args.results.mkdir(parents=True, exist_ok=True)
+        if results_dir is not None:
+            results_dir.mkdir(parents=True, exist_ok=True)
             for f in files:
-                shutil.move(str(f.path), args.results / f.path.name)
+                shutil.move(str(f.path), results_dir / f.path.name)
     sorted_failures = sort(files, entries)
     print("\n".join(f"dsrepro upstream: {line}" for line in failures.summary(sorted_failures)), file=sys.stderr)
     return exit_code(sorted_failures) if code in (0, 1) else code

@@ -219,4 +219,8 @@ def _run(args: argparse.Namespace) -> int:
         args.pytest_args = [*shards.pytest_args(args.shard, args.results), *args.pytest_args]
     if releases:
         return run_releases(args, found, targets, releases)
-    return triage.run_here(args, found, targets, known)
+
+    def command(results_dir: Path) -> list[str]:
+        return pytest_command(sys.executable, targets, results_dir, args.pytest_args)
+
+    return triage.run_here(args.results, found, command, known)
