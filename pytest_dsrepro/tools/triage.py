@@ -48,15 +48,13 @@ def exit_code(found: failures.Sorted) -> int:
 
 
 def run_here(
-    args: argparse.Namespace, found: Checkout, targets: Sequence[str], entries: Sequence[failures.Known]
+    results_dir: Path | None, found: Checkout, command: Callable[[Path], list[str]], entries: Sequence[failures.Known]
 ) -> int:
-    """``dsrepro upstream`` on the DeepSpeed installed here: pytest, its results read back (and kept in
-    ``--results``), its failures sorted; pytest's own exit codes other than 0 and 1 pass through."""
-    from .upstream_command import pytest_command
-
+    """``dsrepro upstream`` on the DeepSpeed installed here: pytest (``command``, given where its results go), its
+    results read back (and kept in ``results_dir``), its failures sorted; pytest's own exit codes other than 0 and
+    1 pass through."""
     with tempfile.TemporaryDirectory(prefix="dsrepro-upstream-") as tmp:
-        command = pytest_command(sys.executable, targets, Path(tmp), args.pytest_args)
-        code = subprocess.run(command, cwd=found.tests, check=False).returncode
+        code = subprocess.run(command(Path(tmp)), cwd=found.tests, check=False).returncode
         files, _ = results.read_all([Path(tmp)])
         if results_dir is not None:
             results_dir.mkdir(parents=True, exist_ok=True)
