@@ -110,6 +110,9 @@ def test_shards_as_processes_merge_and_a_killed_one_is_named(
     assert "incomplete: shard 2/3" in dead.stderr
     assert "DeepSpeed repro matrix" in dead.stdout  # the matrix of what the others ran
 
+    both = _merge(str(tmp_path / "shard-1"), "--shard", "1/3", cwd=tmp_path)
+    assert both.returncode == 2
+    assert "dsrepro upstream: --merge runs nothing: give it the shards' results directories alone" in both.stderr
     missing = _merge(str(tmp_path / "shard-1"), str(tmp_path / "shard-3"), cwd=tmp_path)
     assert missing.returncode == 3
     assert f"shard 2/3 on deepspeed {results_release()}: missing: no manifest" in missing.stdout

@@ -82,6 +82,8 @@ def report(
 def merge(args: argparse.Namespace) -> int:
     from . import matrix
 
+    if args.targets or args.shard or args.release or args.releases:
+        raise ShardError("--merge runs nothing: give it the shards' results directories alone")
     try:
         files, unreadable = results.read_all(args.merge)
         found = core_shards.find(args.merge)
