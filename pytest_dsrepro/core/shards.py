@@ -41,10 +41,6 @@ class Manifest:
     planned: tuple[str, ...]
     exitstatus: int | None = None
 
-    @property
-    def name(self) -> str:
-        return f"shard {self.index}/{self.count}" + (f" on deepspeed {self.deepspeed}" if self.deepspeed else "")
-
     def filename(self) -> str:
         return f"shard-{self.index}-of-{self.count}-deepspeed-{self.deepspeed or 'none'}{SUFFIX}"
 
