@@ -118,3 +118,23 @@ def test_the_packaged_file_reads_and_names_the_race_as_a_bug_in_the_test() -> No
     assert entry.cls is FailureClass.DEEPSPEED_BUG
     assert entry.report is not None
     assert (Path(__file__).resolve().parents[1] / entry.report).is_file()
+
+
+def test_release_runs_tell_the_failures_of_their_own_files_and_keep_their_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = results.environment("gloo", 2)
+    older = results.RunRecord(environment=env, tests=(_record("unit/old.py::test_x", "failed"),))
+    results.write(older, tmp_path)  # an earlier run's file in the same directory: not this run's
+
+    def run() -> int:
+        release = results.Environment(**{**env.to_json(), "deepspeed": "0.19.8"})
+        tests = (_record("unit/v1/zero/test_autocast.py::T::test", "failed"), _record("unit/new.py::test_y", "failed"))
+        results.write(results.RunRecord(environment=release, tests=tests), tmp_path)
+        return 0
+
+    assert triage.after_releases(tmp_path, run, failures.parse(GOOD)) == 0
+    err = capsys.readouterr().err
+    assert "dsrepro upstream: 2 failed: 1 new, 1 known" in err
+    assert "NEW      unit/new.py::test_y on deepspeed 0.19.8" in err
+    assert "unit/old.py" not in err

@@ -62,6 +62,23 @@ def run_here(
                 shutil.move(str(f.path), results_dir / f.path.name)
     if not files:  # no results to sort (the run wrote them elsewhere, with its own --ds-results): pytest's word
         return code
+    return exit_code(tell(files, entries)) if code in (0, 1) else code
+
+
+def after_releases(results_dir: Path, run: Callable[[], int], entries: Sequence[failures.Known]) -> int:
+    """``dsrepro upstream --release``: the runs (``run``), then the failures of the results files they added to
+    ``results_dir`` sorted and told; the exit code stays the runs' own (a regression test fails where affected)."""
+    before = set(results_dir.glob("*.json"))
+    code = run()
+    files, _ = results.read_all([p for p in sorted(results_dir.glob("*.json")) if p not in before])
+    ran = [f for f in files if f.run.unavailable is None]
+    if ran:
+        tell(ran, entries)
+    return code
+
+
+def tell(files: Sequence[results.ResultsFile], entries: Sequence[failures.Known]) -> failures.Sorted:
+    """The failures of ``files`` sorted against ``entries``, said on stderr."""
     sorted_failures = sort(files, entries)
     print("\n".join(f"dsrepro upstream: {line}" for line in failures.summary(sorted_failures)), file=sys.stderr)
-    return exit_code(sorted_failures) if code in (0, 1) else code
+    return sorted_failures

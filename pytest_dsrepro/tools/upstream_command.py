@@ -218,7 +218,8 @@ def _run(args: argparse.Namespace) -> int:
         args.results = (args.results or Path("results")).resolve()
         args.pytest_args = [*shards.pytest_args(args.shard, args.results), *args.pytest_args]
     if releases:
-        return run_releases(args, found, targets, releases)
+        args.results = (args.results or Path("results")).resolve()
+        return triage.after_releases(args.results, lambda: run_releases(args, found, targets, releases), known)
 
     def command(results_dir: Path) -> list[str]:
         return pytest_command(sys.executable, targets, results_dir, args.pytest_args)
