@@ -20,6 +20,7 @@ Part 2, ``--regressions``: the tests of fix PRs (``REGRESSIONS``) on several rel
 (``--regression-releases``) through ``dsrepro upstream --release``, shown as ``dsrepro matrix`` shows them.
 
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out upstream-bench          # part 1, every file
+    python benchmarks/upstream.py --checkout ~/DeepSpeed --out upstream-suite --all    # the whole tests/unit
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --files unit/runtime/zero/test_zero_leaf_module.py
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --only plugin         # one side only
     python benchmarks/upstream.py --checkout ~/DeepSpeed --out b --regressions         # part 2
@@ -180,9 +181,15 @@ def collected(python: str, tests: Path, paths: list[str], environ: dict[str, str
     return dict(json.loads(line.removeprefix("COUNTS ")))
 
 
-def default_files(tests: Path) -> list[str]:
-    found = [p for d in DIRECTORIES for p in sorted((tests / d).rglob("test_*.py"))]
-    found += sorted((tests / TOP_LEVEL).glob("test_*.py"))
+def default_files(tests: Path, everything: bool = False) -> list[str]:
+    """Part 1's directories; with ``everything``, every test file of ``tests/unit`` (the whole suite, issue 37)."""
+    if everything:
+        found = sorted(
+            p for p in (tests / "unit").rglob("*.py") if p.name.startswith("test_") or p.stem.endswith("_test")
+        )
+    else:
+        found = [p for d in DIRECTORIES for p in sorted((tests / d).rglob("test_*.py"))]
+        found += sorted((tests / TOP_LEVEL).glob("test_*.py"))
     return [p.relative_to(tests).as_posix() for p in found]
 
 
@@ -296,10 +303,11 @@ def measure(args: argparse.Namespace, found: checkout.Checkout) -> None:
     base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu", "DSREPRO_TIMEOUT": timeout}
     environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
     warm_ops(pythons, environs)
-    files = args.files or default_files(found.tests)
+    files = args.files or default_files(found.tests, args.all)
     if not args.files:
         counts = collected(pythons["plugin"], found.tests, files, environs["plugin"])
-        files = [f for f in files if 0 < counts.get(f, 0) <= args.max_tests]
+        most = float("inf") if args.all else args.max_tests
+        files = [f for f in files if 0 < counts.get(f, 0) <= most]
         print(
             f"{len(files)} files of at most {args.max_tests} tests ({sum(counts[f] for f in files)} tests)", flush=True
         )
@@ -360,6 +368,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where figures are kept (resumable)")
     parser.add_argument("--files", nargs="+", help="test files, relative to the checkout's tests/")
     parser.add_argument("--max-tests", type=int, default=30, help="without --files: files of at most this many tests")
+    parser.add_argument("--all", action="store_true", help="every test file of tests/unit, whatever its size")
     parser.add_argument("--only", choices=SIDES, help="measure one harness only")
     parser.add_argument("--release", default="0.19.8", help="the DeepSpeed release both harnesses run")
     parser.add_argument("--deepspeed-pytest", default="<8.4", help="pytest for DeepSpeed's harness (its pin)")

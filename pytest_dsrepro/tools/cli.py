@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from . import install, matrix, scan_command, triage_command, upstream_command
+from . import atlas, install, matrix, scan_command, triage_command, upstream_command
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -310,6 +310,12 @@ COMMANDS = (
         "run DeepSpeed's own tests/unit files, unchanged, in these worlds (on releases too)",
         upstream_command.add_arguments,
         upstream_command.run,
+    ),
+    Command(
+        "atlas",
+        "the regression atlas: each fix commit's own test run on the release before the fix and the first with it",
+        atlas.add_arguments,
+        atlas.run,
     ),
     Command(
         "scan",

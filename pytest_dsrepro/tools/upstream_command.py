@@ -26,8 +26,9 @@ from packaging.version import InvalidVersion, Version
 
 from ..core import checkout, results
 from ..core.checkout import Checkout, CheckoutError
+from ..core.failures import FailuresFileError
 from ..core.gates import Verdict
-from . import processes
+from . import known_failures, processes, shard_merge
 
 if TYPE_CHECKING:
     from .environments import ReleaseEnv
@@ -185,6 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
+    shard_merge.add_arguments(parser)
+    known_failures.add_arguments(parser)
     parser.set_defaults(pytest_args=[])
 
 
@@ -194,12 +197,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with processes.interrupting(signal.SIGTERM):
             return _run(args)
-    except (UpstreamError, CheckoutError) as exc:
+    except (UpstreamError, CheckoutError, FailuresFileError, shard_merge.ShardError) as exc:
         print(f"dsrepro upstream: {exc}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return shard_merge.merge(args)
     cwd = Path.cwd()
     root = args.checkout.resolve() if args.checkout else checkout.find(cwd)
     if root is None:
@@ -211,7 +216,15 @@ def _run(args: argparse.Namespace) -> int:
     releases = [_release(r, "--release") for r in args.release]
     releases += read_releases(args.releases) if args.releases else []
     print(f"dsrepro upstream: DeepSpeed's tests from {found.describe()}", file=sys.stderr, flush=True)
+    known = known_failures.known(args.failures)
+    if args.shard:
+        args.results = (args.results or Path("results")).resolve()
+        args.pytest_args = [*shard_merge.pytest_args(args.shard, args.results), *args.pytest_args]
     if releases:
-        return run_releases(args, found, targets, releases)
-    command = pytest_command(sys.executable, targets, args.results, args.pytest_args)
-    return processes.to_terminal(command, cwd=found.tests)
+        args.results = (args.results or Path("results")).resolve()
+        return known_failures.after_releases(args.results, lambda: run_releases(args, found, targets, releases), known)
+
+    def command(results_dir: Path) -> list[str]:
+        return pytest_command(sys.executable, targets, results_dir, args.pytest_args)
+
+    return known_failures.run_here(args.results, found, command, known)
