@@ -28,7 +28,7 @@ For the n-th world test of the session, over the launcher's store (keys under ``
 
 The modules beside this one: ``peers`` (the launcher's store and which ranks died or were interrupted), ``lockstep``
 (steps 0 to 2 and every rank's end), ``body_watch`` (step 4's watcher). Torch is imported inside functions only;
-nothing here knows pytest (``session/launched`` is the pytest side).
+nothing here knows pytest (``session/launched_run`` is the pytest side).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from .body_watch import BodyWatch, Interrupted
 from .lockstep import Lockstep, unrunnable
 from .peers import POLL, Peers, RankProcess, died, until
 
-#: What the pytest side (``session.launched``) and the tests use: this module stays the launched path's front.
+#: What the pytest side (``session.launched_run``) and the tests use: this module stays the launched path's front.
 __all__ = ["LaunchedWorld", "RankProcess", "stop_as_interrupted", "unrunnable"]
 
 #: How long past the latest a rank's body can end (the group's timeout) its result, and rank 0's outcome, may take.
@@ -248,7 +248,7 @@ def _children() -> set[int]:
 
 def _kill_what_it_started(before: set[int]) -> None:
     """Kill what the body started and left (as a spawned world's end does): this process is a child subreaper under
-    a launcher (``session.launched``), so even a daemon the body made is among its descendants."""
+    a launcher (``session.launched_run``), so even a daemon the body made is among its descendants."""
     import psutil
 
     left = [psutil.Process(pid) for pid in _children() - before if psutil.pid_exists(pid)]
