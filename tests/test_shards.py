@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import deepspeed_version
 from pytest_dsrepro.core import results, shard_manifests
 from pytest_dsrepro.core.shard_manifests import Manifest, State
 
@@ -142,8 +143,6 @@ def test_shards_as_processes_merge_and_a_killed_one_is_named(
 
 
 def results_release() -> str:
-    from conftest import deepspeed_version
-
     return deepspeed_version()
 
 
