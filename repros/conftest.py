@@ -8,8 +8,8 @@ keeps it, with its own size, backend or timeout. This file travels with the cata
 
 The catalogue gives the same verdicts on a GPU as on the CPU only if its bodies put their tensors on the rank's
 device (``ds_device``). On a CPU machine that cannot be seen (both are the CPU), so every catalogue body runs under
-``placement_check`` (``inrank.devices``): a tensor made here, or by ``inrank``'s helpers, without a device fails the
-test, on any machine.
+``placement_check`` (``inrank.devices``, through ``inrank.checks``): a tensor made here, or by ``inrank``'s helpers,
+without a device fails the test, on any machine.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.inrank.devices import tensors_on_the_rank_device, checked_directory
+from pytest_dsrepro.inrank.checks import checked_directory, tensors_on_the_rank_device
 
-__all__ = ["tensors_on_the_rank_device", "checked_directory"]  # fixtures: pytest finds them in this module
+__all__ = ["checked_directory", "tensors_on_the_rank_device"]  # fixtures: pytest finds them in this module
 
 REPROS = Path(__file__).parent
 

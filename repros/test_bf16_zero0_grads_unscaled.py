@@ -75,11 +75,11 @@ def unscaled_bf16_with_zero_grad(monkeypatch):
     )
 
 
-def rank_input(rank):
+def rank_input(rank, device):
     """Small integers times (rank + 1): every gradient, mean and update below is exact in bf16."""
     import torch
 
-    return torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * (rank + 1)
+    return torch.tensor([[1.0, 2.0, 3.0, 4.0]], device=device) * (rank + 1)
 
 
 @pytest.mark.ds_config(pytest.param(BF16_ZERO0, id="bf16_zero0"))
@@ -94,16 +94,16 @@ def rank_input(rank):
     raises=AssertionError,
     match=r"bf16 ZeRO-0 weights differ from plain SGD after step 1",
 )
-def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
+def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size, ds_device):
     import torch
 
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.ones_(model.weight)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    x = rank_input(ds_rank).to(torch.bfloat16)
+    x = rank_input(ds_rank, ds_device).to(torch.bfloat16)
 
     # Reference: plain fp32 SGD on the mean of every rank's loss (what data-parallel training computes).
-    reference = torch.nn.Linear(4, 1, bias=False)
+    reference = torch.nn.Linear(4, 1, bias=False, device=ds_device)
     torch.nn.init.ones_(reference.weight)
     sgd = torch.optim.SGD(reference.parameters(), lr=LR)
 
@@ -111,7 +111,7 @@ def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
         engine.backward(engine(x).float().sum())
         engine.step()
         sgd.zero_grad()
-        torch.stack([reference(rank_input(r)).sum() for r in range(ds_world_size)]).mean().backward()
+        torch.stack([reference(rank_input(r, ds_device)).sum() for r in range(ds_world_size)]).mean().backward()
         sgd.step()
         trained, expected = engine.module.weight.detach().float(), reference.weight.detach()
         # Exact arithmetic in bf16, so any difference is the bug. Unscaled gradients (0.18.3-0.18.5) leave the weight

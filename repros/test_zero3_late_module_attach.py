@@ -12,6 +12,7 @@ dicts in the prologue and skips them in the epilogue (first released in 0.19.1).
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -73,14 +74,16 @@ def wrap_late_parameters(monkeypatch):
 def test_forward_with_module_attached_after_initialize(ds_engine, ds_config, ds_rank):
     import torch
 
-    reference = tiny_mlp(seed=4)
+    reference = tiny_mlp(seed=4).to(precision_dtype(ds_config))  # computes as the engine does
     model = tiny_mlp(seed=4)  # the same weights
     head = model[2]
     del model[2]  # the body goes to DeepSpeed; the head comes later, as an adapter would
     engine = ds_engine(model=model, optimizer="adam")
     engine.module.add_module("head", head)
 
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     out = engine(x)
 
     # The late head really takes part: output and its (local, unpartitioned) gradient equal plain autograd's.

@@ -11,6 +11,7 @@ import math
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
 pytestmark = [
@@ -77,7 +78,9 @@ def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_w
     assert model.placement(ds_world_size) == placement
 
     # ZeRO-3's own bookkeeping must still work: trace recording, prefetch and release over several steps.
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     losses = []
     for _ in range(5):
         loss = torch.nn.functional.mse_loss(engine(x), y)

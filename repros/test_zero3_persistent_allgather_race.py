@@ -26,6 +26,7 @@ PR #8539 waits on every handle; first released in 0.19.8.
 import pytest
 from _prerequisites import wait_on_every_handle
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch
 
 HIDDEN = 4096
@@ -98,7 +99,13 @@ def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank
     params = list(engine.module.named_parameters())
     assert all(p.ds_persist for _, p in params), "every parameter should be persistent"
 
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], hidden=HIDDEN, seed=5, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"],
+        hidden=HIDDEN,
+        seed=5,
+        rank=ds_rank,
+        dtype=precision_dtype(ds_config),
+    )
     step_and_check(engine, params, x, y, when="")
     # With every gather complete, training goes on: a second step from the same batch lowers the loss.
     first = torch.nn.functional.mse_loss(engine(x), y)
@@ -141,5 +148,5 @@ def test_small_persistent_parameters_complete_after_step(ds_engine, ds_config, d
     assert all(p.ds_persist for _, p in params), "every parameter should be persistent"
     batch = ds_config["train_micro_batch_size_per_gpu"]
     for step in range(STEPS):
-        x, y = make_batch(batch, hidden=WIDTH, seed=step, rank=ds_rank)
+        x, y = make_batch(batch, hidden=WIDTH, seed=step, rank=ds_rank, dtype=precision_dtype(ds_config))
         step_and_check(engine, params, x, y, when=f" after step {step + 1} of {STEPS}")

@@ -14,6 +14,7 @@ released in 0.19.2).
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -104,7 +105,9 @@ def train(engine, x, y, generate_between_steps):
     fix=invalidate_trace_on_reregistration,
 )
 def test_training_after_unwrap_model_for_generation(ds_engine, ds_config, ds_rank):
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=7, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=7, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     # Reference: the same model and data trained without leaving the engine in between.
     expected = train(ds_engine(model=tiny_mlp(seed=8), optimizer="adam"), x, y, generate_between_steps=False)
     losses = train(ds_engine(model=tiny_mlp(seed=8), optimizer="adam"), x, y, generate_between_steps=True)

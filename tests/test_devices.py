@@ -13,14 +13,14 @@ from conftest import RunPytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: ``make_batch`` as the catalogue had it before ``ds_device`` (commit 301be20): its batch stays on the CPU.
-HELPER_BEFORE_DEVICES = '''
+HELPER_BEFORE_DEVICES = """
 def make_batch(batch_size, hidden=16, seed=0, rank=0):
     import torch
 
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     x = torch.randn(batch_size, hidden, generator=generator)
     return x, x.sum(dim=-1, keepdim=True) * 0.1
-'''
+"""
 
 
 def catalogue_copy(pytester: pytest.Pytester, *files: str) -> Path:

@@ -19,11 +19,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
-
 from pytest_dsrepro.core.premises import precision
 from pytest_dsrepro.inrank import context
-from pytest_dsrepro.inrank.fixtures import rank_fixture
 
 #: The tensor factories whose result lands on the default (CPU) device unless given ``device=``.
 FACTORIES = (
@@ -40,13 +37,15 @@ class MisplacedTensor(RuntimeError):
 
 
 def rank_device() -> Any:
-    """This rank's ``torch.device``: ``cuda:LOCAL_RANK`` in an NCCL world, the CPU in a gloo one or outside a world
-    (a reference computed in the pytest process)."""
+    """This rank's ``torch.device``: ``cuda:LOCAL_RANK`` in an NCCL world (or process group), else the CPU."""
     import torch
+    import torch.distributed as dist
 
     try:
         return torch.device(context.current().device)
-    except RuntimeError:
+    except RuntimeError:  # not in a world: a reference in the pytest process, or a script ``dsrepro export`` wrote
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
 
 
@@ -56,6 +55,15 @@ def precision_dtype(config: Mapping[str, Any]) -> Any:
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision(config)]
+
+
+def engine_dtype(engine: Any) -> Any:
+    """The dtype ``engine`` (a ``DeepSpeedEngine``) computes in: what its inputs must be."""
+    import torch
+
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float16 if engine.fp16_enabled() else torch.float32
 
 
 def _checked(filename: str, roots: tuple[str, ...]) -> bool:
@@ -89,17 +97,3 @@ def placement_check(roots: Iterable[str | os.PathLike[str]] = ()) -> Iterator[No
     with RefuseImplicitDevice():
         yield
 
-
-@pytest.fixture
-def checked_directory(request: pytest.FixtureRequest) -> str:
-    """The directory of the test's file: its code, and the helpers beside it, are what ``placement_check`` checks."""
-    return str(request.path.parent)
-
-
-@rank_fixture(autouse=True)
-def tensors_on_the_rank_device(checked_directory: str) -> Iterator[None]:
-    """``placement_check`` around the body, in each rank, for the test's directory. Autouse where a conftest.py
-    imports it (the catalogue's does): ``from pytest_dsrepro.inrank.devices import checked_directory,
-    tensors_on_the_rank_device``."""
-    with placement_check([checked_directory]):
-        yield

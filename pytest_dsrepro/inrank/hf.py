@@ -73,7 +73,7 @@ def tiny_model(model_type: str, task: str = "causal-lm", seed: int = 0, **overri
     by ``HfDeepSpeedConfig`` partitions it as it is built, as ``from_pretrained`` does."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     auto: dict[str, Any] = {
         "causal-lm": AutoModelForCausalLM,
@@ -81,7 +81,7 @@ def tiny_model(model_type: str, task: str = "causal-lm", seed: int = 0, **overri
     }
     torch.manual_seed(seed)
     model = auto[task].from_config(tiny_config(model_type, **overrides))
-    if is_deepspeed_zero3_enabled():
+    if is_deepspeed_zero3_enabled():  # type: ignore[no-untyped-call]
         return model  # partitioned as it was built: ZeRO-3 places its shards, and the engine gathers them
     return model.to(rank_device())
 
