@@ -12,6 +12,8 @@ loss only for fp16, so ``step()`` divides unscaled gradients by 65536: updates l
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import rank_device
+
 pytestmark = [
     pytest.mark.ds_repro(
         id="bf16-zero0-grads-unscaled",
@@ -94,16 +96,17 @@ def rank_input(rank, device):
     raises=AssertionError,
     match=r"bf16 ZeRO-0 weights differ from plain SGD after step 1",
 )
-def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size, ds_device):
+def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
     import torch
 
+    device = rank_device()  # ds_device's value (the scripts dsrepro export writes provide no ds_device fixture)
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.ones_(model.weight)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    x = rank_input(ds_rank, ds_device).to(torch.bfloat16)
+    x = rank_input(ds_rank, device).to(torch.bfloat16)
 
     # Reference: plain fp32 SGD on the mean of every rank's loss (what data-parallel training computes).
-    reference = torch.nn.Linear(4, 1, bias=False, device=ds_device)
+    reference = torch.nn.Linear(4, 1, bias=False, device=device)
     torch.nn.init.ones_(reference.weight)
     sgd = torch.optim.SGD(reference.parameters(), lr=LR)
 
@@ -111,7 +114,7 @@ def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size, ds_
         engine.backward(engine(x).float().sum())
         engine.step()
         sgd.zero_grad()
-        torch.stack([reference(rank_input(r, ds_device)).sum() for r in range(ds_world_size)]).mean().backward()
+        torch.stack([reference(rank_input(r, device)).sum() for r in range(ds_world_size)]).mean().backward()
         sgd.step()
         trained, expected = engine.module.weight.detach().float(), reference.weight.detach()
         # Exact arithmetic in bf16, so any difference is the bug. Unscaled gradients (0.18.3-0.18.5) leave the weight

@@ -21,7 +21,7 @@ import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 from _zero12 import tolerance
 
-from pytest_dsrepro.inrank.devices import engine_dtype
+from pytest_dsrepro.inrank.devices import engine_dtype, rank_device
 from pytest_dsrepro.inrank.perf import Slowdown, slowdown
 
 pytestmark = [
@@ -108,15 +108,17 @@ def batch(rank, device):
 @pytest.mark.ds_version(
     affected=">=0.18.5,<0.18.7", raises=Slowdown, match="a training step of 256", fix=count_once_per_backward
 )
-def test_backward_hooks_take_linear_time(ds_engine, ds_rank, ds_world_size, ds_device):
+def test_backward_hooks_take_linear_time(ds_engine, ds_rank, ds_world_size):
     import torch
+
+    device = rank_device()  # ds_device's value (the scripts dsrepro export writes provide no ds_device fixture)
 
     def engine(layers):
         model = chain(layers)
         return ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
     big, small = engine(LAYERS), engine(LAYERS // SPLIT)
-    x, steps = batch(ds_rank, ds_device).to(engine_dtype(big)), []
+    x, steps = batch(ds_rank, device).to(engine_dtype(big)), []
 
     def train(model):
         model.backward(model(x).pow(2).mean())
@@ -133,9 +135,9 @@ def test_backward_hooks_take_linear_time(ds_engine, ds_rank, ds_world_size, ds_d
     assert measured.ratio < LIMIT
     # The steps trained as data-parallel SGD does (so a count reused across hooks never ran the reduction early or
     # late): the big model's weights are plain SGD's on every rank's batch at once.
-    reference = chain(LAYERS).to(ds_device)
+    reference = chain(LAYERS).to(device)
     sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
-    everyone = torch.cat([batch(r, ds_device) for r in range(ds_world_size)])
+    everyone = torch.cat([batch(r, device) for r in range(ds_world_size)])
     for _ in range(steps.count(big)):
         sgd.zero_grad()
         reference(everyone).pow(2).mean().backward()

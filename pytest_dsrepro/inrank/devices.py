@@ -20,13 +20,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from pytest_dsrepro.core.premises import precision
-from pytest_dsrepro.inrank import context
 
 #: The tensor factories whose result lands on the default (CPU) device unless given ``device=``.
 FACTORIES = (
     "arange", "empty", "empty_strided", "eye", "full", "linspace", "logspace", "ones", "rand", "randint", "randn",
     "randperm", "scalar_tensor", "tensor", "zeros",
 )  # fmt: skip
+
+#: The plugin's rank context (``inrank.context``), by module name.
+CONTEXT = "pytest_dsrepro.inrank.context"
 
 #: Where ``inrank``'s own helpers live: always checked, as every body calls them.
 INRANK = os.path.dirname(os.path.abspath(__file__))
@@ -39,14 +41,22 @@ class MisplacedTensor(RuntimeError):
 def rank_device() -> Any:
     """This rank's ``torch.device``: ``cuda:LOCAL_RANK`` in an NCCL world (or process group), else the CPU."""
     import torch
+
+    plugin = sys.modules.get(CONTEXT)  # looked up, not imported: a script ``dsrepro export`` wrote has no plugin
+    try:
+        return torch.device(plugin.current().device) if plugin is not None else _process_group_device()
+    except RuntimeError:  # not in a world: a reference computed in the pytest process
+        return _process_group_device()
+
+
+def _process_group_device() -> Any:
+    """``cuda:LOCAL_RANK`` under an NCCL process group (a script run by torchrun), else the CPU."""
+    import torch
     import torch.distributed as dist
 
-    try:
-        return torch.device(context.current().device)
-    except RuntimeError:  # not in a world: a reference in the pytest process, or a script ``dsrepro export`` wrote
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def precision_dtype(config: Mapping[str, Any]) -> Any:
@@ -96,4 +106,3 @@ def placement_check(roots: Iterable[str | os.PathLike[str]] = ()) -> Iterator[No
 
     with RefuseImplicitDevice():
         yield
-
