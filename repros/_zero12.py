@@ -32,14 +32,14 @@ def tolerance(engine: Any, fp32: float) -> float:
 def config(stage: int, *, offload: bool = False, accumulation: int = 1) -> Any:
     """A ZeRO-``stage`` config as a ``ds_config`` parameter, without clipping (DeepSpeed >= 0.19.3 clips by default).
 
-    ``offload``: the optimizer on CPU, still torch's (``zero_force_ds_cpu_optimizer`` off: no C++ CPU Adam to
-    build; untested optimizers such as SGD allowed).
+    The bodies pass torch optimizers (``zero_force_ds_cpu_optimizer`` off, so a scan's offloaded config takes them
+    too: no C++ CPU Adam to build). ``offload``: the optimizer on CPU (untested optimizers such as SGD allowed).
     """
     zero: dict[str, Any] = {"stage": stage}
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"zero_force_ds_cpu_optimizer": False}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-        extra = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+        extra["zero_allow_untested_optimizer"] = True
     return pytest.param(
         {
             "zero_optimization": zero,

@@ -29,7 +29,13 @@ pytestmark = [
         root_cause="_allgather_params_coalesced allocates every output buffer in the first parameter's dtype; from "
         "0.19.2 a zero.Init model is no longer cast to bf16 as a whole, so PEFT's fp32 adapters meet bf16 weights.",
     ),
-    pytest.mark.ds_premise(stage=3, precision="bf16"),
+    pytest.mark.ds_premise(
+        stage=3,
+        precision="bf16",
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="the body trains the adapters with its own torch AdamW, which DeepSpeed refuses beside an offloaded "
+        "optimizer unless told",
+    ),
     requires_hf,
     PERSISTENT_ALLGATHER_RACE,
 ]
@@ -37,6 +43,7 @@ pytestmark = [
 ZERO3_BF16 = {
     "bf16": {"enabled": True},
     "zero_optimization": {"stage": 3},  # the default persistence threshold: every tiny parameter is persistent
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,

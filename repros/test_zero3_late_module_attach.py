@@ -78,7 +78,7 @@ def test_forward_with_module_attached_after_initialize(ds_engine, ds_config, ds_
     model = tiny_mlp(seed=4)  # the same weights
     head = model[2]
     del model[2]  # the body goes to DeepSpeed; the head comes later, as an adapter would
-    engine = ds_engine(model=model, optimizer="adam")
+    engine = ds_engine(model=model)  # the config's optimizer where it has one, else torch's Adam
     engine.module.add_module("head", head)
 
     x, y = make_batch(

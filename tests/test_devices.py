@@ -12,13 +12,14 @@ from conftest import RunPytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: ``make_batch`` as the catalogue had it before ``ds_device`` (commit 301be20): its batch stays on the CPU.
+#: ``make_batch`` as the catalogue had it before ``ds_device`` (commit 301be20), its batch left on the CPU; it takes
+#: the ``dtype`` today's body passes.
 HELPER_BEFORE_DEVICES = """
-def make_batch(batch_size, hidden=16, seed=0, rank=0):
+def make_batch(batch_size, hidden=16, seed=0, rank=0, dtype=None):
     import torch
 
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn(batch_size, hidden, generator=generator)
+    x = torch.randn(batch_size, hidden, generator=generator).to(dtype)
     return x, x.sum(dim=-1, keepdim=True) * 0.1
 """
 
