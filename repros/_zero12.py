@@ -52,6 +52,26 @@ def config(stage: int, *, offload: bool = False, accumulation: int = 1) -> Any:
     )
 
 
+def offloaded_sgd_premise(**requirements: Any) -> Any:
+    """The ``ds_premise`` of a ZeRO-2 offload repro whose body steps torch's SGD and compares with plain fp32 SGD:
+    ``requirements`` (``gradient_accumulation=...``) on top of ZeRO-2 with the optimizer offloaded to the CPU, and
+    what a scan sets on a user's config for that body, and why."""
+    return pytest.mark.ds_premise(
+        stage=2,
+        offload_optimizer="cpu",
+        **requirements,
+        sets={
+            "gradient_clipping": 0.0,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_allow_untested_optimizer": True,
+            "bf16.enabled": False,
+            "fp16.enabled": False,
+        },
+        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
+        "fp32 SGD to 1e-6, closer than bf16 or fp16 rounds (the bug drops gradients whatever the precision)",
+    )
+
+
 def global_batch(world_size: int, seed: int, hidden: int = 16) -> tuple[Any, Any]:
     """Every rank's ``make_batch(MICRO_BATCH, hidden, seed, rank)``, concatenated: what the ranks see together."""
     import torch

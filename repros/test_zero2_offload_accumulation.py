@@ -12,7 +12,7 @@ only, after torch has summed them in ``.grad``, so its CPU buffer is never used.
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import config, global_batch, sgd_step_error, train
+from _zero12 import config, global_batch, offloaded_sgd_premise, sgd_step_error, train
 
 from pytest_dsrepro.inrank.models import tiny_mlp
 
@@ -26,20 +26,7 @@ pytestmark = [
         root_cause="The CPU accumulation buffer is written back only on micro-step 0 (PR #6550), so later "
         "micro-steps add to micro-batch 0's gradient alone and the running sum is lost.",
     ),
-    pytest.mark.ds_premise(
-        stage=2,
-        offload_optimizer="cpu",
-        gradient_accumulation=">=3",
-        sets={
-            "gradient_clipping": 0.0,
-            "zero_force_ds_cpu_optimizer": False,
-            "zero_allow_untested_optimizer": True,
-            "bf16.enabled": False,
-            "fp16.enabled": False,
-        },
-        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
-        "fp32 SGD to 1e-6, closer than bf16 or fp16 rounds (the bug drops gradients whatever the precision)",
-    ),
+    offloaded_sgd_premise(gradient_accumulation=">=3"),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 

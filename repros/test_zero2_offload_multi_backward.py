@@ -14,7 +14,7 @@ only, after torch has summed the backwards in ``.grad``.
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import MICRO_BATCH, config, global_batch, sgd_step_error
+from _zero12 import MICRO_BATCH, config, global_batch, offloaded_sgd_premise, sgd_step_error
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
@@ -29,20 +29,7 @@ pytestmark = [
         root_cause="The CPU gradient accumulator is used only when gradient_accumulation_steps > 1, so with 1 the "
         "boundary overwrites the fp32 gradient with the last backward's.",
     ),
-    pytest.mark.ds_premise(
-        stage=2,
-        offload_optimizer="cpu",
-        gradient_accumulation=1,
-        sets={
-            "gradient_clipping": 0.0,
-            "zero_force_ds_cpu_optimizer": False,
-            "zero_allow_untested_optimizer": True,
-            "bf16.enabled": False,
-            "fp16.enabled": False,
-        },
-        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
-        "fp32 SGD to 1e-6, closer than bf16 or fp16 rounds (the bug drops gradients whatever the precision)",
-    ),
+    offloaded_sgd_premise(gradient_accumulation=1),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
