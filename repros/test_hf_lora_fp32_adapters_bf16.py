@@ -96,7 +96,7 @@ def test_lora_adapters_train_on_bf16_model(ds_engine, ds_config, ds_rank, tmp_pa
 
     batch = token_batch(ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank)
     losses = []
-    for _ in range(4):
+    for _ in range(4 * engine.gradient_accumulation_steps()):  # 4 optimizer steps, at the config's accumulation
         loss = engine(**batch).loss
         engine.backward(loss)
         engine.step()

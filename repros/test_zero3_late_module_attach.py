@@ -79,7 +79,7 @@ def test_forward_with_module_attached_after_initialize(ds_engine, ds_config, ds_
     head = model[2]
     del model[2]  # the body goes to DeepSpeed; the head comes later, as an adapter would
     engine = ds_engine(model=model)  # the config's optimizer where it has one, else torch's Adam
-    engine.module.add_module("head", head)
+    engine.module.add_module("head", head.to(precision_dtype(ds_config)))  # as a user casts it to the engine's dtype
 
     x, y = make_batch(
         ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank, dtype=precision_dtype(ds_config)

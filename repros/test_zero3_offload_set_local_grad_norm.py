@@ -101,7 +101,11 @@ def test_clipping_sees_gradients_set_by_the_user(ds_engine, ds_config, ds_rank, 
     x, y = make_batch(
         ds_config["train_micro_batch_size_per_gpu"], seed=0, rank=ds_rank, dtype=precision_dtype(ds_config)
     )
-    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    accumulation = engine.gradient_accumulation_steps()  # the config's: micro-steps on the same batch, one step
+    for micro in range(accumulation):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        if micro < accumulation - 1:
+            engine.step()
     for param in engine.module.parameters():  # the user's own clipping, on this rank's partition
         safe_set_local_grad(param, safe_get_local_grad(param).clamp(-CLAMP, CLAMP))
     lr = engine.get_lr()[0]  # what this step uses: a config's scheduler may have set it (a warm-up starts at 0)

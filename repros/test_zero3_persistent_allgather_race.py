@@ -70,8 +70,9 @@ def step_and_check(engine, params, x, y, when):
     deliver (the gloo barrier waits for every pending collective of the group)."""
     import torch
 
-    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-    engine.step()
+    for _ in range(engine.gradient_accumulation_steps()):  # the config's micro-steps: the last one steps
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
     seen = [p.data.clone() for _, p in params]
     torch.distributed.barrier()
     for (name, param), early in zip(params, seen, strict=True):
@@ -114,8 +115,9 @@ def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank
     step_and_check(engine, params, x, y, when="")
     # With every gather complete, training goes on: a second step from the same batch lowers the loss.
     first = torch.nn.functional.mse_loss(engine(x), y)
-    engine.backward(first)
-    engine.step()
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
     assert torch.nn.functional.mse_loss(engine(x), y) < first, "ZeRO-3 did not train"
 
 

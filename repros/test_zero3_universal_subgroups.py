@@ -28,9 +28,10 @@ pytestmark = [
     ),
     pytest.mark.ds_premise(
         stage=3,
-        sets={"zero_optimization.sub_group_size": 100},
+        sets={"zero_optimization.sub_group_size": 100, "zero_force_ds_cpu_optimizer": False},
         because="the repro's small model spans several optimizer sub-groups only with small ones, as a real model "
-        "does under the configured size",
+        "does under the configured size; and the body trains with torch's AdamW, which DeepSpeed refuses beside an "
+        "offloaded optimizer unless told",
     ),
     TORCH_LOAD_WEIGHTS_ONLY,  # the converter reads the checkpoint
 ]
@@ -38,6 +39,7 @@ pytestmark = [
 #: 16x16 MLP (256 + 16 + 16 + 1 elements): with sub_group_size 100, ZeRO-3 makes several sub-groups.
 ZERO3_SUBGROUPS = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 100},
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,

@@ -79,13 +79,13 @@ def invalidate_trace_on_reregistration(monkeypatch):
 
 
 def train(engine, x, y, generate_between_steps):
-    """Three ZeRO-3 steps; with ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each, where
-    TRL generates."""
+    """Three ZeRO-3 optimizer steps (each over the config's accumulation of micro-steps); with
+    ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each micro-step, where TRL generates."""
     import torch
     from deepspeed.runtime.zero import unwrap_model_for_generation
 
     losses = []
-    for _ in range(3):
+    for _ in range(3 * engine.gradient_accumulation_steps()):
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()

@@ -216,7 +216,13 @@ def test_a_config_deepspeed_refuses_is_said_once_above_the_table() -> None:
     tests = tuple(
         dataclasses.replace(t, scan=Finding(ScanVerdict.CANNOT_TELL, said), config=resolved) for t in run.tests
     )
-    written = ScanSource("hf.json", {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}}})
+    written = ScanSource(
+        "hf.json",
+        {
+            "optimizer": {"type": "AdamW", "params": {"eps": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}},
+        },
+    )
     run = dataclasses.replace(run, tests=tests, scan=written)
     lines = scan_verdicts.terminal(run)
     assert lines[0] == (

@@ -116,7 +116,7 @@ def refusals(run: RunRecord) -> list[str]:
             continue
         line = f"DeepSpeed {run.version} refuses this config: {message}"
         for key in _autos(written):
-            if key.rsplit(".", 1)[-1] in message:
+            if re.search(rf"\b{re.escape(key.rsplit('.', 1)[-1])}\b", message):  # the key itself, not "eps" in "steps"
                 filled = lookup(test.config or {}, key)
                 line += (f' (your "auto" at {key} is {filled!r} as Hugging Face\'s Trainer fills it by default: '
                          "give the Trainer a value that DeepSpeed accepts, or write one in the config)")  # fmt: skip
