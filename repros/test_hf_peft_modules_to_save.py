@@ -132,4 +132,5 @@ def test_lora_with_modules_to_save_trains(ds_engine, ds_config, ds_rank):
         optimizer.zero_grad()
     rtol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(losses, expected, rtol=rtol, atol=0, msg="ZeRO-3 trained the PEFT model differently")
-    assert losses[-1] < losses[0] or not any(lrs), f"it did not train: {losses} (learning rates {lrs})"
+    # The losses are taken before each step: a step at a rate above 0 before the last loss shows in it.
+    assert losses[-1] < losses[0] or not any(lrs[:-1]), f"it did not train: {losses} (learning rates {lrs})"

@@ -115,10 +115,11 @@ def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank
     step_and_check(engine, params, x, y, when="")
     # With every gather complete, training goes on: a second step from the same batch lowers the loss.
     first = torch.nn.functional.mse_loss(engine(x), y)
+    lr = engine.get_lr()[0]  # a config's warm-up may hold it at 0: nothing can move then
     for _ in range(engine.gradient_accumulation_steps()):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
-    assert torch.nn.functional.mse_loss(engine(x), y) < first, "ZeRO-3 did not train"
+    assert torch.nn.functional.mse_loss(engine(x), y) < first or lr == 0, "ZeRO-3 did not train"
 
 
 #: The natural form: small layers, every parameter persistent under DeepSpeed's default threshold (1e5 elements).

