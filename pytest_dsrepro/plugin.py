@@ -136,6 +136,13 @@ def ds_world_size(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture
+def ds_device(request: pytest.FixtureRequest) -> Any:
+    """This rank's device, for the data a body feeds its engine: ``"cuda:LOCAL_RANK"`` in NCCL worlds, ``"cpu"``."""
+    _world_only(request, "ds_device")
+    return RankValue("device")
+
+
+@pytest.fixture
 def ds_variant(request: pytest.FixtureRequest) -> str | None:
     """``"stock"`` or ``"fixed"`` for tests whose ds_version declares a fix; None otherwise."""
     return getattr(request, "param", None)

@@ -76,7 +76,7 @@ def one_batch_errors(ds_config: dict[str, Any], world_size: int, seed: int, lr: 
     data = batches(ds_config)
     engine.train_batch(data_iter=iter(data))
 
-    reference = torch.nn.Sequential(*layers(seed))
+    reference = torch.nn.Sequential(*layers(seed)).to(data[0][0].device)  # where the batches are: the rank's
     for x, y in data:
         (torch.nn.functional.mse_loss(reference(x), y) / len(data)).backward()
     with torch.no_grad():

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 #: The two param groups' own learning rates: the first layer's, and the output layer's.
@@ -64,7 +65,9 @@ def check_schedule(
             f"{bug}: learning rates {got} after {k} step(s), expected {want}"
         )
         if k < steps:
-            x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=k, rank=ds_rank)
+            x, y = make_batch(
+                ds_config["train_micro_batch_size_per_gpu"], seed=k, rank=ds_rank, dtype=precision_dtype(ds_config)
+            )
             engine.backward(torch.nn.functional.mse_loss(engine(x), y))
             engine.step()
 

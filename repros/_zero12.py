@@ -12,22 +12,34 @@ from typing import Any
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import engine_dtype
 from pytest_dsrepro.inrank.models import make_batch
 
 MICRO_BATCH = 2
+
+#: How far a bf16/fp16 engine's weights may be from the fp32 reference after a few steps (its forward and backward
+#: round to 8 or 11 bits), for the repros whose bug is a crash or a slowdown and whose weight check is a sanity check.
+HALF_PRECISION_TOLERANCE = 5e-2
+
+
+def tolerance(engine: Any, fp32: float) -> float:
+    """The weight check's tolerance for ``engine``: ``fp32`` where it computes in fp32, else the half precisions'."""
+    import torch
+
+    return fp32 if engine_dtype(engine) == torch.float32 else HALF_PRECISION_TOLERANCE
 
 
 def config(stage: int, *, offload: bool = False, accumulation: int = 1) -> Any:
     """A ZeRO-``stage`` config as a ``ds_config`` parameter, without clipping (DeepSpeed >= 0.19.3 clips by default).
 
-    ``offload``: the optimizer on CPU, still torch's (``zero_force_ds_cpu_optimizer`` off: no C++ CPU Adam to
-    build; untested optimizers such as SGD allowed).
+    The bodies pass torch optimizers (``zero_force_ds_cpu_optimizer`` off, so a scan's offloaded config takes them
+    too: no C++ CPU Adam to build). ``offload``: the optimizer on CPU (untested optimizers such as SGD allowed).
     """
     zero: dict[str, Any] = {"stage": stage}
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"zero_force_ds_cpu_optimizer": False}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-        extra = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+        extra["zero_allow_untested_optimizer"] = True
     return pytest.param(
         {
             "zero_optimization": zero,
@@ -37,6 +49,26 @@ def config(stage: int, *, offload: bool = False, accumulation: int = 1) -> Any:
             "gradient_clipping": 0.0,
         },
         id=f"zero{stage}" + ("_offload" if offload else ""),
+    )
+
+
+def offloaded_sgd_premise(**requirements: Any) -> Any:
+    """The ``ds_premise`` of a ZeRO-2 offload repro whose body steps torch's SGD and compares with plain fp32 SGD:
+    ``requirements`` (``gradient_accumulation=...``) on top of ZeRO-2 with the optimizer offloaded to the CPU, and
+    what a scan sets on a user's config for that body, and why."""
+    return pytest.mark.ds_premise(
+        stage=2,
+        offload_optimizer="cpu",
+        **requirements,
+        sets={
+            "gradient_clipping": 0.0,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_allow_untested_optimizer": True,
+            "bf16.enabled": False,
+            "fp16.enabled": False,
+        },
+        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
+        "fp32 SGD to 1e-6, closer than bf16 or fp16 rounds (the bug drops gradients whatever the precision)",
     )
 
 
@@ -52,7 +84,7 @@ def global_batch(world_size: int, seed: int, hidden: int = 16) -> tuple[Any, Any
 def max_difference(model: Any, reference: Any) -> float:
     """The largest absolute difference between two models' parameters (zero-element ones have none)."""
     pairs = zip(model.parameters(), reference.parameters(), strict=True)
-    return max((a.detach() - b.detach()).abs().max().item() for a, b in pairs if a.numel())
+    return max((a.detach().float() - b.detach().float()).abs().max().item() for a, b in pairs if a.numel())
 
 
 def sgd_step_error(engine: Any, reference: Any, lr: float) -> tuple[float, float]:
@@ -68,22 +100,41 @@ def sgd_step_error(engine: Any, reference: Any, lr: float) -> tuple[float, float
     return max_difference(engine.module, reference), moved
 
 
-def train(engine: Any, rank: int, steps: int, hidden: int = 16) -> None:
-    """``steps`` optimizer steps of ``engine`` on this rank's part of ``global_batch(..., seed=step)``."""
+def train(engine: Any, rank: int, steps: int, hidden: int = 16) -> list[float]:
+    """``steps`` optimizer steps of ``engine``, each over the config's ``gradient_accumulation_steps`` micro-batches
+    (this rank's part of ``global_batch(..., seed=micro_step)``, in the engine's dtype); the learning rate of each
+    optimizer step (a config's scheduler sets them), for ``train_reference``."""
     import torch
 
-    for step in range(steps):
-        x, y = make_batch(MICRO_BATCH, hidden=hidden, seed=step, rank=rank)
+    used = []
+    for micro in range(steps * engine.gradient_accumulation_steps()):
+        x, y = make_batch(MICRO_BATCH, hidden=hidden, seed=micro, rank=rank, dtype=engine_dtype(engine))
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        if engine.is_gradient_accumulation_boundary():
+            used.append(engine.get_lr()[0])
         engine.step()
+    return used
 
 
-def train_reference(model: Any, optimizer: Any, world_size: int, steps: int, hidden: int = 16) -> None:
-    """What ``train`` should amount to: ``steps`` plain steps of ``optimizer`` on ``global_batch(..., seed=step)``."""
+def train_reference(
+    model: Any,
+    optimizer: Any,
+    world_size: int,
+    steps: int,
+    hidden: int = 16,
+    lrs: list[float] | None = None,
+    accumulation: int = 1,
+) -> None:
+    """What ``train`` should amount to: ``steps`` plain steps of ``optimizer``, each on the mean gradient of
+    ``accumulation`` micro-batches (the config's ``gradient_accumulation_steps``) ``global_batch(..., seed=micro)``,
+    at the learning rate ``train`` returned for it (``lrs``; the optimizer's own where not given)."""
     import torch
 
     for step in range(steps):
-        x, y = global_batch(world_size, seed=step, hidden=hidden)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        for micro in range(step * accumulation, (step + 1) * accumulation):
+            x, y = global_batch(world_size, seed=micro, hidden=hidden)
+            (torch.nn.functional.mse_loss(model(x), y) / accumulation).backward()
+        for group in optimizer.param_groups if lrs else ():
+            group["lr"] = lrs[step]
         optimizer.step()

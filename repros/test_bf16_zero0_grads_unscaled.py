@@ -12,6 +12,8 @@ loss only for fp16, so ``step()`` divides unscaled gradients by 65536: updates l
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import rank_device
+
 pytestmark = [
     pytest.mark.ds_repro(
         id="bf16-zero0-grads-unscaled",
@@ -75,11 +77,11 @@ def unscaled_bf16_with_zero_grad(monkeypatch):
     )
 
 
-def rank_input(rank):
+def rank_input(rank, device):
     """Small integers times (rank + 1): every gradient, mean and update below is exact in bf16."""
     import torch
 
-    return torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * (rank + 1)
+    return torch.tensor([[1.0, 2.0, 3.0, 4.0]], device=device) * (rank + 1)
 
 
 @pytest.mark.ds_config(pytest.param(BF16_ZERO0, id="bf16_zero0"))
@@ -97,13 +99,14 @@ def rank_input(rank):
 def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
     import torch
 
+    device = rank_device()  # ds_device's value (the scripts dsrepro export writes provide no ds_device fixture)
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.ones_(model.weight)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    x = rank_input(ds_rank).to(torch.bfloat16)
+    x = rank_input(ds_rank, device).to(torch.bfloat16)
 
     # Reference: plain fp32 SGD on the mean of every rank's loss (what data-parallel training computes).
-    reference = torch.nn.Linear(4, 1, bias=False)
+    reference = torch.nn.Linear(4, 1, bias=False, device=device)
     torch.nn.init.ones_(reference.weight)
     sgd = torch.optim.SGD(reference.parameters(), lr=LR)
 
@@ -111,7 +114,7 @@ def test_bf16_zero0_sgd_matches_plain_sgd(ds_engine, ds_rank, ds_world_size):
         engine.backward(engine(x).float().sum())
         engine.step()
         sgd.zero_grad()
-        torch.stack([reference(rank_input(r)).sum() for r in range(ds_world_size)]).mean().backward()
+        torch.stack([reference(rank_input(r, device)).sum() for r in range(ds_world_size)]).mean().backward()
         sgd.step()
         trained, expected = engine.module.weight.detach().float(), reference.weight.detach()
         # Exact arithmetic in bf16, so any difference is the bug. Unscaled gradients (0.18.3-0.18.5) leave the weight

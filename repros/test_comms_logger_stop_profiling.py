@@ -10,6 +10,7 @@ every step after the window. PR #8137 sets the flag to ``False`` (first released
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -71,7 +72,9 @@ def test_stop_profiling_comms_stops_logging(ds_engine, ds_config, ds_rank):
     engine = ds_engine(model=tiny_mlp(seed=4), optimizer="adam")
 
     def step(seed):
-        x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=seed, rank=ds_rank)
+        x, y = make_batch(
+            ds_config["train_micro_batch_size_per_gpu"], seed=seed, rank=ds_rank, dtype=precision_dtype(ds_config)
+        )
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
 

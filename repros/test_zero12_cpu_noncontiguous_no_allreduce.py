@@ -81,16 +81,19 @@ def split_by_dtype(monkeypatch):
     match=r"ZeRO-1/2 stepped without averaging the ranks' gradients",
     fix=split_by_dtype,
 )
-def test_noncontiguous_gradients_are_averaged(ds_engine, ds_rank, ds_world_size):
+def test_noncontiguous_gradients_are_averaged(ds_engine, ds_config, ds_rank, ds_world_size):
     import torch
 
     model = tiny_mlp(seed=6)
     engine = ds_engine(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR))
-    train(engine, ds_rank, STEPS)
+    lrs = train(engine, ds_rank, STEPS)
 
     # Reference: the same Adam steps on every rank's batch at once (what averaging the ranks' gradients amounts to).
     reference = tiny_mlp(seed=6)
-    train_reference(reference, torch.optim.Adam(reference.parameters(), lr=LR), ds_world_size, STEPS)
+    adam = torch.optim.Adam(reference.parameters(), lr=LR)
+    train_reference(
+        reference, adam, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"]
+    )
     error = max_difference(engine.module, reference)
     assert error < TOLERANCE, (
         f"ZeRO-1/2 stepped without averaging the ranks' gradients: max |w - w_reference| = {error:.3e} after "

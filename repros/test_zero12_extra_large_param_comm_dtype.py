@@ -93,15 +93,18 @@ def record_under_comm_dtype(monkeypatch):
     match=r"start \(0\) \+ length \(\d+\) exceeds dimension size",
     fix=record_under_comm_dtype,
 )
-def test_large_parameter_reduced_in_bf16(ds_engine, ds_rank, ds_world_size):
+def test_large_parameter_reduced_in_bf16(ds_engine, ds_config, ds_rank, ds_world_size):
     import torch
 
     model = tiny_mlp(seed=6)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    train(engine, ds_rank, STEPS)
+    lrs = train(engine, ds_rank, STEPS)
 
     # Past the crash, the reduction must be right: the weights of plain SGD on every rank's data, to bf16's precision.
     reference = tiny_mlp(seed=6)
-    train_reference(reference, torch.optim.SGD(reference.parameters(), lr=LR), ds_world_size, STEPS)
+    sgd = torch.optim.SGD(reference.parameters(), lr=LR)
+    train_reference(
+        reference, sgd, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"]
+    )
     error = max_difference(engine.module, reference)
     assert error < TOLERANCE, f"ZeRO with bf16 communication is {error:.3e} from plain SGD (tolerance {TOLERANCE})"

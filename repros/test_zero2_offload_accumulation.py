@@ -12,7 +12,7 @@ only, after torch has summed them in ``.grad``, so its CPU buffer is never used.
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import config, global_batch, sgd_step_error, train
+from _zero12 import config, global_batch, offloaded_sgd_premise, sgd_step_error, train
 
 from pytest_dsrepro.inrank.models import tiny_mlp
 
@@ -26,14 +26,7 @@ pytestmark = [
         root_cause="The CPU accumulation buffer is written back only on micro-step 0 (PR #6550), so later "
         "micro-steps add to micro-batch 0's gradient alone and the running sum is lost.",
     ),
-    pytest.mark.ds_premise(
-        stage=2,
-        offload_optimizer="cpu",
-        gradient_accumulation=">=3",
-        sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True},
-        because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares with plain, unclipped "
-        "SGD",
-    ),
+    offloaded_sgd_premise(gradient_accumulation=">=3"),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
@@ -64,19 +57,23 @@ def keep_the_running_sum(monkeypatch):
     match=r"offloaded ZeRO dropped micro-batch gradients",
     fix=keep_the_running_sum,
 )
-def test_offload_accumulates_every_micro_batch(ds_engine, ds_rank, ds_world_size):
+def test_offload_accumulates_every_micro_batch(ds_engine, ds_config, ds_rank, ds_world_size):
     import torch
 
+    accumulation = ds_config["gradient_accumulation_steps"]  # the config's (a scan's: the user's, 3 or more)
     model = tiny_mlp(seed=9)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    train(engine, ds_rank, ACCUMULATION)  # step() after each micro-batch: DeepSpeed counts micro-steps there
+    # One optimizer step over the config's micro-batches (step() after each: DeepSpeed counts micro-steps there), at
+    # the learning rate the config's scheduler, if any, gives it.
+    (lr,) = train(engine, ds_rank, steps=1)
+    assert lr > 0, f"the config's scheduler gives the first step a learning rate of {lr}: it moves no weight"
 
     # Reference: one plain SGD step on the mean gradient over every micro-batch of every rank.
     reference = tiny_mlp(seed=9)
-    for m in range(ACCUMULATION):
+    for m in range(accumulation):
         x, y = global_batch(ds_world_size, seed=m)
-        (torch.nn.functional.mse_loss(reference(x), y) / ACCUMULATION).backward()
-    error, moved = sgd_step_error(engine, reference, LR)
+        (torch.nn.functional.mse_loss(reference(x), y) / accumulation).backward()
+    error, moved = sgd_step_error(engine, reference, lr)
     assert error < TOLERANCE, (
         f"offloaded ZeRO dropped micro-batch gradients: max |w_offload - w_reference| = {error:.3e} after one step "
         f"(tolerance {TOLERANCE:.0e}; the step itself moves weights by up to {moved:.3e})"

@@ -18,6 +18,7 @@ into the buffers under test; the sentinel only shows where uninitialised memory 
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import rank_device
 from pytest_dsrepro.inrank.models import make_batch
 
 pytestmark = [
@@ -102,7 +103,7 @@ def model_with_sentinel_padding(ds_config):
         torch.manual_seed(seed)
         return torch.nn.Sequential(torch.nn.Linear(IN, OUT), torch.nn.ReLU(), torch.nn.Linear(OUT, 1))
 
-    reference = build(seed=9)
+    reference = build(seed=9).to(rank_device())  # where the engine computes: the rank's device
     real_empty, public_empty = partition_parameters._orig_torch_empty, torch.empty
 
     def sentinel_empty(*args, **kwargs):

@@ -104,7 +104,7 @@ def test_lora_layer_with_bf16_base_under_torch_autocast(ds_engine, ds_config, ds
     with zero.GatheredParameters([model.weight]):
         torch.testing.assert_close(model.weight.data, reference.weight, rtol=0, atol=0)
     trained = torch.cat([safe_get_full_fp32_param(p).flatten() for p in adapters])
-    assert not torch.equal(trained[-64:], torch.zeros(64)), "lora_b never left zero"
+    assert not torch.equal(trained[-64:], torch.zeros_like(trained[-64:])), "lora_b never left zero"
     gathered = [torch.empty_like(trained) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(gathered, trained)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "ranks disagree on the trained adapters"

@@ -16,6 +16,7 @@ that no optimizer is given; nothing in the offload settings changes which object
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -100,13 +101,15 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
     # The config id says what it claims: parameters are offloaded exactly where the config asks.
     offload = ds_config["zero_optimization"].get("offload_param", {}).get("device")
     assert offloader.offload_device == offload, "parameter offload not in effect"
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=2, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=2, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
 
     # Backward really ran: every parameter has its full gradient, equal to plain autograd's on the same data (this
     # rank's; averaged over the ranks where an optimizer reduced them). Plain asserts: pytest shows their values from
     # the ranks too; the message names the parameter.
-    reference = tiny_mlp(seed=3)
+    reference = tiny_mlp(seed=3).to(precision_dtype(ds_config))  # computes as the engine does
     torch.nn.functional.mse_loss(reference(x), y).backward()
     for (name, param), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         grad = safe_get_full_grad(param)  # collective under ZeRO-3: every rank asks for the same parameters
@@ -118,4 +121,5 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
         assert grad.shape == param.ds_shape, name
         assert grad.isfinite().all(), name
         assert grad.abs().sum() > 0, name
+        want = want.to(grad.dtype)  # a bf16 engine may keep its gradients in fp32: compared at the lower precision
         torch.testing.assert_close(grad, want, msg=f"{name}: gradient differs from plain autograd")

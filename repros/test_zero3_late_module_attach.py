@@ -12,6 +12,7 @@ dicts in the prologue and skips them in the epilogue (first released in 0.19.1).
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -73,21 +74,24 @@ def wrap_late_parameters(monkeypatch):
 def test_forward_with_module_attached_after_initialize(ds_engine, ds_config, ds_rank):
     import torch
 
-    reference = tiny_mlp(seed=4)
+    reference = tiny_mlp(seed=4).to(precision_dtype(ds_config))  # computes as the engine does
     model = tiny_mlp(seed=4)  # the same weights
     head = model[2]
     del model[2]  # the body goes to DeepSpeed; the head comes later, as an adapter would
-    engine = ds_engine(model=model, optimizer="adam")
-    engine.module.add_module("head", head)
+    engine = ds_engine(model=model)  # the config's optimizer where it has one, else torch's Adam
+    engine.module.add_module("head", head.to(precision_dtype(ds_config)))  # as a user casts it to the engine's dtype
 
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=6, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     out = engine(x)
 
     # The late head really takes part: output and its (local, unpartitioned) gradient equal plain autograd's.
     expected = reference(x)
     torch.testing.assert_close(out, expected, msg="output differs from the same model without DeepSpeed")
     engine.backward(torch.nn.functional.mse_loss(out, y))
-    torch.nn.functional.mse_loss(expected, y).backward()
+    # engine.backward scales the loss by 1/gradient_accumulation_steps (the config's), as DeepSpeed averages micro-steps
+    (torch.nn.functional.mse_loss(expected, y) / engine.gradient_accumulation_steps()).backward()
     torch.testing.assert_close(head.weight.grad, reference[2].weight.grad, msg="late head's gradient differs")
     # A second forward (the epilogue reset the flag on every module, late ones included) gives the same output.
     # No engine.step(): ZeRO-3's step expects every parameter under the module to be partitioned, on fixed releases

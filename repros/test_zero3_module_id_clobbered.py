@@ -11,6 +11,7 @@ import math
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
 pytestmark = [
@@ -70,14 +71,16 @@ def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_w
     ids = [expert.id for expert in model.experts]
     placement = model.placement(ds_world_size)
 
-    engine = ds_engine(model=model, optimizer="adam")
+    engine = ds_engine(model=model)  # the config's optimizer where it has one, else torch's Adam
 
     after = [expert.id for expert in model.experts]
     assert after == ids, f"ZeRO-3 initialize replaced the user's expert ids: {ids} -> {after}"
     assert model.placement(ds_world_size) == placement
 
     # ZeRO-3's own bookkeeping must still work: trace recording, prefetch and release over several steps.
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank)
+    x, y = make_batch(
+        ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank, dtype=precision_dtype(ds_config)
+    )
     losses = []
     for _ in range(5):
         loss = torch.nn.functional.mse_loss(engine(x), y)

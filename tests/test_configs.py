@@ -111,3 +111,30 @@ def test_bad_configs_name_the_preset_or_key(pytester: pytest.Pytester, run: RunP
             "*test_unmarked: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test",
         ]
     )
+
+
+def test_a_scheduler_deepspeed_refuses_is_a_rejected_config(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """DeepSpeed checks a scheduler's parameters when ``initialize`` builds it, not in its config classes: ``ds_engine``
+    builds it first, so that the refusal reads as one (here Hugging Face's "auto" warm-up, 0 steps, which 0.19.3 and
+    later refuse); a scheduler whose parameters DeepSpeed takes builds the engine as before."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def warmup(steps):
+            return {"train_micro_batch_size_per_gpu": 2,
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": steps}}}
+
+        @pytest.mark.ds_world(size=1)
+        @pytest.mark.ds_config(pytest.param(warmup(0), id="none"), pytest.param(warmup(2), id="two"))
+        def test_warmup(ds_engine):
+            ds_engine()
+        """
+    )
+    result = run()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*rank 0: ConfigRejected: DeepSpeed rejected ds_config [[]none[]]: ValueError: warmup_num_steps must be a "
+         "positive integer, got 0*"]
+    )  # fmt: skip

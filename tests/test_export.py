@@ -63,7 +63,7 @@ def test_the_script_of_seed_a(in_root: Path) -> None:
         "def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_rank, ds_world_size):" in script
     )
     assert "# from pytest_dsrepro.inrank.models (pytest-dsrepro), inlined: make_batch, tiny_mlp" in script
-    assert "def tiny_mlp(hidden: int = 16, seed: int = 0) -> Any:" in script
+    assert "def tiny_mlp(hidden: int = 16, seed: int = 0, *, device: Any = None) -> Any:" in script
     assert "@pytest" not in script
     assert "pytestmark" not in script
     assert '"zero_optimization": {\n        "stage": 3\n    }' in script

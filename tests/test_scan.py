@@ -215,3 +215,38 @@ def test_the_catalogue_travels_with_the_package() -> None:
     assert (found.parent.name, found.name) == ("pytest_dsrepro", "catalogue")
     shipped = {p.name for p in found.glob("*.py")}
     assert shipped >= {p.name for p in (ROOT / "repros").glob("*.py")}
+
+
+def test_extra_packages_reach_each_release_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--with`` joins ``$DSREPRO_EXTRA_PACKAGES``, which every release environment reads (scan, bisect, upstream);
+    without ``--release`` there is no environment to put them in, and the scan says so before it starts."""
+    from pytest_dsrepro.tools import cli, environments
+
+    monkeypatch.setenv(environments.EXTRA_PACKAGES_ENV, "einops")
+    args = cli.build_parser().parse_args(
+        ["scan", str(tmp_path / "c.json"), "--with", "huggingface_hub", "--with", "x>=1"]
+    )
+    seen = []
+
+    def prepare(version: object) -> environments.ReleaseEnv:
+        seen.append(environments.extra_packages())
+        raise environments.EnvironmentUnavailable("stop here")
+
+    with pytest.raises(scan_command.ScanError, match=r"deepspeed 0\.19\.8 cannot run here: stop here"):
+        scan_command.scan_releases(args, ["0.19.8"], prepare)
+    assert seen == [["einops", "huggingface_hub", "x>=1"]]
+    user = tmp_path / "c.json"
+    user.write_text('{"zero_optimization": {"stage": 3}}')
+    proc = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "scan", str(user), "--with", "einops"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == scan_command.UNUSABLE
+    assert "--with einops: it installs into --release environments" in proc.stderr
+
+
+def test_the_shared_fixes_are_public() -> None:
+    """A repro written outside the catalogue takes its shared fixes and premises from one public module."""
+    from pytest_dsrepro.catalogue import prerequisites
+
+    assert prerequisites.ZERO12_CPU_FLAT_BUFFER.name == "ds_prerequisite"
+    assert prerequisites.ZERO3_PARTITIONED.name == "ds_premise"
+    assert prerequisites.detach_flat_buffer.__module__ == "pytest_dsrepro.catalogue._prerequisites"

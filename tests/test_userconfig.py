@@ -3,6 +3,7 @@ verdicts and tables (``core.scan_verdicts``): pure, no world."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -205,3 +206,46 @@ def test_across_releases_the_first_clean_one() -> None:
         == "the newest release scanned, deepspeed 0.18.3, has a known bug this config hits"
     )
     assert "| `a` | AFFECTED | NOT AFFECTED | NOT AFFECTED |" in scan_verdicts.markdown_across(runs)
+
+
+def test_a_release_where_nothing_was_told_is_never_named_clean() -> None:
+    """CANNOT TELL rows and no NOT AFFECTED one: the scan told nothing about that release, so it is not clean, and
+    neither is an older one named clean past it."""
+    untold = record("0.19.8", {"a": ScanVerdict.CANNOT_TELL, "b": ScanVerdict.NOT_APPLICABLE})
+    told = record("0.18.3", {"a": ScanVerdict.NOT_AFFECTED, "b": ScanVerdict.NOT_APPLICABLE})
+    assert scan_verdicts.first_clean([untold, told]) is None
+    assert scan_verdicts.across([untold, told])[-1] == (
+        "no release can be named clean: on the newest scanned, deepspeed 0.19.8, every bug the config meets was "
+        "CANNOT TELL or NOT APPLICABLE"
+    )
+    assert scan_verdicts.first_clean([told]) == "0.18.3"
+
+
+def test_a_config_deepspeed_refuses_is_said_once_above_the_table() -> None:
+    """Every repro fails the same way when DeepSpeed refuses the config: one line at the top with DeepSpeed's own
+    words, the release, and the "auto" that gave the refused value; each row points at it."""
+    said = ('failed differently on 0.19.8: expected AssertionError, got rank 0: ConfigRejected: DeepSpeed rejected '
+            'ds_config [scan]: ValueError: warmup_num_steps must be a positive integer, got 0')  # fmt: skip
+    run = record("0.19.8", {"a": ScanVerdict.CANNOT_TELL, "b": ScanVerdict.CANNOT_TELL})
+    resolved = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0}}}
+    tests = tuple(
+        dataclasses.replace(t, scan=Finding(ScanVerdict.CANNOT_TELL, said), config=resolved) for t in run.tests
+    )
+    written = ScanSource(
+        "hf.json",
+        {
+            "optimizer": {"type": "AdamW", "params": {"eps": "auto"}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto"}},
+        },
+    )
+    run = dataclasses.replace(run, tests=tests, scan=written)
+    lines = scan_verdicts.terminal(run)
+    assert lines[0] == (
+        "DeepSpeed 0.19.8 refuses this config: ValueError: warmup_num_steps must be a positive integer, got 0 (your "
+        '"auto" at scheduler.params.warmup_num_steps is 0 as Hugging Face\'s Trainer fills it by default: give the '
+        "Trainer a value that DeepSpeed accepts, or write one in the config)"
+    )
+    assert sum("refuses this config:" in line for line in lines) == 1
+    assert [line.split()[-5:] for line in lines if line.startswith("CANNOT TELL")] == [
+        ["DeepSpeed", "refuses", "this", "config", "(above)"]
+    ] * 2

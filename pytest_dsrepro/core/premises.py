@@ -45,6 +45,8 @@ DEFAULTS: dict[str, object] = {
     "zero_optimization.reduce_bucket_size": 500000000,
     "zero_optimization.overlap_comm": None,  # the default depends on the stage
     "data_types.grad_accum_dtype": None,
+    "bf16.enabled": False,
+    "fp16.enabled": False,
 }
 
 _COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*(-?[0-9.eE+]+)\s*")

@@ -11,13 +11,20 @@ Pure: no pytest, no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
 from .gates import Rate, Reason
+from .premises import lookup
 from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
+from .userconfig import _autos  # the one reading of where a config says "auto"
+
+#: How ``ds_engine`` words a config that DeepSpeed itself refuses (``inrank.engine.ConfigRejected``).
+REFUSED = "DeepSpeed rejected ds_config"
+_REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)")
 
 #: A bug's verdict over its tests is the first of these that any test earned.
 SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
@@ -74,8 +81,15 @@ class BugRow:
     notes: tuple[str, ...]
 
 
+def refusal(finding: Finding) -> str | None:
+    """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None."""
+    found = _REFUSAL.search(finding.detail) if finding.verdict is ScanVerdict.CANNOT_TELL else None
+    return found[1] if found else None
+
+
 def rows(run: RunRecord) -> list[BugRow]:
-    """One row per catalogued bug the run scanned, in the order its tests ran."""
+    """One row per catalogued bug the run scanned, in the order its tests ran. A bug that could not be told because
+    DeepSpeed refused the config points at ``refusals``, said once above the table."""
     by_bug: dict[str, list[tuple[Finding, ReproMeta, TestRecord]]] = {}
     for test in run.tests:
         if test.scan is not None and test.repro is not None:
@@ -85,9 +99,29 @@ def rows(run: RunRecord) -> list[BugRow]:
         said, meta, test = min(tests, key=lambda t: SEVERITY.index(t[0].verdict))
         fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
         workaround = fix if said.verdict is ScanVerdict.AFFECTED else None
-        found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, said.detail, workaround,
+        detail = "DeepSpeed refuses this config (above)" if refusal(said) else said.detail
+        found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, detail, workaround,
                             said.notes))  # fmt: skip
     return found
+
+
+def refusals(run: RunRecord) -> list[str]:
+    """Each distinct reason DeepSpeed gave for refusing the scanned config, once, in words: the release, DeepSpeed's
+    message, and where an ``"auto"`` of the config names the refused key, what Hugging Face's Trainer filled in."""
+    said: list[str] = []
+    written = run.scan.config if run.scan is not None else {}
+    for test in run.tests:
+        message = refusal(test.scan) if test.scan is not None else None
+        if message is None:
+            continue
+        line = f"DeepSpeed {run.version} refuses this config: {message}"
+        for key in _autos(written):
+            if re.search(rf"\b{re.escape(key.rsplit('.', 1)[-1])}\b", message):  # the key itself, not "eps" in "steps"
+                filled = lookup(test.config or {}, key)
+                line += (f' (your "auto" at {key} is {filled!r} as Hugging Face\'s Trainer fills it by default: '
+                         "give the Trainer a value that DeepSpeed accepts, or write one in the config)")  # fmt: skip
+        said.append(line)
+    return list(dict.fromkeys(said))
 
 
 def counts(found: Sequence[BugRow]) -> str:
@@ -111,7 +145,8 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
     """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
     settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
     found = rows(run)
-    lines = [_cut(f"note: {note}", width) for note in notes(run)]
+    lines = [_cut(line, width) for line in refusals(run)]
+    lines += [_cut(f"note: {note}", width) for note in notes(run)]
     if not found:
         return [*lines, "no catalogued bug was scanned"]
     name = max(len(r.id) for r in found)
@@ -138,6 +173,7 @@ def markdown(run: RunRecord) -> str:
         out += [f"Config `{scan.path}`, scanned against the pytest-dsrepro catalogue on DeepSpeed {run.version} "
                 f"(torch {env.torch}, {env.world_size}-rank {env.backend} worlds).", ""]  # fmt: skip
         out += ["```json", _json(scan.config), "```", ""]
+    out += [f"**{line}**" for line in refusals(run)] + ([""] if refusals(run) else [])
     said = notes(run)
     out += [f"- {note}" for note in said] + ([""] if said else [])
     found = rows(run)
@@ -167,12 +203,18 @@ def _version(text: str) -> Version:
         return Version("0")
 
 
+def _untold(run: RunRecord) -> bool:
+    """Nothing told about this release: some bug CANNOT TELL, and none NOT AFFECTED (no body passed there)."""
+    verdicts = {row.verdict for row in rows(run)}
+    return ScanVerdict.CANNOT_TELL in verdicts and ScanVerdict.NOT_AFFECTED not in verdicts
+
+
 def first_clean(runs: Sequence[RunRecord]) -> str | None:
-    """The oldest release from which on every release scanned is hit by no bug (none AFFECTED); None when the newest
-    scanned is hit."""
+    """The oldest release from which on every release scanned is hit by no bug (none AFFECTED), and told something
+    (a release whose scan told nothing, ``_untold``, is never named clean); None when the newest scanned is not."""
     clean = None
     for run in sorted(runs, key=lambda r: _version(r.version), reverse=True):
-        if any(row.verdict is ScanVerdict.AFFECTED for row in rows(run)):
+        if _untold(run) or any(row.verdict is ScanVerdict.AFFECTED for row in rows(run)):
             break
         clean = run.version
     return clean
@@ -190,7 +232,10 @@ def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
         cells = "  ".join(f"{table[r.version].get(bug, '-'):<{cell}}" for r in ordered)
         lines.append(_cut(f"{bug:<{name}}  {cells}".rstrip(), width))
     clean = first_clean(ordered)
-    if clean is None:
+    if clean is None and all(row.verdict is not ScanVerdict.AFFECTED for row in rows(ordered[-1])):
+        lines.append(f"no release can be named clean: on the newest scanned, deepspeed {ordered[-1].version}, every "
+                     "bug the config meets was CANNOT TELL or NOT APPLICABLE")  # fmt: skip
+    elif clean is None:
         lines.append(f"the newest release scanned, deepspeed {ordered[-1].version}, has a known bug this config hits")
     else:
         untold = sum(row.verdict is ScanVerdict.CANNOT_TELL for r in ordered if r.version == clean for row in rows(r))

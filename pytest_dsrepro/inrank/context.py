@@ -6,12 +6,14 @@ Set by the world's rank bootstrap (``worlds.rank.spawned_rank``) or, under an ex
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Absolute, as in ``inrank.perf``: ``dsrepro export`` inlines ``measured`` into standalone scripts.
 from pytest_dsrepro.core.outcome import Measurement
+from pytest_dsrepro.core.world_spec import accelerator_for
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,10 @@ class RankContext:
 
     @property
     def device(self) -> str:
-        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
+        """Where DeepSpeed puts this rank's engine, so where its data goes: ``cuda:LOCAL_RANK`` on the CUDA
+        accelerator (NCCL worlds, or the user's ``DS_ACCELERATOR=cuda``), else ``cpu``."""
+        cuda = accelerator_for(self.backend, os.environ) == "cuda"
+        return f"cuda:{self.local_rank}" if cuda else "cpu"
 
 
 _current: RankContext | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.scan_verdicts import REFUSED
 from . import context
 
 
@@ -30,10 +31,31 @@ class EngineFactory:
         deepspeed.init_distributed(dist_backend=context.current().backend)
         try:
             DeepSpeedConfig(self.config)
+            self._build_scheduler()
         except Exception as exc:
-            raise ConfigRejected(
-                f"DeepSpeed rejected ds_config [{self.config_name}]: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise ConfigRejected(f"{REFUSED} [{self.config_name}]: {type(exc).__name__}: {exc}") from exc
+
+    def _build_scheduler(self) -> None:
+        """Build the config's ``scheduler`` as ``deepspeed.initialize`` will (DeepSpeed's class of that name, with
+        the config's parameters), on a throwaway optimizer: DeepSpeed checks its parameters there, not in its
+        config classes (0.19.3 refuses ``warmup_num_steps`` 0, what Hugging Face's "auto" gives without warm-up)."""
+        import torch
+        from deepspeed.runtime import lr_schedules
+
+        scheduler = self.config.get("scheduler") or {}
+        kind = getattr(lr_schedules, str(scheduler.get("type")), None)
+        if kind is None:
+            return  # none, or torch's own (DeepSpeed passes the name on to torch.optim.lr_scheduler)
+        params = scheduler.get("params") or {}
+        # One group per value of a parameter given per group (a list), as the optimizer it is meant for has.
+        groups = max((len(v) for v in params.values() if isinstance(v, (list, tuple))), default=1)
+        weights = [torch.nn.Parameter(torch.zeros(1, device="cpu")) for _ in range(groups)]
+        try:
+            kind(torch.optim.SGD([{"params": [w]} for w in weights], lr=1e-3), **params)
+        except ValueError:
+            raise  # DeepSpeed's own check of a parameter's value: the config is refused whatever the optimizer
+        except Exception:  # noqa: BLE001 - it needs the real optimizer (momentum, groups): initialize will tell
+            return
 
     def __call__(self, model: Any = None, optimizer: Any = "auto", **initialize_kwargs: Any) -> Any:
         """Build and return a ``DeepSpeedEngine``.

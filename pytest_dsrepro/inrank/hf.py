@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import rank_device
+
 #: What the ``hf`` extra brings (pyproject.toml), by import name.
 HF_PACKAGES = ("transformers", "accelerate", "peft")
 
@@ -71,13 +73,17 @@ def tiny_model(model_type: str, task: str = "causal-lm", seed: int = 0, **overri
     by ``HfDeepSpeedConfig`` partitions it as it is built, as ``from_pretrained`` does."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     auto: dict[str, Any] = {
         "causal-lm": AutoModelForCausalLM,
         "sequence-classification": AutoModelForSequenceClassification,
     }
     torch.manual_seed(seed)
-    return auto[task].from_config(tiny_config(model_type, **overrides))
+    model = auto[task].from_config(tiny_config(model_type, **overrides))
+    if is_deepspeed_zero3_enabled():  # type: ignore[no-untyped-call]
+        return model  # partitioned as it was built: ZeRO-3 places its shards, and the engine gathers them
+    return model.to(rank_device())
 
 
 def save_tiny(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
@@ -89,22 +95,27 @@ def save_tiny(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> P
 
 def tiny_checkpoint(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, Any]]:
     """``save_tiny`` in a world: rank 0 writes, every rank waits for it, and each gets the path and the saved
-    tensors (read back with safetensors: the reference a repro compares loaded or gathered weights with)."""
+    tensors (read back with safetensors, on the rank's device: the reference a repro compares loaded or gathered
+    weights with)."""
     import torch
     from safetensors.torch import load_file
 
     if torch.distributed.get_rank() == 0:
         save_tiny(path, model_type, seed=seed, **overrides)
     torch.distributed.barrier()
-    return path, load_file(path / "model.safetensors")
+    return path, load_file(path / "model.safetensors", device=str(rank_device()))
 
 
-def token_batch(batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: int = 0, rank: int = 0) -> Any:
-    """``{"input_ids", "labels"}`` for a causal-LM step: different per rank, the same on every run."""
+def token_batch(
+    batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: int = 0, rank: int = 0, *, device: Any = None
+) -> Any:
+    """``{"input_ids", "labels"}`` for a causal-LM step: different per rank, the same on every run and device (drawn
+    on the CPU); on the rank's device unless ``device`` says otherwise."""
     import torch
 
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator, device="cpu")
+    ids = ids.to(device if device is not None else rank_device())
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -138,7 +149,8 @@ def train_with_trainer(model: Any, ds_config: dict[str, Any], output_dir: Path, 
         "disable_tqdm": True,
     }
     args = TrainingArguments(output_dir=str(output_dir), deepspeed=config, **{**defaults, **arguments})
-    rows = token_batch(micro * steps * args.gradient_accumulation_steps * 2, seed=11)
+    # On the CPU: the Trainer's data loader moves each batch to its device.
+    rows = token_batch(micro * steps * args.gradient_accumulation_steps * 2, seed=11, device="cpu")
     data = [{key: value[i] for key, value in rows.items()} for i in range(len(rows["input_ids"]))]
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()

@@ -25,6 +25,7 @@ from collections.abc import Callable
 # it follows the package's absolute imports only.
 from pytest_dsrepro.core.outcome import Measurement
 from pytest_dsrepro.inrank.context import measured
+from pytest_dsrepro.inrank.devices import rank_device
 
 
 class Slowdown(AssertionError):
@@ -38,7 +39,7 @@ def _least_of_world(seconds: float, reference_seconds: float) -> tuple[float, fl
 
     if not dist.is_initialized():
         return seconds, reference_seconds
-    both = torch.tensor([seconds, reference_seconds], dtype=torch.float64)
+    both = torch.tensor([seconds, reference_seconds], dtype=torch.float64, device=rank_device())  # NCCL: on the GPU
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return float(both[0]), float(both[1])
 

@@ -43,7 +43,8 @@ def run_in_world(
     (a test module, a ``conftest.py``, an importable module), or a method of a top-level class, which each rank calls
     on a fresh instance made without arguments (as pytest makes test classes). ``kwargs`` are pickled and sent; rank
     fixtures among them (``request.getfixturevalue("name")``) are set up in each rank, as are the rank fixtures named
-    in ``usefixtures``, before the call. A function that takes ``ds_rank`` or ``ds_world_size`` gets each rank's own.
+    in ``usefixtures``, before the call. A function that takes ``ds_rank``, ``ds_world_size`` or ``ds_device`` gets
+    each rank's own.
     ``backend``, ``timeout``, ``process_group`` and ``launcher_env`` are those of ``ds_world``.
 
     A rank that fails fails the caller with every rank's story (``WorldFailed``: in a fixture, the test errors at
@@ -106,12 +107,15 @@ def _importable(function: object, module_name: str, qualname: str, where: str) -
 
 
 def _rank_values(function: Callable[..., object]) -> dict[str, RankValue]:
-    """``ds_rank``/``ds_world_size`` for a function that takes them: each rank's own, as the body gets them."""
+    """``ds_rank``/``ds_world_size``/``ds_device`` for a function that takes them: each rank's own, as the body gets
+    them."""
     try:
         names = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return {}
-    return {name: RankValue(name.removeprefix("ds_")) for name in ("ds_rank", "ds_world_size") if name in names}
+    return {
+        name: RankValue(name.removeprefix("ds_")) for name in ("ds_rank", "ds_world_size", "ds_device") if name in names
+    }
 
 
 def _rank_fixtures(request: pytest.FixtureRequest, names: Sequence[str], where: str) -> tuple[RankFixture, ...]:

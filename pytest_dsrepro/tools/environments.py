@@ -15,6 +15,15 @@ from packaging.version import Version
 
 from ..core import versions
 
+#: Packages a release environment gets besides the plugin's (a repro's own needs, e.g. ``huggingface_hub``):
+#: requirement specifiers separated by spaces or commas; ``dsrepro scan --with`` sets it.
+EXTRA_PACKAGES_ENV = "DSREPRO_EXTRA_PACKAGES"
+
+
+def extra_packages(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The requirements ``$DSREPRO_EXTRA_PACKAGES`` asks every release environment to hold."""
+    return environ.get(EXTRA_PACKAGES_ENV, "").replace(",", " ").split()
+
 
 class EnvironmentUnavailable(Exception):
     """A release's environment could not be made (no such release, a failed build or import): the reason, one line."""
@@ -64,10 +73,10 @@ def release_environment(
     log_dir: Path | None = None,
 ) -> Callable[[Version], ReleaseEnv]:
     """The ``prepare`` step of a ``Prober``: one uv environment per release, kept in the cache and reused, holding
-    torch (pinned), that release (``install.install_deepspeed``) and this plugin as installed here
-    (``install.add_this_plugin``). A ``filelock`` per environment: two bisects (or a bisect and a benchmark) never
-    fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above,
-    else to a pin of the torch installed here.
+    torch (pinned), that release (``install.install_deepspeed``), this plugin as installed here
+    (``install.add_this_plugin``) and ``extra_packages`` under the same pins. A ``filelock`` per environment: two
+    bisects (or a bisect and a benchmark) never fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS``
+    or ``constraints.txt`` here or above, else to a pin of the torch installed here.
     """
     from filelock import FileLock
 
@@ -85,6 +94,10 @@ def release_environment(
             try:
                 env_python = install.environment_python(directory, python)
                 install.add_this_plugin(env_python, pins, log)
+                if extra_packages():
+                    install._Runner(env_python, log, echo=False).install(  # its one way to run uv pip
+                        f"installing {', '.join(extra_packages())}", ["-c", str(pins), *extra_packages()]
+                    )
             except install.InstallError as exc:
                 raise EnvironmentUnavailable(exc.reason) from None
             result = install.install_deepspeed(

@@ -44,6 +44,7 @@ FIXTURES = {
     "ds_config": "_config",
     "ds_rank": "rank",
     "ds_world_size": "world_size",
+    "ds_device": "device",
     "ds_variant": '"stock"',
 }
 #: What the script may import: the standard library, torch and DeepSpeed; and, for the repros of bugs met through

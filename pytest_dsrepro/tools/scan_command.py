@@ -106,8 +106,10 @@ def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
     """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
-    from .environments import EnvironmentUnavailable, release_environment
+    from .environments import EXTRA_PACKAGES_ENV, EnvironmentUnavailable, extra_packages, release_environment
 
+    if args.extra_packages:  # the environments read them from the variable, as bisect's and upstream's do
+        os.environ[EXTRA_PACKAGES_ENV] = " ".join([*extra_packages(), *args.extra_packages])
     prepare = prepare or release_environment(args.cache_dir, args.constraints)
     runs = []
     for release in releases:
@@ -145,6 +147,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)"
     )
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+    parser.add_argument(
+        "--with",
+        dest="extra_packages",
+        action="append",
+        default=[],
+        metavar="PACKAGE",
+        help="also install PACKAGE (a requirement, e.g. huggingface_hub) in each --release environment, for repros "
+        "that need it (repeatable; $DSREPRO_EXTRA_PACKAGES does the same for bisect and upstream)",
+    )
     parser.set_defaults(pytest_args=[])
 
 
@@ -167,6 +178,9 @@ def _run(args: argparse.Namespace) -> int:
         releases = [str(Version(r)) for r in args.release] + (read_releases(args.releases) if args.releases else [])
     except (ValueError, UpstreamError) as exc:
         raise ScanError(str(exc)) from None
+    if args.extra_packages and not releases:
+        raise ScanError(f"--with {' '.join(args.extra_packages)}: it installs into --release environments; here, "
+                        "install it in this environment yourself (pip install ...)")  # fmt: skip
     if not releases:
         return exit_code([scan_once(sys.executable, dict(os.environ), args, args.markdown)])
     runs = scan_releases(args, releases)

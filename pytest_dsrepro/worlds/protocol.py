@@ -236,10 +236,11 @@ def _placeholder_used(self: RankValue, *args: object) -> NoReturn:
 
 @dataclass(frozen=True, eq=False)
 class RankValue:
-    """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``).
+    """Placeholder sent in place of a fixture value that differs per rank (``ds_rank``, ``ds_world_size``,
+    ``ds_device``).
 
-    ``name`` is ``"rank"`` or ``"world_size"``. Any use as a number or a string (in a fixture, where it is not one
-    yet) raises, saying how to write it, instead of computing with the placeholder.
+    ``name`` is ``"rank"``, ``"world_size"`` or ``"device"``. Any use as a number or a string (in a fixture, where it
+    is not one yet) raises, saying how to write it, instead of computing with the placeholder.
     """
 
     name: str

@@ -43,7 +43,7 @@ def _arguments(
     kwargs: dict[str, Any], ctx: RankContext, stack: contextlib.ExitStack, setup: Sequence[fixtures.RankFixture]
 ) -> dict[str, Any]:
     """The body's arguments in this rank: per-rank values in place of their placeholders, rank fixtures set up."""
-    values = {"rank": ctx.rank, "world_size": ctx.world_size}
+    values = {"rank": ctx.rank, "world_size": ctx.world_size, "device": ctx.device}
 
     def substitute(v: Any) -> Any:
         return values[v.name] if isinstance(v, RankValue) else v

@@ -196,7 +196,8 @@ def _engine_steps() -> None:
             for preset in PRESETS:
                 config = configs.resolve(preset, preset, 1, "gloo").config
                 engine = EngineFactory(config, preset)(model=tiny_mlp(), optimizer="adam")
-                x, y = make_batch(config["train_micro_batch_size_per_gpu"])
+                # On the engine's device: a CUDA fork server's engine is on the GPU, whatever this group's backend.
+                x, y = make_batch(config["train_micro_batch_size_per_gpu"], device=engine.device)
                 engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                 engine.step()
     finally:  # DeepSpeed's CPU allreduce left a 66 MiB buffer for this 1-rank world in /dev/shm
