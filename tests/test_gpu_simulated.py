@@ -175,9 +175,9 @@ def test_a_hung_nccl_world_ends_with_stacks_and_flight_recorder(
     out = result.stdout.str()
     for rank in (0, 1):
         assert (
-            f"rank {rank}: hung: still running when the 4s world timeout expired; NCCL flight recorder (dumped by "
-            "torch's watchdog at the collective's timeout): 2 collectives recorded; not completed: nccl:all_reduce #2 "
-            f"started (sizes [[4]]); dump {kept[rank]}"
+            f"rank {rank}: hung: still running when the 4s world timeout expired; NCCL flight recorder: 2 collectives "
+            f"recorded; not completed: nccl:all_reduce #2 started (sizes [[4]]); dump {kept[rank]} (dumped by torch's "
+            "watchdog at the collective's timeout)"
         ) in out
     result.stdout.fnmatch_lines(["---- rank 0: Python stacks when hung ----", "*", "*line 9 in test_hangs"])
     assert "nccl_recorder.py" not in out  # the thread that dumps the flight recorder is the harness's
@@ -248,6 +248,34 @@ def test_a_reuse_class_keeps_its_nccl_ranks_communicator_and_lease_until_a_test_
     both = leases.try_lease([Gpu(i, u, "") for i, u in enumerate(gpus.uuids)], 2, leases.lease_dir(cache), "check")
     assert both is not None  # the last world's lease was given back with its world
     both.release()
+
+
+TIMED_OUT = """
+import os
+import time
+
+import pytest
+
+PIDS = []  # the module lives as long as its ranks
+
+
+@pytest.mark.ds_world(backend="nccl", reuse=True, timeout=4)
+class TestKept:
+    def test_1_outlives_its_groups_timeout(self, ds_rank):
+        PIDS.append(os.getpid())
+        time.sleep(3.5)  # past the process group's 3s: the simulated watchdog dumps, the test still passes
+
+    def test_2_gets_new_ranks(self, ds_rank):
+        assert not PIDS
+"""
+
+
+def test_an_nccl_world_whose_watchdog_dumped_is_not_kept(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    pytester.makepyfile(TIMED_OUT)
+    run().assert_outcomes(passed=2)
 
 
 BUSY = """

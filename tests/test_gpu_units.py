@@ -252,9 +252,9 @@ def test_torchs_watchdog_dump_is_kept_and_named_before_the_ranks_own(tmp_path: P
     nccl_diagnostics.wait_for_dumps(world, [0], timeout=0)
     told = nccl_diagnostics.keep_dumps(world, [0], keep)
     assert told[0] == (
-        "NCCL flight recorder (dumped by torch's watchdog at the collective's timeout): 3 collectives recorded; not "
-        "completed: nccl:broadcast #8 started (sizes [[4, 4]]), nccl:send 0->1 #3 scheduled (sizes [[16]]); dump "
-        f"{keep / 'nccl-trace-rank-0'}"
+        "NCCL flight recorder: 3 collectives recorded; not completed: nccl:broadcast #8 started (sizes [[4, 4]]), "
+        f"nccl:send 0->1 #3 scheduled (sizes [[16]]); dump {keep / 'nccl-trace-rank-0'} (dumped by torch's watchdog "
+        "at the collective's timeout)"
     )
 
 
@@ -284,9 +284,9 @@ def test_a_hung_ranks_flight_recorder_is_asked_for_kept_and_summarised(
         "did not answer)"
     )
     assert told[1] == (
-        "NCCL flight recorder (dumped on request by the rank's Python thread): 3 collectives recorded; not completed: "
-        "nccl:broadcast #8 started (sizes [[8]]), nccl:all_gather #9 scheduled (sizes [[2]]); dump "
-        f"{keep / 'nccl-trace-rank-1.requested'}"
+        "NCCL flight recorder: 3 collectives recorded; not completed: nccl:broadcast #8 started (sizes [[8]]), "
+        f"nccl:all_gather #9 scheduled (sizes [[2]]); dump {keep / 'nccl-trace-rank-1.requested'} (dumped on request "
+        "by the rank's Python thread)"
     )
 
 

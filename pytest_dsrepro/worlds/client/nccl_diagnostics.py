@@ -139,5 +139,5 @@ def keep_dumps(workdir: Path, ranks: list[int], keep: Path) -> dict[int, str]:
         keep.mkdir(parents=True, exist_ok=True)
         kept = keep / source.name
         shutil.copyfile(source, kept)
-        told[rank] = f"NCCL flight recorder ({how}): {summary(kept.read_bytes())}; dump {kept}"
+        told[rank] = f"NCCL flight recorder: {summary(kept.read_bytes())}; dump {kept} ({how})"
     return told
