@@ -158,30 +158,18 @@ def _patch_distributed(dist: types.ModuleType) -> None:
                 raise RuntimeError(f"device_id {device} is not the current device {torch.cuda.current_device()}")
             backend = "gloo"
             if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
-                _Watched.timeout = kwargs["timeout"].total_seconds()
-                _watchdog(dist, int(kwargs["rank"]))
+                _watchdog(dist, int(kwargs["rank"]), kwargs["timeout"].total_seconds())
         return original(backend, *args, **kwargs)
-
-    set_timeout = dist.distributed_c10d._set_pg_timeout
-
-    def set_pg_timeout(timeout: Any, group: Any = None) -> None:
-        _Watched.timeout = timeout.total_seconds()
-        set_timeout(timeout, group)
-
-    dist.distributed_c10d._set_pg_timeout = set_pg_timeout
 
     dist.init_process_group = init_process_group  # type: ignore[attr-defined]
     dist.distributed_c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
 
 
-class _Watched:
-    timeout = 0.0  # the simulated NCCL group's timeout, in seconds (``_watchdog``)
-
-
-def _watchdog(dist: types.ModuleType, rank: int) -> None:
+def _watchdog(dist: types.ModuleType, rank: int, timeout: float) -> None:
     """torch's watchdog, as far as its dump goes: a thread (C++ in torch) that writes the flight recorder once a test
-    has run for the group's timeout (read at each test: a kept rank sets it again). A test starts when the dump's
-    prefix changes (each test's world has its own directory)."""
+    has run for the group's timeout. A test starts when the dump's prefix changes (each test's world has its own
+    directory: a kept rank's next test sets another)."""
+    import math
     import pickle
     import threading
     import time
@@ -193,11 +181,9 @@ def _watchdog(dist: types.ModuleType, rank: int) -> None:
             now = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
             if now != prefix:
                 prefix, since = now, time.monotonic()
-            if not prefix or not dist.is_initialized():
-                continue
-            if time.monotonic() - since > _Watched.timeout:
+            elif prefix and dist.is_initialized() and time.monotonic() - since > timeout:
                 Path(f"{prefix}{rank}").write_bytes(pickle.dumps(FLIGHT_RECORDER))
-                prefix = None
+                since = math.inf  # once a test
 
     threading.Thread(target=watch, name="sim-nccl-watchdog", daemon=True).start()
 

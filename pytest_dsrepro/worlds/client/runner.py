@@ -143,7 +143,8 @@ class WorldRunner:
         """The GPUs of an NCCL world. A kept NCCL world (``reuse=True``) holds its lease for its life: the next test
         of its scope and size runs on it; the next NCCL world of another, on the server that ends the kept world as
         it starts this one, takes it over when it needs as many GPUs, and otherwise leases its own once it is given
-        back (a gloo world runs on another server and leaves the kept world, and its lease, alone)."""
+        back (the kept ranks then live unleased for the moment it takes the server to end them); a gloo world runs on
+        another server and leaves the kept world, and its lease, alone."""
         kept = self._kept_lease
         if kept is not None and len(kept.gpus) == size:
             self._kept_lease = None

@@ -1,6 +1,6 @@
-"""Runs in a rank of an NCCL world: the process group's timeout just under the harness's deadline, so that torch's
-own watchdog dumps NCCL's flight recorder before the harness stops the rank, and a second source, a thread that
-dumps it when the pytest process asks (``client.nccl_diagnostics`` says why, and reads the dumps).
+"""Runs in a rank of an NCCL world: the process group's timeout, before the harness's deadline, so that torch's own
+watchdog dumps NCCL's flight recorder before the harness stops the rank, and a second source, a thread that dumps it
+when the pytest process asks (``client.nccl_diagnostics`` says why, and reads the dumps).
 
 The two sources differ in what they need from the rank. torch's watchdog and its monitor are C++ threads: on a
 collective's timeout they write the dump (``TORCH_FR_DUMP_TEMP_FILE``) without the rank's Python, the main thread

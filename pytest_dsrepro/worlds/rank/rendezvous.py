@@ -71,8 +71,8 @@ def own_master_port(store: Any, rank: int, timeout: float) -> tuple[int, Any]:
 
 
 def init_default_group(backend: str, store: Any, rank: int, world_size: int, timeout: float) -> None:
-    """The world's default process group; a kept NCCL rank's, made for an earlier test of its scope, is kept (its
-    communicator is what a kept NCCL world saves), with this test's timeout."""
+    """The world's default process group; a kept NCCL rank's, made for an earlier test of its scope (same size,
+    backend and timeout), is kept: its communicator is what a kept NCCL world saves."""
     import torch
     import torch.distributed as dist
 
@@ -80,7 +80,6 @@ def init_default_group(backend: str, store: Any, rank: int, world_size: int, tim
     if backend == "nccl":
         timeout = nccl_recorder.process_group_timeout(timeout)  # torch's watchdog dumps before the harness's deadline
         if dist.is_initialized():
-            dist.distributed_c10d._set_pg_timeout(_timeout(timeout))
             return
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
