@@ -88,7 +88,7 @@ def test_nccl_world(ds_rank):
     assert len(visible) == 2 and torch.cuda.device_count() == 2
     assert torch.cuda.current_device() == ds_rank
     assert "GPU-" + torch.cuda.get_device_properties(ds_rank).uuid == visible[ds_rank]
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # the harness, not NCCL, ends a hang
     accelerator = deepspeed().accelerator.get_accelerator()
     assert (accelerator.device_name(), accelerator.communication_backend_name()) == ("cuda", "nccl")
     t = torch.ones(1)
@@ -176,10 +176,106 @@ def test_a_hung_nccl_world_ends_with_stacks_and_flight_recorder(
     for rank in (0, 1):
         assert (
             f"rank {rank}: hung: still running when the 4s world timeout expired; NCCL flight recorder: 2 collectives "
-            f"recorded; not completed: nccl:all_reduce #2 started (sizes [[4]]); dump {kept[rank]}"
+            f"recorded; not completed: nccl:all_reduce #2 started (sizes [[4]]); dump {kept[rank]} (dumped by torch's "
+            "watchdog at the collective's timeout)"
         ) in out
     result.stdout.fnmatch_lines(["---- rank 0: Python stacks when hung ----", "*", "*line 9 in test_hangs"])
     assert "nccl_recorder.py" not in out  # the thread that dumps the flight recorder is the harness's
+
+
+KEPT = """
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from filelock import FileLock, Timeout
+
+SEEN = {}  # the module lives as long as its ranks
+
+
+def lease_holder():
+    leases = Path(os.environ["DSREPRO_CACHE_DIR"]) / "gpu-leases"
+    lock = FileLock(str(leases / f"GPU-{os.environ['DSREPRO_SIM_UUID']}-0000-4000-8000-000000000000.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return (leases / f"GPU-{os.environ['DSREPRO_SIM_UUID']}-0000-4000-8000-000000000000.holder").read_text()
+    lock.release()
+    return None
+
+
+def all_reduce():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+@pytest.mark.ds_world(backend="nccl", reuse=True, timeout=120)
+class TestKept:
+    def test_1(self, ds_rank):
+        all_reduce()
+        SEEN["pid"], SEEN["group"] = os.getpid(), dist.group.WORLD
+        assert "TestKept.test_1" in lease_holder()
+
+    def test_2_same_ranks_group_and_lease(self, ds_rank):
+        assert os.getpid() == SEEN["pid"]
+        assert dist.group.WORLD is SEEN["group"]  # the communicator is kept, not made again
+        assert "TestKept.test_1" in lease_holder()  # the lease taken for the first test, held since
+        all_reduce()
+
+    def test_3_fails(self, ds_rank):
+        assert os.getpid() == SEEN["pid"]
+        assert ds_rank == 1, "a failure ends the kept world"
+
+    def test_4_new_ranks(self, ds_rank):
+        assert "pid" not in SEEN  # a new process: the module was imported again
+        assert "TestKept.test_4_new_ranks" in lease_holder()
+        all_reduce()
+"""
+
+
+def test_a_reuse_class_keeps_its_nccl_ranks_communicator_and_lease_until_a_test_fails(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    pytester.makepyfile(KEPT)
+    result = run("-v")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_3_fails*FAILED*", "*a failure ends the kept world*"])
+    both = leases.try_lease([Gpu(i, u, "") for i, u in enumerate(gpus.uuids)], 2, leases.lease_dir(cache), "check")
+    assert both is not None  # the last world's lease was given back with its world
+    both.release()
+
+
+TIMED_OUT = """
+import os
+import time
+
+import pytest
+
+PIDS = []  # the module lives as long as its ranks
+
+
+@pytest.mark.ds_world(backend="nccl", reuse=True, timeout=4)
+class TestKept:
+    def test_1_outlives_its_groups_timeout(self, ds_rank):
+        PIDS.append(os.getpid())
+        time.sleep(3.5)  # past the process group's 3s: the simulated watchdog dumps, the test still passes
+
+    def test_2_gets_new_ranks(self, ds_rank):
+        assert not PIDS
+"""
+
+
+def test_an_nccl_world_whose_watchdog_dumped_is_not_kept(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    pytester.makepyfile(TIMED_OUT)
+    run().assert_outcomes(passed=2)
 
 
 BUSY = """

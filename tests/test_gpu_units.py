@@ -185,18 +185,77 @@ def test_xdist_workers_never_share_a_gpu(pytester: pytest.Pytester, monkeypatch:
 # ---- NCCL diagnostics -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world", [1.0, 300.0, 1800.0])
-def test_nccl_waits_longer_than_the_world(world: float) -> None:
-    assert nccl_recorder.process_group_timeout(world) >= world + nccl_recorder.MARGIN
+@pytest.mark.parametrize("world", [1.0, 15.0, 300.0, 1800.0])
+def test_an_nccl_collective_times_out_before_the_world_with_time_left_to_dump(world: float) -> None:
+    timeout = nccl_recorder.process_group_timeout(world)
+    assert world / 2 < timeout <= world * 0.75  # torch's watchdog dumps a hang that began in the first quarter
 
 
 def test_nccl_ranks_get_diagnostics_unless_the_user_chose(tmp_path: Path) -> None:
-    given = nccl_diagnostics.environment(tmp_path, {"NCCL_DEBUG": "INFO"})
-    assert given["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    given = nccl_diagnostics.environment(tmp_path, {"NCCL_DEBUG": "INFO", "TORCH_INCLUDE_STACK_TRACE": "1"}, 15.0)
+    assert given["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # a timeout neither aborts nor ends the rank
     assert given["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert given["TORCH_NCCL_ENABLE_MONITORING"] == "1"  # the thread that dumps on a timeout
+    assert int(given["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) > 15.0  # ... and kills only after the harness's deadline
     assert int(given["TORCH_FR_BUFFER_SIZE"]) > 0
     assert given[workdir.NCCL_TRACE_FILE] == str(tmp_path / workdir.NCCL_TRACE_PREFIX)
     assert "NCCL_DEBUG" not in given
+    assert "TORCH_INCLUDE_STACK_TRACE" not in given
+
+
+#: A flight recorder dump with the keys torch 2.13 writes (``FlightRecorder.cpp``): a completed all-reduce, a
+#: broadcast that started and never finished, a send (point to point: numbered by ``p2p_seq_id``) still scheduled.
+TORCH_DUMP = {
+    "version": "2.10",
+    "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+    "pg_status": {"0": {"last_enqueued_collective": 8, "last_started_collective": 8, "last_completed_collective": 7}},
+    "entries": [
+        {
+            "record_id": i,
+            "pg_id": 0,
+            "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq,
+            "p2p_seq_id": p2p,
+            "op_id": i + 1,
+            "profiling_name": name,
+            "time_created_ns": 1_700_000_000_000_000_000 + i,
+            "input_sizes": sizes,
+            "input_dtypes": ["Float"],
+            "output_sizes": sizes,
+            "output_dtypes": ["Float"],
+            "state": state,
+            "time_discovered_started_ns": None,
+            "time_discovered_completed_ns": None,
+            "retired": state == "completed",
+            "timeout_ms": 11250,
+            "is_p2p": p2p > 0,
+            "frames": [],
+        }
+        for i, (name, seq, p2p, sizes, state) in enumerate(
+            [
+                ("nccl:all_reduce", 7, 0, [[1024]], "completed"),
+                ("nccl:broadcast", 8, 0, [[4, 4]], "started"),
+                ("nccl:send 0->1", 0, 3, [[16]], "scheduled"),
+            ]
+        )
+    ],
+}
+
+
+def test_torchs_watchdog_dump_is_kept_and_named_before_the_ranks_own(tmp_path: Path) -> None:
+    world, keep = tmp_path / "world", tmp_path / "kept"
+    world.mkdir()
+    assert not nccl_diagnostics.watchdog_dumped(world)
+    workdir.nccl_dump_file(world, 0).write_bytes(pickle.dumps(TORCH_DUMP))  # as torch's watchdog writes it
+    workdir.nccl_requested_file(world, 0).write_bytes(pickle.dumps(RECORDER))  # the rank's thread answered too
+    assert nccl_diagnostics.watchdog_dumped(world)
+    nccl_diagnostics.wait_for_dumps(world, [0], timeout=0)
+    told = nccl_diagnostics.keep_dumps(world, [0], keep)
+    assert told[0] == (
+        "NCCL flight recorder: 3 collectives recorded; not completed: nccl:broadcast #8 started (sizes [[4, 4]]), "
+        f"nccl:send 0->1 #3 scheduled (sizes [[16]]); dump {keep / 'nccl-trace-rank-0'} (dumped by torch's watchdog "
+        "at the collective's timeout)"
+    )
 
 
 RECORDER = {
@@ -216,14 +275,18 @@ def test_a_hung_ranks_flight_recorder_is_asked_for_kept_and_summarised(
     monkeypatch.setenv(workdir.NCCL_TRACE_FILE, str(world / workdir.NCCL_TRACE_PREFIX))
     nccl_recorder.serve_dump_request(1, dump=lambda: pickle.dumps(RECORDER), poll=0.01)
     time.sleep(0.05)
-    assert not workdir.nccl_dump_file(world, 1).exists()  # nothing until the harness asks
+    assert not workdir.nccl_requested_file(world, 1).exists()  # nothing until the harness asks
     nccl_diagnostics.request_dumps(world)
     nccl_diagnostics.wait_for_dumps(world, [1], timeout=10)
     told = nccl_diagnostics.keep_dumps(world, [0, 1], keep)
-    assert told[0] == "NCCL flight recorder: no dump (the rank did not answer)"
+    assert told[0] == (
+        "NCCL flight recorder: no dump (no collective of the rank had reached torch's timeout, and its Python thread "
+        "did not answer)"
+    )
     assert told[1] == (
         "NCCL flight recorder: 3 collectives recorded; not completed: nccl:broadcast #8 started (sizes [[8]]), "
-        f"nccl:all_gather #9 scheduled (sizes [[2]]); dump {keep / 'nccl-trace-rank-1'}"
+        f"nccl:all_gather #9 scheduled (sizes [[2]]); dump {keep / 'nccl-trace-rank-1.requested'} (dumped on request "
+        "by the rank's Python thread)"
     )
 
 

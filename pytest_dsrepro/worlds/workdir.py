@@ -52,12 +52,14 @@ def stack_file(workdir: Path, rank: int) -> Path:
     return workdir / f"stack-{rank}.txt"
 
 
-#: torch's variable naming where its NCCL flight recorder dumps (``<prefix><rank>``; torch 2.13's name, once
-#: TORCH_NCCL_DEBUG_INFO_TEMP_FILE): an NCCL world's is a prefix in its directory.
+#: torch's variable naming where its NCCL flight recorder dumps on a timeout (``<prefix><rank>``; torch 2.13's name,
+#: once TORCH_NCCL_DEBUG_INFO_TEMP_FILE): an NCCL world's is a prefix in its directory.
 NCCL_TRACE_FILE = "TORCH_FR_DUMP_TEMP_FILE"
 NCCL_TRACE_PREFIX = "nccl-trace-rank-"
 #: The file whose existence asks an NCCL world's ranks for their flight recorder.
 NCCL_REQUEST = "nccl-trace-request"
+#: What a rank's own thread writes when asked, beside torch's dump (``<prefix><rank><suffix>``).
+NCCL_REQUESTED_SUFFIX = ".requested"
 
 
 def nccl_request_file(workdir: Path) -> Path:
@@ -65,7 +67,13 @@ def nccl_request_file(workdir: Path) -> Path:
 
 
 def nccl_dump_file(workdir: Path, rank: int) -> Path:
+    """Where torch's watchdog dumps rank ``rank``'s flight recorder on a collective's timeout."""
     return workdir / f"{NCCL_TRACE_PREFIX}{rank}"
+
+
+def nccl_requested_file(workdir: Path, rank: int) -> Path:
+    """Where rank ``rank``'s own thread dumps it when the harness asks (``rank.nccl_recorder``)."""
+    return workdir / f"{NCCL_TRACE_PREFIX}{rank}{NCCL_REQUESTED_SUFFIX}"
 
 
 def read_text(path: Path) -> str:

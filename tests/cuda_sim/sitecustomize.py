@@ -14,7 +14,10 @@ own Python code runs on them, so what counts, names and binds devices is torch's
   ``device_id`` is its current device;
 - ``/dev/nvidia0`` exists for pytest-dsrepro's device-node check (``worlds.device_nodes.DEVICE_DIR``; in a pytest
   process through ``dsrepro_cuda_sim``, a plugin this module names in ``PYTEST_PLUGINS``);
-- the NCCL flight recorder (``_dump_nccl_trace``) holds one unfinished all-reduce (``FLIGHT_RECORDER``);
+- the NCCL flight recorder (``_dump_nccl_trace``) holds one unfinished all-reduce (``FLIGHT_RECORDER``); torch's
+  watchdog is simulated where its dump on a timeout is asked for (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``): a test of an
+  NCCL group that outlives the group's timeout finds the recorder dumped at ``TORCH_FR_DUMP_TEMP_FILE<rank>``, as
+  torch writes it (``_watchdog``; torch dumps only for a collective that timed out, the simulation for any test);
 - ``DSREPRO_SIM_UNGUARDED=1``: importing DeepSpeed with its CUDA accelerator initialises CUDA, as releases before
   0.19.8 do (0.19.8 itself, the test environment's, guards its import);
 - ``DSREPRO_SIM_NVCC=1``: a ``nvcc`` on ``PATH`` and ``CUDA_HOME`` for DeepSpeed's import-time op checks, which read
@@ -154,10 +157,35 @@ def _patch_distributed(dist: types.ModuleType) -> None:
             if device is not None and device.index != torch.cuda.current_device():
                 raise RuntimeError(f"device_id {device} is not the current device {torch.cuda.current_device()}")
             backend = "gloo"
+            if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+                _watchdog(dist, int(kwargs["rank"]), kwargs["timeout"].total_seconds())
         return original(backend, *args, **kwargs)
 
     dist.init_process_group = init_process_group  # type: ignore[attr-defined]
     dist.distributed_c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
+
+
+def _watchdog(dist: types.ModuleType, rank: int, timeout: float) -> None:
+    """torch's watchdog, as far as its dump goes: a thread (C++ in torch) that writes the flight recorder once a test
+    has run for the group's timeout. A test starts when the dump's prefix changes (each test's world has its own
+    directory: a kept rank's next test sets another)."""
+    import math
+    import pickle
+    import threading
+    import time
+
+    def watch() -> None:
+        prefix, since = None, time.monotonic()
+        while True:
+            time.sleep(0.05)
+            now = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+            if now != prefix:
+                prefix, since = now, time.monotonic()
+            elif prefix and dist.is_initialized() and time.monotonic() - since > timeout:
+                Path(f"{prefix}{rank}").write_bytes(pickle.dumps(FLIGHT_RECORDER))
+                since = math.inf  # once a test
+
+    threading.Thread(target=watch, name="sim-nccl-watchdog", daemon=True).start()
 
 
 def _patch_deepspeed(deepspeed: types.ModuleType) -> None:

@@ -1,16 +1,17 @@
 """Runs in the pytest process: NCCL worlds that fail loudly. The harness, not NCCL, ends a hang, and says where each
-rank was.
+rank was and which collective it had not finished.
 
-- The process group's timeout is longer than the world's deadline (``rank.nccl_recorder.process_group_timeout``): at
-  the deadline the harness dumps every rank's Python stack and NCCL's flight recorder, then kills the world. An NCCL
-  timeout first would abort the ranks with nothing but "Watchdog caught collective operation timeout".
-- Each rank gets NCCL's diagnostics (``environment``, a user's own values win): async error handling (a failed or
-  aborted communicator ends the rank instead of leaving it waiting), the flight recorder (the last collectives of
-  every process group, with their state), its dump on an NCCL timeout into the world's directory, NCCL's warnings.
-- At the deadline the harness asks for the flight recorder (``request_dumps``): a thread of each rank
-  (``rank.nccl_recorder.serve_dump_request``) writes it where NCCL would on a timeout; the pytest process keeps the
-  files (``keep_dumps``) before the world's directory is discarded and summarises each rank's unfinished collectives
-  in its story. A torch build without the flight recorder (a CPU build) says so instead.
+- Each rank gets NCCL's diagnostics (``environment``, a user's own values win): the flight recorder (the last
+  collectives of every process group, with their state), its dump on a collective's timeout into the world's
+  directory by torch's own C++ threads, no error handling that ends the rank (the harness does), no monitor that
+  kills it before the harness's deadline, NCCL's warnings.
+- A collective's timeout is three quarters of the world's (``rank.nccl_recorder.process_group_timeout``): a hang
+  that started early enough is past it before the deadline, and torch's watchdog has dumped the flight recorder
+  without the rank's Python, a main thread stuck in a CUDA call included.
+- At the deadline the harness also asks each rank's own thread (``rank.nccl_recorder.serve_dump_request``, the
+  second source, which needs the GIL), waits a little for either dump, keeps them (``keep_dumps``) before the
+  world's directory is discarded, and summarises each rank's unfinished collectives in its story, naming the source.
+  A torch build without the flight recorder (a CPU build) says so instead.
 """
 
 from __future__ import annotations
@@ -24,20 +25,32 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..workdir import NCCL_TRACE_FILE, NCCL_TRACE_PREFIX, nccl_dump_file, nccl_request_file
+from ..workdir import NCCL_TRACE_FILE, NCCL_TRACE_PREFIX, nccl_dump_file, nccl_request_file, nccl_requested_file
 
 #: How long the pytest process waits for the ranks' dumps once asked.
 DUMP_WAIT = 5.0
 #: Entries of the flight recorder's ring buffer (0 turns it off; torch 2.13's name, once TORCH_NCCL_TRACE_BUFFER_SIZE).
 TRACE_BUFFER = ("TORCH_FR_BUFFER_SIZE", "2000")
+#: How much longer than the world's timeout torch's monitor thread waits before it ends a rank (after a dump, or
+#: when its watchdog stops beating): never before the harness has taken the rank's stack.
+MONITOR_MARGIN = 60.0
 
 
-def environment(workdir: Path, environ: Mapping[str, str]) -> dict[str, str]:
-    """What an NCCL world's ranks get on top of ``environ``, which keeps what it sets itself."""
+def environment(workdir: Path, environ: Mapping[str, str], timeout: float) -> dict[str, str]:
+    """What the ranks of an NCCL world of ``timeout`` seconds get on top of ``environ``, which keeps what it sets.
+
+    torch 2.13's names (``ProcessGroupNCCL.hpp``, ``FlightRecorder.hpp``): no error handling (0: a timed-out
+    collective is logged and dumped, the communicator neither aborted nor the process torn down), the flight
+    recorder dumped on a timeout (by the monitor thread, which must be on) without the collectives' Python stacks
+    (symbolising them takes the GIL), into the world's directory; the monitor's kill after a dump or a stuck watchdog
+    only past the harness's deadline."""
     wanted = {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
         TRACE_BUFFER[0]: TRACE_BUFFER[1],
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(timeout + MONITOR_MARGIN)),
+        "TORCH_INCLUDE_STACK_TRACE": "0",
         NCCL_TRACE_FILE: str(workdir / NCCL_TRACE_PREFIX),
         "NCCL_DEBUG": "WARN",
     }
@@ -58,9 +71,24 @@ def request_dumps(workdir: Path) -> None:
     nccl_request_file(workdir).touch()
 
 
+def watchdog_dumped(workdir: Path) -> bool:
+    """Did torch's watchdog dump a rank's flight recorder: one of its collectives timed out."""
+    return any(workdir.glob(f"{NCCL_TRACE_PREFIX}*[0-9]"))
+
+
+def _dump_of(workdir: Path, rank: int) -> tuple[Path, str] | None:
+    """A rank's dump and its source: torch's watchdog's first, else its own thread's."""
+    watchdog, requested = nccl_dump_file(workdir, rank), nccl_requested_file(workdir, rank)
+    if watchdog.exists():
+        return watchdog, "dumped by torch's watchdog at the collective's timeout"
+    if requested.exists():
+        return requested, "dumped on request by the rank's Python thread"
+    return None
+
+
 def wait_for_dumps(workdir: Path, ranks: list[int], timeout: float = DUMP_WAIT) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(nccl_dump_file(workdir, r).exists() for r in ranks):
+    while time.monotonic() < deadline and not all(_dump_of(workdir, r) for r in ranks):
         time.sleep(0.05)
 
 
@@ -72,7 +100,8 @@ class _Builtins(pickle.Unpickler):
 
 
 def summary(data: bytes) -> str:
-    """One line about a rank's flight recorder: its collectives that had not completed, oldest first."""
+    """One line about a rank's flight recorder (torch's format: ``entries``, each with its ``profiling_name``, sequence
+    number, ``input_sizes`` and ``state``): its collectives that had not completed, oldest first."""
     try:
         dump = _Builtins(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 - a dump we cannot read is still kept as a file
@@ -86,8 +115,8 @@ def summary(data: bytes) -> str:
     if not pending:
         return f"{len(entries)} collectives recorded, all completed"
     shown = ", ".join(
-        f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} {e.get('state', '?')}"
-        f" (sizes {e.get('input_sizes', '?')})"
+        f"{e.get('profiling_name', '?')} #{e.get('p2p_seq_id' if e.get('is_p2p') else 'collective_seq_id', '?')}"
+        f" {e.get('state', '?')} (sizes {e.get('input_sizes', '?')})"
         for e in pending[:3]
     )
     more = f" and {len(pending) - 3} more" if len(pending) > 3 else ""
@@ -96,15 +125,19 @@ def summary(data: bytes) -> str:
 
 def keep_dumps(workdir: Path, ranks: list[int], keep: Path) -> dict[int, str]:
     """Copy the ranks' dumps out of the world's directory (discarded when it is reaped) into ``keep``; for each rank,
-    a line for its story: where its dump is and what it says, or that it wrote none."""
+    a line for its story: where its dump is, which source wrote it and what it says, or that there is none."""
     told = {}
     for rank in ranks:
-        source = nccl_dump_file(workdir, rank)
-        if not source.exists():
-            told[rank] = "NCCL flight recorder: no dump (the rank did not answer)"
+        found = _dump_of(workdir, rank)
+        if found is None:
+            told[rank] = (
+                "NCCL flight recorder: no dump (no collective of the rank had reached torch's timeout, and its Python "
+                "thread did not answer)"
+            )
             continue
+        source, how = found
         keep.mkdir(parents=True, exist_ok=True)
         kept = keep / source.name
         shutil.copyfile(source, kept)
-        told[rank] = f"NCCL flight recorder: {summary(kept.read_bytes())}; dump {kept}"
+        told[rank] = f"NCCL flight recorder: {summary(kept.read_bytes())}; dump {kept} ({how})"
     return told

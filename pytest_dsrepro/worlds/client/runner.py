@@ -50,6 +50,7 @@ class WorldRunner:
         self.servers: dict[str, ForkServer] = {}  # accelerator -> its fork server
         self.warm_ahead = True  # ``plan``
         self._gpus: tuple[Gpu, ...] | None = None
+        self._kept_lease: leases.Lease | None = None  # the GPUs of the NCCL world its server keeps
         self._ids = itertools.count(1)
 
     def gpus(self) -> tuple[Gpu, ...]:
@@ -101,11 +102,13 @@ class WorldRunner:
     def run(self, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
         """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.warm``, starts warm); ``reuse``: the
         test's reuse scope (``Spawn.reuse``): ranks kept from its previous test may run it. An NCCL world
-        runs on GPUs leased for it alone; ``leases.Busy`` when none came free within ``gpu_wait``."""
+        runs on GPUs leased for it alone (``_nccl_lease``); ``leases.Busy`` when none came free within ``gpu_wait``."""
         server = self.server_for(job.backend)
-        lease = self._lease(job, size) if job.backend == "nccl" else None
+        nccl = job.backend == "nccl"
+        lease = self._nccl_lease(job, size) if nccl else None
         cold = job.warm and not self.warm_ahead
         job = dataclasses.replace(job, warm=job.warm and self.warm_ahead)
+        world = None
         try:
             server.start(job.warm)
             if not server.alive:
@@ -119,20 +122,41 @@ class WorldRunner:
                 job.timeout,
                 failure_grace=self.failure_grace,
                 stack_dump_wait=self.stack_dump_wait,
-                reuse=reuse if job.backend != "nccl" else None,  # an NCCL world's GPUs are leased for it alone
-                flight_recorder=self._flight_recorder() if job.backend == "nccl" else None,
+                reuse=reuse,
+                flight_recorder=self._flight_recorder() if nccl else None,
             )
             seen = {**os.environ, **(lease.environ() if lease else {})}
-            if job.backend == "nccl":
-                seen.update(nccl_diagnostics.environment(world.workdir, os.environ))
+            if nccl:
+                seen.update(nccl_diagnostics.environment(world.workdir, os.environ, job.timeout))
             job = dataclasses.replace(job, environ=EnvironChanges.between(server.environ, seen))
             try:
                 return world.run(job)
             finally:
                 server.noted_preload(world.preloaded or (NOT_WARMED if cold else None), world.fork_hazard)
         finally:
-            if lease is not None:
+            if lease is not None and world is not None and world.kept:
+                self._kept_lease = lease
+            elif lease is not None:
                 lease.release()
+
+    def _nccl_lease(self, job: RankJob, size: int) -> leases.Lease:
+        """The GPUs of an NCCL world. A kept NCCL world (``reuse=True``) holds its lease for its life: the next test
+        of its scope and size runs on it; the next NCCL world of another, on the server that ends the kept world as
+        it starts this one, takes it over when it needs as many GPUs, and otherwise leases its own once it is given
+        back (the kept ranks then live unleased for the moment it takes the server to end them); a gloo world runs on
+        another server and leaves the kept world, and its lease, alone."""
+        kept = self._kept_lease
+        if kept is not None and len(kept.gpus) == size:
+            self._kept_lease = None
+            return kept
+        self._release_kept_lease()
+        return self._lease(job, size)
+
+    def _release_kept_lease(self) -> None:
+        """The kept NCCL world ended (its server closed, or a world needing other GPUs ended it): they are free."""
+        kept, self._kept_lease = self._kept_lease, None
+        if kept is not None:
+            kept.release()
 
     def _flight_recorder(self) -> Path:
         """Where a stopped NCCL world's flight recorder dumps are kept (its own directory is discarded)."""
@@ -153,3 +177,4 @@ class WorldRunner:
         finally:
             for server in self.servers.values():
                 server.close()
+            self._release_kept_lease()

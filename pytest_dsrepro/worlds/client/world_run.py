@@ -98,6 +98,7 @@ class WorldRun:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # the server answered Reap: nothing of the world is left
+    kept: bool = False  # asked the server to keep its ranks for the next test of its scope (``_keep``)
 
     def _failed(self, r: _Rank) -> bool:
         return r.returncode is not None and (r.returncode != 0 or r.report is None or r.report.status is Status.FAILED)
@@ -241,7 +242,10 @@ class WorldRun:
 
     def _keep(self) -> bool:
         """May the server keep the ranks for the next test of the scope? Only when every one of them passed and lives
-        on: after any failure, hang or crash the next test gets a new world."""
+        on: after any failure, hang or crash the next test gets a new world; an NCCL world too after a collective
+        that reached torch's timeout (its watchdog dumped), however the test ended."""
+        if self.flight_recorder is not None and nccl_diagnostics.watchdog_dumped(self.workdir):
+            return False
         return self.reuse is not None and all(
             r.finished and r.forced is None and r.report is not None and r.report.status is Status.PASSED
             for r in self.ranks
@@ -258,7 +262,8 @@ class WorldRun:
         """
         try:
             if self.server.alive:
-                self.server.send(Reap(self.world_id, keep=self._keep()))
+                self.kept = self._keep()
+                self.server.send(Reap(self.world_id, keep=self.kept))
                 wait = REAP_WAIT if self.ranks else UNANNOUNCED_REAP_WAIT
                 self.server.wait_for(lambda: self.reaped, time.monotonic() + wait, self)
         except ServerGone:

@@ -1,8 +1,11 @@
-"""Runs in a rank of an NCCL world: the process group's timeout past the harness's deadline, and the thread that dumps
-NCCL's flight recorder when the pytest process asks (``client.nccl_diagnostics`` says why, and reads the dumps).
+"""Runs in a rank of an NCCL world: the process group's timeout, before the harness's deadline, so that torch's own
+watchdog dumps NCCL's flight recorder before the harness stops the rank, and a second source, a thread that dumps it
+when the pytest process asks (``client.nccl_diagnostics`` says why, and reads the dumps).
 
-The thread needs the GIL: a rank stuck in a call that holds it (rare: torch releases it while waiting on NCCL)
-writes no dump, and its story says so.
+The two sources differ in what they need from the rank. torch's watchdog and its monitor are C++ threads: on a
+collective's timeout they write the dump (``TORCH_FR_DUMP_TEMP_FILE``) without the rank's Python, the main thread
+stuck in a CUDA call included. The thread here is Python: it needs the GIL, which a main thread stuck in a call that
+holds it never gives back; it then writes nothing, and the rank's story says so.
 """
 
 from __future__ import annotations
@@ -15,46 +18,60 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..workdir import NCCL_REQUEST, NCCL_TRACE_FILE
+from ..workdir import NCCL_TRACE_FILE, nccl_request_file, nccl_requested_file
 
-#: How much longer than the world's timeout a collective may wait, at least: the harness's deadline comes first.
-MARGIN = 60.0
+#: The share of the world's timeout a collective may take: a hang that starts in the world's first quarter is past
+#: torch's timeout, and dumped by its watchdog, before the harness's deadline, with the last quarter left for the dump.
+TIMEOUT_SHARE = 0.75
 
 
 def process_group_timeout(world_timeout: float) -> float:
-    """A collective's timeout in an NCCL world: twice the world's, and at least ``MARGIN`` seconds longer."""
-    return max(2 * world_timeout, world_timeout + MARGIN)
+    """A collective's timeout in an NCCL world, before the world's deadline. A timeout only dumps and logs
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, ``client.nccl_diagnostics.environment``): the harness, not NCCL, ends the
+    rank, at its deadline, with its Python stack."""
+    return world_timeout * TIMEOUT_SHARE
 
 
 def _dump_from_torch() -> bytes:
-    """NCCL's flight recorder of this process, as torch dumps it on a timeout (a pickle of builtins)."""
+    """NCCL's flight recorder of this process, with its collectives and without their Python stacks (symbolising
+    those needs the GIL again)."""
     import torch
 
     c10d: Any = torch._C._distributed_c10d
     dump = getattr(c10d, "_dump_nccl_trace", None)
     if dump is None:
         raise RuntimeError("this torch build has no NCCL flight recorder")
-    return bytes(dump())
+    return bytes(dump(True, False))
+
+
+_serving: list[threading.Thread] = []  # the one thread of this process (a kept rank makes its group once)
 
 
 def serve_dump_request(rank: int, dump: Callable[[], bytes] = _dump_from_torch, poll: float = 0.1) -> None:
     """In a rank of an NCCL world: a daemon thread that writes the flight recorder when the harness asks
-    (``request_dumps``), where torch itself would (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``). Nothing without it."""
-    prefix = os.environ.get(NCCL_TRACE_FILE)
-    if not prefix:
+    (``request_dumps``), next to where torch's watchdog would. It follows ``TORCH_FR_DUMP_TEMP_FILE`` from test to
+    test (a kept rank runs each in a new directory). Nothing without it; one thread per process."""
+    if not os.environ.get(NCCL_TRACE_FILE) or _serving:
         return
-    request = Path(prefix).parent / NCCL_REQUEST
-    target = Path(f"{prefix}{rank}")
 
     def serve() -> None:
-        while not request.exists():
-            time.sleep(poll)
-        try:
-            data = dump()
-        except Exception as exc:  # noqa: BLE001 - said in the rank's story instead of a dump
-            data = pickle.dumps({"dsrepro_error": f"{type(exc).__name__}: {exc}"})
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.rename(target)
+        answered: set[str] = set()
+        while True:
+            prefix = os.environ.get(NCCL_TRACE_FILE, "")
+            workdir = Path(prefix).parent
+            if not prefix or prefix in answered or not nccl_request_file(workdir).exists():
+                time.sleep(poll)
+                continue
+            answered.add(prefix)
+            try:
+                data = dump()
+            except Exception as exc:  # noqa: BLE001 - said in the rank's story instead of a dump
+                data = pickle.dumps({"dsrepro_error": f"{type(exc).__name__}: {exc}"})
+            target = nccl_requested_file(workdir, rank)
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.rename(target)
 
-    threading.Thread(target=serve, name="dsrepro-nccl-flight-recorder", daemon=True).start()
+    thread = threading.Thread(target=serve, name="dsrepro-nccl-flight-recorder", daemon=True)
+    _serving.append(thread)
+    thread.start()

@@ -71,15 +71,19 @@ def own_master_port(store: Any, rank: int, timeout: float) -> tuple[int, Any]:
 
 
 def init_default_group(backend: str, store: Any, rank: int, world_size: int, timeout: float) -> None:
+    """The world's default process group; a kept NCCL rank's, made for an earlier test of its scope (same size,
+    backend and timeout), is kept: its communicator is what a kept NCCL world saves."""
     import torch
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
+        timeout = nccl_recorder.process_group_timeout(timeout)  # torch's watchdog dumps before the harness's deadline
+        if dist.is_initialized():
+            return
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-        timeout = nccl_recorder.process_group_timeout(timeout)  # the harness ends a hang first, and dumps what NCCL saw
         nccl_recorder.serve_dump_request(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs)
 

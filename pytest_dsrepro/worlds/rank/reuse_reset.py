@@ -2,8 +2,9 @@
 the next test starts as it would on a freshly forked rank, as far as a process can be taken back.
 
 torch's ``MultiProcContinuousTest`` keeps its workers and gives every test a fresh process group; DeepSpeed's own
-``reuse_dist_env`` keeps the process group as well. Here a rank destroys its default process group after every test
-(the next test makes its own, under its own store prefix), then puts back what it had when it was forked:
+``reuse_dist_env`` keeps the process group as well. Here a gloo rank destroys its default process group after every
+test (the next test makes its own, under its own store prefix; an NCCL rank keeps its own, whose communicator is what
+keeping the world saves), then puts back what it had when it was forked:
 
 - the environment (``os.environ``), whatever the test set or removed;
 - every global of DeepSpeed's modules that the test rebound or whose container it filled: its comm layer's backend

@@ -57,7 +57,7 @@ def rank_life(
     baseline = reuse_reset.Baseline.take() if link is not None else None
     while True:
         _into(workdir, rank)
-        report = run_rank(job, rank, size, meeting, code)
+        report = run_rank(job, rank, size, meeting, code, keep_group=link is not None and job.backend == "nccl")
         record_buffers(workdir, rank)
         if link is None or baseline is None or report.status is not Status.PASSED:
             write_report(workdir, rank, report)
@@ -74,10 +74,20 @@ def rank_life(
         code = None if following.code is None else marshal.loads(following.code)
 
 
-def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: CodeType | None = None) -> RankReport:
+def run_rank(
+    job: RankJob,
+    rank: int,
+    world_size: int,
+    meeting: Meeting,
+    code: CodeType | None = None,
+    *,
+    keep_group: bool = False,
+) -> RankReport:
     """A spawned rank's test, from its rendezvous to its report, except process plumbing (``rank_life``); ``code``:
     the test module's code, compiled by the fork server for every rank of the world (None: compiled here). Its
-    report's ``marks`` say when it got through each phase of the world (``core.outcome.PHASES``)."""
+    report's ``marks`` say when it got through each phase of the world (``core.outcome.PHASES``). ``keep_group``: a
+    rank of a reusable NCCL world keeps its process group for the next test (a new NCCL communicator is the cost of
+    such a world); a gloo rank makes a new one per test, which costs milliseconds."""
     marks = [time.monotonic()]
 
     def mark() -> None:
@@ -107,7 +117,7 @@ def run_rank(job: RankJob, rank: int, world_size: int, meeting: Meeting, code: C
     report = body.run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark)
     import torch.distributed as dist
 
-    if dist.is_initialized() and report.status is Status.PASSED:
+    if dist.is_initialized() and report.status is Status.PASSED and not keep_group:
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
     return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))
