@@ -55,6 +55,20 @@ def wait_for_no_processes(tag: str, timeout: float = 15.0) -> list[psutil.Proces
     return left
 
 
+def wait_for_builds_apart() -> list[psutil.Process]:
+    """For a test whose run left DeepSpeed's comm op building apart (``comm_op.Background.detach``): wait, within the
+    build's bounded life, until no process of this test (``process_tag``) still builds it; those that still do."""
+    from pytest_dsrepro.worlds.server.comm_op import BUILD_LOCK_TIMEOUT, BUILDER_NAME
+
+    def building() -> list[psutil.Process]:
+        return [p for p in tagged_processes(os.environ[TAG]) if p.name() == BUILDER_NAME]
+
+    deadline = time.monotonic() + BUILD_LOCK_TIMEOUT + 30
+    while (left := building()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture(autouse=True)
 def hermetic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The suite's pytest runs see only the settings each test gives them, not the caller's DSREPRO_* choices."""
