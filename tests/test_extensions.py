@@ -398,3 +398,28 @@ def test_a_first_run_whose_tests_do_not_need_the_op_ends_without_waiting_for_its
     again.assert_outcomes(passed=1)
     again.stdout.fnmatch_lines([f"worlds ran on: *comm op loaded from {target}*"])
     assert "building DeepSpeed's CPU comm op" not in again.stdout.str()
+
+
+def test_a_build_beside_the_worlds_that_failed_is_said_by_the_next_run(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: a build that goes on apart may fail once nobody reads the fork server's log. Why is kept in its op's
+    directory, and the next run says it as it builds again (here no compiler works, so it fails again)."""
+    source = comm_op_directory()
+    assert source is not None
+    cache = pytester.path / "cold-cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    monkeypatch.setenv("CXX", "false")
+    pytester.makepyfile(USES_OP)
+    run(timeout=600).assert_outcomes(passed=1)
+    assert wait_for_builds_apart() == []
+    again = run(timeout=600)
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(
+        [
+            f"pytest-dsrepro: the last build of DeepSpeed's CPU comm op for {deepspeed_version()} failed (*DeepSpeed's "
+            f"CPU comm op for {deepspeed_version()} could not be built in {cache / 'torch_extensions' / source.name} "
+            "(*): building it again",
+        ]
+    )
+    assert wait_for_builds_apart() == []

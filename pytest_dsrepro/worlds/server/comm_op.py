@@ -407,7 +407,7 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
 
     failed = directory / BUILD_FAILED
     with contextlib.suppress(OSError):
-        announce(f"the last build of {release} failed ({failed.read_text().strip()}): building it again")
+        announce(f"the last build of {release} failed ({' '.join(failed.read_text().split())}): building it again")
         failed.unlink()
     announce(
         f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
