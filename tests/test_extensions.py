@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import RunPytest, comm_op_directory, deepspeed_version, wait_for_builds_apart
+from conftest import RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.server.comm_op import (
     BUILD_LOCK_TIMEOUT,
+    BUILDER_NAME,
     build_key,
     extensions_dir,
     remove_stale_locks,
@@ -365,11 +366,12 @@ def test_a_first_build_holds_up_no_world(
 
 
 def test_a_first_run_whose_tests_do_not_need_the_op_ends_without_waiting_for_its_build(
-    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch, private_tmp: Path
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch, private_tmp: Path, process_tag: str
 ) -> None:
     """Issue 35: a release's first run waited 70-106 s at its end for the comm op, which none of its tests called.
     The run now ends with its tests; the build goes on apart, still under the cache's lock, and ends complete: the
-    next run loads it. Nothing of it is left once it is done (its compilers' files included)."""
+    next run loads it. A second session meanwhile waits for nothing either. Nothing of it is left once it is done
+    (its compilers' files included)."""
     source = comm_op_directory()
     assert source is not None
     cache = pytester.path / "cold-cache"
@@ -390,6 +392,10 @@ def test_a_first_run_whose_tests_do_not_need_the_op_ends_without_waiting_for_its
     out = result.stdout.str()
     assert "the tests are over" not in out, "the run's end waited for the build"
     assert "still building" not in out, "the run's end waited for the build"
+    assert named(process_tag, BUILDER_NAME), "the build ended with the run"
+    beside = run("-v", timeout=600)  # a second session while the first one's build goes on (it holds the lock)
+    beside.assert_outcomes(passed=1)
+    assert "the tests are over" not in beside.stdout.str()
     assert wait_for_builds_apart() == []
     assert _damage_of(shared_library(target)) == "None"
     assert list(target.rglob("lock")) == []

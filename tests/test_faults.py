@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, deepspeed_version, leftovers, tagged_processes, wait_for_no_processes
+from conftest import RunPytest, deepspeed_version, leftovers, named, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.server.comm_op import BUILDER_NAME
@@ -155,7 +155,7 @@ def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     with output.open("wb") as sink:
         proc = subprocess.Popen(PYTEST, cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: any(p.name() == "cc1plus" for p in tagged_processes(process_tag)), "a compiler started")
+        wait_until(lambda: named(process_tag, "cc1plus"), "a compiler started")
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
@@ -186,8 +186,8 @@ def test_a_build_beside_the_worlds_ends_with_a_killed_fork_server(
     with output.open("wb") as sink:
         proc = subprocess.Popen(PYTEST, cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: any(p.name() == "cc1plus" for p in tagged_processes(process_tag)), "a compiler started")
-        builder = next(p for p in tagged_processes(process_tag) if p.name() == BUILDER_NAME)
+        wait_until(lambda: named(process_tag, "cc1plus"), "a compiler started")
+        (builder,) = named(process_tag, BUILDER_NAME)
         builder.parent().kill()  # the fork server
         proc.wait(timeout=120)
     finally:
