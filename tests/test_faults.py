@@ -187,6 +187,7 @@ def test_a_build_beside_the_worlds_ends_with_a_killed_fork_server(
         proc = subprocess.Popen(PYTEST, cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: named(process_tag, "cc1plus"), "a compiler started")
+        wait_until(lambda: (pytester.path / "ready-0").exists(), "the world runs")
         (builder,) = named(process_tag, BUILDER_NAME)
         builder.parent().kill()  # the fork server
         proc.wait(timeout=120)
