@@ -58,7 +58,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.hookimpl(trylast=True)  # after the summary and every output written (a launched rank 0's, for its peers)
 def pytest_unconfigure(config: pytest.Config) -> None:
     worlds = config.stash.get(WORLDS_KEY, None)
-    if worlds is not None:  # a comm-op build beside the worlds ends here, not in the verdicts' way
+    if worlds is not None:  # a comm-op build beside the worlds is let go on here, for later runs
         worlds.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
 
 

@@ -6,6 +6,7 @@ processes and handle signals, which an in-process run must not share with the te
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -48,10 +49,31 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
+def named(tag: str, name: str) -> list[psutil.Process]:
+    """This test's live processes of that name (a compiler may end between being listed and being asked)."""
+    found = []
+    for proc in tagged_processes(tag):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.name() == name:
+                found.append(proc)
+    return found
+
+
 def wait_for_no_processes(tag: str, timeout: float = 15.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    return left
+
+
+def wait_for_builds_apart() -> list[psutil.Process]:
+    """For a test whose run left DeepSpeed's comm op building apart (``comm_op.Background.detach``): wait, within the
+    build's bounded life, until no process of this test (``process_tag``) still builds it; those that still do."""
+    from pytest_dsrepro.worlds.server.comm_op import BUILD_LOCK_TIMEOUT, BUILDER_NAME
+
+    deadline = time.monotonic() + BUILD_LOCK_TIMEOUT + 30
+    while (left := named(os.environ[TAG], BUILDER_NAME)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     return left
 
 

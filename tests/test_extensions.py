@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import RunPytest, comm_op_directory, deepspeed_version
+from conftest import RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.server.comm_op import (
     BUILD_LOCK_TIMEOUT,
+    BUILDER_NAME,
     build_key,
     extensions_dir,
     remove_stale_locks,
@@ -81,6 +82,7 @@ def _built_op(pytester: pytest.Pytester, run: RunPytest) -> Path:
     assert source is not None
     if not (source / "deepspeed_shm_comm").is_dir():
         run(timeout=1800).assert_outcomes(passed=1)  # a cold cache: build the op once, in the real cache
+        assert wait_for_builds_apart() == []
     return source
 
 
@@ -177,6 +179,7 @@ def test_a_damaged_build_in_the_cache_is_discarded_and_built_again(
             "pytest-dsrepro: building DeepSpeed's CPU comm op for *, beside the worlds: *",
         ]
     )
+    assert wait_for_builds_apart() == []  # the run's test did not need the op: its build went on after the run
     assert library.stat().st_size > whole // 3
     assert _damage_of(library) == "None"
 
@@ -360,3 +363,69 @@ def test_a_first_build_holds_up_no_world(
     again = run("-v", "-k", "needs_the_op")
     again.assert_outcomes(passed=1)
     assert "building DeepSpeed's CPU comm op" not in again.stdout.str()
+
+
+def test_a_first_run_whose_tests_do_not_need_the_op_ends_without_waiting_for_its_build(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch, private_tmp: Path, process_tag: str
+) -> None:
+    """Issue 35: a release's first run waited 70-106 s at its end for the comm op, which none of its tests called.
+    The run now ends with its tests; the build goes on apart, still under the cache's lock, and ends complete: the
+    next run loads it. A second session meanwhile waits for nothing either. Nothing of it is left once it is done
+    (its compilers' files included)."""
+    source = comm_op_directory()
+    assert source is not None
+    cache = pytester.path / "cold-cache"
+    target = cache / "torch_extensions" / source.name
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    pytester.makepyfile(USES_OP)
+    result = run("-v", timeout=1800)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only (*), beside "
+            "the worlds: *",
+            "*= 1 passed in *",
+            f"pytest-dsrepro: DeepSpeed's CPU comm op for {deepspeed_version()} goes on building apart (process *, for "
+            "at most *s): later runs load it; a run started before it is built builds beside it",
+        ]
+    )
+    out = result.stdout.str()
+    assert "the tests are over" not in out, "the run's end waited for the build"
+    assert "still building" not in out, "the run's end waited for the build"
+    assert named(process_tag, BUILDER_NAME), "the build ended with the run"
+    beside = run("-v", timeout=600)  # a second session while the first one's build goes on (it holds the lock)
+    beside.assert_outcomes(passed=1)
+    assert "the tests are over" not in beside.stdout.str()
+    assert wait_for_builds_apart() == []
+    assert _damage_of(shared_library(target)) == "None"
+    assert list(target.rglob("lock")) == []
+    assert [p.name for p in private_tmp.iterdir() if p.name.startswith("dsrepro-")] == []
+    again = run("-v")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines([f"worlds ran on: *comm op loaded from {target}*"])
+    assert "building DeepSpeed's CPU comm op" not in again.stdout.str()
+
+
+def test_a_build_beside_the_worlds_that_failed_is_said_by_the_next_run(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: a build that goes on apart may fail once nobody reads the fork server's log. Why is kept in its op's
+    directory, and the next run says it as it builds again (here no compiler works, so it fails again)."""
+    source = comm_op_directory()
+    assert source is not None
+    cache = pytester.path / "cold-cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    monkeypatch.setenv("CXX", "false")
+    pytester.makepyfile(USES_OP)
+    run(timeout=600).assert_outcomes(passed=1)
+    assert wait_for_builds_apart() == []
+    again = run(timeout=600)
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(
+        [
+            f"pytest-dsrepro: the last build of DeepSpeed's CPU comm op for {deepspeed_version()} failed (*DeepSpeed's "
+            f"CPU comm op for {deepspeed_version()} could not be built in {cache / 'torch_extensions' / source.name} "
+            "(*): building it again",
+        ]
+    )
+    assert wait_for_builds_apart() == []

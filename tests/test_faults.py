@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, deepspeed_version, leftovers, tagged_processes, wait_for_no_processes
+from conftest import RunPytest, deepspeed_version, leftovers, named, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.options import CACHE_ENV
+from pytest_dsrepro.worlds.server.comm_op import BUILDER_NAME
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
 
@@ -131,12 +132,11 @@ def test_setsid_in_a_body_behaves_as_documented(pytester: pytest.Pytester, run: 
 
 
 #: Where Ctrl-C lands while a first comm-op build runs beside the worlds: a world waiting for the op in the one
-#: collective that needs it, or the end of a run whose tests are over, which waits for the build for later runs.
+#: collective that needs it, or a world that does not need it (the build would have gone on apart after the run).
 CTRL_C_DURING_THE_BUILD = {
-    "in-a-world-waiting-for-it": ("import deepspeed.comm, torch\n    deepspeed.comm.inference_all_reduce(torch.ones(4))",
-                                  "KeyboardInterrupt"),
-    "after-the-tests": ("pass", "pytest-dsrepro: Ctrl-C: the build is stopped; the next run builds it again"),
-}  # fmt: skip
+    "in-a-world-waiting-for-it": "import deepspeed.comm, torch\n    deepspeed.comm.inference_all_reduce(torch.ones(4))",
+    "in-a-world-without-it": "import time\n    time.sleep(600)",
+}
 
 
 @pytest.mark.parametrize("where", list(CTRL_C_DURING_THE_BUILD))
@@ -146,8 +146,8 @@ def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     """Items 1 and 12: Ctrl-C while DeepSpeed's comm op builds (a cold cache: the first run of a release). The build
     was announced on the terminal; pytest stops the fork server with SIGTERM, which stops the build beside the worlds
     (it unwinds: torch removes its lock) and kills the compilers, whose temporary files (issue 27) go with their
-    directory."""
-    body, said = CTRL_C_DURING_THE_BUILD[where]
+    directory. Issue 35: so does a build that the run's end would have let go on apart, in a session of its own."""
+    body = CTRL_C_DURING_THE_BUILD[where]
     cache = pytester.path / "cold-cache"
     monkeypatch.setenv(CACHE_ENV, str(cache))
     pytester.makepyfile(f"import pytest\n\n@pytest.mark.ds_world\ndef test_x(ds_rank):\n    {body}\n")
@@ -155,15 +155,14 @@ def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     with output.open("wb") as sink:
         proc = subprocess.Popen(PYTEST, cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: any(p.name() == "cc1plus" for p in tagged_processes(process_tag)), "a compiler started")
-        if where == "after-the-tests":
-            wait_until(lambda: "the tests are over" in output.read_text(), "the tests are over, the build goes on")
+        wait_until(lambda: named(process_tag, "cc1plus"), "a compiler started")
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         proc.kill()  # only matters when an assertion above failed
     out = output.read_text()
-    assert said in out, out
+    assert "KeyboardInterrupt" in out, out
+    assert "goes on building apart" not in out, out
     progress = f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only"
     assert progress in out, out
     left = wait_for_no_processes(process_tag, timeout=5)
@@ -172,6 +171,34 @@ def test_the_first_build_is_announced_and_ctrl_c_during_it_leaves_nothing(
     assert leftovers(private_tmp) == []
     left_in_tmp = [p for p in private_tmp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
     assert left_in_tmp == [], "the killed compilers' temporary files were left in TMPDIR"
+
+
+def test_a_build_beside_the_worlds_ends_with_a_killed_fork_server(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: the build beside the worlds lives in a session of its own, to go on after a run that ended; the fork
+    server killed outright (it cannot stop the build) must still take it along: the build sees its lifeline end
+    without being let go on, unwinds, and kills its compilers. The run goes on to its end."""
+    cache = pytester.path / "cold-cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    pytester.makepyfile(SLEEPING_WORLD)
+    output = pytester.path / "pytest-output.txt"
+    with output.open("wb") as sink:
+        proc = subprocess.Popen(PYTEST, cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: named(process_tag, "cc1plus"), "a compiler started")
+        wait_until(lambda: (pytester.path / "ready-0").exists(), "the world runs")
+        (builder,) = named(process_tag, BUILDER_NAME)
+        builder.parent().kill()  # the fork server
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()  # only matters when an assertion above failed
+    out = output.read_text()
+    assert "fork server died while this test's world ran (killed by signal SIGKILL)" in out, out
+    left = wait_for_no_processes(process_tag, timeout=30)
+    assert not left, f"left running after the fork server was killed: {[p.name() for p in left]}\n{out}"
+    assert list(cache.rglob("lock")) == [], "torch's build lock was left behind: the next build would wait forever"
+    assert leftovers(private_tmp) == []
 
 
 #: A DeepSpeed whose import is slow and has started a process that started another (a compiler driver and its stage):

@@ -52,7 +52,7 @@ class Worlds(Protocol):
         """The run's environment as its worlds really had it."""
 
     def close(self, finish_builds: bool) -> None:
-        """At the session's very end; ``finish_builds``: it was not interrupted, so work for later runs may end."""
+        """At the session's very end; ``finish_builds``: it was not interrupted, so work for later runs may go on."""
 
 
 class SpawnedWorlds:

@@ -116,8 +116,8 @@ class Building:
 
 @dataclass(frozen=True)
 class BuildEnded:
-    """Answer to ``FinishBuild``: the comm-op build that ran beside the worlds has ended; ``what`` says how, in words
-    for the user ("" when there was none)."""
+    """Answer to ``FinishBuild``, at once: how the comm-op build that ran beside the worlds ended, or that it goes on
+    apart, in words for the user ("" when there was none)."""
 
     what: str
 
@@ -214,8 +214,8 @@ class Reap:
 
 @dataclass(frozen=True)
 class FinishBuild:
-    """The run's tests are over, and it was not interrupted: let a comm-op build that runs beside the worlds end, so
-    that later runs load the op, then say ``BuildEnded``."""
+    """The run's tests are over, and it was not interrupted: let a comm-op build that runs beside the worlds go on
+    after the server, so that later runs load the op (``comm_op.Background.detach``), and say ``BuildEnded``."""
 
 
 ClientMessage = Spawn | DumpStacks | Kill | Reap | FinishBuild

@@ -230,18 +230,17 @@ class ForkServer:
         return self.process.alive
 
     def finish_build(self) -> None:
-        """Wait, saying so, for a comm-op build that runs beside the worlds to end: later runs then load the op, where
-        stopping the server now would throw the build away. Ctrl-C cuts the wait short (``close`` then stops it)."""
+        """The run is over, uninterrupted: a comm-op build still running beside the worlds goes on apart for later
+        runs, which then load the op, instead of being thrown away with the server; the server says so (or how a
+        build that ended did) at once, and nothing waits for the build. Ctrl-C meanwhile: ``close`` stops it."""
         if not self.alive or self.facts is None or not self.facts.builds_beside:
             return
         self._build_ended = False
         try:
             self.send(FinishBuild())
-            self.wait_for(lambda: self._build_ended, math.inf)
-        except ServerGone as gone:  # nothing left to wait for; ``close`` cleans up after it
+            self.wait_for(lambda: self._build_ended, time.monotonic() + self.startup_timeout)
+        except ServerGone as gone:  # nothing left to hand on; ``close`` cleans up after it
             self.progress(f"the fork server ended before the build did ({gone.ending})")
-        except KeyboardInterrupt:  # the run's outcome stands; ``close`` stops the build, leaving nothing of it
-            self.progress("Ctrl-C: the build is stopped; the next run builds it again")
         finally:
             self._building = None
 

@@ -169,7 +169,7 @@ class WorldRunner:
 
     def close(self, finish_builds: bool = False) -> None:
         """Stop every fork server; ``finish_builds``: the run was not interrupted, so comm-op builds still running
-        beside its worlds end first (``ForkServer.finish_build``)."""
+        beside its worlds go on apart, for later runs, without holding this one up (``ForkServer.finish_build``)."""
         try:
             if finish_builds:
                 for server in self.servers.values():

@@ -20,7 +20,8 @@ A first build never holds up a world (:func:`start`): the fork server builds in 
 forked meanwhile run without the op, as DeepSpeed itself runs where it cannot build it (its compatibility switch,
 which ``build_shm_op`` reads). The op serves one collective only, ``inference_all_reduce``: a rank that calls it
 before the build ends waits for the build there, loads it and goes on as DeepSpeed would have with it. Once built,
-the server loads it, and later worlds inherit it loaded.
+the server loads it, and later worlds inherit it loaded. A run whose tests are over holds nothing up for it either:
+the build goes on apart (:meth:`Background.detach`), for later runs, while a run cut short stops it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ from types import ModuleType
 from typing import Any
 
 from ...core.options import default_cache_dir
+from ..prctl import PR_SET_CHILD_SUBREAPER, prctl
 from . import preload
+from .reaping import kill_descendants
 
 BUILD_LOCK_TIMEOUT = 1800.0  # a cold build on a loaded 2-core machine takes minutes; never forever
 #: How long a throwaway child may take to load a cached build (milliseconds, normally).
@@ -52,6 +55,11 @@ LOAD_CHECK_TIMEOUT = 120.0
 BUILD_LOCK = ".dsrepro-build.lock"
 #: The op's name (DeepSpeed's ``ShareMemCommBuilder.NAME``, 0.14-0.19): torch builds it into ``<dir>/<name>/<name>.so``.
 OP_NAME = "deepspeed_shm_comm"
+#: Why the last build beside the worlds failed, in its op's directory: told by the next run, which builds it again.
+BUILD_FAILED = ".dsrepro-build-failed"
+#: The name (``/proc/PID/comm``, ``psutil.Process.name``) of the child building beside the worlds: what marks a
+#: build that goes on after its run, so that whoever started it (a test) can wait for it.
+BUILDER_NAME = "dsrepro-build"
 
 
 def build_key(files: Iterable[Path], flags: Iterable[str], torch_version: str) -> str:
@@ -111,12 +119,12 @@ def scratch(pid: int) -> Path:
 
 
 @contextmanager
-def _compilers_scratch(owner: int) -> Iterator[None]:
+def _compilers_scratch() -> Iterator[None]:
     """The compilers' temporary files in a directory of this build's own, removed afterwards: a compiler killed
     mid-build (Ctrl-C) leaves its files behind, which nobody else would remove. When the build is cut short, the
-    fork server (``owner``, whether it builds or its child does) removes the directory once it has killed the
-    compilers (``server.run``)."""
-    directory = scratch(owner)
+    process that builds removes the directory once its compilers are killed: the fork server (``server.run``), or
+    its child building beside the worlds (``_apart``), or the server after that child (``Background.stop``)."""
+    directory = scratch(os.getpid())
     directory.mkdir(exist_ok=True)
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(directory)
@@ -239,7 +247,7 @@ def expected_build(extensions: Path) -> str:
     return f"about {low:.0f} s here" if high - low < 10 else f"{low:.0f}-{high:.0f} s here"
 
 
-def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int | None = None) -> str:
+def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     """Build (or load from cache) DeepSpeed's shm comm op in this process, so forked ranks inherit it loaded.
 
     Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
@@ -287,7 +295,7 @@ def warm_up(announce: Callable[[str], None] = lambda _: None, scratch_owner: int
             )
         started = time.monotonic()
         try:
-            with _compilers_scratch(scratch_owner or os.getpid()):
+            with _compilers_scratch():
                 op = build_shm_op()
             with contextlib.suppress(OSError):  # for the next build's estimate
                 (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
@@ -317,25 +325,33 @@ class Background:
     """DeepSpeed's comm op building in a child of the fork server, while worlds run without it."""
 
     child: Any  # preload.Child
+    lifeline: int  # the pipe that tells the child to go on apart (``detach``); its end (the server's) stops the build
     builder: Any
     library: Path
     release: str
     compatible: object  # DeepSpeed's compatibility switch for the op before it was turned off
     started: float
     ended: bool = False  # the child was reaped (``adopt``)
+    detached: bool = False  # the child goes on after the server (``detach``)
 
     def done(self) -> bool:
         return self.ended or self.child.done()
 
-    def wait(self) -> None:
-        """Until the build ends (a SIGTERM to the server cuts it short: ``stop`` then runs)."""
-        while not self.done():
-            time.sleep(0.2)
+    def detach(self) -> str:
+        """The run's tests are over, and it was not cut short: let the build go on after the server, for later runs,
+        within ``BUILD_LOCK_TIMEOUT`` (``_apart``). Returns the words for the user."""
+        os.write(self.lifeline, DETACH)
+        os.close(self.lifeline)
+        self.detached = True
+        return (
+            f"{self.release} goes on building apart (process {self.child.pid}, for at most "
+            f"{BUILD_LOCK_TIMEOUT:.0f}s): later runs load it; a run started before it is built builds beside it"
+        )
 
     def stop(self, grace: float = 10.0) -> None:
-        """Cut a running build short as SIGTERM cuts a build in the server itself: the child unwinds, and torch
-        removes its build lock; what its compilers leave, the server kills and removes after."""
-        if self.ended:
+        """Cut a running build short as SIGTERM cuts a build in the server itself: the child unwinds (torch removes
+        its build lock) and kills its compilers; what is left, the server kills, and it removes their files after."""
+        if self.ended or self.detached:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.child.pid, signal.SIGTERM)
@@ -343,6 +359,7 @@ class Background:
         while os.waitpid(self.child.pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         self.ended = True
+        shutil.rmtree(scratch(self.child.pid), ignore_errors=True)  # a child killed before it could remove them
 
     def adopt(self) -> str:
         """Load the finished build here (later worlds inherit it loaded), or say why there is none; either way the
@@ -388,20 +405,76 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
         return warm_up(announce), None  # loaded now
     import deepspeed.ops
 
+    failed = directory / BUILD_FAILED
+    with contextlib.suppress(OSError):
+        announce(f"the last build of {release} failed ({' '.join(failed.read_text().split())}): building it again")
+        failed.unlink()
     announce(
         f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
         "the worlds: until it is built they run without it, as DeepSpeed does where it cannot build it, and a test "
         "that calls inference_all_reduce waits for it there"
     )
     os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)  # where ranks JIT-build DeepSpeed's other ops, as after a load
-    server = os.getpid()
-    child = preload.Child.start(lambda: warm_up(lambda what: print(what, file=sys.stderr), server), die_with=server)
+    read, lifeline = os.pipe()
+    child = preload.Child.start(lambda: _apart(read, lifeline, failed))
+    os.close(read)
     background = Background(
-        child, builder, library, release, deepspeed.ops.__compatible_ops__.get(builder.NAME, True), time.monotonic()
+        child,
+        lifeline,
+        builder,
+        library,
+        release,
+        deepspeed.ops.__compatible_ops__.get(builder.NAME, True),
+        time.monotonic(),
     )
     deepspeed.ops.__compatible_ops__[builder.NAME] = False  # after the fork: the child builds it
     _wait_in_ranks(library, child.pid)
     return BESIDE, background
+
+
+#: What the server writes on the lifeline to let the build go on after it (``Background.detach``).
+DETACH = b"d"
+
+
+def _unwind(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _apart(read: int, lifeline: int, failed: Path) -> str:
+    """The build in the fork server's child (``warm_up``), made to outlive the server only when told to.
+
+    In a session of its own (a terminal's signals, and the server's process group killed by pytest, miss it), named
+    ``BUILDER_NAME``, and a child subreaper, so that its compilers stay its own to kill. A thread reads the lifeline:
+    ``DETACH`` lets the build go on, for at most ``BUILD_LOCK_TIMEOUT`` (SIGALRM); its end without it (the server
+    stopped, or died) stops the build as SIGTERM does: it unwinds, and torch removes its lock. A failure is kept in
+    ``failed`` for the next run to tell: nobody may be left to read the server's log."""
+    import threading
+
+    os.close(lifeline)
+    os.setsid()
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(BUILDER_NAME)
+    for signum in (signal.SIGTERM, signal.SIGALRM):
+        signal.signal(signum, _unwind)
+
+    def watch() -> None:
+        if os.read(read, 1) == DETACH:
+            signal.alarm(int(BUILD_LOCK_TIMEOUT))
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        return warm_up(lambda what: print(what, file=sys.stderr))
+    except Unusable as exc:
+        with contextlib.suppress(OSError):
+            failed.write_text(str(exc))
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup runs to its end
+        kill_descendants()
+        shutil.rmtree(scratch(os.getpid()), ignore_errors=True)
 
 
 def _wait_in_ranks(library: Path, builder: int) -> None:

@@ -1,9 +1,10 @@
 """Runs in the fork server: its answer to each of pytest's messages, and the worlds it started for pytest.
 
 ``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
-ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` waits for a comm-op build
-that runs beside the worlds. What all ranks of a world share is done once, before the fork: the job unpickled, the
-test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test that uses it.
+ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` lets a comm-op build that runs
+beside the worlds go on after the run. What all ranks of a world share is done once, before the fork: the job
+unpickled, the test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test that uses
+it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,6 @@ from .reaping import RankTable
 from .spawning import TestModules, World, freeze, start_world
 from .store import Store
 from .warmup import warm_for_deepspeed
-
-#: What the user is told when the run's tests are over and a comm-op build beside the worlds is not.
-FINISHING = "the tests are over: finishing DeepSpeed's CPU comm op for later runs (Ctrl-C stops it)"
 
 
 class Worlds:
@@ -86,12 +84,19 @@ class Worlds:
             case Reap(world=world, keep=keep):
                 self.reap_world(world, keep)
             case FinishBuild():
-                if self.building is not None and not self.building.done():
-                    self.conn.send(Building(FINISHING))
-                    self.building.wait()
-                self.conn.send(BuildEnded(self.adopt_build() if self.building is not None else ""))
+                self.conn.send(BuildEnded(self.leave_build()))
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
+
+    def leave_build(self) -> str:
+        """The run is over: a build beside the worlds that ended is adopted (and said), one still running goes on
+        apart, for later runs, holding nothing up (``comm_op.Background.detach``); what to tell the user."""
+        if self.building is None:
+            return ""
+        if self.building.done():
+            return self.adopt_build()
+        said, self.building = self.building.detach(), None
+        return said
 
     def adopt_build(self) -> str:
         """The comm op built beside the worlds, loaded here for the worlds forked from now on; what to tell the user."""

@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterable
 from multiprocessing.connection import Connection
+from typing import Any
 
 from ..protocol import Exited
 from .spawning import World
@@ -46,8 +47,9 @@ def children() -> list[int]:
     return found
 
 
-def kill_descendants(rounds: int = 5) -> list[tuple[int, int | None]]:
-    """SIGKILL every process below the server and wait for them; ``(pid, returncode)`` of those it reaped.
+def kill_descendants(rounds: int = 5, spared: int | None = None) -> list[tuple[int, int | None]]:
+    """SIGKILL every process below the server and wait for them; ``(pid, returncode)`` of those it reaped. ``spared``:
+    a child left to go on after the server with its own children (a comm-op build, ``comm_op.Background.detach``).
 
     Several rounds: a process killed in one round may have started another (a compiler driver its next stage), and
     the grandchildren of a killed process are re-parented to the server (a child subreaper) only as it dies.
@@ -56,7 +58,8 @@ def kill_descendants(rounds: int = 5) -> list[tuple[int, int | None]]:
 
     reaped: list[tuple[int, int | None]] = []
     for _ in range(rounds):
-        procs = psutil.Process().children(recursive=True)
+        procs = [p for p in psutil.Process().children() if p.pid != spared]
+        procs += [d for p in procs for d in _descendants(p)]
         if not procs:
             break
         for p in procs:
@@ -65,6 +68,14 @@ def kill_descendants(rounds: int = 5) -> list[tuple[int, int | None]]:
         gone, _alive = psutil.wait_procs(procs, timeout=5)
         reaped += [(p.pid, getattr(p, "returncode", None)) for p in gone]  # psutil sets it on the processes gone
     return reaped
+
+
+def _descendants(process: Any) -> list[Any]:
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return list(process.children(recursive=True))
+    return []
 
 
 class RankTable:

@@ -6,7 +6,8 @@ world still gets brand-new rank processes, so nothing a test does leaks into the
 messages of ``protocol`` over one socket; it forks every rank and is the only process that signals one.
 
 End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
-the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit. Ranks and
+the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit; only a
+comm-op build that a run ended uninterrupted let go on (``FinishBuild``) outlives it. Ranks and
 the store die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
 start are its children and get killed. Ctrl-C is pytest's to handle: the server ignores SIGINT.
 
@@ -132,8 +133,8 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
-            building.stop()
-        kill_descendants()
+            building.stop()  # unless it was let go on for later runs: then it and its compilers are spared
+        kill_descendants(spared=building.child.pid if building is not None and building.detached else None)
         shutil.rmtree(comm_op.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
         for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
             workdir.discard(directory)
