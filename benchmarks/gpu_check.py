@@ -131,7 +131,7 @@ class GpuCheck:
     """The checks of ``run``, each a method that returns a ``Check``."""
 
     def __init__(
-        self, input_dir: Path, out: Path, env: dict[str, str], gpus: int, scale: float, select: str | None
+        self, input_dir: Path, out: Path, env: dict[str, str], gpus: int, scale: float, select: str | None, work: Path
     ) -> None:
         self.input = input_dir
         self.select = ["-k", select] if select else []  # a slice of the catalogue, to rerun what failed
@@ -139,7 +139,7 @@ class GpuCheck:
         self.env = env
         self.gpus = gpus
         self.scale = scale  # every time limit, times this
-        self.work = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-check-"))
+        self.work = work  # the check's own test files
         self.pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA"]
 
     def limit(self, seconds: float) -> float:
@@ -327,7 +327,7 @@ def cuda_devices(env: dict[str, str]) -> int:
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
-def install(input_dir: Path, env: dict[str, str]) -> str:
+def install(input_dir: Path, env: dict[str, str], site: Path) -> str:
     """The prepared wheels into a directory of their own, on ``PYTHONPATH``: nothing fetched, nothing else moved."""
     wheels = sorted((input_dir / "wheels").glob("*.whl"))
     if not wheels:
@@ -336,7 +336,6 @@ def install(input_dir: Path, env: dict[str, str]) -> str:
     foreign = [w.name for w in wheels if here.isdisjoint(parse_wheel_filename(w.name)[3])]
     if foreign:  # the dry run on a CPU machine, whose Python is not the GPU image's
         return f"the prepared wheels are not for this interpreter ({foreign[0]}): the installed packages are used"
-    site = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-site-"))
     subprocess.run([*PIP, "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--target", str(site), *map(str, wheels)], check=True, env=env)  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
@@ -353,14 +352,22 @@ def run_checks(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     env.pop("DS_ACCELERATOR", None)  # each world's backend picks DeepSpeed's accelerator
-    installed = install(args.input, env)
+    work = Path(tempfile.mkdtemp(prefix="dsrepro-gpu-check-"))
+    try:
+        return _checks(args, env, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _checks(args: argparse.Namespace, env: dict[str, str], work: Path) -> int:
+    installed = install(args.input, env, work / "site")
     versions = subprocess.run([sys.executable, "-c", "import torch, deepspeed, pytest_dsrepro; print("
                                "'torch', torch.__version__, 'deepspeed', deepspeed.__version__)"],
                               env=env, capture_output=True, text=True)  # fmt: skip
     gpus = cuda_devices(env)
     print(f"gpu_check: {installed}; {versions.stdout.strip() or versions.stderr.strip()[-300:]}; {gpus} CUDA devices",
           flush=True)  # fmt: skip
-    check = GpuCheck(args.input, args.out, env, gpus, args.scale, args.k)
+    check = GpuCheck(args.input, args.out, env, gpus, args.scale, args.k, work)
     steps = {"nccl-1": check.catalogue_nccl, "gloo-2": check.catalogue_gloo, "nccl-2": check.catalogue_nccl_two,
              "leases": check.leases, "hang": check.hang, "cost": check.world_cost}  # fmt: skip
     done: list[Check] = []
@@ -369,7 +376,6 @@ def run_checks(args: argparse.Namespace) -> int:
             continue
         done.append(step())
         print(f"gpu_check: {done[-1].name}: {done[-1].result} in {done[-1].seconds:.0f}s: {done[-1].seen}", flush=True)
-    shutil.rmtree(check.work, ignore_errors=True)
     text = table(done)
     (args.out / "gpu-check.md").write_text(text + "\n")
     print(text)

@@ -7,7 +7,6 @@ class, and which are new; the exit code that tells them apart.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -51,17 +50,22 @@ def run_here(
     results_dir: Path | None, found: Checkout, command: Callable[[Path], list[str]], entries: Sequence[failures.Known]
 ) -> int:
     """``dsrepro upstream`` on the DeepSpeed installed here: pytest (``command``, given where its results go), its
-    results read back (and kept in ``results_dir``), its failures sorted; pytest's own exit codes other than 0 and
-    1 pass through."""
+    results read back, its failures sorted; pytest's own exit codes other than 0 and 1 pass through. Its results go
+    straight into ``results_dir`` when one is given (a shard's: nothing of a killed shard's is left elsewhere), else
+    into a directory of this run's, removed after."""
+    if results_dir is not None:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        return _sorted_run(results_dir, found, command, entries)
     with tempfile.TemporaryDirectory(prefix="dsrepro-upstream-") as tmp:
-        try:
-            code = processes.to_terminal(command(Path(tmp)), cwd=found.tests)
-        finally:  # an interrupted run's results too: pytest wrote them before it ended
-            files, _ = results.read_all([Path(tmp)])
-            if results_dir is not None:
-                results_dir.mkdir(parents=True, exist_ok=True)
-                for f in files:
-                    shutil.move(str(f.path), results_dir / f.path.name)
+        return _sorted_run(Path(tmp), found, command, entries)
+
+
+def _sorted_run(
+    directory: Path, found: Checkout, command: Callable[[Path], list[str]], entries: Sequence[failures.Known]
+) -> int:
+    before = set(directory.glob("*.json"))
+    code = processes.to_terminal(command(directory), cwd=found.tests)
+    files, _ = results.read_all([p for p in sorted(directory.glob("*.json")) if p not in before])
     if not files:  # no results to sort (the run wrote them elsewhere, with its own --ds-results): pytest's word
         return code
     return exit_code(tell(files, entries)) if code in (0, 1) else code
