@@ -1,6 +1,6 @@
 """``dsrepro scan CONFIG``: does a known bug hit this DeepSpeed config, on the release installed here or on others?
 
-A thin layer over ``pytest --ds-scan`` (``session.scan``): the config is read and checked here first (the same
+A thin layer over ``pytest --ds-scan`` (``session.scan_plugin``): the config is read and checked here first (the same
 ``core.userconfig``, so a mistake is one line naming file:line:col, before anything starts), then pytest runs the
 catalogue with it, in a child process, from the catalogue's own directory (so that no ``pytest.ini`` of the
 directory you are in applies), and its results file is read back for the exit code. The catalogue is the one
@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
 from packaging.version import Version
 
 from ..core import results, scan_verdicts, userconfig
@@ -74,7 +72,7 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
         command = pytest_command(python, where, args.config.resolve(), Path(tmp), args)
         if markdown is not None:
             command += ["--ds-report", str(markdown.resolve())]
-        returncode = run_to_terminal(command, where, environ)
+        returncode = processes.to_terminal(command, cwd=where, env=environ)
         written = Path(tmp) / "results"
         files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     if returncode not in (0, 1) or not files:
@@ -82,17 +80,6 @@ def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, ma
     if unreadable:
         raise ScanError(f"unreadable results of the scan: {unreadable[0]}")
     return files[0].run
-
-
-def run_to_terminal(command: Sequence[str], cwd: Path, environ: dict[str, str]) -> int:
-    """The scan's pytest, its output the user's to watch; on Ctrl-C (or SIGTERM) stopped as ``processes`` stops
-    every child of ``dsrepro``, worlds and fork server included."""
-    child = psutil.Popen(list(command), cwd=cwd, env=environ, stdin=subprocess.DEVNULL)
-    try:
-        return int(child.wait())
-    except BaseException:
-        processes.stop(child, told=True)
-        raise
 
 
 def exit_code(runs: Sequence[RunRecord]) -> int:

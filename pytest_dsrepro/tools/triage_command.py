@@ -255,7 +255,6 @@ def _environment(args: argparse.Namespace, judged_on: str | None) -> tuple[str, 
 def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, bugs: Sequence[triage.KnownBug],
                where: Path) -> RunRecord:  # fmt: skip
     """The bugs' own tests, stock variants only, in a child pytest from the catalogue's directory (as a scan runs)."""
-    from .scan_command import run_to_terminal
 
     files = list(dict.fromkeys(str(Path(b.path).resolve()) for b in bugs))
     with tempfile.TemporaryDirectory(prefix="dsrepro-triage-") as tmp:
@@ -263,7 +262,7 @@ def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, b
                    "-rN", "-k", "not fixed", "--ds-results", f"{tmp}/results", "--basetemp", f"{tmp}/tmp"]  # fmt: skip
         if args.world_size is not None:
             command += ["--ds-world-size", str(args.world_size)]
-        returncode = run_to_terminal(command, where, environ)
+        returncode = processes.to_terminal(command, cwd=where, env=environ)
         written = Path(tmp) / "results"
         files_read, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     if returncode not in (0, 1) or not files_read or unreadable:
