@@ -47,6 +47,41 @@ def test_preloading_stops_before_a_module_that_starts_a_thread(tmp_path: Path) -
     assert not c_imported
 
 
+def test_a_module_that_left_a_thread_in_the_server_is_left_to_the_ranks_next_time(tmp_path: Path) -> None:
+    """A cached list can hold a module that starts a thread in the server although the throwaway children found it
+    safe (a GPU machine's Triton did): the server stops there, says so, and takes it out of the list, so that the
+    next server of this install imports the rest and forks with no thread."""
+    (tmp_path / "plain_a.py").write_text("VALUE = 1\n")
+    (tmp_path / "starts_thread.py").write_text(
+        "import threading\nstop = threading.Event()\nthreading.Thread(target=stop.wait, daemon=True).start()\n"
+    )
+    (tmp_path / "plain_c.py").write_text("VALUE = 3\n")
+    script = """
+        import json, sys
+        from pathlib import Path
+        from pytest_dsrepro.worlds.server import preload
+        here = Path.cwd()
+        listing = preload.list_file(here, "0.0", "0.0", here)
+        if not listing.exists():
+            preload._keep(listing, ["plain_a", "starts_thread", "plain_c"], [], 1.0)
+        warmed = preload.warm(here, "0.0", "0.0", here)
+        print(json.dumps([warmed.note, warmed.stopped, preload.threads(), json.loads(listing.read_text())]))
+        """
+    first = _python(script, tmp_path)
+    assert first.returncode == 0, first.stderr
+    note, stopped, threads, kept = json.loads(first.stdout.splitlines()[-1])
+    assert stopped
+    assert threads == 2
+    assert note == "stopped at starts_thread, which left a thread; the next server leaves it to the ranks"
+    assert kept["modules"] == ["plain_a", "plain_c"]
+    assert kept["unsafe"] == ["starts_thread"]
+    second = _python(script, tmp_path)
+    assert second.returncode == 0, second.stderr
+    note, stopped, threads, _ = json.loads(second.stdout.splitlines()[-1])
+    assert not stopped, note
+    assert threads == 1
+
+
 @pytest.mark.usefixtures("process_tag")
 def test_discovery_finds_what_an_engine_step_imports_and_is_cached(tmp_path: Path) -> None:
     """The real thing: a throwaway child runs ZeRO-1/2/3 steps; the server side imports the list without a thread."""

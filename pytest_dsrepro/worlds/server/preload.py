@@ -365,8 +365,24 @@ def warm(
             note += f"; left to the ranks: {', '.join(unsafe)} (fork-unsafe)"
     imported, stopped, left = import_ahead(names)
     if stopped is not None:
-        note = f"stopped at {stopped}, which left {left}"
+        note = f"stopped at {stopped}, which left {left}; {_learn_unsafe(listing, stopped)}"
     return Preloaded(imported, time.monotonic() - started, note, stopped=stopped is not None)
+
+
+def _learn_unsafe(listing: Path, module: str) -> str:
+    """A module whose import left a hazard here although the throwaway children found it safe (what a child of the
+    server sees is not always what the server does: a GPU machine's Triton started a thread in the server only):
+    taken out of the cached list, so that the next server of this install leaves it to the ranks. A module that
+    imports it is taken out the same way by the server that meets it next."""
+    try:
+        kept = json.loads(listing.read_text())
+        names = [str(n) for n in kept["modules"] if n != module]
+        unsafe = [*(str(n) for n in kept.get("unsafe", ())), module]
+        seconds = float(kept.get("seconds", 0.0))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return "no list to correct"
+    said = _keep(listing, names, unsafe, seconds)
+    return "the next server leaves it to the ranks" if said == "now cached" else f"the corrected list is {said}"
 
 
 def first_use(accelerator: str) -> str:
