@@ -17,6 +17,7 @@ classes it patched (first released in 0.17.6).
 
 import pytest
 
+from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.hf import requires_hf, tiny_checkpoint
 
 pytestmark = [
@@ -80,10 +81,12 @@ def test_reward_model_loaded_after_policy(ds_config, tmp_path):
 
     built = sorted(name for name, _ in reward.named_children())
     assert built == ["model", "score"], f"the reward model lost its backbone and score head: children {built}"
-    # The backbone holds the checkpoint's weights, partitioned by ZeRO-3: gathered, they are the saved tensors.
+    # The backbone holds the checkpoint's weights, partitioned by ZeRO-3: gathered, they are the saved tensors, in
+    # the dtype zero.Init gives parameters under this config (bf16 or fp16 ones are the saved values rounded).
     # (One parameter per gather: gathering several is racy on gloo before 0.19.8, zero3-persistent-allgather-race.)
     embed, score = reward.model.embed_tokens.weight, reward.score.weight
+    expected = saved["model.embed_tokens.weight"].to(precision_dtype(ds_config))
     with deepspeed.zero.GatheredParameters([embed]):
-        torch.testing.assert_close(embed.data, saved["model.embed_tokens.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(embed.data, expected, rtol=0, atol=0)
     with deepspeed.zero.GatheredParameters([score]):
         assert score.shape == (1, 32)

@@ -110,7 +110,9 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
     # rank's; averaged over the ranks where an optimizer reduced them). Plain asserts: pytest shows their values from
     # the ranks too; the message names the parameter.
     reference = tiny_mlp(seed=3).to(precision_dtype(ds_config))  # computes as the engine does
-    torch.nn.functional.mse_loss(reference(x), y).backward()
+    # The engine divides each micro-batch's loss by the accumulation steps, as their gradients add up to one step's.
+    loss = torch.nn.functional.mse_loss(reference(x), y) / ds_config["gradient_accumulation_steps"]
+    loss.backward()
     for (name, param), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         grad = safe_get_full_grad(param)  # collective under ZeRO-3: every rank asks for the same parameters
         want = expected.grad
@@ -121,5 +123,5 @@ def test_backward_on_zero3_engine_without_optimizer(ds_engine, ds_config, ds_ran
         assert grad.shape == param.ds_shape, name
         assert grad.isfinite().all(), name
         assert grad.abs().sum() > 0, name
-        want = want.to(grad.dtype)  # a bf16 engine may keep its gradients in fp32: compared at the lower precision
-        torch.testing.assert_close(grad, want, msg=f"{name}: gradient differs from plain autograd")
+        # A bf16 engine may keep its gradients in fp32: compared in the precision both were computed in.
+        torch.testing.assert_close(grad.to(want.dtype), want, msg=f"{name}: gradient differs from plain autograd")
