@@ -249,3 +249,13 @@ def test_a_config_deepspeed_refuses_is_said_once_above_the_table() -> None:
     assert [line.split()[-5:] for line in lines if line.startswith("CANNOT TELL")] == [
         ["DeepSpeed", "refuses", "this", "config", "(above)"]
     ] * 2
+    # A release that refuses the config is never named clean, even where a body that builds no DeepSpeed config of
+    # its own passed there (Hugging Face's Trainer, say): across releases the conclusion says why.
+    passed = dataclasses.replace(tests[0], nodeid="repros/test_c.py::test_it[scan]",
+                                 repro=ReproMeta("c", "c title"), scan=Finding(ScanVerdict.NOT_AFFECTED, "fixed"))  # fmt: skip
+    refusing = dataclasses.replace(run, tests=(*tests, passed))
+    older = record("0.16.4", {"a": ScanVerdict.NOT_AFFECTED, "b": ScanVerdict.NOT_AFFECTED})
+    assert scan_verdicts.first_clean([older, refusing]) is None
+    assert scan_verdicts.across([older, refusing])[-1] == (
+        "no release can be named clean: the newest scanned, deepspeed 0.19.8, refuses this config (above)"
+    )

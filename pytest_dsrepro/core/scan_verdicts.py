@@ -204,9 +204,11 @@ def _version(text: str) -> Version:
 
 
 def _untold(run: RunRecord) -> bool:
-    """Nothing told about this release: some bug CANNOT TELL, and none NOT AFFECTED (no body passed there)."""
+    """Nothing told about this release: DeepSpeed refused the config there (a body that passed without DeepSpeed's
+    config says nothing of it), or some bug CANNOT TELL and none NOT AFFECTED (no body passed there)."""
     verdicts = {row.verdict for row in rows(run)}
-    return ScanVerdict.CANNOT_TELL in verdicts and ScanVerdict.NOT_AFFECTED not in verdicts
+    told = ScanVerdict.CANNOT_TELL not in verdicts or ScanVerdict.NOT_AFFECTED in verdicts
+    return bool(refusals(run)) or not told
 
 
 def first_clean(runs: Sequence[RunRecord]) -> str | None:
@@ -232,11 +234,15 @@ def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
         cells = "  ".join(f"{table[r.version].get(bug, '-'):<{cell}}" for r in ordered)
         lines.append(_cut(f"{bug:<{name}}  {cells}".rstrip(), width))
     clean = first_clean(ordered)
-    if clean is None and all(row.verdict is not ScanVerdict.AFFECTED for row in rows(ordered[-1])):
-        lines.append(f"no release can be named clean: on the newest scanned, deepspeed {ordered[-1].version}, every "
+    newest = ordered[-1]
+    if clean is None and refusals(newest):
+        lines.append(f"no release can be named clean: the newest scanned, deepspeed {newest.version}, refuses this "
+                     "config (above)")  # fmt: skip
+    elif clean is None and all(row.verdict is not ScanVerdict.AFFECTED for row in rows(newest)):
+        lines.append(f"no release can be named clean: on the newest scanned, deepspeed {newest.version}, every "
                      "bug the config meets was CANNOT TELL or NOT APPLICABLE")  # fmt: skip
     elif clean is None:
-        lines.append(f"the newest release scanned, deepspeed {ordered[-1].version}, has a known bug this config hits")
+        lines.append(f"the newest release scanned, deepspeed {newest.version}, has a known bug this config hits")
     else:
         untold = sum(row.verdict is ScanVerdict.CANNOT_TELL for r in ordered if r.version == clean for row in rows(r))
         but = f" (but {untold} could not be told there: CANNOT TELL)" if untold else ""
