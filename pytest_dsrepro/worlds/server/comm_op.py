@@ -1,4 +1,5 @@
-"""DeepSpeed's JIT-built CPU comm op: built once per distinct source, never inside a test's critical path.
+"""Runs in the fork server (and its build child; a launched rank warms it up too, and pytest asks ``holds_builds``):
+DeepSpeed's JIT-built CPU comm op, built once per distinct source, never inside a test's critical path.
 
 DeepSpeed builds ``deepspeed_shm_comm`` with ninja/g++ the first time a process group is set up on CPU (45-150 s
 cold). Left to itself, torch keys builds by name under one ``TORCH_EXTENSIONS_DIR`` and ninja rebuilds whenever
