@@ -397,7 +397,7 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(install, "install_deepspeed", slow_install)
     monkeypatch.setattr(install, "environment_python", lambda directory, python: str(directory / "bin" / "python"))
-    monkeypatch.setattr(install, "add_this_plugin", lambda python, constraints, log: None)
+    monkeypatch.setattr(install, "add_this_plugin", lambda python, constraints, log, extra: None)
     prepares = [environments.release_environment(tmp_path, tmp_path / "constraints.txt") for _ in range(2)]
     jobs = [(prepare, Version(v)) for prepare in prepares for v in ("0.16.3", "0.16.4")]
     with ThreadPoolExecutor(len(jobs)) as pool:

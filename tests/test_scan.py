@@ -218,8 +218,9 @@ def test_the_catalogue_travels_with_the_package() -> None:
 
 
 def test_extra_packages_reach_each_release_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--with`` joins ``$DSREPRO_EXTRA_PACKAGES``, which every release environment reads (scan, bisect, upstream);
-    without ``--release`` there is no environment to put them in, and the scan says so before it starts."""
+    """``--with`` joins ``$DSREPRO_EXTRA_PACKAGES`` (which every release environment reads: scan, bisect, upstream)
+    in the scan's release environments; without ``--release`` there is no environment to put them in, and the scan
+    says so before it starts."""
     from pytest_dsrepro.tools import cli, environments
 
     monkeypatch.setenv(environments.EXTRA_PACKAGES_ENV, "einops")
@@ -228,12 +229,16 @@ def test_extra_packages_reach_each_release_environment(tmp_path: Path, monkeypat
     )
     seen = []
 
-    def prepare(version: object) -> environments.ReleaseEnv:
-        seen.append(environments.extra_packages())
-        raise environments.EnvironmentUnavailable("stop here")
+    def release_environment(*args: object, extra: list[str], **kwargs: object) -> object:
+        def prepare(version: object) -> environments.ReleaseEnv:
+            seen.append(extra)
+            raise environments.EnvironmentUnavailable("stop here")
 
+        return prepare
+
+    monkeypatch.setattr(environments, "release_environment", release_environment)
     with pytest.raises(scan_command.ScanError, match=r"deepspeed 0\.19\.8 cannot run here: stop here"):
-        scan_command.scan_releases(args, ["0.19.8"], prepare)
+        scan_command.scan_releases(args, ["0.19.8"])
     assert seen == [["einops", "huggingface_hub", "x>=1"]]
     user = tmp_path / "c.json"
     user.write_text('{"zero_optimization": {"stage": 3}}')

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +71,13 @@ def release_environment(
     constraints: Path | None = None,
     python: str = sys.executable,
     log_dir: Path | None = None,
+    extra: Sequence[str] | None = None,
 ) -> Callable[[Version], ReleaseEnv]:
     """The ``prepare`` step of a ``Prober``: one uv environment per release, kept in the cache and reused, holding
     torch (pinned), that release (``install.install_deepspeed``), this plugin as installed here
-    (``install.add_this_plugin``) and ``extra_packages`` under the same pins. A ``filelock`` per environment: two
-    bisects (or a bisect and a benchmark) never fill one at once. ``constraints`` defaults to ``$DSREPRO_CONSTRAINTS``
-    or ``constraints.txt`` here or above, else to a pin of the torch installed here.
+    (``install.add_this_plugin``) and ``extra`` (by default ``extra_packages``) under the same pins. A ``filelock``
+    per environment: two bisects (or a bisect and a benchmark) never fill one at once. ``constraints`` defaults to
+    ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here.
     """
     from filelock import FileLock
 
@@ -85,6 +86,7 @@ def release_environment(
 
     root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or torch_pin(root)
+    wanted = extra_packages() if extra is None else list(extra)
 
     def prepare(version: Version) -> ReleaseEnv:
         directory = environment_dir(root, version)
@@ -93,11 +95,7 @@ def release_environment(
         with FileLock(str(directory) + ".lock", timeout=install.INSTALL_TIMEOUT):
             try:
                 env_python = install.environment_python(directory, python)
-                install.add_this_plugin(env_python, pins, log)
-                if extra_packages():
-                    install._Runner(env_python, log, echo=False).install(  # its one way to run uv pip
-                        f"installing {', '.join(extra_packages())}", ["-c", str(pins), *extra_packages()]
-                    )
+                install.add_this_plugin(env_python, pins, log, wanted)
             except install.InstallError as exc:
                 raise EnvironmentUnavailable(exc.reason) from None
             result = install.install_deepspeed(

@@ -292,11 +292,11 @@ PLUGIN = "pytest-dsrepro"
 _PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
 
 
-def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> None:
+def add_this_plugin(python: str, constraints: Path, log: Path | None = None, extra: Sequence[str] = ()) -> None:
     """Make this plugin, as it is installed here, run in ``python``'s environment too: pytest and every pytest plugin
-    at the versions here, the plugin's own requirements, and a copy of the plugin's code and metadata (entry point
-    included) in a directory of its own on that environment's path. Nothing else of this environment, DeepSpeed
-    least of all.
+    at the versions here, the plugin's own requirements, ``extra`` (what a repro needs beyond them), and a copy of the
+    plugin's code and metadata (entry point included) in a directory of its own on that environment's path. Nothing
+    else of this environment, DeepSpeed least of all.
     """
     try:
         dist = metadata.distribution(PLUGIN)
@@ -309,7 +309,7 @@ def add_this_plugin(python: str, constraints: Path, log: Path | None = None) -> 
     }  # fmt: skip
     run = _Runner(python, log, echo=False)
     run.install("installing pytest and its plugins", ["-c", str(constraints), f"pytest=={metadata.version('pytest')}",
-                                                       *needs, *sorted(plugins)])  # fmt: skip
+                                                       *needs, *sorted(plugins), *extra])  # fmt: skip
     site = Path(subprocess.run([python, "-c", _PURELIB], capture_output=True, text=True, check=True).stdout.strip())
     overlay = site.parent / "dsrepro-plugin"
     shutil.rmtree(overlay, ignore_errors=True)

@@ -93,11 +93,10 @@ def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
     """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
-    from .environments import EXTRA_PACKAGES_ENV, EnvironmentUnavailable, extra_packages, release_environment
+    from .environments import EnvironmentUnavailable, extra_packages, release_environment
 
-    if args.extra_packages:  # the environments read them from the variable, as bisect's and upstream's do
-        os.environ[EXTRA_PACKAGES_ENV] = " ".join([*extra_packages(), *args.extra_packages])
-    prepare = prepare or release_environment(args.cache_dir, args.constraints)
+    extra = [*extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
+    prepare = prepare or release_environment(args.cache_dir, args.constraints, extra=extra)
     runs = []
     for release in releases:
         print(f"dsrepro scan: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
