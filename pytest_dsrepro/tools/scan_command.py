@@ -51,30 +51,33 @@ def catalogue() -> Path:
                     "reinstall pytest-dsrepro, or give --catalogue DIR")  # fmt: skip
 
 
-def pytest_command(python: str, where: Path, config: Path, scratch: Path, args: argparse.Namespace) -> list[str]:
-    """One scan: the catalogue, the user's config, its results into ``scratch/results``; the output is the table.
+def run_catalogue(
+    python: str, environ: dict[str, str], where: Path, world_size: int | None, arguments: Sequence[str]
+) -> tuple[int, list[results.ResultsFile], list[results.Unreadable]]:
+    """The catalogue's pytest in a child, from its own directory (so that no ``pytest.ini`` of the directory you are
+    in applies), its output the user's to watch; ``arguments`` say what it runs (a scan, or some repros). Its exit
+    code, and the results it wrote into a directory of this run's.
 
-    The tests' ``tmp_path`` lives in ``scratch`` too (``--basetemp``): under pytest's shared default, other pytest
-    sessions of the same user prune a long scan's directories while its repros still write checkpoints there.
+    The tests' ``tmp_path`` lives there too (``--basetemp``): under pytest's shared default, other pytest sessions of
+    the same user prune a long run's directories while its repros still write checkpoints there.
     """
-    command = [python, "-m", "pytest", str(where), "--rootdir", str(where), "-p", "no:cacheprovider", "-q",
-               "--tb=no", "-rN", "--ds-scan", str(config), "--ds-results", str(scratch / "results"),
-               "--basetemp", str(scratch / "tmp")]  # fmt: skip
-    if args.world_size is not None:
-        command += ["--ds-world-size", str(args.world_size)]
-    return [*command, *args.pytest_args]
+    with tempfile.TemporaryDirectory(prefix="dsrepro-catalogue-") as tmp:
+        written = Path(tmp) / "results"
+        command = [python, "-m", "pytest", "--rootdir", str(where), "-p", "no:cacheprovider", "-q", "--tb=no", "-rN",
+                   "--ds-results", str(written), "--basetemp", str(Path(tmp) / "tmp")]  # fmt: skip
+        if world_size is not None:
+            command += ["--ds-world-size", str(world_size)]
+        returncode = processes.to_terminal([*command, *arguments], cwd=where, env=environ)
+        files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
+    return returncode, files, unreadable
 
 
 def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, markdown: Path | None) -> RunRecord:
     """Run one scan with ``python``'s pytest and DeepSpeed; its record, read back from its results file."""
     where = args.catalogue.resolve() if args.catalogue else catalogue()
-    with tempfile.TemporaryDirectory(prefix="dsrepro-scan-") as tmp:
-        command = pytest_command(python, where, args.config.resolve(), Path(tmp), args)
-        if markdown is not None:
-            command += ["--ds-report", str(markdown.resolve())]
-        returncode = processes.to_terminal(command, cwd=where, env=environ)
-        written = Path(tmp) / "results"
-        files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
+    arguments = [str(where), "--ds-scan", str(args.config.resolve()), *args.pytest_args]
+    arguments += ["--ds-report", str(markdown.resolve())] if markdown is not None else []
+    returncode, files, unreadable = run_catalogue(python, environ, where, args.world_size, arguments)
     if returncode not in (0, 1) or not files:
         raise ScanError(f"pytest ended with exit code {returncode} and wrote no scan (its output is above)")
     if unreadable:

@@ -16,7 +16,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import configs, logread, premises, results, triage, userconfig, versions
+from ..core import configs, logread, premises, triage, userconfig, versions
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
@@ -255,20 +254,14 @@ def _environment(args: argparse.Namespace, judged_on: str | None) -> tuple[str, 
 def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, bugs: Sequence[triage.KnownBug],
                where: Path) -> RunRecord:  # fmt: skip
     """The bugs' own tests, stock variants only, in a child pytest from the catalogue's directory (as a scan runs)."""
+    from .scan_command import run_catalogue
 
     files = list(dict.fromkeys(str(Path(b.path).resolve()) for b in bugs))
-    with tempfile.TemporaryDirectory(prefix="dsrepro-triage-") as tmp:
-        command = [python, "-m", "pytest", *files, "--rootdir", str(where), "-p", "no:cacheprovider", "-q", "--tb=no",
-                   "-rN", "-k", "not fixed", "--ds-results", f"{tmp}/results", "--basetemp", f"{tmp}/tmp"]  # fmt: skip
-        if args.world_size is not None:
-            command += ["--ds-world-size", str(args.world_size)]
-        returncode = processes.to_terminal(command, cwd=where, env=environ)
-        written = Path(tmp) / "results"
-        files_read, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
-    if returncode not in (0, 1) or not files_read or unreadable:
+    returncode, read, unreadable = run_catalogue(python, environ, where, args.world_size, [*files, "-k", "not fixed"])
+    if returncode not in (0, 1) or not read or unreadable:
         raise TriageError(f"the repros' pytest ended with exit code {returncode} and wrote no results (its output is "
                           "above)")  # fmt: skip
-    return files_read[0].run
+    return read[0].run
 
 
 def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str, Finding]:
