@@ -63,9 +63,7 @@ def run_here(
 def _sorted_run(
     directory: Path, found: Checkout, command: Callable[[Path], list[str]], entries: Sequence[failures.Known]
 ) -> int:
-    before = set(directory.glob("*.json"))
-    code = processes.to_terminal(command(directory), cwd=found.tests)
-    files, _ = results.read_all([p for p in sorted(directory.glob("*.json")) if p not in before])
+    code, files = _added(directory, lambda: processes.to_terminal(command(directory), cwd=found.tests))
     if not files:  # no results to sort (the run wrote them elsewhere, with its own --ds-results): pytest's word
         return code
     return exit_code(tell(files, entries)) if code in (0, 1) else code
@@ -74,13 +72,19 @@ def _sorted_run(
 def after_releases(results_dir: Path, run: Callable[[], int], entries: Sequence[failures.Known]) -> int:
     """``dsrepro upstream --release``: the runs (``run``), then the failures of the results files they added to
     ``results_dir`` sorted and told; the exit code stays the runs' own (a regression test fails where affected)."""
-    before = set(results_dir.glob("*.json"))
-    code = run()
-    files, _ = results.read_all([p for p in sorted(results_dir.glob("*.json")) if p not in before])
+    code, files = _added(results_dir, run)
     ran = [f for f in files if f.run.unavailable is None]
     if ran:
         tell(ran, entries)
     return code
+
+
+def _added(directory: Path, run: Callable[[], int]) -> tuple[int, list[results.ResultsFile]]:
+    """``run``'s exit code, and the results files it added to ``directory`` (earlier runs' may be there too)."""
+    before = set(directory.glob("*.json"))
+    code = run()
+    files, _ = results.read_all([p for p in sorted(directory.glob("*.json")) if p not in before])
+    return code, files
 
 
 def tell(files: Sequence[results.ResultsFile], entries: Sequence[failures.Known]) -> failures.Sorted:
