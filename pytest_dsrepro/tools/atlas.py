@@ -11,7 +11,8 @@ first release (the oldest tag that contains it), from ``git tag --contains``.
 Running: the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests and
 ``version.txt``), and ``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release
 environments the matrix builds, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside
-the catalogue, named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results.
+the catalogue, named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The
+results directory is also where a stopped atlas resumes: a fix's release that already has results is not run again.
 """
 
 from __future__ import annotations
@@ -287,17 +288,28 @@ Runner = Callable[[checkout.Checkout, list[str], list[str], Path], None]
 
 def run_fix(fix: Fix, clone: Clone, releases: Sequence[Version], out: Path, runner: Runner) -> list[Range]:
     """The fix's tests at the fix commit on each release (``runner``: ``upstream_command.run_releases``), results
-    kept in ``out/<short>``; then each test's range."""
+    kept in ``out/<short>``; then each test's range. A release ``out/<short>`` already holds a run of (or an
+    install failure on) is not run again: an atlas of a hundred fixes that is stopped resumes where it was."""
     where = out / fix.commit.short
-    with tempfile.TemporaryDirectory(prefix=f"dsrepro-atlas-{fix.commit.short}-") as tmp:
-        found = sparse_checkout(clone, fix.commit, Path(tmp) / "DeepSpeed")
-        runner(found, [t.nodeid for t in fix.tests], [str(v) for v in releases], where)
-    files, _ = results.read_all([where]) if where.exists() else ([], [])
+    missing = [v for v in releases if v not in _recorded(where)]
+    if missing:
+        with tempfile.TemporaryDirectory(prefix=f"dsrepro-atlas-{fix.commit.short}-") as tmp:
+            found = sparse_checkout(clone, fix.commit, Path(tmp) / "DeepSpeed")
+            runner(found, [t.nodeid for t in fix.tests], [str(v) for v in missing], where)
     runs: dict[Version, list[results.TestRecord]] = {}
-    for f in files:
+    for f in _results_in(where):
         if f.run.unavailable is None:
             runs.setdefault(Version(f.run.version), []).extend(f.run.tests)
     return [range_of(t.nodeid, fix, runs) for t in fix.tests]
+
+
+def _results_in(where: Path) -> list[results.ResultsFile]:
+    return results.read_all([where])[0] if where.exists() else []
+
+
+def _recorded(where: Path) -> set[Version]:
+    """The releases a fix's results directory holds a run of, or an install failure on."""
+    return {Version(f.run.version) for f in _results_in(where)}
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
