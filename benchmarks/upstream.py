@@ -49,7 +49,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from pytest_dsrepro.core import checkout, results
+from pytest_dsrepro.core import checkout, failures, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
 from pytest_dsrepro.tools import install, matrix, upstream_command
 from pytest_dsrepro.tools.environments import release_environment
@@ -89,6 +89,7 @@ class Side:
     outcomes: dict[str, str]  # test -> passed, failed, error, skipped
     load: float  # the 1-minute load average when it started
     deepspeed: str = ""  # the DeepSpeed its tests imported: "VERSION at DIRECTORY" ("" in runs before it was kept)
+    errors: dict[str, str] = field(default_factory=dict)  # failed or errored test -> its message's first line
 
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
@@ -100,19 +101,33 @@ class FileRun:
     sides: dict[str, Side] = field(default_factory=dict)
 
 
-def junit_outcomes(path: Path) -> dict[str, str]:
-    """Each test of a JUnit XML report and how it ended (a collection error is a test named after its file)."""
+def junit_outcomes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Each test of a JUnit XML report and how it ended (a collection error is a test named after its file), and
+    each failed or errored test's message, its first line (what sorts it against the failures file)."""
     if not path.exists():
-        return {}
-    outcomes = {}
+        return {}, {}
+    outcomes, errors = {}, {}
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        tags = {child.tag for child in case}
-        words = [
-            word for tag, word in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")) if tag in tags
-        ]
-        outcomes[name] = (words or ["passed"])[0]  # a failed call that then errored at teardown counts as failed
-    return outcomes
+        found = [(word, child) for tag, word in OUTCOME_TAGS for child in case if child.tag == tag]
+        outcomes[name] = found[0][0] if found else "passed"  # a failed call that then errored at teardown: failed
+        if found and found[0][0] != "skipped":
+            child = found[0][1]
+            text = child.get("message") or child.text or ""
+            errors[name] = next((line for line in text.splitlines() if line.strip()), "")[:300]
+    return outcomes, errors
+
+
+def nodeid(path: str, junit_name: str) -> str:
+    """A JUnit ``classname::name`` as pytest's node id from ``tests/`` (``unit/x/test_y.py::Class::test[p]``), the
+    form the failures file names tests in."""
+    classname, _, name = junit_name.partition("::")
+    module = path.removesuffix(".py").replace("/", ".")
+    if classname == module:
+        return f"{path}::{name}"
+    if classname.startswith(module + "."):
+        return f"{path}::{classname[len(module) + 1 :].replace('.', '::')}::{name}"
+    return path if not classname else f"{path}::{name}"  # a collection error is named after its file
 
 
 #: ``pytest`` as ``python -m pytest`` runs it, then the DeepSpeed its tests imported (sys.path as they left it).
@@ -144,7 +159,8 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         seconds = time.monotonic() - started
         for left in set(shm.SHM_DIR.glob(f"{shm.PREFIX}*")) - before:  # DeepSpeed's harness leaves its ranks' buffers,
             left.unlink(missing_ok=True)  # named after its fixed ports: the next file's ranks would map stale ones
-        return Side(round(seconds, 1), code, junit_outcomes(report), round(load, 2), seen)
+        outcomes, errors = junit_outcomes(report)
+        return Side(round(seconds, 1), code, outcomes, round(load, 2), seen, errors)
 
 
 def harness_tests(found: checkout.Checkout, out: Path) -> Path:
@@ -342,8 +358,29 @@ def kept_run(kept: Path, path: str) -> FileRun:
     return run
 
 
+def sorted_failures(runs: list[FileRun], entries: tuple[failures.Known, ...]) -> failures.Sorted:
+    """The plugin side's failures, each known to the failures file (with its class) or new, and the listed tests
+    that passed: what ``dsrepro upstream`` says of a run, for the whole suite."""
+    found, passing = [], []
+    for run in runs:
+        side = run.sides.get("plugin")
+        if side is None:
+            continue
+        release = side.deepspeed.partition(" ")[0] or None
+        for test, outcome in side.outcomes.items():
+            nid = nodeid(run.path, test)
+            entry = next((k for k in entries if k.covers(nid, release)), None)
+            if outcome in ("failed", "error"):
+                found.append(failures.Failure(nid, release, side.errors.get(test), entry))
+            elif outcome == "passed" and entry is not None:
+                passing.append((nid, entry))
+    return failures.Sorted(tuple(found), tuple(passing))
+
+
 def write_report(out: Path, runs: list[FileRun]) -> None:
     report = table(runs) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
+    sorted_ = sorted_failures(runs, failures.read(failures.PACKAGED))
+    report += "\n\nThe plugin's failures against the failures file:\n" + "\n".join(failures.summary(sorted_))
     (out / "files.md").write_text(report + "\n")
     print(report)
 
