@@ -3,6 +3,7 @@ with git and ``ast`` on a small repository written here in DeepSpeed's layout; e
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.tools import atlas
+from pytest_dsrepro.tools import atlas, upstream_command
 from pytest_dsrepro.tools.history import Clone, Commit
 
 BEFORE = """\
@@ -219,3 +220,37 @@ def test_a_fix_runs_at_its_own_revision_and_its_ranges_come_from_the_results(clo
     assert (seen, [r.clean for r in again]) == ([], [True] * len(fix.tests))
     atlas.run_fix(fix, repo, [Version("0.1.0"), Version("0.3.0")], tmp_path / "out", runner)
     assert seen == [(fix.commit.sha, [t.nodeid for t in fix.tests], ["0.3.0"])]
+
+
+def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
+    clone: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An atlas runs a hundred fixes for hours: one whose pytest ends with a usage error is a "cannot tell" with its
+    error, and the fixes after it still run."""
+    ran: list[list[str]] = []
+
+    def run_releases(
+        args: argparse.Namespace, tests: checkout.Checkout, targets: list[str], releases: list[str]
+    ) -> int:
+        ran.append(targets)
+        if len(ran) == 1:
+            raise upstream_command.UpstreamError("pytest on deepspeed 0.1.0 ended with exit code 4")
+        for release in releases:
+            env = results.Environment(**{**results.environment("gloo", 2).to_json(), "deepspeed": release})
+            outcome = "failed" if release == "0.1.0" else "passed"
+            results.write(
+                results.RunRecord(environment=env, tests=tuple(_test(t, outcome) for t in targets)), args.results
+            )
+        return 0
+
+    monkeypatch.setattr(upstream_command, "run_releases", run_releases)
+    parser = argparse.ArgumentParser()
+    atlas.add_arguments(parser)
+    args = parser.parse_args(["--repo", str(clone), "--range", "v0.1.0..HEAD", "--results", str(tmp_path / "out")])
+    assert atlas.run(args) == 0
+    out, err = capsys.readouterr()
+    assert len(ran) == 2  # #12 broke, #15 still ran (#16 is in no release)
+    assert "pytest on deepspeed 0.1.0 ended with exit code 4" in err
+    assert "cannot tell unit/runtime/test_zero.py::TestZero::test_edited: its run broke: pytest on deepspeed" in out
+    assert "clean       unit/launcher/test_run.py::test_run: fails on 0.1.0, passes from 0.2.0" in out
+    assert out.splitlines()[-1].startswith("2 fixes run, 3 tests: 1 clean ranges; cannot tell: {'its run broke': 2}")

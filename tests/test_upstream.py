@@ -119,6 +119,40 @@ def test_a_file_that_needs_a_newer_release_is_not_applicable_per_node_id(ds_chec
     result.assert_outcomes(skipped=1, errors=1)
 
 
+SKIPS_AS_A_WHOLE = """\
+from deepspeed.accelerator import get_accelerator
+import pytest
+from unit.common import DistributedTest
+
+if get_accelerator().device_name() == "cpu":
+    pytest.skip("this file needs a GPU", allow_module_level=True)
+
+
+class TestOnGPUs(DistributedTest):
+    world_size = 2
+
+    def test(self):
+        pass
+"""
+
+
+def test_a_file_that_skips_as_a_whole_skips_the_tests_asked_for_by_node_id(
+    ds_checkout: Path, run: RunPytest, tmp_path: Path
+) -> None:
+    """pytest alone ends such a run at collection ("found no collectors", exit 4), losing every other test asked for;
+    the atlas asks for tests by node id on releases where their file skips itself."""
+    (ds_checkout / "tests" / "unit" / "runtime" / "test_gpu_only.py").write_text(SKIPS_AS_A_WHOLE)
+    out = tmp_path / "results"
+    asked = ("unit/runtime/test_gpu_only.py::TestOnGPUs::test", "unit/comm/test_worlds.py::TestTwoRanks::test_world")
+    result = run(*PLUGIN, *asked, "-rs", "--ds-results", str(out))
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] unit/runtime/test_gpu_only.py*: this file needs a GPU"])
+    result.assert_outcomes(passed=1, skipped=1)
+    assert {n: t.outcome for n, t in _records(out).items()} == dict(zip(asked, ("skipped", "passed"), strict=True))
+    whole = run(*PLUGIN, "unit/runtime/test_gpu_only.py", "-rs")  # the file asked for: pytest's own module skip
+    whole.stdout.fnmatch_lines(["SKIPPED [[]1[]] unit/runtime/test_gpu_only.py:6: this file needs a GPU"])
+    whole.assert_outcomes(skipped=1)
+
+
 def test_a_deepspeed_that_does_not_import_is_one_line_before_anything_runs(
     ds_checkout: Path, pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -386,10 +386,14 @@ def _run(args: argparse.Namespace) -> int:
     for fix in runnable:
         print(f"dsrepro atlas: {fix.commit.short} {fix.commit.subject}", file=sys.stderr, flush=True)
         releases = releases_to_run(fix, start, available, args.releases_between)
-        ranges += run_fix(fix, clone, releases, args.results, runner)
+        try:
+            ranges += run_fix(fix, clone, releases, args.results, runner)
+        except upstream_command.UpstreamError as exc:  # one fix's run that broke does not end an atlas of a hundred
+            print(f"dsrepro atlas: {fix.commit.short}: {exc}", file=sys.stderr, flush=True)
+            ranges += [Range(t.nodeid, (), False, f"its run broke: {exc}") for t in fix.tests]
     for r in ranges:
         print(f"{'clean' if r.clean else 'cannot tell':11} {r.nodeid}: {r.why}")
-    whys = Counter(r.why.split(" on ")[0] for r in ranges if not r.clean)
+    whys = Counter(r.why.split(" on ")[0].split(":")[0] for r in ranges if not r.clean)
     print(f"{len(runnable)} fixes run, {len(ranges)} tests: {sum(r.clean for r in ranges)} clean ranges; "
           f"cannot tell: {dict(whys) or 0}; {time.monotonic() - started:.0f} s")  # fmt: skip
     return 0

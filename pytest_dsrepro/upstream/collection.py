@@ -6,6 +6,11 @@ release the file cannot even be imported, and pytest would report a collection e
 Here each test the command line asked for in such a file (or the file as a whole) becomes one item that the plugin
 judges NOT-APPLICABLE (``ds_not_applicable`` for the installed release), with the import error as its reason. Any
 other collection error (a syntax error, a missing third-party package) stays an error.
+
+A file that skips itself as a whole on import (``pytest.skip(..., allow_module_level=True)``: DeepSpeed's fp16 files
+where the accelerator lacks fp16) is pytest's to report when the file is asked for; a test asked for in it by node id
+becomes an item skipped with the file's reason, where pytest alone would end the run ("found no collectors", exit 4)
+and lose every other test's outcome with it: the atlas names tests by node id, on releases where their file skips.
 """
 
 from __future__ import annotations
@@ -61,18 +66,24 @@ def requested(args: Iterable[str], invoked: Path, path: Path) -> list[list[str]]
     return found or [[]]
 
 
+def not_applicable(reason: str) -> pytest.MarkDecorator:
+    """What a test of a file that cannot be imported on the installed release is: NOT-APPLICABLE there, with why."""
+    release = versions.installed_text("deepspeed")
+    return pytest.mark.ds_not_applicable(f"=={release}", reason=f"cannot be collected: {reason}")
+
+
 class Unimportable(pytest.Item):
-    """A test (or a whole file) that cannot be collected on the installed release: NOT-APPLICABLE there, with why."""
+    """A test (or a whole file) that cannot be collected on the installed release, marked with what that makes it
+    (``not_applicable``, or pytest's ``skip`` with the reason of a file that skips itself)."""
 
     cls = None  # DeepSpeed's conftest.py reads ``item.cls`` of every item it tears down
 
-    def __init__(self, *, reason: str, **kwargs: Any) -> None:
+    def __init__(self, *, mark: pytest.MarkDecorator, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        release = versions.installed_text("deepspeed")
-        self.add_marker(pytest.mark.ds_not_applicable(f"=={release}", reason=f"cannot be collected: {reason}"))
+        self.add_marker(mark)
 
     def runtest(self) -> None:
-        raise AssertionError("not applicable: the plugin skips this test at setup")  # pragma: no cover
+        raise AssertionError("its mark skips it at setup")  # pragma: no cover
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, self.name
@@ -81,19 +92,21 @@ class Unimportable(pytest.Item):
 class _Scope(pytest.Collector):
     """A class named on the command line in a file that cannot be imported: holds the test named in it."""
 
-    def __init__(self, *, names: Sequence[str], reason: str, **kwargs: Any) -> None:
+    def __init__(self, *, names: Sequence[str], mark: pytest.MarkDecorator, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.names = names
-        self.reason = reason
+        self.mark = mark
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
-        return [_placeholder(self, self.names, self.reason)]
+        return [_placeholder(self, self.names, self.mark)]
 
 
-def _placeholder(parent: pytest.Collector, names: Sequence[str], reason: str) -> pytest.Item | pytest.Collector:
+def _placeholder(
+    parent: pytest.Collector, names: Sequence[str], mark: pytest.MarkDecorator
+) -> pytest.Item | pytest.Collector:
     if len(names) > 1:
-        return _Scope.from_parent(parent, name=names[0], names=names[1:], reason=reason)
-    return Unimportable.from_parent(parent, name=names[0] if names else WHOLE_FILE, reason=reason)
+        return _Scope.from_parent(parent, name=names[0], names=names[1:], mark=mark)
+    return Unimportable.from_parent(parent, name=names[0] if names else WHOLE_FILE, mark=mark)
 
 
 @dataclass
@@ -134,14 +147,18 @@ class UpstreamModule(pytest.Module):
     def collect(self) -> list[pytest.Item | pytest.Collector]:
         try:
             self.obj  # noqa: B018 - imports the module, as pytest's own collect does first
+        except pytest.skip.Exception as exc:  # the file skips itself as a whole
+            named = [n for n in requested(self.config.args, self.config.invocation_params.dir, self.path) if n]
+            if not exc.allow_module_level or not named:
+                raise
+            said = exc.msg or "the file skips itself"
+            return self._instead(named, pytest.mark.skip(reason=said), f"skipped as a whole: {said}")
         except Exception as exc:  # an import's failure, told by pytest as a CollectError caused by it
             reason = lacks(exc)
             if reason is None or versions.installed_text("deepspeed") is None:
                 raise
             wanted = requested(self.config.args, self.config.invocation_params.dir, self.path)
-            # What pytest reads of a module later (``--collect-only`` prints its docstring) must not import it again.
-            self.obj = ModuleType(self.path.stem, f"cannot be imported on this release: {reason}")
-            return [_placeholder(self, names, reason) for names in wanted]
+            return self._instead(wanted, not_applicable(reason), f"cannot be imported on this release: {reason}")
         self.config.stash[STATE].prepare(self.obj)
         children = list(super().collect())
         for child in children:
@@ -149,3 +166,11 @@ class UpstreamModule(pytest.Module):
                 harness.mark_world_sizes(child.obj)
                 child.add_marker(pytest.mark.ds_world(**harness.world(child.obj)))
         return children
+
+    def _instead(
+        self, wanted: list[list[str]], mark: pytest.MarkDecorator, why: str
+    ) -> list[pytest.Item | pytest.Collector]:
+        """An item for each test asked for (``[]``: the whole file) in a file that did not import."""
+        # What pytest reads of a module later (``--collect-only`` prints its docstring) must not import it again.
+        self.obj = ModuleType(self.path.stem, why)
+        return [_placeholder(self, names, mark) for names in wanted]
