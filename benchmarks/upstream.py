@@ -89,7 +89,7 @@ class Side:
     outcomes: dict[str, str]  # test -> passed, failed, error, skipped
     load: float  # the 1-minute load average when it started
     deepspeed: str = ""  # the DeepSpeed its tests imported: "VERSION at DIRECTORY" ("" in runs before it was kept)
-    errors: dict[str, str] = field(default_factory=dict)  # failed or errored test -> its message's first line
+    errors: dict[str, str] = field(default_factory=dict)  # failed or errored test -> its message, on one line
 
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
@@ -103,7 +103,7 @@ class FileRun:
 
 def junit_outcomes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Each test of a JUnit XML report and how it ended (a collection error is a test named after its file), and
-    each failed or errored test's message, its first line (what sorts it against the failures file)."""
+    each failed or errored test's message on one line (what sorts it against the failures file)."""
     if not path.exists():
         return {}, {}
     outcomes, errors = {}, {}
@@ -114,7 +114,7 @@ def junit_outcomes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         if found and found[0][0] != "skipped":
             child = found[0][1]
             text = child.get("message") or child.text or ""
-            errors[name] = next((line for line in text.splitlines() if line.strip()), "")[:300]
+            errors[name] = " ".join(text.split())[:600]
     return outcomes, errors
 
 
