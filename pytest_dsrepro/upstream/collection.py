@@ -5,7 +5,9 @@ Newer test files import what older releases do not have (a fix's new helper, a m
 release the file cannot even be imported, and pytest would report a collection error, as if the run had broken.
 Here each test the command line asked for in such a file (or the file as a whole) becomes one item that the plugin
 judges NOT-APPLICABLE (``ds_not_applicable`` for the installed release), with the import error as its reason. Any
-other collection error (a syntax error, a missing third-party package) stays an error.
+other import error (a syntax error, a missing third-party package) is an ERROR, of an item in the file's name (or of
+each test asked for in it): pytest alone would stop the whole run at collection ("Interrupted: 1 error during
+collection"), and a run of the whole suite, or of one of its shards, must go on and sort it with the other failures.
 
 A file that skips itself as a whole on import (``pytest.skip(..., allow_module_level=True)``: DeepSpeed's fp16 files
 where the accelerator lacks fp16) is pytest's to report when the file is asked for; a test asked for in it by node id
@@ -15,6 +17,7 @@ and lose every other test's outcome with it: the atlas names tests by node id, o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,24 +69,46 @@ def requested(args: Iterable[str], invoked: Path, path: Path) -> list[list[str]]
     return found or [[]]
 
 
+def import_error(text: str) -> str:
+    """A test file's import error as its ERROR says it: the error's own line first (what a run's summary, its results
+    and the failures file show), then pytest's whole text with the traceback."""
+    lines = [re.sub(r"^E\s+", "", line.strip()) for line in text.splitlines() if line.strip()]
+    return f"cannot be imported: {lines[-1] if lines else 'no error text'}\n\n{text}"
+
+
 def not_applicable(reason: str) -> pytest.MarkDecorator:
     """What a test of a file that cannot be imported on the installed release is: NOT-APPLICABLE there, with why."""
     release = versions.installed_text("deepspeed")
     return pytest.mark.ds_not_applicable(f"=={release}", reason=f"cannot be collected: {reason}")
 
 
+@dataclass(frozen=True)
+class Instead:
+    """What the items standing for the tests of a file that did not import are: marked (NOT-APPLICABLE, skipped), or
+    failing at setup with the import's error."""
+
+    mark: pytest.MarkDecorator | None = None
+    error: str | None = None
+
+
 class Unimportable(pytest.Item):
-    """A test (or a whole file) that cannot be collected on the installed release, marked with what that makes it
-    (``not_applicable``, or pytest's ``skip`` with the reason of a file that skips itself)."""
+    """A test (or a whole file) that cannot be collected: marked with what that makes it (``not_applicable``, or
+    pytest's ``skip`` with the reason of a file that skips itself), or an ERROR at setup with why."""
 
     cls = None  # DeepSpeed's conftest.py reads ``item.cls`` of every item it tears down
 
-    def __init__(self, *, mark: pytest.MarkDecorator, **kwargs: Any) -> None:
+    def __init__(self, *, instead: Instead, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_marker(mark)
+        self.error = instead.error
+        if instead.mark is not None:
+            self.add_marker(instead.mark)
+
+    def setup(self) -> None:
+        if self.error is not None:
+            pytest.fail(self.error, pytrace=False)
 
     def runtest(self) -> None:
-        raise AssertionError("its mark skips it at setup")  # pragma: no cover
+        raise AssertionError("its mark or its error ends it at setup")  # pragma: no cover
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, self.name
@@ -92,21 +117,19 @@ class Unimportable(pytest.Item):
 class _Scope(pytest.Collector):
     """A class named on the command line in a file that cannot be imported: holds the test named in it."""
 
-    def __init__(self, *, names: Sequence[str], mark: pytest.MarkDecorator, **kwargs: Any) -> None:
+    def __init__(self, *, names: Sequence[str], instead: Instead, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.names = names
-        self.mark = mark
+        self.instead = instead
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
-        return [_placeholder(self, self.names, self.mark)]
+        return [_placeholder(self, self.names, self.instead)]
 
 
-def _placeholder(
-    parent: pytest.Collector, names: Sequence[str], mark: pytest.MarkDecorator
-) -> pytest.Item | pytest.Collector:
+def _placeholder(parent: pytest.Collector, names: Sequence[str], instead: Instead) -> pytest.Item | pytest.Collector:
     if len(names) > 1:
-        return _Scope.from_parent(parent, name=names[0], names=names[1:], mark=mark)
-    return Unimportable.from_parent(parent, name=names[0] if names else WHOLE_FILE, mark=mark)
+        return _Scope.from_parent(parent, name=names[0], names=names[1:], instead=instead)
+    return Unimportable.from_parent(parent, name=names[0] if names else WHOLE_FILE, instead=instead)
 
 
 @dataclass
@@ -141,24 +164,26 @@ STATE = pytest.StashKey[State]()
 
 
 class UpstreamModule(pytest.Module):
-    """A test module of DeepSpeed's: its ``DistributedTest`` classes run in worlds (``harness``), and an import that
-    fails for a name the installed DeepSpeed lacks makes NOT-APPLICABLE items instead of a collection error."""
+    """A test module of DeepSpeed's: its ``DistributedTest`` classes run in worlds (``harness``); an import that
+    fails for a name the installed DeepSpeed lacks makes NOT-APPLICABLE items instead of a collection error, and any
+    other import error an ERROR item, so that the run goes on."""
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
+        wanted = requested(self.config.args, self.config.invocation_params.dir, self.path)
         try:
             self.obj  # noqa: B018 - imports the module, as pytest's own collect does first
         except pytest.skip.Exception as exc:  # the file skips itself as a whole
-            named = [n for n in requested(self.config.args, self.config.invocation_params.dir, self.path) if n]
+            named = [n for n in wanted if n]
             if not exc.allow_module_level or not named:
                 raise
             said = exc.msg or "the file skips itself"
-            return self._instead(named, pytest.mark.skip(reason=said), f"skipped as a whole: {said}")
-        except Exception as exc:  # an import's failure, told by pytest as a CollectError caused by it
+            return self._instead(named, Instead(mark=pytest.mark.skip(reason=said)), f"skipped as a whole: {said}")
+        except Exception as exc:  # noqa: BLE001 - whatever the import raised (pytest wraps ImportError in CollectError)
             reason = lacks(exc)
-            if reason is None or versions.installed_text("deepspeed") is None:
-                raise
-            wanted = requested(self.config.args, self.config.invocation_params.dir, self.path)
-            return self._instead(wanted, not_applicable(reason), f"cannot be imported on this release: {reason}")
+            if reason is not None and versions.installed_text("deepspeed") is not None:
+                return self._instead(wanted, Instead(mark=not_applicable(reason)), f"cannot be imported: {reason}")
+            text = str(exc) if isinstance(exc, self.CollectError) else f"{type(exc).__name__}: {exc}"
+            return self._instead(wanted, Instead(error=import_error(text)), "cannot be imported")
         self.config.stash[STATE].prepare(self.obj)
         children = list(super().collect())
         for child in children:
@@ -167,10 +192,8 @@ class UpstreamModule(pytest.Module):
                 child.add_marker(pytest.mark.ds_world(**harness.world(child.obj)))
         return children
 
-    def _instead(
-        self, wanted: list[list[str]], mark: pytest.MarkDecorator, why: str
-    ) -> list[pytest.Item | pytest.Collector]:
+    def _instead(self, wanted: list[list[str]], instead: Instead, why: str) -> list[pytest.Item | pytest.Collector]:
         """An item for each test asked for (``[]``: the whole file) in a file that did not import."""
         # What pytest reads of a module later (``--collect-only`` prints its docstring) must not import it again.
         self.obj = ModuleType(self.path.stem, why)
-        return [_placeholder(self, names, mark) for names in wanted]
+        return [_placeholder(self, names, instead) for names in wanted]
