@@ -250,12 +250,14 @@ _COMM_OP = {
 }
 
 
-def side_environ(side: str, base: dict[str, str], out: Path) -> dict[str, str]:
+def side_environ(side: str, base: dict[str, str], out: Path, python: str) -> dict[str, str]:
     """Each side's own place for DeepSpeed's JIT-built ops, apart from every other process on the machine: a build
     by another environment (other include paths) makes torch rebuild an op where it is loaded. One directory per
     side, for its pytest process too (a plain test class runs there, not in a world), which the plugin's fork server
-    then takes as the user's own (``comm_op``)."""
-    extensions = {"TORCH_EXTENSIONS_DIR": str(out / f"torch-extensions-{side}")}
+    then takes as the user's own (``comm_op``). Each environment activated, its ``bin`` first on ``PATH`` (as
+    ``dsrepro upstream --release`` runs one): DeepSpeed's launcher tests run its ``deepspeed`` script."""
+    path = os.pathsep.join([str(Path(python).parent), *filter(None, [base.get("PATH")])])
+    extensions = {"TORCH_EXTENSIONS_DIR": str(out / f"torch-extensions-{side}"), "PATH": path}
     if side == "plugin":
         return {**base, **extensions, CACHE_ENV: str(out / "cache-plugin")}
     return {**base, **extensions}
@@ -317,7 +319,7 @@ def measure(args: argparse.Namespace, found: checkout.Checkout) -> None:
     pythons = environments(args)
     timeout = os.environ.get("DS_UNITTEST_TIMEOUT", UPSTREAM_TIMEOUT)
     base = {**os.environ, "LOCAL_SIZE": str(args.local_size), "DS_ACCELERATOR": "cpu", "DSREPRO_TIMEOUT": timeout}
-    environs = {side: side_environ(side, base, args.out.resolve()) for side in SIDES}
+    environs = {side: side_environ(side, base, args.out.resolve(), pythons[side]) for side in SIDES}
     warm_ops(pythons, environs)
     files = args.files or default_files(found.tests, args.all)
     if not args.files:

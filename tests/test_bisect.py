@@ -408,6 +408,7 @@ def test_two_bisects_never_install_one_release_at_once(tmp_path: Path, monkeypat
     assert first[0] < other[1]
     assert envs[0].python == str(environments.environment_dir(tmp_path, Version("0.16.3")) / "bin" / "python")
     assert envs[0].environ["VIRTUAL_ENV"] == str(environments.environment_dir(tmp_path, Version("0.16.3")))
+    assert envs[0].environ["PATH"].split(os.pathsep)[0] == envs[0].environ["VIRTUAL_ENV"] + "/bin"
 
 
 # --- the command ---------------------------------------------------------------------------------------------------

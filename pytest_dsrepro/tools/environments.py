@@ -39,8 +39,10 @@ class ReleaseEnv:
 
 
 def probe_environ(directory: Path) -> dict[str, str]:
-    """The variables a probe's pytest runs with in the environment at ``directory``."""
-    environ = {**os.environ, "VIRTUAL_ENV": str(directory)}
+    """The variables a probe's pytest runs with in the environment at ``directory``: activated, as ``activate`` does
+    it (its ``bin`` first on ``PATH``: DeepSpeed's launcher tests run the release's own ``deepspeed`` script)."""
+    path = os.pathsep.join([str(directory / "bin"), *filter(None, [os.environ.get("PATH")])])
+    environ = {**os.environ, "VIRTUAL_ENV": str(directory), "PATH": path}
     environ.setdefault("DS_ACCELERATOR", "cpu")
     return environ
 
