@@ -183,6 +183,9 @@ def test_each_tests_range_from_its_runs() -> None:
         t, fix, {old: [_test(t, "skipped", Verdict.NOT_APPLICABLE)], new: [_test(t, "passed")]}
     )
     assert not_applicable.why == "cannot be collected on 0.16.4 (the test imports what the fix added)"
+    partly = atlas.range_of(t, fix, {old: [_test(f"{t}[a]", "failed"), _test(f"{t}[b]", "skipped")],
+                                     new: [_test(f"{t}[a]", "passed"), _test(f"{t}[b]", "skipped")]})  # fmt: skip
+    assert (partly.clean, partly.why) == (True, "fails on 0.16.4, passes from 0.17.0 (its other cases skip here)")
     both = atlas.range_of(t, fix, {old: [_test(t, "passed")], new: [_test(t, "passed")]})
     assert both.why.startswith("passes on both")
     unreleased = atlas.Fix(fix.commit, fix.reason, (), Version("0.19.5"), None)

@@ -257,8 +257,9 @@ def range_of(nodeid: str, fix: Fix, runs: dict[Version, list[results.TestRecord]
         why = "no release has the fix yet"
     elif fix.before is None:
         why = "no release before the fix"
-    elif before in ("FAILED", "ERROR") and first == "PASSED":
-        return Range(nodeid, tuple(outcomes), True, f"fails on {fix.before}, passes from {fix.first}")
+    elif before in ("FAILED", "ERROR") and first in ("PASSED", "PASSED/SKIPPED"):
+        some = " (its other cases skip here)" if first != "PASSED" else ""
+        return Range(nodeid, tuple(outcomes), True, f"fails on {fix.before}, passes from {fix.first}{some}")
     elif before == Verdict.NOT_APPLICABLE.value:
         why = f"cannot be collected on {fix.before} (the test imports what the fix added)"
     elif before == "PASSED" and first == "PASSED":
