@@ -52,7 +52,7 @@ from packaging.version import Version
 from pytest_dsrepro.core import checkout, failures, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
 from pytest_dsrepro.tools import install, matrix, upstream_command
-from pytest_dsrepro.tools.environments import release_environment
+from pytest_dsrepro.tools.environments import activated, release_environment
 from pytest_dsrepro.worlds import shm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,13 +254,13 @@ def side_environ(side: str, base: dict[str, str], out: Path, python: str) -> dic
     """Each side's own place for DeepSpeed's JIT-built ops, apart from every other process on the machine: a build
     by another environment (other include paths) makes torch rebuild an op where it is loaded. One directory per
     side, for its pytest process too (a plain test class runs there, not in a world), which the plugin's fork server
-    then takes as the user's own (``comm_op``). Each environment activated, its ``bin`` first on ``PATH`` (as
-    ``dsrepro upstream --release`` runs one): DeepSpeed's launcher tests run its ``deepspeed`` script."""
-    path = os.pathsep.join([str(Path(python).parent), *filter(None, [base.get("PATH")])])
-    extensions = {"TORCH_EXTENSIONS_DIR": str(out / f"torch-extensions-{side}"), "PATH": path}
+    then takes as the user's own (``comm_op``). Each environment activated (``environments.activated``), as
+    ``dsrepro upstream --release`` runs one: DeepSpeed's launcher tests run its ``deepspeed`` script."""
+    environ = activated(Path(python).parents[1], base)
+    environ["TORCH_EXTENSIONS_DIR"] = str(out / f"torch-extensions-{side}")
     if side == "plugin":
-        return {**base, **extensions, CACHE_ENV: str(out / "cache-plugin")}
-    return {**base, **extensions}
+        environ[CACHE_ENV] = str(out / "cache-plugin")
+    return environ
 
 
 def warm_ops(pythons: dict[str, str], environs: dict[str, dict[str, str]]) -> None:
@@ -360,28 +360,21 @@ def kept_run(kept: Path, path: str) -> FileRun:
     return run
 
 
-def sorted_failures(runs: list[FileRun], entries: tuple[failures.Known, ...]) -> failures.Sorted:
-    """The plugin side's failures, each known to the failures file (with its class) or new, and the listed tests
-    that passed: what ``dsrepro upstream`` says of a run, for the whole suite."""
-    found, passing = [], []
+def plugin_outcomes(runs: list[FileRun]) -> list[failures.Outcome]:
+    """How each test ended on the plugin's side, by node id, as ``dsrepro upstream`` sorts a run's failures."""
+    found = []
     for run in runs:
         side = run.sides.get("plugin")
-        if side is None:
-            continue
-        release = side.deepspeed.partition(" ")[0] or None
-        for test, outcome in side.outcomes.items():
-            nid = nodeid(run.path, test)
-            entry = next((k for k in entries if k.covers(nid, release)), None)
-            if outcome in ("failed", "error"):
-                found.append(failures.Failure(nid, release, side.errors.get(test), entry))
-            elif outcome == "passed" and entry is not None:
-                passing.append((nid, entry))
-    return failures.Sorted(tuple(found), tuple(passing))
+        if side is not None:
+            release = side.deepspeed.partition(" ")[0] or None
+            found += [failures.Outcome(nodeid(run.path, test), release, outcome, side.errors.get(test))
+                      for test, outcome in side.outcomes.items()]  # fmt: skip
+    return found
 
 
 def write_report(out: Path, runs: list[FileRun]) -> None:
     report = table(runs) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
-    sorted_ = sorted_failures(runs, failures.read(failures.PACKAGED))
+    sorted_ = failures.sort_outcomes(plugin_outcomes(runs), failures.read(failures.PACKAGED))
     report += "\n\nThe plugin's failures against the failures file:\n" + "\n".join(failures.summary(sorted_))
     (out / "files.md").write_text(report + "\n")
     print(report)

@@ -261,22 +261,38 @@ class Sorted:
         return tuple(f for f in self.failures if not f.new)
 
 
-def is_failure(test: TestRecord) -> bool:
-    """A test that failed, in its body or its setup (NOT-APPLICABLE and skips are not failures)."""
-    return test.outcome in FAILING and test.verdict is not Verdict.NOT_APPLICABLE
+@dataclass(frozen=True)
+class Outcome:
+    """How one test ended on the DeepSpeed a run imported, as the failures file sorts it: from a results record
+    (``outcome_of``), or from what another harness reported (the benchmark's JUnit files)."""
+
+    nodeid: str
+    deepspeed: str | None
+    outcome: str  # passed, failed, error, skipped, not-applicable
+    error: str | None = None
+
+
+def outcome_of(deepspeed: str | None, test: TestRecord) -> Outcome:
+    """A record's outcome; NOT-APPLICABLE (a test the release cannot run) is no failure, whatever pytest said."""
+    word = "not-applicable" if test.verdict is Verdict.NOT_APPLICABLE else test.outcome
+    return Outcome(test.nodeid, deepspeed, word, test.error)
 
 
 def classify(runs: Iterable[tuple[str | None, Sequence[TestRecord]]], known: Sequence[Known]) -> Sorted:
-    """Each failing test of ``runs`` (the DeepSpeed a run imported, its records) with the first entry that covers
-    it, else new; and each passing test an entry covers."""
+    """Each failing test of ``runs`` (the DeepSpeed a run imported, its records), sorted by ``sort_outcomes``."""
+    return sort_outcomes((outcome_of(release, test) for release, tests in runs for test in tests), known)
+
+
+def sort_outcomes(outcomes: Iterable[Outcome], known: Sequence[Known]) -> Sorted:
+    """Each failing test (in its body or its setup) with the first entry that covers it, else new; and each passing
+    test an entry covers."""
     failures, passing = [], []
-    for release, tests in runs:
-        for test in tests:
-            entry = next((k for k in known if k.covers(test.nodeid, release)), None)
-            if is_failure(test):
-                failures.append(Failure(test.nodeid, release, test.error, entry))
-            elif entry is not None and test.outcome == "passed":
-                passing.append((test.nodeid, entry))
+    for o in outcomes:
+        entry = next((k for k in known if k.covers(o.nodeid, o.deepspeed)), None)
+        if o.outcome in FAILING:
+            failures.append(Failure(o.nodeid, o.deepspeed, o.error, entry))
+        elif entry is not None and o.outcome == "passed":
+            passing.append((o.nodeid, entry))
     return Sorted(tuple(failures), tuple(passing))
 
 

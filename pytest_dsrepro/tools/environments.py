@@ -38,11 +38,16 @@ class ReleaseEnv:
     deepspeed: str | None = None  # the version its DeepSpeed reports, where not the release asked for (a commit's)
 
 
+def activated(directory: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the environment at ``directory`` activated, as ``activate`` does it: ``VIRTUAL_ENV``, and its
+    ``bin`` first on ``PATH`` (DeepSpeed's launcher tests run the release's own ``deepspeed`` script)."""
+    path = os.pathsep.join([str(directory / "bin"), *filter(None, [environ.get("PATH")])])
+    return {**environ, "VIRTUAL_ENV": str(directory), "PATH": path}
+
+
 def probe_environ(directory: Path) -> dict[str, str]:
-    """The variables a probe's pytest runs with in the environment at ``directory``: activated, as ``activate`` does
-    it (its ``bin`` first on ``PATH``: DeepSpeed's launcher tests run the release's own ``deepspeed`` script)."""
-    path = os.pathsep.join([str(directory / "bin"), *filter(None, [os.environ.get("PATH")])])
-    environ = {**os.environ, "VIRTUAL_ENV": str(directory), "PATH": path}
+    """The variables a probe's pytest runs with in the environment at ``directory`` (``activated``)."""
+    environ = activated(directory, os.environ)
     environ.setdefault("DS_ACCELERATOR", "cpu")
     return environ
 
