@@ -169,11 +169,10 @@ class UpstreamModule(pytest.Module):
     other import error an ERROR item, so that the run goes on."""
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
-        wanted = requested(self.config.args, self.config.invocation_params.dir, self.path)
         try:
             self.obj  # noqa: B018 - imports the module, as pytest's own collect does first
         except pytest.skip.Exception as exc:  # the file skips itself as a whole
-            named = [n for n in wanted if n]
+            named = [n for n in self._wanted() if n]
             if not exc.allow_module_level or not named:
                 raise
             said = exc.msg or "the file skips itself"
@@ -181,9 +180,10 @@ class UpstreamModule(pytest.Module):
         except Exception as exc:  # noqa: BLE001 - whatever the import raised (pytest wraps ImportError in CollectError)
             reason = lacks(exc)
             if reason is not None and versions.installed_text("deepspeed") is not None:
-                return self._instead(wanted, Instead(mark=not_applicable(reason)), f"cannot be imported: {reason}")
+                instead = Instead(mark=not_applicable(reason))
+                return self._instead(self._wanted(), instead, f"cannot be imported: {reason}")
             text = str(exc) if isinstance(exc, self.CollectError) else f"{type(exc).__name__}: {exc}"
-            return self._instead(wanted, Instead(error=import_error(text)), "cannot be imported")
+            return self._instead(self._wanted(), Instead(error=import_error(text)), "cannot be imported")
         self.config.stash[STATE].prepare(self.obj)
         children = list(super().collect())
         for child in children:
@@ -191,6 +191,11 @@ class UpstreamModule(pytest.Module):
                 harness.mark_world_sizes(child.obj)
                 child.add_marker(pytest.mark.ds_world(**harness.world(child.obj)))
         return children
+
+    def _wanted(self) -> list[list[str]]:
+        """The tests the command line asked for in this file (``requested``); read only for a file that did not
+        import, not on every module's way through collection."""
+        return requested(self.config.args, self.config.invocation_params.dir, self.path)
 
     def _instead(self, wanted: list[list[str]], instead: Instead, why: str) -> list[pytest.Item | pytest.Collector]:
         """An item for each test asked for (``[]``: the whole file) in a file that did not import."""
