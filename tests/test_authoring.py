@@ -137,6 +137,24 @@ def test_imports_finds_a_package_anywhere_in_a_module() -> None:
     assert not imports("def broken(:\n", "deepspeed")
 
 
+def test_a_module_is_read_once_however_many_of_its_tests_ask(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_dsrepro.core import source
+    from pytest_dsrepro.session.rank_job import uses_deepspeed
+
+    imports = source.imports
+    read = []
+    monkeypatch.setattr(source, "imports", lambda text, package: read.append(package) or imports(text, package))
+    pytester.makepyfile(
+        test_using="import pytest\n@pytest.mark.parametrize('i', range(50))\ndef test(i):\n    import deepspeed.comm",
+        test_plain="def test_a(): pass\ndef test_b(): pass",
+    )
+    items, _ = pytester.inline_genitems()
+    assert [uses_deepspeed(item) for item in items * 2] == ([False] * 2 + [True] * 50) * 2  # test_plain.py first
+    assert read == ["deepspeed", "deepspeed"]
+
+
 def test_xfail_skip_and_return_values_in_ranks_behave_as_in_pytest(pytester: pytest.Pytester, run: RunPytest) -> None:
     pytester.makepyfile(
         """

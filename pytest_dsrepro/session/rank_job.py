@@ -93,14 +93,25 @@ def reference(module: str, path: str, qualname: str, config: pytest.Config) -> T
     return TestRef(module, path, qualname, tuple(sys.path), os.getcwd(), rewrite)
 
 
+_IMPORTS_DEEPSPEED = pytest.StashKey[bool]()
+
+
 def uses_deepspeed(item: pytest.Item) -> bool:
     """Does the test use DeepSpeed: the plugin's engine fixtures, or DeepSpeed imported anywhere in its module? Its
-    ranks then get DeepSpeed's comm layer bound, and start warm where the run has more than one such world."""
+    ranks then get DeepSpeed's comm layer bound, and start warm where the run has more than one such world.
+
+    A module is read once, on its node, however many tests it holds: DeepSpeed's test files run to thousands of lines
+    and hundreds of tests, each of which asks (13 s of reading over its whole suite, else)."""
     if not isinstance(item, pytest.Function):
         return False
-    return not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames) or imports_deepspeed(
-        getattr(item.module, "__file__", None)
-    )
+    if not {"ds_engine", "ds_config"}.isdisjoint(item.fixturenames):
+        return True
+    module = item.getparent(pytest.Module)
+    if module is None:
+        return False
+    if _IMPORTS_DEEPSPEED not in module.stash:
+        module.stash[_IMPORTS_DEEPSPEED] = imports_deepspeed(str(module.path))
+    return module.stash[_IMPORTS_DEEPSPEED]
 
 
 def imports_deepspeed(path: str | None) -> bool:
