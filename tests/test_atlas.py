@@ -4,6 +4,8 @@ with git and ``ast`` on a small repository written here in DeepSpeed's layout; e
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from packaging.version import Version
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.tools import atlas, upstream_command
+from pytest_dsrepro.tools.environments import ReleaseEnv
 from pytest_dsrepro.tools.history import Clone, Commit
 
 BEFORE = """\
@@ -225,6 +228,37 @@ def test_a_fix_runs_at_its_own_revision_and_its_ranges_come_from_the_results(clo
     assert seen == [(fix.commit.sha, [t.nodeid for t in fix.tests], ["0.3.0"])]
 
 
+def test_the_trees_source_directories_are_the_releases_it_runs_on(tmp_path: Path) -> None:
+    """DeepSpeed's package links in its top-level ``op_builder`` and ``accelerator``; a test that reads
+    ``op_builder/builder.py`` by path must read the release under test's, on each release in turn (the sparse tree
+    has none, and the fix commit's own would make the test pass on every release)."""
+    root = tmp_path / "DeepSpeed"
+    (root / "deepspeed" / "ops").mkdir(parents=True)
+    (root / "deepspeed" / "ops" / "op_builder").symlink_to("../../op_builder")
+    (root / "deepspeed" / "accelerator").symlink_to("../accelerator/")
+    (root / "deepspeed" / "ops" / "kernels.h").symlink_to("../../../outside.h")  # not a source directory here
+    _git(root, "init", "-q")
+    fix = _commit(root, "Fix the builder (#3)", {"op_builder/builder.py": "the fix commit's\n", "version.txt": "0.2.0\n",
+                  "accelerator/__init__.py": "", "tests/conftest.py": "", "tests/unit/common.py": "",
+                  "tests/unit/ops/test_op_builder.py": "def test(): pass\n"})  # fmt: skip
+    tree = atlas.sparse_checkout(Clone.open(root), Commit(fix, "Fix the builder (#3)"), tmp_path / "tree").root
+    assert atlas.package_links(tree) == {"op_builder": "ops/op_builder", "accelerator": "accelerator"}
+
+    def prepare(version: Version) -> ReleaseEnv:
+        site = tmp_path / f"env-{version}"
+        (site / "deepspeed" / "ops" / "op_builder").mkdir(parents=True, exist_ok=True)
+        (site / "deepspeed" / "__init__.py").write_text("")
+        (site / "deepspeed" / "ops" / "op_builder" / "builder.py").write_text(f"deepspeed {version}'s\n")
+        return ReleaseEnv(sys.executable, {**os.environ, "PYTHONPATH": str(site)})
+
+    prepared = atlas.with_release_sources(tree, prepare)
+    for version in ("0.1.0", "0.2.0"):
+        prepared(Version(version))
+        assert (tree / "op_builder" / "builder.py").read_text() == f"deepspeed {version}'s\n"
+    shutil.rmtree(tree)  # as the atlas's temporary directory goes: the links go, never what they point at
+    assert (tmp_path / "env-0.2.0" / "deepspeed" / "ops" / "op_builder" / "builder.py").exists()
+
+
 def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
     clone: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -233,7 +267,11 @@ def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
     ran: list[list[str]] = []
 
     def run_releases(
-        args: argparse.Namespace, tests: checkout.Checkout, targets: list[str], releases: list[str]
+        args: argparse.Namespace,
+        tests: checkout.Checkout,
+        targets: list[str],
+        releases: list[str],
+        prepare: atlas.Prepare,
     ) -> int:
         ran.append(targets)
         assert args.pytest_args == ["-m", ""]  # not DeepSpeed's default deselection: a fix's own tests all run

@@ -9,7 +9,7 @@ own lines changed). For each, the release before (the newest release tag that do
 first release (the oldest tag that contains it), from ``git tag --contains``.
 
 Running: the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests and
-``version.txt``), and ``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release
+``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and ``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release
 environments the matrix builds, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside
 the catalogue, named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The
 results directory is also where a stopped atlas resumes: a fix's release that already has results is not run again.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from packaging.version import Version
 from ..core import checkout, results
 from ..core.gates import Verdict
 from . import upstream_command
+from .environments import ReleaseEnv, installed_package, release_environment
 from .history import Clone, Commit, HistoryError, release_of
 
 #: A subject that says it fixes something: fix, fixes, fixed, fixing, bugfix, hotfix (any case, a word of its own).
@@ -269,19 +271,56 @@ def range_of(nodeid: str, fix: Fix, runs: dict[Version, list[results.TestRecord]
     return Range(nodeid, tuple(outcomes), False, why)
 
 
+Prepare = Callable[[Version], ReleaseEnv]
+
+
+def _git(*args: str) -> str:
+    proc = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise AtlasError(f"git {' '.join(args[:2])}: {proc.stderr.strip().splitlines()[-1:]}")
+    return proc.stdout
+
+
 def sparse_checkout(clone: Clone, commit: Commit, directory: Path) -> checkout.Checkout:
     """The commit's ``tests/`` and ``version.txt`` in ``directory``: a shared clone (objects read from the user's
     clone, nothing written there), so its revision is the fix commit's, as results name it."""
-
-    def git(*args: str) -> None:
-        proc = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise AtlasError(f"git {' '.join(args[:2])}: {proc.stderr.strip().splitlines()[-1:]}")
-
-    git("clone", "-q", "--shared", "--no-checkout", str(clone.path), str(directory))
-    git("-C", str(directory), "sparse-checkout", "set", "--no-cone", "/tests/", "/version.txt")
-    git("-C", str(directory), "-c", "advice.detachedHead=false", "checkout", "-q", "--detach", commit.sha)
+    _git("clone", "-q", "--shared", "--no-checkout", str(clone.path), str(directory))
+    _git("-C", str(directory), "sparse-checkout", "set", "--no-cone", "/tests/", "/version.txt")
+    _git("-C", str(directory), "-c", "advice.detachedHead=false", "checkout", "-q", "--detach", commit.sha)
     return checkout.read(directory)
+
+
+def package_links(tree: Path) -> dict[str, str]:
+    """The top-level source directories DeepSpeed's package links in, as of the tree's commit, each with where the
+    package holds it: ``deepspeed/ops/op_builder -> ../../op_builder`` gives ``{"op_builder": "ops/op_builder"}``."""
+    links = {}
+    for entry in _git("-C", str(tree), "ls-tree", "-r", "-z", "HEAD", "--", "deepspeed").split("\0"):
+        mode, _, rest = entry.partition(" ")
+        if mode != "120000":
+            continue
+        blob, path = rest.split(" ", 1)[1].split("\t", 1)
+        target = os.path.normpath(os.path.join(os.path.dirname(path), _git("-C", str(tree), "cat-file", "blob", blob)))
+        if "/" not in target and not target.startswith(".."):
+            links[target] = path.removeprefix("deepspeed/")
+    return links
+
+
+def with_release_sources(tree: Path, prepare: Prepare) -> Prepare:
+    """``prepare``, then the tree's top-level source directories (``package_links``) made links to the installed
+    release's own: a test that reaches ``op_builder/`` by path, as ``test_op_builder.py`` loads
+    ``op_builder/builder.py``, then tests the release it runs on, as it tests the checkout in DeepSpeed's CI
+    (the sparse tree has no sources, and the fix commit's would say nothing of a release)."""
+    links = package_links(tree)
+
+    def prepared(version: Version) -> ReleaseEnv:
+        env = prepare(version)
+        package = installed_package(env)
+        for top, inside in links.items():
+            (tree / top).unlink(missing_ok=True)
+            (tree / top).symlink_to(package / inside, target_is_directory=True)
+        return env
+
+    return prepared
 
 
 Runner = Callable[[checkout.Checkout, list[str], list[str], Path], None]
@@ -379,7 +418,8 @@ def _run(args: argparse.Namespace) -> int:
         # Every test a fix carries, also those DeepSpeed's pytest.ini deselects by default (sequential, nightly:
         # markers that schedule its CI, not what a test means): named by node id, each must run.
         run_args = argparse.Namespace(**{**vars(args), "results": where, "pytest_args": ["-m", "", *args.pytest_args]})
-        upstream_command.run_releases(run_args, tests, targets, releases)
+        prepare = release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
+        upstream_command.run_releases(run_args, tests, targets, releases, with_release_sources(tests.root, prepare))
 
     start = release_of(args.range.partition("..")[0])
     available = sorted(clone.releases())

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ def probe_environ(directory: Path) -> dict[str, str]:
     environ = activated(directory, os.environ)
     environ.setdefault("DS_ACCELERATOR", "cpu")
     return environ
+
+
+def installed_package(env: ReleaseEnv, name: str = "deepspeed") -> Path:
+    """The directory of the package ``name`` in the environment, found without importing it."""
+    find = f"import importlib.util as u; print(u.find_spec({name!r}).submodule_search_locations[0])"
+    proc = subprocess.run([env.python, "-c", find], env=dict(env.environ), cwd="/", capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EnvironmentUnavailable(f"{name} is not installed in {env.python}: {proc.stderr.strip()[-200:]}")
+    return Path(proc.stdout.strip())
 
 
 def build_key() -> str:
