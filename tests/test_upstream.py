@@ -435,6 +435,24 @@ def test_a_missing_attribute_of_a_deepspeed_module_says_so_too() -> None:
     assert collection.lacks(info.value) == "AttributeError: module 'deepspeed.runtime.fake' has no attribute 'helper'"
 
 
+def test_a_deepspeed_source_loaded_by_path_under_another_name_is_deepspeed_by_its_file(tmp_path: Path) -> None:
+    """``ops/test_op_builder.py`` loads ``op_builder/builder.py`` as ``test_op_builder_module``: on a release whose
+    builder lacks what the test uses, the file needs a newer release; a module of the same name elsewhere does not."""
+    import types
+
+    import deepspeed
+
+    builder, elsewhere = types.ModuleType("test_op_builder_module"), types.ModuleType("test_op_builder_module")
+    builder.__file__ = str(Path(deepspeed.__file__).parent / "ops" / "op_builder" / "builder.py")
+    elsewhere.__file__ = str(tmp_path / "op_builder" / "builder.py")
+    missing = []
+    for module in (builder, elsewhere):
+        with pytest.raises(AttributeError) as info:
+            module.probe_is_compatible  # noqa: B018
+        missing.append(collection.lacks(info.value))
+    assert missing == ["AttributeError: module 'test_op_builder_module' has no attribute 'probe_is_compatible'", None]
+
+
 def test_requested_node_ids_inside_a_test_file(tmp_path: Path) -> None:
     path = tmp_path / "tests" / "unit" / "test_x.py"
     path.parent.mkdir(parents=True)
