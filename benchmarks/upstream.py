@@ -51,7 +51,7 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, failures, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
-from pytest_dsrepro.tools import install, matrix, upstream_command
+from pytest_dsrepro.tools import install, matrix, processes, upstream_command
 from pytest_dsrepro.tools.environments import activated, release_environment
 from pytest_dsrepro.worlds import shm
 
@@ -90,6 +90,7 @@ class Side:
     load: float  # the 1-minute load average when it started
     deepspeed: str = ""  # the DeepSpeed its tests imported: "VERSION at DIRECTORY" ("" in runs before it was kept)
     errors: dict[str, str] = field(default_factory=dict)  # failed or errored test -> its message, on one line
+    timed_out: bool = False  # stopped at --timeout: its time is a lower bound, its outcomes those it had then
 
     def count(self, outcome: str) -> int:
         return sum(1 for o in self.outcomes.values() if o == outcome)
@@ -108,6 +109,8 @@ def junit_outcomes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
         return {}, {}
     outcomes, errors = {}, {}
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):  # what a run stopped by Ctrl-C (the timeout) reports of the test it was in
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         found = [(word, child) for tag, word in OUTCOME_TAGS for child in case if child.tag == tag]
         outcomes[name] = found[0][0] if found else "passed"  # a failed call that then errored at teardown: failed
@@ -148,19 +151,14 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
             command += ["-p", upstream_command.PLUGIN]
         load = os.getloadavg()[0]
         before = set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
-        started = time.monotonic()
-        seen = ""
-        try:
-            proc = subprocess.run(command, cwd=tests, env=environ, capture_output=True, text=True, timeout=timeout)
-            code = proc.returncode
-            seen = next((x.split(" ", 1)[1] for x in proc.stdout.splitlines() if x.startswith("DEEPSPEED-SEEN ")), "")
-        except subprocess.TimeoutExpired:
-            code = -1
-        seconds = time.monotonic() - started
+        # At the timeout the file's pytest is stopped as Ctrl-C stops it, with every process it started (a harness's
+        # ranks): it still writes the outcomes it has, and the next file starts on a machine left as found.
+        done = processes.run(command, cwd=tests, env=environ, timeout=timeout)
+        seen = next((x.split(" ", 1)[1] for x in done.output.splitlines() if x.startswith("DEEPSPEED-SEEN ")), "")
         for left in set(shm.SHM_DIR.glob(f"{shm.PREFIX}*")) - before:  # DeepSpeed's harness leaves its ranks' buffers,
             left.unlink(missing_ok=True)  # named after its fixed ports: the next file's ranks would map stale ones
         outcomes, errors = junit_outcomes(report)
-        return Side(round(seconds, 1), code, outcomes, round(load, 2), seen, errors)
+        return Side(round(done.seconds, 1), done.returncode, outcomes, round(load, 2), seen, errors, done.timed_out)
 
 
 def harness_tests(found: checkout.Checkout, out: Path) -> Path:
@@ -174,7 +172,10 @@ def harness_tests(found: checkout.Checkout, out: Path) -> Path:
 
 
 def check_release(side: str, path: str, got: Side, release: str, found: checkout.Checkout) -> None:
-    """Stop the run if a side's tests ran another DeepSpeed than the release under test (or the checkout's)."""
+    """Stop the run if a side's tests ran another DeepSpeed than the release under test (or the checkout's). A side
+    stopped at the timeout before it could say is kept as stopped: its file is named, the run goes on."""
+    if got.timed_out and not got.deepspeed:
+        return
     version, _, where = got.deepspeed.partition(" at ")
     if version != release or Path(where).resolve().is_relative_to(found.root.resolve()):
         raise SystemExit(f"{path} ({side}): its tests ran DeepSpeed {got.deepspeed or 'unknown'}, not the installed "
@@ -287,7 +288,7 @@ def table(runs: list[FileRun]) -> str:
                 continue
             counts = [side.count(o) for o in ("passed", "failed", "error", "skipped")]
             totals[s] = [*(a + b for a, b in zip(totals[s][:4], counts, strict=True)), totals[s][4] + side.seconds]
-            cells += ["/".join(map(str, counts)), f"{side.seconds:.0f}"]
+            cells += ["/".join(map(str, counts)), f"{side.seconds:.0f}{'+ (stopped)' if side.timed_out else ''}"]
         both = all(s in run.sides for s in SIDES)
         ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if both else "-"
         lines.append(f"| {run.path} | {' | '.join(cells)} | {ratio} |")
