@@ -9,10 +9,11 @@ own lines changed). For each, the release before (the newest release tag that do
 first release (the oldest tag that contains it), from ``git tag --contains``.
 
 Running: the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests and
-``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and ``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release
-environments the matrix builds, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside
-the catalogue, named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The
-results directory is also where a stopped atlas resumes: a fix's release that already has results is not run again.
+``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and
+``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release environments the
+matrix builds, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside the catalogue,
+named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
+is also where a stopped atlas resumes: a fix's release that already has results is not run again.
 """
 
 from __future__ import annotations
