@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -302,13 +303,31 @@ def table(runs: list[FileRun]) -> str:
     return "\n".join(lines)
 
 
+#: The plugin's test of one world size of a ``world_size = [1, 2, 4]`` class: ``test[2ranks-3]`` (``test[2ranks]``).
+_ONE_SIZE = re.compile(r"\[\d+ranks?(?:-(?P<rest>[^\]]*))?\]$")
+#: How DeepSpeed's harness ends a test that runs its sizes in turn: the first failure ends it, a skip skips it.
+_WORST = ("failed", "error", "skipped", "passed")
+
+
+def per_harness_test(outcomes: dict[str, str]) -> dict[str, str]:
+    """The plugin's outcomes as DeepSpeed's harness names its tests: the plugin runs each size of a class's
+    ``world_size`` list as a test of its own, where DeepSpeed's harness runs them all in one."""
+    sizes: dict[str, list[str]] = {}
+    for test, outcome in outcomes.items():
+        one = _ONE_SIZE.search(test)
+        rest = one and one["rest"]
+        name = test if one is None else test[: one.start()] + (f"[{rest}]" if rest else "")
+        sizes.setdefault(name, []).append(outcome)
+    return {name: min(ends, key=lambda e: _WORST.index(e) if e in _WORST else -1) for name, ends in sizes.items()}
+
+
 def differences(runs: list[FileRun]) -> list[str]:
     """Every test whose outcome differs between the two harnesses (or that only one of them ran)."""
     found = []
     for run in runs:
         if not all(s in run.sides for s in SIDES):
             continue
-        plugin, deepspeed = run.sides["plugin"].outcomes, run.sides["deepspeed"].outcomes
+        plugin, deepspeed = per_harness_test(run.sides["plugin"].outcomes), run.sides["deepspeed"].outcomes
         for test in sorted(set(plugin) | set(deepspeed)):
             a, b = plugin.get(test, "not run"), deepspeed.get(test, "not run")
             if a != b:
