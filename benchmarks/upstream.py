@@ -154,10 +154,12 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         before = set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
         # At the timeout the file's pytest is stopped as Ctrl-C stops it, with every process it started (a harness's
         # ranks): it still writes the outcomes it has, and the next file starts on a machine left as found.
-        done = processes.run(command, cwd=tests, env=environ, timeout=timeout)
+        try:
+            done = processes.run(command, cwd=tests, env=environ, timeout=timeout)
+        finally:  # Ctrl-C included: DeepSpeed's harness leaves its ranks' buffers, named after its fixed ports
+            for left in set(shm.SHM_DIR.glob(f"{shm.PREFIX}*")) - before:  # (the next file's ranks would map them)
+                left.unlink(missing_ok=True)
         seen = next((x.split(" ", 1)[1] for x in done.output.splitlines() if x.startswith("DEEPSPEED-SEEN ")), "")
-        for left in set(shm.SHM_DIR.glob(f"{shm.PREFIX}*")) - before:  # DeepSpeed's harness leaves its ranks' buffers,
-            left.unlink(missing_ok=True)  # named after its fixed ports: the next file's ranks would map stale ones
         outcomes, errors = junit_outcomes(report)
         return Side(round(done.seconds, 1), done.returncode, outcomes, round(load, 2), seen, errors, done.timed_out)
 
