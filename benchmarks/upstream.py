@@ -320,7 +320,7 @@ def per_harness_test(outcomes: dict[str, str]) -> dict[str, str]:
         rest = one and one["rest"]
         name = test if one is None else test[: one.start()] + (f"[{rest}]" if rest else "")
         sizes.setdefault(name, []).append(outcome)
-    return {name: min(ends, key=lambda e: _WORST.index(e) if e in _WORST else -1) for name, ends in sizes.items()}
+    return {name: min(ends, key=_WORST.index) for name, ends in sizes.items()}
 
 
 def differences(runs: list[FileRun]) -> list[str]:

@@ -415,11 +415,12 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(listing(found, fix_count, time.monotonic() - started)))
         return 0
 
+    prepare = release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
+
     def runner(tests: checkout.Checkout, targets: list[str], releases: list[str], where: Path) -> None:
         # Every test a fix carries, also those DeepSpeed's pytest.ini deselects by default (sequential, nightly:
         # markers that schedule its CI, not what a test means): named by node id, each must run.
         run_args = argparse.Namespace(**{**vars(args), "results": where, "pytest_args": ["-m", "", *args.pytest_args]})
-        prepare = release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
         upstream_command.run_releases(run_args, tests, targets, releases, with_release_sources(tests.root, prepare))
 
     start = release_of(args.range.partition("..")[0])

@@ -58,8 +58,10 @@ def _of_deepspeed(obj: object) -> bool:
     """A module of the installed DeepSpeed: by its name, or by its file, for one of its sources a test loads by path
     under a name of its own (``ops/test_op_builder.py`` loads ``op_builder/builder.py``, the release's own in the
     atlas's tree)."""
-    if not isinstance(obj, ModuleType) or _deepspeed(obj.__name__):
-        return isinstance(obj, ModuleType)
+    if not isinstance(obj, ModuleType):
+        return False
+    if _deepspeed(obj.__name__):
+        return True
     installed, file = getattr(sys.modules.get("deepspeed"), "__file__", None), getattr(obj, "__file__", None)
     if not (installed and file):
         return False
