@@ -134,12 +134,16 @@ def nodeid(path: str, junit_name: str) -> str:
     return path if not classname else f"{path}::{name}"  # a collection error is named after its file
 
 
+#: What a side says when its tests imported no DeepSpeed at all (a file of transformers' configs, under DeepSpeed's
+#: harness): it cannot have run another DeepSpeed than the release.
+NO_DEEPSPEED = "none imported"
+
 #: ``pytest`` as ``python -m pytest`` runs it, then the DeepSpeed its tests imported (sys.path as they left it).
 _PYTEST_THEN_SAY_DEEPSPEED = (
     "import os, sys, pytest\n"
     "code = pytest.main(sys.argv[1:])\n"
     "ds = sys.modules.get('deepspeed')\n"
-    "print('DEEPSPEED-SEEN', ds and f'{ds.__version__} at {os.path.dirname(ds.__file__)}')\n"
+    f"print('DEEPSPEED-SEEN', ds and f'{{ds.__version__}} at {{os.path.dirname(ds.__file__)}}' or {NO_DEEPSPEED!r})\n"
     "sys.exit(code)\n"
 )
 
@@ -177,7 +181,7 @@ def harness_tests(found: checkout.Checkout, out: Path) -> Path:
 def check_release(side: str, path: str, got: Side, release: str, found: checkout.Checkout) -> None:
     """Stop the run if a side's tests ran another DeepSpeed than the release under test (or the checkout's). A side
     stopped at the timeout before it could say is kept as stopped: its file is named, the run goes on."""
-    if got.timed_out and not got.deepspeed:
+    if (got.timed_out and not got.deepspeed) or got.deepspeed == NO_DEEPSPEED:
         return
     version, _, where = got.deepspeed.partition(" at ")
     if version != release or Path(where).resolve().is_relative_to(found.root.resolve()):
