@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import checkout, results
+from pytest_dsrepro.core import checkout, results, versions
 from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.tools import atlas, upstream_command
+from pytest_dsrepro.tools import atlas, install, upstream_command
 from pytest_dsrepro.tools.environments import ReleaseEnv
 from pytest_dsrepro.tools.history import Clone, Commit
 
@@ -296,3 +296,29 @@ def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
     assert "cannot tell unit/runtime/test_zero.py::TestZero::test_edited: its run broke: pytest on deepspeed" in out
     assert "clean       unit/launcher/test_run.py::test_run: fails on 0.1.0, passes from 0.2.0" in out
     assert out.splitlines()[-1].startswith("2 fixes run, 3 tests: 1 clean ranges; cannot tell: {'its run broke': 2}")
+
+
+@pytest.mark.parametrize("command", ["atlas", "upstream"])
+def test_no_torch_to_pin_is_one_line_before_any_release_is_built(
+    command: str, clone: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Release environments pin the torch installed here when no constraints file is found: with no torch here
+    either (``dsrepro`` installed on its own), each command that builds them says so once and stops, before any
+    release, not with a traceback."""
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: None if name == "torch" else real(name))
+    monkeypatch.delenv(install.CONSTRAINTS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)  # no constraints.txt here or above
+    parser = argparse.ArgumentParser()
+    module = atlas if command == "atlas" else upstream_command
+    module.add_arguments(parser)
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    argv = {"atlas": ["--repo", str(clone), "--range", "v0.1.0..HEAD", *cache],
+            "upstream": ["--checkout", str(clone), "--release", "0.1.0", *cache]}  # fmt: skip
+    assert module.run(parser.parse_args(argv[command])) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"dsrepro {command}: torch is not installed in this environment; install the torch to test with first"
+    )
+    assert err.count("torch is not installed") == 1
+    assert not (tmp_path / "cache").exists()

@@ -36,7 +36,7 @@ from packaging.version import Version
 from ..core import checkout, results
 from ..core.gates import Verdict
 from . import upstream_command
-from .environments import ReleaseEnv, installed_package, release_environment
+from .environments import EnvironmentUnavailable, ReleaseEnv, installed_package, release_environment
 from .history import Clone, Commit, HistoryError, release_of
 
 #: A subject that says it fixes something: fix, fixes, fixed, fixing, bugfix, hotfix (any case, a word of its own).
@@ -401,7 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (AtlasError, HistoryError, checkout.CheckoutError, upstream_command.UpstreamError) as exc:
+    except (AtlasError, HistoryError, checkout.CheckoutError, upstream_command.UpstreamError,
+            EnvironmentUnavailable) as exc:  # fmt: skip
         print(f"dsrepro atlas: {exc}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,6 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
@@ -29,9 +28,7 @@ from ..core.checkout import Checkout, CheckoutError
 from ..core.failures import FailuresFileError
 from ..core.gates import Verdict
 from . import known_failures, processes, shard_merge
-
-if TYPE_CHECKING:
-    from .environments import ReleaseEnv
+from .environments import EnvironmentUnavailable, ReleaseEnv, release_environment
 
 #: The pytest plugin that runs DeepSpeed's tests in this plugin's worlds.
 PLUGIN = "pytest_dsrepro.upstream"
@@ -126,11 +123,8 @@ def run_releases(
     prepare: Callable[[Version], ReleaseEnv] | None = None,
 ) -> int:
     """Each release: its environment (``prepare``: ``environments.release_environment`` unless given), one pytest run
-    of the
-    targets, its results file checked (``check_run``) and kept in ``--results``; a release that cannot be installed
-    is recorded as unavailable, as ``dsrepro install --results`` records it."""
-    from .environments import EnvironmentUnavailable, release_environment
-
+    of the targets, its results file checked (``check_run``) and kept in ``--results``; a release that cannot be
+    installed is recorded as unavailable, as ``dsrepro install --results`` records it."""
     results_dir = (args.results or Path("results")).resolve()
     prepare = prepare or release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
     for release in releases:
@@ -197,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with processes.interrupting(signal.SIGTERM):
             return _run(args)
-    except (UpstreamError, CheckoutError, FailuresFileError, shard_merge.ShardError) as exc:
+    except (UpstreamError, CheckoutError, FailuresFileError, shard_merge.ShardError, EnvironmentUnavailable) as exc:
         print(f"dsrepro upstream: {exc}", file=sys.stderr)
         return 2
 
