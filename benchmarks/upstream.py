@@ -175,6 +175,11 @@ def harness_tests(found: checkout.Checkout, out: Path) -> Path:
     if not copy.exists():
         shutil.copytree(found.tests, copy.with_suffix(".partial"), ignore=shutil.ignore_patterns("__pycache__"))
         copy.with_suffix(".partial").rename(copy)
+    # Tests that read the checkout's kernel sources by path (evoformer's builder test reads a csrc/ header) read them
+    # as from the checkout. Not op_builder/: beside tests/ DeepSpeed would import it by name and build its ops from it.
+    csrc = copy.parent / "csrc"
+    if not csrc.exists() and (found.root / "csrc").is_dir():
+        csrc.symlink_to(found.root / "csrc", target_is_directory=True)
     return copy
 
 
