@@ -286,10 +286,20 @@ def warm_ops(pythons: dict[str, str], environs: dict[str, dict[str, str]]) -> No
         print(f"{side}: DeepSpeed's CPU ops ready in {time.monotonic() - started:.0f}s", flush=True)
 
 
-def table(runs: list[FileRun]) -> str:
-    """The per-file table (Markdown) and its totals."""
+def ran_a_world(run: FileRun, tests: Path) -> bool:
+    """Whether the file started a world under the plugin: it has ``DistributedTest`` classes and a test of it passed
+    or failed (a file whose tests all skip, or that cannot be imported, starts none: the criterion sets it aside)."""
+    side, source = run.sides.get("plugin"), tests / run.path
+    ran = side is not None and any(o in ("passed", "failed") for o in side.outcomes.values())
+    return ran and source.is_file() and "DistributedTest" in source.read_text()
+
+
+def table(runs: list[FileRun], tests: Path) -> str:
+    """The per-file table (Markdown), the totals of the files measured on both sides, and how the per-file ratios
+    fall, files that ran a world apart from the others (``tests``: the checkout's, to tell them)."""
     head = "| file | plugin p/f/e/s | plugin s | DeepSpeed p/f/e/s | DeepSpeed s | ratio |"
     lines = [head, "|---|---|---|---|---|---|"]
+    both = [r for r in runs if all(s in r.sides for s in SIDES)]
     totals = {s: [0, 0, 0, 0, 0.0] for s in SIDES}
     for run in runs:
         cells = []
@@ -299,18 +309,22 @@ def table(runs: list[FileRun]) -> str:
                 cells += ["-", "-"]
                 continue
             counts = [side.count(o) for o in ("passed", "failed", "error", "skipped")]
-            totals[s] = [*(a + b for a, b in zip(totals[s][:4], counts, strict=True)), totals[s][4] + side.seconds]
+            if run in both:
+                totals[s] = [*(a + b for a, b in zip(totals[s][:4], counts, strict=True)), totals[s][4] + side.seconds]
             cells += ["/".join(map(str, counts)), f"{side.seconds:.0f}{'+ (stopped)' if side.timed_out else ''}"]
-        both = all(s in run.sides for s in SIDES)
-        ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if both else "-"
+        ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if run in both else "-"
         lines.append(f"| {run.path} | {' | '.join(cells)} | {ratio} |")
     t = [f"{'/'.join(str(int(x)) for x in totals[s][:4])} | {totals[s][4]:.0f}" for s in SIDES]
     ratio = totals["plugin"][4] / totals["deepspeed"][4] if totals["deepspeed"][4] else 0
-    lines.append(f"| **{len(runs)} files** | {t[0]} | {t[1]} | {ratio:.2f} |")
-    ratios = [r.sides["plugin"].seconds / r.sides["deepspeed"].seconds for r in runs if len(r.sides) == len(SIDES)]
-    faster, slower = sum(x < 0.9 for x in ratios), sum(x > 1.1 for x in ratios)
-    lines.append(f"\nThe plugin faster by more than 10% on {faster} files, within 10% on "
-                 f"{len(ratios) - faster - slower}, slower by more than 10% on {slower}.")  # fmt: skip
+    lines.append(f"| **{len(both)} files with both sides** | {t[0]} | {t[1]} | {ratio:.2f} |")
+    for worlds, what in ((True, "ran a world under the plugin"), (False, "ran none (no world: set aside)")):
+        group = [r for r in both if ran_a_world(r, tests) is worlds]
+        ratios = {r.path: r.sides["plugin"].seconds / r.sides["deepspeed"].seconds for r in group}
+        faster, slower = sum(x < 0.9 for x in ratios.values()), [p for p, x in ratios.items() if x > 1.1]
+        named = f": {', '.join(f'{p} ({ratios[p]:.2f})' for p in slower)}" if worlds and slower else ""
+        within = len(group) - faster - len(slower)
+        lines.append(f"\n{len(group)} files {what}: the plugin faster by more than 10% on {faster}, within 10% on "
+                     f"{within}, slower by more than 10% on {len(slower)}{named}.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -380,7 +394,7 @@ def measure(args: argparse.Namespace, found: checkout.Checkout) -> None:
                   f"{got.count('failed')} failed, {got.count('error')} errors, {got.count('skipped')} skipped "
                   f"in {got.seconds:.0f}s (load {got.load})", flush=True)  # fmt: skip
         runs.append(run)
-    write_report(args.out, runs)
+    write_report(args.out, runs, found.tests)
 
 
 def kept_run(kept: Path, path: str) -> FileRun:
@@ -403,8 +417,8 @@ def plugin_outcomes(runs: list[FileRun]) -> list[failures.Outcome]:
     return found
 
 
-def write_report(out: Path, runs: list[FileRun]) -> None:
-    report = table(runs) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
+def write_report(out: Path, runs: list[FileRun], tests: Path) -> None:
+    report = table(runs, tests) + "\n\nDiffering outcomes:\n" + "\n".join(f"- {d}" for d in differences(runs))
     sorted_ = failures.sort_outcomes(plugin_outcomes(runs), failures.read(failures.PACKAGED))
     report += "\n\nThe plugin's failures against the failures file:\n" + "\n".join(failures.summary(sorted_))
     (out / "files.md").write_text(report + "\n")
@@ -447,7 +461,7 @@ def main() -> None:
     print(f"DeepSpeed's tests from {found.describe()}; load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.report:
         kept = sorted((args.out / "files").glob("*.json"))
-        write_report(args.out, [kept_run(k, json.loads(k.read_text())["path"]) for k in kept])
+        write_report(args.out, [kept_run(k, json.loads(k.read_text())["path"]) for k in kept], found.tests)
     elif args.regressions:
         regressions(args, found)
     else:
