@@ -102,6 +102,11 @@ class FileRun:
     path: str
     sides: dict[str, Side] = field(default_factory=dict)
 
+    @property
+    def both(self) -> bool:
+        """Measured under both harnesses: only such a file is compared."""
+        return all(s in self.sides for s in SIDES)
+
 
 def junit_outcomes(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Each test of a JUnit XML report and how it ended (a collection error is a test named after its file), and
@@ -299,7 +304,7 @@ def table(runs: list[FileRun], tests: Path) -> str:
     fall, files that ran a world apart from the others (``tests``: the checkout's, to tell them)."""
     head = "| file | plugin p/f/e/s | plugin s | DeepSpeed p/f/e/s | DeepSpeed s | ratio |"
     lines = [head, "|---|---|---|---|---|---|"]
-    both = [r for r in runs if all(s in r.sides for s in SIDES)]
+    both = [r for r in runs if r.both]
     totals = {s: [0, 0, 0, 0, 0.0] for s in SIDES}
     for run in runs:
         cells = []
@@ -309,10 +314,10 @@ def table(runs: list[FileRun], tests: Path) -> str:
                 cells += ["-", "-"]
                 continue
             counts = [side.count(o) for o in ("passed", "failed", "error", "skipped")]
-            if run in both:
+            if run.both:
                 totals[s] = [*(a + b for a, b in zip(totals[s][:4], counts, strict=True)), totals[s][4] + side.seconds]
             cells += ["/".join(map(str, counts)), f"{side.seconds:.0f}{'+ (stopped)' if side.timed_out else ''}"]
-        ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if run in both else "-"
+        ratio = f"{run.sides['plugin'].seconds / run.sides['deepspeed'].seconds:.2f}" if run.both else "-"
         lines.append(f"| {run.path} | {' | '.join(cells)} | {ratio} |")
     t = [f"{'/'.join(str(int(x)) for x in totals[s][:4])} | {totals[s][4]:.0f}" for s in SIDES]
     ratio = totals["plugin"][4] / totals["deepspeed"][4] if totals["deepspeed"][4] else 0
@@ -350,7 +355,7 @@ def differences(runs: list[FileRun]) -> list[str]:
     """Every test whose outcome differs between the two harnesses (or that only one of them ran)."""
     found = []
     for run in runs:
-        if not all(s in run.sides for s in SIDES):
+        if not run.both:
             continue
         plugin, deepspeed = per_harness_test(run.sides["plugin"].outcomes), run.sides["deepspeed"].outcomes
         for test in sorted(set(plugin) | set(deepspeed)):
