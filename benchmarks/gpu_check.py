@@ -34,6 +34,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from packaging.tags import sys_tags
 from packaging.utils import parse_wheel_filename
 
@@ -55,6 +57,8 @@ from pytest_dsrepro.core import results  # noqa: E402 - the results schema's one
 #: What the GPU image lacks for DeepSpeed and this plugin (it has torch, pytest, psutil, numpy, ninja, py-cpuinfo,
 #: einops, msgpack, nvidia-ml-py and the HF stack): fetched here as wheels for its Python.
 MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "filelock")
+#: Not for DeepSpeed: what a stalled check's ``snapshot`` takes each process's Python stacks with.
+DIAGNOSTICS = ("py-spy",)
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64")
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIPPED"
@@ -82,8 +86,14 @@ class Ran:
     seconds: float
 
 
+#: After a check's time limit: how long pytest has, once interrupted, to write its results and end its worlds.
+INTERRUPT_GRACE = 30.0
+
+
 def run(command: Sequence[str], *, timeout: float, cwd: Path, env: dict[str, str], log: Path) -> Ran:
-    """A child in a session of its own, stopped with its whole group at ``timeout``; its output kept in ``log``."""
+    """A child in a session of its own; its output kept in ``log``. At ``timeout`` what its processes were doing
+    goes into ``log`` (``snapshot``), then it is interrupted as Ctrl-C would (pytest then writes the results of
+    the tests that ended), and killed with its whole group ``INTERRUPT_GRACE`` later."""
     started = time.monotonic()
     with log.open("w") as out:
         child = subprocess.Popen(
@@ -92,16 +102,57 @@ def run(command: Sequence[str], *, timeout: float, cwd: Path, env: dict[str, str
         try:
             code: int | None = child.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, 9)  # only the group this script started
-            child.wait()
+            out.write(f"\n==== gpu_check: stopped at its limit ({timeout:g}s); what its processes were doing:\n")
+            out.write(snapshot(child.pid, env.get("PATH")))
+            out.flush()
+            os.kill(child.pid, signal.SIGINT)
+            try:
+                child.wait(INTERRUPT_GRACE)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)  # only the group this script started
+                child.wait()
             code = None
     return Ran(code, log.read_text(errors="replace"), time.monotonic() - started)
 
 
+def snapshot(pid: int, path: str | None = None) -> str:
+    """The process tree under ``pid`` (the pytest run, its fork servers, their ranks and throwaway children): each
+    process's state, age and command, and its Python stacks where ``py-spy`` is on ``path`` (the children's). What
+    a stall leaves to explain it: the GPU machine is gone by the time anyone reads the log."""
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as exc:
+        return f"(no process tree: {exc})\n"
+    spy, lines = shutil.which("py-spy", path=path), []
+    for p in tree:
+        try:
+            with p.oneshot():
+                age, command = time.time() - p.create_time(), " ".join(p.cmdline())[:200]
+                lines.append(f"pid {p.pid} (parent {p.ppid()}) {p.status()} for {age:.0f}s: {command}")
+        except psutil.Error:
+            continue
+        if spy and "python" in p.name():
+            dumped = subprocess.run([spy, "dump", "--pid", str(p.pid)], capture_output=True, text=True, timeout=20)
+            lines += ["    " + line for line in (dumped.stdout + dumped.stderr).strip().splitlines()]
+    if not spy:
+        lines.append("(py-spy is not on PATH: no Python stacks)")
+    return "\n".join(lines) + "\n"
+
+
+def records(directory: Path) -> list[results.TestRecord]:
+    files, _ = results.read_all([directory]) if directory.is_dir() else ([], [])
+    return [t for f in files for t in f.run.tests]
+
+
 def verdicts(directory: Path) -> dict[str, str]:
     """``nodeid -> verdict`` (or pytest's outcome where the test has no verdict) from a results directory."""
-    files, _ = results.read_all([directory]) if directory.is_dir() else ([], [])
-    return {t.nodeid: t.verdict.value if t.verdict is not None else t.outcome for f in files for t in f.run.tests}
+    return {t.nodeid: t.verdict.value if t.verdict is not None else t.outcome for t in records(directory)}
+
+
+def wanting_gpus(directory: Path) -> set[str]:
+    """The tests skipped here because their world has more ranks than the machine has GPUs (a repro that pins its
+    size): nothing to compare."""
+    return {t.nodeid for t in records(directory) if t.outcome == "skipped" and "CUDA devices for a" in (t.error or "")}
 
 
 def compare(found: dict[str, str], reference: dict[str, str]) -> tuple[str, str]:
@@ -154,10 +205,15 @@ class GpuCheck:
             done = len(verdicts(results_dir))
             return Check(title, FAIL, ran.seconds, f"stopped at {self.limit(limit):g}s; {summary_line(ran.output)}; "
                          f"{done} tests recorded")  # fmt: skip
-        found = verdicts(results_dir)
-        expected = {n: v for n, v in verdicts(self.input / reference).items() if not self.select or n in found}
+        found, wanting = verdicts(results_dir), wanting_gpus(results_dir)
+        expected = {
+            n: v
+            for n, v in verdicts(self.input / reference).items()
+            if n not in wanting and (not self.select or n in found)
+        }
         result, seen = compare(found, expected)
-        return Check(title, result, ran.seconds, f"{summary_line(ran.output)}; {seen}")
+        more = f"; {len(wanting)} skipped for want of GPUs" if wanting else ""
+        return Check(title, result, ran.seconds, f"{summary_line(ran.output)}; {seen}{more}")
 
     def catalogue_nccl(self) -> Check:
         if self.gpus < 1:
@@ -227,7 +283,7 @@ class GpuCheck:
             """
             import pytest
 
-            @pytest.mark.ds_world(size=1, backend="nccl", timeout=15)
+            @pytest.mark.ds_world(size=1, backend="nccl", timeout=30)  # torch's timeout at 15 s, its dump before 30
             def test_collective_behind_a_long_kernel(ds_rank):
                 import torch
                 import torch.distributed as dist
@@ -275,9 +331,9 @@ class GpuCheck:
         )
         ran = run([*self.pytest, "test_cost.py", "--durations=0", "--durations-min=0"], timeout=self.limit(180),
                   cwd=self.work, env=self.env, log=self.out / "cost.log")  # fmt: skip
-        calls = re.findall(r"([\d.]+)s call\s+test_cost.py::(\w+)::?(\w*)\[(\d+)\]", ran.output)
-        fresh = sorted(float(s) for s, a, b, n in calls if "fresh" in a + b and n != "0")
-        kept = sorted(float(s) for s, a, b, n in calls if "kept" in a + b and n != "0")
+        calls = call_seconds(ran.output)
+        fresh = sorted(s for name, n, s in calls if name == "test_fresh" and n != 0)
+        kept = sorted(s for name, n, s in calls if name == "TestKept::test_kept" and n != 0)
         floor = run([sys.executable, __file__, "floor", "10"], timeout=self.limit(120), cwd=self.work, env=self.env,
                     log=self.out / "floor.log")  # fmt: skip
         bare = re.search(r"FLOOR median=([\d.]+)", floor.output)
@@ -289,6 +345,13 @@ class GpuCheck:
         return Check("an NCCL world per test", PASS, ran.seconds + floor.seconds,
                      f"fresh {f:.3f}s ({f / base:.2f}x the floor), reuse=True {k:.3f}s ({k / base:.2f}x), bare floor "
                      f"{base:.3f}s; medians of {len(fresh)} and {len(kept)}")  # fmt: skip
+
+
+def call_seconds(durations: str) -> list[tuple[str, int, float]]:
+    """``(test, parameter, seconds)`` of each call phase in pytest's ``--durations`` lines for ``test_cost.py``
+    (``test_fresh[3]``, ``TestKept::test_kept[3]``)."""
+    found = re.findall(r"([\d.]+)s call\s+test_cost\.py::([\w:]+)\[(\d+)\]", durations)
+    return [(name, int(n), float(s)) for s, name, n in found]
 
 
 def floor(count: int) -> None:
@@ -339,6 +402,7 @@ def install(input_dir: Path, env: dict[str, str], site: Path) -> str:
     subprocess.run([*PIP, "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--target", str(site), *map(str, wheels)], check=True, env=env)  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(site / "bin"), env.get("PATH", "")))  # py-spy
     return f"{len(wheels)} wheels installed into {site}"
 
 
@@ -371,10 +435,8 @@ def _checks(args: argparse.Namespace, env: dict[str, str], work: Path) -> int:
     steps = {"nccl-1": check.catalogue_nccl, "gloo-2": check.catalogue_gloo, "nccl-2": check.catalogue_nccl_two,
              "leases": check.leases, "hang": check.hang, "cost": check.world_cost}  # fmt: skip
     done: list[Check] = []
-    for name, step in steps.items():
-        if args.only and name not in args.only:
-            continue
-        done.append(step())
+    for name in args.only or steps:  # in the order asked: the lease may end before the last one
+        done.append(steps[name]())
         print(f"gpu_check: {done[-1].name}: {done[-1].result} in {done[-1].seconds:.0f}s: {done[-1].seen}", flush=True)
     text = table(done)
     (args.out / "gpu-check.md").write_text(text + "\n")
@@ -390,8 +452,8 @@ def prepare(args: argparse.Namespace) -> int:
     subprocess.run(["uv", "build", "--wheel", "--out-dir", str(wheels), str(ROOT)], check=True)
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
     subprocess.run([*PIP, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-                    args.python_version, "--implementation", "cp", *platforms, "-d", str(wheels), *MISSING_THERE],
-                   check=True)  # fmt: skip
+                    args.python_version, "--implementation", "cp", *platforms, "-d", str(wheels), *MISSING_THERE,
+                    *DIAGNOSTICS], check=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as sdists:
         subprocess.run([*PIP, "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdists,
                         f"deepspeed=={args.release}"], check=True)  # fmt: skip
@@ -425,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         nargs="+",
         choices=("nccl-1", "gloo-2", "nccl-2", "leases", "hang", "cost"),
-        help="run these checks only (a rerun of what failed)",
+        help="run these checks only, in this order (a rerun of what failed, or the most wanted first)",
     )
     r.add_argument("-k", help="the catalogue checks run only the tests pytest's -k selects")
     f = sub.add_parser("floor", help=argparse.SUPPRESS)

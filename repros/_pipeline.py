@@ -11,6 +11,8 @@ import pytest
 from pytest_dsrepro.inrank.models import make_batch
 
 STAGES = 2
+#: A pipeline of ``STAGES`` stages needs that many ranks: its repros pin their world, whatever ``--ds-world-size``.
+PIPELINE_WORLD = pytest.mark.ds_world(size=STAGES)
 
 #: A pipeline config without ZeRO. ``steps_per_print``: the pipeline engine's ``train_batch`` of 0.15-0.16 takes the
 #: step modulo ``steps_per_print``, whose default there is None.

@@ -12,7 +12,7 @@ prerequisite on 0.18.3-0.19.2, as ``pipeline-nested-backward`` is on 0.18.3-0.18
 """
 
 import pytest
-from _pipeline import ACCUMULATION_PREMISE, PIPELINE_ACCUMULATION, one_batch_errors
+from _pipeline import ACCUMULATION_PREMISE, PIPELINE_ACCUMULATION, PIPELINE_WORLD, one_batch_errors
 from _prerequisites import (
     PIPELINE_GRADIENTS_SCALED_TWICE,
     PIPELINE_NESTED_BACKWARD,
@@ -21,6 +21,7 @@ from _prerequisites import (
 )
 
 pytestmark = [
+    PIPELINE_WORLD,
     pytest.mark.ds_repro(
         id="pipeline-gradient-accumulation-summed",
         title="Pipeline parallelism + gradient accumulation: micro-batch gradients summed instead of averaged",

@@ -13,7 +13,7 @@ that (entry ``pipeline-nested-backward``), and on 0.16.0-0.18.2 every stage sums
 """
 
 import pytest
-from _pipeline import ACCUMULATION_PREMISE, PIPELINE_ACCUMULATION, one_batch_errors
+from _pipeline import ACCUMULATION_PREMISE, PIPELINE_ACCUMULATION, PIPELINE_WORLD, one_batch_errors
 from _prerequisites import (
     PIPELINE_GRADIENTS_SUMMED,
     PIPELINE_NESTED_BACKWARD,
@@ -23,6 +23,7 @@ from _prerequisites import (
 )
 
 pytestmark = [
+    PIPELINE_WORLD,
     pytest.mark.ds_repro(
         id="pipeline-gradient-scaled-twice",
         title="Pipeline parallelism + gradient accumulation: stages before the last scale their gradients twice",

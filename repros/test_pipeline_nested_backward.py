@@ -13,10 +13,11 @@ would refuse it there too.
 """
 
 import pytest
-from _pipeline import PIPELINE, one_batch_errors
+from _pipeline import PIPELINE, PIPELINE_WORLD, one_batch_errors
 from _prerequisites import PIPELINE_BACKWARD_RELEASES, flag_pipeline_backward
 
 pytestmark = [
+    PIPELINE_WORLD,
     pytest.mark.ds_repro(
         id="pipeline-nested-backward",
         title="Pipeline parallelism without ZeRO: stages before the last refuse their own backward pass",

@@ -263,7 +263,7 @@ PIDS = []  # the module lives as long as its ranks
 class TestKept:
     def test_1_outlives_its_groups_timeout(self, ds_rank):
         PIDS.append(os.getpid())
-        time.sleep(3.5)  # past the process group's 3s: the simulated watchdog dumps, the test still passes
+        time.sleep(3.5)  # past the process group's 1s: the simulated watchdog dumps, the test still passes
 
     def test_2_gets_new_ranks(self, ds_rank):
         assert not PIDS

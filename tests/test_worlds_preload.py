@@ -132,6 +132,42 @@ def test_vetting_leaves_out_modules_that_start_threads_and_those_that_import_the
     assert (imported_here, threads) == ([], 1), "vetting imported or started something in the process it vets for"
 
 
+def test_finding_a_first_list_says_every_tick_that_it_still_is(tmp_path: Path) -> None:
+    """A world waiting for a first list counts the server's silence against its timeout: on a GPU machine, finding
+    and vetting the list outlasted a 30 s one, and the world failed as if the server had not started its ranks.
+    The server says every ``TICK_EVERY`` seconds that it is still finding it, whether a scout finds it or the
+    server's own throwaway children vet it."""
+    for name in ("slow_import", "slow_vetted"):
+        (tmp_path / f"{name}.py").write_text("import time\ntime.sleep(0.7)\n")
+    proc = _python(
+        f"""
+        import json, time
+        from pathlib import Path
+        from pytest_dsrepro.worlds.server import preload
+        preload.TICK_EVERY = 0.2
+        said = []
+        def scout():
+            time.sleep(0.9)
+            return {{"names": ["slow_import"], "unsafe": [], "seconds": 0.9}}
+        warmed = preload.warm(Path({str(tmp_path / "cache")!r}), "0.0", "0.0", Path("."), preload.Child.start(scout),
+                              said.append)
+        vetting = []
+        safe, _ = preload.vet(["slow_vetted"], tick=lambda: vetting.append(time.monotonic()))
+        print(json.dumps([said, warmed.modules, warmed.note, safe, len(vetting)]))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    said, modules, note, safe, vet_ticks = json.loads(proc.stdout.splitlines()[-1])
+    assert said[0].startswith("finding what a first DeepSpeed engine step imports, first time only")
+    ticks = said[1:]
+    assert len(ticks) >= 3
+    assert all(t.startswith("... still finding what a first DeepSpeed engine step") for t in ticks)
+    assert (modules, note) == (1, "list found while the comm op was built, now cached")
+    assert safe == ["slow_vetted"]
+    assert vet_ticks >= 2
+
+
 def test_engine_worlds_start_with_their_imports_done_and_trivial_worlds_never_pay(
     pytester: pytest.Pytester, run: RunPytest
 ) -> None:

@@ -5,9 +5,10 @@ rank was and which collective it had not finished.
   collectives of every process group, with their state), its dump on a collective's timeout into the world's
   directory by torch's own C++ threads, no error handling that ends the rank (the harness does), no monitor that
   kills it before the harness's deadline, NCCL's warnings.
-- A collective's timeout is three quarters of the world's (``rank.nccl_recorder.process_group_timeout``): a hang
-  that started early enough is past it before the deadline, and torch's watchdog has dumped the flight recorder
-  without the rank's Python, a main thread stuck in a CUDA call included.
+- A collective's timeout is three quarters of the world's, and 15 s before its deadline at least
+  (``rank.nccl_recorder.process_group_timeout``): a hang that started early enough is past it before the deadline,
+  and torch's watchdog has dumped the flight recorder without the rank's Python, a main thread stuck in a CUDA call
+  included.
 - At the deadline the harness also asks each rank's own thread (``rank.nccl_recorder.serve_dump_request``, the
   second source, which needs the GIL), waits a little for either dump, keeps them (``keep_dumps``) before the
   world's directory is discarded, and summarises each rank's unfinished collectives in its story, naming the source.

@@ -23,13 +23,20 @@ from ..workdir import NCCL_TRACE_FILE, nccl_request_file, nccl_requested_file
 #: The share of the world's timeout a collective may take: a hang that starts in the world's first quarter is past
 #: torch's timeout, and dumped by its watchdog, before the harness's deadline, with the last quarter left for the dump.
 TIMEOUT_SHARE = 0.75
+#: What torch's watchdog takes from a collective's timeout to its dump: it first waits up to 8 s for the failed
+#: collective's traceback (``WorkNCCL::printTraceback``), and only then signals the dump. On an H100 (torch 2.11) a
+#: 15 s world's deadline came 3.7 s after the timeout, with neither logged: no dump.
+DUMP_TIME = 15.0
+#: The least share a collective gets, however short the world (its hang is still dumped by the rank's own thread).
+LEAST_SHARE = 0.25
 
 
 def process_group_timeout(world_timeout: float) -> float:
-    """A collective's timeout in an NCCL world, before the world's deadline. A timeout only dumps and logs
+    """A collective's timeout in an NCCL world: ``TIMEOUT_SHARE`` of the world's, and ``DUMP_TIME`` before its
+    deadline at least, as far as ``LEAST_SHARE`` allows. A timeout only dumps and logs
     (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``, ``client.nccl_diagnostics.environment``): the harness, not NCCL, ends the
     rank, at its deadline, with its Python stack."""
-    return world_timeout * TIMEOUT_SHARE
+    return max(min(world_timeout * TIMEOUT_SHARE, world_timeout - DUMP_TIME), world_timeout * LEAST_SHARE)
 
 
 def _dump_from_torch() -> bytes:

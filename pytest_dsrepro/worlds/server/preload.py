@@ -44,6 +44,10 @@ LIST_FORMAT = 2
 PR_SET_PDEATHSIG = 1
 #: At most this many fork-unsafe modules are looked for (one throwaway child each); more, and nothing is preloaded.
 VET_ROUNDS = 20
+#: While a first list is found, the server says so this often: a world waiting for it counts the server's silence
+#: against its timeout, and on a machine with a large Python stack (a GPU image's Triton and transformers) finding
+#: and vetting the list takes minutes, not the 10-30 s of a CPU machine.
+TICK_EVERY = 10.0
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,13 @@ class Child:
         """Has it ended (its result can be read at once)?"""
         return bool(select.select([self.read], [], [], 0)[0])
 
-    def result(self, timeout: float) -> Any:
+    def result(self, timeout: float, tick: Callable[[], None] | None = None) -> Any:
         """Its result; ``RuntimeError`` saying why when it failed (its traceback went to this process's stderr) or
-        took longer than ``timeout``, when it is killed."""
+        took longer than ``timeout``, when it is killed. ``tick`` is called every ``TICK_EVERY`` seconds of the
+        wait."""
         data: bytes | None = None
         try:
-            data = _read_all(self.read, time.monotonic() + timeout)
+            data = _read_all(self.read, time.monotonic() + timeout, tick)
         finally:
             os.close(self.read)
             if data is None:
@@ -156,18 +161,20 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def in_child(work: Callable[[], Any], timeout: float) -> Any:
+def in_child(work: Callable[[], Any], timeout: float, tick: Callable[[], None] | None = None) -> Any:
     """``work()`` in a throwaway child forked from this process; its JSON-able result. Nothing it imports or starts
     stays here. ``RuntimeError`` saying why when it fails (its traceback goes to this process's stderr) or takes
     longer than ``timeout``."""
-    return Child.start(work).result(timeout)
+    return Child.start(work).result(timeout, tick)
 
 
-def _read_all(fd: int, deadline: float) -> bytes | None:
+def _read_all(fd: int, deadline: float, tick: Callable[[], None] | None = None) -> bytes | None:
     chunks: list[bytes] = []
     while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([fd], [], [], left)
+        ready, _, _ = select.select([fd], [], [], min(left, TICK_EVERY) if tick else left)
         if not ready:
+            if tick:
+                tick()
             continue
         chunk = os.read(fd, 1 << 20)
         if not chunk:
@@ -204,7 +211,7 @@ def _engine_steps() -> None:
         shm.remove_world_buffers("127.0.0.1", os.getpid())
 
 
-def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
+def discover(timeout: float = DISCOVERY_TIMEOUT, tick: Callable[[], None] | None = None) -> list[str]:
     """The modules a throwaway child imports for one step of each ZeRO stage, in import order.
 
     Raises ``RuntimeError`` with the reason when the child fails or takes longer than ``timeout``.
@@ -216,7 +223,7 @@ def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
         return [name for name in sys.modules if name not in before]
 
     try:
-        return [str(name) for name in in_child(steps, timeout)]
+        return [str(name) for name in in_child(steps, timeout, tick)]
     except RuntimeError as exc:
         raise RuntimeError(f"the engine step failed or hung: {exc}") from None
 
@@ -244,14 +251,16 @@ def import_ahead(names: list[str]) -> tuple[int, str | None, str | None]:
     return imported, None, None
 
 
-def vet(names: list[str], timeout: float = DISCOVERY_TIMEOUT) -> tuple[list[str], list[str]]:
+def vet(
+    names: list[str], timeout: float = DISCOVERY_TIMEOUT, tick: Callable[[], None] | None = None
+) -> tuple[list[str], list[str]]:
     """``(safe, unsafe)``: ``names`` split by what importing them, in order, does to a copy of this process. Each
     throwaway child imports the list without the modules found unsafe so far, up to the next one that leaves a
     hazard; an unsafe module's dependants are found in a later round, where they bring it in themselves."""
     unsafe: list[str] = []
     for _ in range(VET_ROUNDS):
         candidates = [n for n in names if n not in unsafe]
-        _, stopped, _ = in_child(functools.partial(import_ahead, candidates), timeout)
+        _, stopped, _ = in_child(functools.partial(import_ahead, candidates), timeout, tick)
         if stopped is None:
             return candidates, unsafe
         unsafe.append(str(stopped))
@@ -283,10 +292,10 @@ def _listed(listing: Path) -> list[str] | None:
         return None
 
 
-def _found() -> dict[str, Any]:
+def _found(tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """The list found and vetted (in a child of the server: ``scout``, or the server itself), and how long it took."""
     started = time.monotonic()
-    names, unsafe = vet(discover())
+    names, unsafe = vet(discover(tick=tick), tick=tick)
     return {"names": names, "unsafe": unsafe, "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -343,7 +352,8 @@ def warm(
 ) -> Preloaded:
     """Import, in this (the fork server's) process, what a rank would import for its first engine step; ``scouted``:
     the ``scout`` finding the list, started earlier. ``announce`` is told, in words for the user, when the list is
-    still to be found (the first time for an install), and how long that takes."""
+    still to be found (the first time for an install), how long that usually takes, and every ``TICK_EVERY``
+    seconds that it still is."""
     started = time.monotonic()
     listing = list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)
     cached = _listed(listing)
@@ -354,8 +364,14 @@ def warm(
             f"finding what a first DeepSpeed engine step imports, first time only for deepspeed {deepspeed_version} "
             f"({expected_discovery(cache_dir)}{', begun beside the comm-op build' if scouted else ''})"
         )
+
+        def tick() -> None:
+            announce(
+                f"... still finding what a first DeepSpeed engine step imports ({time.monotonic() - started:.0f}s)"
+            )
+
         try:
-            found = scouted.result(2 * DISCOVERY_TIMEOUT) if scouted is not None else _found()
+            found = scouted.result(2 * DISCOVERY_TIMEOUT, tick) if scouted is not None else _found(tick)
         except RuntimeError as exc:
             return Preloaded(0, time.monotonic() - started, f"not preloaded: {exc}")
         names, unsafe = [str(n) for n in found["names"]], [str(n) for n in found["unsafe"]]
