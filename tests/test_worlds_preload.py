@@ -61,10 +61,11 @@ def test_a_module_that_left_a_thread_in_the_server_is_left_to_the_ranks_next_tim
         from pathlib import Path
         from pytest_dsrepro.worlds.server import preload
         here = Path.cwd()
-        listing = preload.list_file(here, "0.0", "0.0", here)
+        install = preload.Install(here, "0.0", "0.0", here, "cpu")
+        listing = preload.list_file(install)
         if not listing.exists():
             preload._keep(listing, ["plain_a", "starts_thread", "plain_c"], [], 1.0)
-        warmed = preload.warm(here, "0.0", "0.0", here)
+        warmed = preload.warm(install)
         print(json.dumps([warmed.note, warmed.stopped, preload.threads(), json.loads(listing.read_text())]))
         """
     first = _python(script, tmp_path)
@@ -93,9 +94,10 @@ def test_discovery_finds_what_an_engine_step_imports_and_is_cached(tmp_path: Pat
         comm_op.warm_up()  # as the fork server does first: the op in its keyed cache, not rebuilt in the default one
         cache = Path({str(tmp_path / "cache")!r})
         where = Path(deepspeed.__file__).parent
-        first = preload.warm(cache, deepspeed.__version__, torch.__version__, where)
-        listing = json.loads(preload.list_file(cache, deepspeed.__version__, torch.__version__, where).read_text())
-        second = preload.warm(cache, deepspeed.__version__, torch.__version__, where)
+        install = preload.Install(cache, deepspeed.__version__, torch.__version__, where, "cpu")
+        first = preload.warm(install)
+        listing = json.loads(preload.list_file(install).read_text())
+        second = preload.warm(install)
         print(json.dumps([first.modules, first.note, second.note, listing, preload.threads()]))
         """
     proc = _python(code, tmp_path)
@@ -149,8 +151,8 @@ def test_finding_a_first_list_says_every_tick_that_it_still_is(tmp_path: Path) -
         def scout():
             time.sleep(0.9)
             return {{"names": ["slow_import"], "unsafe": [], "seconds": 0.9}}
-        warmed = preload.warm(Path({str(tmp_path / "cache")!r}), "0.0", "0.0", Path("."), preload.Child.start(scout),
-                              said.append)
+        install = preload.Install(Path({str(tmp_path / "cache")!r}), "0.0", "0.0", Path("."), "cpu")
+        warmed = preload.warm(install, preload.Child.start(scout), said.append)
         vetting = []
         safe, _ = preload.vet(["slow_vetted"], tick=lambda: vetting.append(time.monotonic()))
         print(json.dumps([said, warmed.modules, warmed.note, safe, len(vetting)]))
@@ -255,3 +257,13 @@ def test_a_test_written_the_deepspeed_way_starts_warm(pytester: pytest.Pytester,
     result = run("-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["worlds ran on: *preloaded *; first use done ahead: cpuinfo, op probe (*"])
+
+
+def test_a_list_is_kept_per_accelerator(tmp_path: Path) -> None:
+    """A CUDA server's list holds what a CPU server of the same install must not import (Triton's ops started a
+    thread in one on an H100): each accelerator finds and keeps its own."""
+    from pytest_dsrepro.worlds.server.preload import Install, list_file
+
+    cpu, cuda = (list_file(Install(tmp_path, "0.19.8", "2.13.0", tmp_path, a)) for a in ("cpu", "cuda"))
+    assert cpu != cuda
+    assert cpu.parent == cuda.parent == tmp_path / "preload"

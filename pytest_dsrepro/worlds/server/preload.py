@@ -63,12 +63,29 @@ class Preloaded:
         return f"{self.modules} modules in {self.seconds:.1f}s ({self.note})"
 
 
-def list_file(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Path:
-    """One list per DeepSpeed install (release and location), torch, Python and format."""
-    where = hashlib.sha256(str(deepspeed_dir.resolve()).encode()).hexdigest()[:10]
+@dataclass(frozen=True)
+class Install:
+    """What a list is found for: a DeepSpeed install (release and location) on a torch, under one of DeepSpeed's
+    accelerators, and the cache directory it is kept in."""
+
+    cache_dir: Path
+    deepspeed_version: str
+    torch_version: str
+    deepspeed_dir: Path
+    #: DeepSpeed's accelerator (``cpu``, ``cuda``): a first engine step imports other modules under each, and a CUDA
+    #: server's list holds Triton ops that start a thread in a CPU server of the same install (seen on an H100).
+    accelerator: str
+
+
+def list_file(install: Install) -> Path:
+    """One list per DeepSpeed install, accelerator, torch, Python and format."""
+    where = hashlib.sha256(str(install.deepspeed_dir.resolve()).encode()).hexdigest()[:10]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    name = f"deepspeed-{deepspeed_version}-torch-{torch_version}-{where}-{py}-v{LIST_FORMAT}.json"
-    return cache_dir / "preload" / name
+    name = (
+        f"deepspeed-{install.deepspeed_version}-{install.accelerator}-torch-{install.torch_version}-{where}-{py}"
+        f"-v{LIST_FORMAT}.json"
+    )
+    return install.cache_dir / "preload" / name
 
 
 def threads() -> int:
@@ -328,11 +345,11 @@ def _without_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def scout(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed_dir: Path) -> Child | None:
+def scout(install: Install) -> Child | None:
     """Start finding the list in a throwaway child of the server, so that it is found while the server builds the
     comm op (a first run of a release waits for both, one after the other, otherwise); None when it is cached.
     ``warm`` collects it."""
-    if _listed(list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)) is not None:
+    if _listed(list_file(install)) is not None:
         return None
 
     def work() -> dict[str, Any]:
@@ -343,10 +360,7 @@ def scout(cache_dir: Path, deepspeed_version: str, torch_version: str, deepspeed
 
 
 def warm(
-    cache_dir: Path,
-    deepspeed_version: str,
-    torch_version: str,
-    deepspeed_dir: Path,
+    install: Install,
     scouted: Child | None = None,
     announce: Callable[[str], None] = lambda _: None,
 ) -> Preloaded:
@@ -355,14 +369,15 @@ def warm(
     still to be found (the first time for an install), how long that usually takes, and every ``TICK_EVERY``
     seconds that it still is."""
     started = time.monotonic()
-    listing = list_file(cache_dir, deepspeed_version, torch_version, deepspeed_dir)
+    listing = list_file(install)
     cached = _listed(listing)
     if cached is not None:
         names, note = cached, "list cached"
     else:
+        beside = ", begun beside the comm-op build" if scouted else ""
         announce(
-            f"finding what a first DeepSpeed engine step imports, first time only for deepspeed {deepspeed_version} "
-            f"({expected_discovery(cache_dir)}{', begun beside the comm-op build' if scouted else ''})"
+            f"finding what a first DeepSpeed engine step imports, first time only for deepspeed "
+            f"{install.deepspeed_version} ({expected_discovery(install.cache_dir)}{beside})"
         )
 
         def tick() -> None:

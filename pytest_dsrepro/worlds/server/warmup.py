@@ -49,7 +49,7 @@ def prepare(
 
     accelerator = get_accelerator()
     # Not on GPUs, where DeepSpeed may yet be left to the ranks (below).
-    scouted = preload.scout(*_install()) if scout and not gpu_device_nodes() else None
+    scouted = preload.scout(_install()) if scout and not gpu_device_nodes() else None
     started = time.monotonic()
     loaded, building = comm_op.start(announce)
     if gpu_device_nodes() and cuda_reexec.poisoned_fork():
@@ -72,12 +72,19 @@ def prepare(
     )
 
 
-def _install() -> tuple[Path, str, str, Path]:
-    """The cache directory and the DeepSpeed install (version, torch, where) that preload lists are kept for."""
+def _install() -> preload.Install:
+    """The DeepSpeed install (version, torch, where, accelerator) that preload lists are kept for, and where."""
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
 
-    return default_cache_dir(), str(deepspeed.__version__), str(torch.__version__), Path(deepspeed.__file__).parent
+    return preload.Install(
+        default_cache_dir(),
+        str(deepspeed.__version__),
+        str(torch.__version__),
+        Path(deepspeed.__file__).parent,
+        str(get_accelerator().device_name()),
+    )
 
 
 def warm_for_deepspeed(scouted: preload.Child | None, announce: Callable[[str], None]) -> str:
@@ -87,7 +94,7 @@ def warm_for_deepspeed(scouted: preload.Child | None, announce: Callable[[str], 
     started beside the comm-op build (``preload``)."""
     from deepspeed.accelerator import get_accelerator
 
-    preloaded = preload.warm(*_install(), scouted, announce)
+    preloaded = preload.warm(_install(), scouted, announce)
     if preloaded.stopped:
         return preloaded.describe()
     return f"{preloaded.describe()}; {preload.first_use(str(get_accelerator().device_name()))}"
