@@ -31,7 +31,8 @@ MARKERS = {
     "run the test body in every rank of a fresh torch.distributed world started by pytest-dsrepro (size defaults to "
     "--ds-world-size, backend to --ds-backend, timeout to --ds-timeout; a list of sizes makes one test per size). "
     "reuse=True (on a class or module): its tests run one after another on the same ranks, each with a fresh "
-    "process group and environment; a failure, hang or crash discards the ranks. process_group=False: no default "
+    "process group and environment; a hang or crash discards the ranks (a failure too in an NCCL world). "
+    "process_group=False: no default "
     "process group (nor DeepSpeed's comm layer bound); launcher_env=False: no RANK, WORLD_SIZE, MASTER_ADDR, ... "
     "variables. Markers on the module, class and function merge, the closest setting each argument. Fixtures ds_rank "
     "and ds_world_size tell a rank who it is.",

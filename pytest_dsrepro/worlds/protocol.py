@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from ..core.outcome import ErrorInfo, Measurement, RankResult, Status
+from ..core.outcome import PHASES, ErrorInfo, Measurement, RankResult, Status
 from .workdir import result_file
 
 #: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped: the same
@@ -333,6 +333,11 @@ class RankReport:
     measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``)
     marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started, ended its body (``PHASES``)
 
+    @property
+    def body_ended(self) -> bool:
+        """Did the world's setup and the test's loading go through, and its body end (however)?"""
+        return len(self.marks) == len(PHASES) - 1
+
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
         at = None if self.at is None or started is None else max(0.0, self.at - started)
@@ -372,10 +377,20 @@ class Meeting:
     world: int
 
 
+def goes_on_after(status: Status, backend: str) -> bool:
+    """May a rank of a reusable world run the next test of its scope after its body ended so? After a pass; in a gloo
+    world after a failure or a declared skip or xfail too, as DeepSpeed's ``reuse_dist_env`` pool and torch's
+    ``MultiProcContinuousTest`` go on: each test gets a new gloo group, and dropping the old one is local (a
+    collective the failed test left unmatched does not hold it). Not an NCCL rank after a failure: it keeps its
+    communicator, where the failure may have left a collective queued."""
+    return status is Status.PASSED or (backend == "gloo" and status in (Status.FAILED, Status.SKIPPED, Status.XFAILED))
+
+
 @dataclass(frozen=True)
 class RankFinished:
-    """rank -> server: the test passed, the rank put back what it had when it was forked (``rank.reuse_reset``) and
-    waits for the next test of its scope; ``at`` on ``time.monotonic()``'s clock. The server tells pytest ``Finished``.
+    """rank -> server: the test's body ended so that the rank goes on (``goes_on_after``), the rank put back what it
+    had when it was forked (``rank.reuse_reset``) and waits for the next test of its scope; ``at`` on
+    ``time.monotonic()``'s clock. The server tells pytest ``Finished``.
     """
 
     at: float

@@ -19,7 +19,7 @@ from types import CodeType
 
 from ...core.outcome import Status
 from ...inrank.context import RankContext
-from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, write_report
+from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, goes_on_after, write_report
 from ..workdir import output_file, record_buffers, stack_file
 from . import body, rendezvous, reuse_reset
 
@@ -51,17 +51,19 @@ def rank_life(
     code: CodeType | None,
     link: Connection | None = None,
 ) -> None:
-    """One forked rank: its test, reported. A rank of a reusable world (``link``) that passed puts back what it had
-    when it was forked (``reuse_reset``), says it finished, and waits on its link for the next test of its scope; it
-    exits after any other ending, or when the server closes its link."""
+    """One forked rank: its test, reported. A rank of a reusable world (``link``) whose body passed (in a gloo world,
+    or failed, or skipped: ``goes_on_after``) puts back what it had when it was forked (``reuse_reset``), says it
+    finished, and waits on its link for the next test of its scope; it exits after any other ending (a setup that
+    failed, a crash), or when the server closes its link."""
     baseline = reuse_reset.Baseline.take() if link is not None else None
     while True:
         _into(workdir, rank)
         report = run_rank(job, rank, size, meeting, code, keep_group=link is not None and job.backend == "nccl")
         record_buffers(workdir, rank)
-        if link is None or baseline is None or report.status is not Status.PASSED:
+        if link is None or baseline is None or not report.body_ended or not goes_on_after(report.status, job.backend):
             write_report(workdir, rank, report)
             return
+        _drop_group(report)
         baseline.restore()
         write_report(workdir, rank, report)
         link.send(RankFinished(time.monotonic()))
@@ -72,6 +74,15 @@ def rank_life(
         assert isinstance(following, NextTest)
         job, workdir, meeting = following.job, Path(following.workdir), following.meeting
         code = None if following.code is None else marshal.loads(following.code)
+
+
+def _drop_group(report: RankReport) -> None:
+    """A gloo rank whose body did not pass goes on with its group still made (``run_rank`` drops a passed one's):
+    dropping it is local, and the next test makes a new one."""
+    import torch.distributed as dist
+
+    if report.status is not Status.PASSED and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_rank(
