@@ -24,12 +24,13 @@ from pytest_dsrepro.core.errors import HarnessError
 from pytest_dsrepro.core.outcome import PHASES, Status, WorldOutcome
 from pytest_dsrepro.tools import processes
 from pytest_dsrepro.worlds import client, device_nodes, protocol
-from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner, server_process
+from pytest_dsrepro.worlds.client import ForkServer, WorldRun, WorldRunner, fork_server, server_process
 from pytest_dsrepro.worlds.protocol import (
     Building,
     ClientMessage,
     DumpStacks,
     Exited,
+    FinishBuild,
     Hello,
     Kill,
     RankJob,
@@ -366,6 +367,26 @@ def test_a_first_build_is_told_while_it_runs_and_when_it_is_done(
     assert told[1].startswith("... still building (")
     assert told[2].startswith("DeepSpeed's CPU comm op ready after ")
     assert told[2].endswith("s; later runs load it from the cache")
+
+
+def test_the_end_of_a_run_does_not_wait_on_a_server_busy_with_a_first_preload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an H100 a run that had given up on its world waited at its end for the server's answer to ``FinishBuild``,
+    which the server, busy finding a first preload list, could not give (the wait was the startup timeout, 30
+    minutes). The end of a run waits ``FINISH_WAIT`` at most, says why, and leaves the server to ``close``."""
+    told: list[str] = []
+    server = ScriptedServer()
+    server.progress = told.append
+    server.facts = ServerFacts(pid=1, torch="2.13.0", builds_beside=True)
+    busy = Building("... still finding what a first DeepSpeed engine step imports (20s)")
+    monkeypatch.setattr(fork_server, "FINISH_WAIT", 0.3)
+    monkeypatch.setattr(server, "receive", lambda timeout: time.sleep(min(timeout, 0.05)) or busy)
+    started = time.monotonic()
+    server.finish_build()
+    assert time.monotonic() - started < 5
+    assert any(isinstance(m, FinishBuild) for m in server.sent)
+    assert told[-1].startswith("the fork server did not answer within 0.3s at the end of the run")
 
 
 class Interruption(Exception):

@@ -49,6 +49,9 @@ class CacheUnusable(RunStops):
 
 #: While DeepSpeed's comm op builds, how often the user is told it still does.
 PROGRESS_EVERY = 30.0
+#: How long the end of a run waits for the server's answer to ``FinishBuild``. It answers at once, unless it is busy
+#: with a first preload for a world that was given up on (minutes on a GPU image): it is then stopped as after Ctrl-C.
+FINISH_WAIT = 15.0
 
 
 Progress = Callable[[str], None]
@@ -232,13 +235,18 @@ class ForkServer:
     def finish_build(self) -> None:
         """The run is over, uninterrupted: a comm-op build still running beside the worlds goes on apart for later
         runs, which then load the op, instead of being thrown away with the server; the server says so (or how a
-        build that ended did) at once, and nothing waits for the build. Ctrl-C meanwhile: ``close`` stops it."""
+        build that ended did) at once, and nothing waits for the build. Ctrl-C meanwhile, or a server that does not
+        answer within ``FINISH_WAIT``: ``close`` stops it, and the build with it."""
         if not self.alive or self.facts is None or not self.facts.builds_beside:
             return
         self._build_ended = False
         try:
             self.send(FinishBuild())
-            self.wait_for(lambda: self._build_ended, time.monotonic() + self.startup_timeout)
+            if not self.wait_for(lambda: self._build_ended, time.monotonic() + FINISH_WAIT):
+                self.progress(
+                    f"the fork server did not answer within {FINISH_WAIT:g}s at the end of the run (busy with a first "
+                    "preload?): stopped with what it was doing, a comm-op build still running included"
+                )
         except ServerGone as gone:  # nothing left to hand on; ``close`` cleans up after it
             self.progress(f"the fork server ended before the build did ({gone.ending})")
         finally:
