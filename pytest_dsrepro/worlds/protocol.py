@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from ..core.outcome import PHASES, ErrorInfo, Measurement, RankResult, Status
+from ..core.outcome import DECLARED, PHASES, ErrorInfo, Measurement, RankResult, Status
 from .workdir import result_file
 
 #: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped: the same
@@ -333,10 +333,16 @@ class RankReport:
     measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``)
     marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started, ended its body (``PHASES``)
 
-    @property
-    def body_ended(self) -> bool:
-        """Did the world's setup and the test's loading go through, and its body end (however)?"""
-        return len(self.marks) == len(PHASES) - 1
+    def goes_on(self, backend: str) -> bool:
+        """May a rank of a reusable world run the next test of its scope after this ending? Only once the world's
+        setup and the test's loading went through and the body ended (its ``marks`` are whole); then after a pass,
+        and in a gloo world after a failure or a declared skip or xfail too, as DeepSpeed's ``reuse_dist_env`` pool
+        and torch's ``MultiProcContinuousTest`` go on: each test gets a new gloo group, and dropping the old one is
+        local (a collective the failed test left unmatched does not hold it). Not an NCCL rank after a failure: it
+        keeps its communicator, where the failure may have left a collective queued."""
+        if len(self.marks) != len(PHASES) - 1:
+            return False
+        return self.status is Status.PASSED or (backend == "gloo" and self.status in (Status.FAILED, *DECLARED))
 
     def result(self, rank: int, output: str = "", started: float | None = None) -> RankResult:
         """``started``: when the world started, on the same clock; the result's ``at`` is counted from it."""
@@ -377,19 +383,10 @@ class Meeting:
     world: int
 
 
-def goes_on_after(status: Status, backend: str) -> bool:
-    """May a rank of a reusable world run the next test of its scope after its body ended so? After a pass; in a gloo
-    world after a failure or a declared skip or xfail too, as DeepSpeed's ``reuse_dist_env`` pool and torch's
-    ``MultiProcContinuousTest`` go on: each test gets a new gloo group, and dropping the old one is local (a
-    collective the failed test left unmatched does not hold it). Not an NCCL rank after a failure: it keeps its
-    communicator, where the failure may have left a collective queued."""
-    return status is Status.PASSED or (backend == "gloo" and status in (Status.FAILED, Status.SKIPPED, Status.XFAILED))
-
-
 @dataclass(frozen=True)
 class RankFinished:
-    """rank -> server: the test's body ended so that the rank goes on (``goes_on_after``), the rank put back what it
-    had when it was forked (``rank.reuse_reset``) and waits for the next test of its scope; ``at`` on
+    """rank -> server: the test's body ended so that the rank goes on (``RankReport.goes_on``), the rank put back
+    what it had when it was forked (``rank.reuse_reset``) and waits for the next test of its scope; ``at`` on
     ``time.monotonic()``'s clock. The server tells pytest ``Finished``.
     """
 

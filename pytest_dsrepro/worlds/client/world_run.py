@@ -36,7 +36,6 @@ from ..protocol import (
     Reaped,
     Spawn,
     Spawned,
-    goes_on_after,
     read_report,
 )
 from ..workdir import discard, read_output, read_text, stack_file
@@ -243,17 +242,13 @@ class WorldRun:
 
     def _keep(self) -> bool:
         """May the server keep the ranks for the next test of the scope? Only when every one of them ended its body so
-        that it goes on (``protocol.goes_on_after``: passed; in a gloo world, failed or skipped too) and lives on:
+        that it goes on (``RankReport.goes_on``: passed; in a gloo world, failed or skipped too) and lives on:
         after a hang, a crash, a stop or a failed setup the next test gets a new world; an NCCL world too after a
         failure, and after a collective that reached torch's timeout (its watchdog dumped), however the test ended."""
         if self.flight_recorder is not None and nccl_diagnostics.watchdog_dumped(self.workdir):
             return False
         return self.reuse is not None and all(
-            r.finished
-            and r.forced is None
-            and r.report is not None
-            and r.report.body_ended
-            and goes_on_after(r.report.status, self.backend)
+            r.finished and r.forced is None and r.report is not None and r.report.goes_on(self.backend)
             for r in self.ranks
         )
 

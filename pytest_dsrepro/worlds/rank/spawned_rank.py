@@ -19,7 +19,7 @@ from types import CodeType
 
 from ...core.outcome import Status
 from ...inrank.context import RankContext
-from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, goes_on_after, write_report
+from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, write_report
 from ..workdir import output_file, record_buffers, stack_file
 from . import body, rendezvous, reuse_reset
 
@@ -52,7 +52,7 @@ def rank_life(
     link: Connection | None = None,
 ) -> None:
     """One forked rank: its test, reported. A rank of a reusable world (``link``) whose body passed (in a gloo world,
-    or failed, or skipped: ``goes_on_after``) puts back what it had when it was forked (``reuse_reset``), says it
+    or failed, or skipped: ``RankReport.goes_on``) puts back what it had when it was forked (``reuse_reset``), says it
     finished, and waits on its link for the next test of its scope; it exits after any other ending (a setup that
     failed, a crash), or when the server closes its link."""
     baseline = reuse_reset.Baseline.take() if link is not None else None
@@ -60,7 +60,7 @@ def rank_life(
         _into(workdir, rank)
         report = run_rank(job, rank, size, meeting, code, keep_group=link is not None and job.backend == "nccl")
         record_buffers(workdir, rank)
-        if link is None or baseline is None or not report.body_ended or not goes_on_after(report.status, job.backend):
+        if link is None or baseline is None or not report.goes_on(job.backend):
             write_report(workdir, rank, report)
             return
         _drop_group(report)
