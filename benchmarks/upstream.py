@@ -52,7 +52,7 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, failures, results
 from pytest_dsrepro.core.options import CACHE_ENV, default_cache_dir
-from pytest_dsrepro.tools import install, matrix, processes, upstream_command
+from pytest_dsrepro.tools import install, matrix, processes, upstream_runs
 from pytest_dsrepro.tools.environments import activated, release_environment
 from pytest_dsrepro.worlds import shm
 
@@ -158,7 +158,7 @@ def run_file(python: str, tests: Path, path: str, side: str, environ: dict[str, 
         report = Path(tmp) / "junit.xml"
         command = [python, "-c", _PYTEST_THEN_SAY_DEEPSPEED, path, "-p", "no:cacheprovider", f"--junitxml={report}"]
         if side == "plugin":
-            command += ["-p", upstream_command.PLUGIN]
+            command += ["-p", upstream_runs.PLUGIN]
         load = os.getloadavg()[0]
         before = set(shm.SHM_DIR.glob(f"{shm.PREFIX}*"))
         # At the timeout the file's pytest is stopped as Ctrl-C stops it, with every process it started (a harness's
@@ -437,7 +437,7 @@ def regressions(args: argparse.Namespace, found: checkout.Checkout) -> None:
     options = argparse.Namespace(results=out, cache_dir=args.cache_dir, constraints=None, log_dir=None,
                                  pytest_args=pytest_args)  # fmt: skip
     targets = list(REGRESSIONS.values())
-    upstream_command.run_releases(options, found, targets, list(args.regression_releases))
+    upstream_runs.run_releases(options, found, targets, list(args.regression_releases))
     files, warnings = results.read_all([out])
     merged = matrix.merge(files, warnings)
     print(matrix.render_terminal(merged, width=200))

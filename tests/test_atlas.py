@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import checkout, results, versions
 from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.tools import atlas, install, upstream_command
+from pytest_dsrepro.tools import atlas, atlas_command, install, upstream_command, upstream_runs
 from pytest_dsrepro.tools.environments import ReleaseEnv
 from pytest_dsrepro.tools.history import Clone, Commit
 
@@ -276,7 +276,7 @@ def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
         ran.append(targets)
         assert args.pytest_args == ["-m", ""]  # not DeepSpeed's default deselection: a fix's own tests all run
         if len(ran) == 1:
-            raise upstream_command.UpstreamError("pytest on deepspeed 0.1.0 ended with exit code 4")
+            raise upstream_runs.UpstreamError("pytest on deepspeed 0.1.0 ended with exit code 4")
         for release in releases:
             env = results.Environment(**{**results.environment("gloo", 2).to_json(), "deepspeed": release})
             outcome = "failed" if release == "0.1.0" else "passed"
@@ -285,11 +285,11 @@ def test_a_fix_whose_run_breaks_is_said_and_the_atlas_goes_on(
             )
         return 0
 
-    monkeypatch.setattr(upstream_command, "run_releases", run_releases)
+    monkeypatch.setattr(upstream_runs, "run_releases", run_releases)
     parser = argparse.ArgumentParser()
-    atlas.add_arguments(parser)
+    atlas_command.add_arguments(parser)
     args = parser.parse_args(["--repo", str(clone), "--range", "v0.1.0..HEAD", "--results", str(tmp_path / "out")])
-    assert atlas.run(args) == 0
+    assert atlas_command.run(args) == 0
     out, err = capsys.readouterr()
     assert len(ran) == 2  # #12 broke, #15 still ran (#16 is in no release)
     assert "pytest on deepspeed 0.1.0 ended with exit code 4" in err
@@ -310,7 +310,7 @@ def test_no_torch_to_pin_is_one_line_before_any_release_is_built(
     monkeypatch.delenv(install.CONSTRAINTS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)  # no constraints.txt here or above
     parser = argparse.ArgumentParser()
-    module = atlas if command == "atlas" else upstream_command
+    module = atlas_command if command == "atlas" else upstream_command
     module.add_arguments(parser)
     cache = ["--cache-dir", str(tmp_path / "cache")]
     argv = {"atlas": ["--repo", str(clone), "--range", "v0.1.0..HEAD", *cache],

@@ -27,7 +27,7 @@ from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.core.results import RankStory, TestRecord
-from pytest_dsrepro.tools import bisect, cli, environments
+from pytest_dsrepro.tools import bisect, cli, environments, releases
 from pytest_dsrepro.tools.bisect import (
     BisectError,
     Invocation,
@@ -38,12 +38,12 @@ from pytest_dsrepro.tools.bisect import (
     bug_present,
     entered,
     estimated_steps,
-    parse_project_page,
     releases_between,
     search,
     specifier,
 )
 from pytest_dsrepro.tools.environments import ReleaseEnv
+from pytest_dsrepro.tools.releases import _Anchors, index_url, parse_project_page
 
 INDEXED = [
     Version(v) for v in ["0.14.4", "0.15.3", "0.15.4", "0.16.0", "0.16.3", "0.16.4", "0.17.0", "0.18.3", "0.19.8"]
@@ -82,7 +82,7 @@ def test_the_release_list_is_read_from_the_simple_api_json_or_html() -> None:
     ]
     releases = [Version("0.16.3"), Version("0.16.4"), Version("0.17.0rc1")]
     assert parse_project_page({"meta": {"api-version": "1.1"}, "name": "deepspeed", "files": files}) == releases
-    anchors = bisect._Anchors()
+    anchors = _Anchors()
     anchors.feed(
         "<html><body><h1>Links for deepspeed</h1>"
         '<a href="https://files/deepspeed-0.16.3.tar.gz#sha256=00">deepspeed-0.16.3.tar.gz</a><br/>'
@@ -90,12 +90,9 @@ def test_the_release_list_is_read_from_the_simple_api_json_or_html() -> None:
         '<a href="https://files/deepspeed-0.16.4.tar.gz">deepspeed-0.16.4.tar.gz</a></body></html>'
     )
     assert parse_project_page({"files": anchors.files}) == releases[:2]
-    assert bisect.index_url({"PIP_INDEX_URL": "https://mirror/simple/"}) == "https://mirror/simple"
-    assert (
-        bisect.index_url({"UV_DEFAULT_INDEX": "https://uv/simple", "PIP_INDEX_URL": "https://pip"})
-        == "https://uv/simple"
-    )
-    assert bisect.index_url({}) == "https://pypi.org/simple"
+    assert index_url({"PIP_INDEX_URL": "https://mirror/simple/"}) == "https://mirror/simple"
+    assert index_url({"UV_DEFAULT_INDEX": "https://uv/simple", "PIP_INDEX_URL": "https://pip"}) == "https://uv/simple"
+    assert index_url({}) == "https://pypi.org/simple"
 
 
 def test_releases_between_either_order_and_inclusive() -> None:
@@ -427,7 +424,7 @@ def test_command_prints_progress_and_the_specifier(
         def __call__(self, version: Version) -> Probe:
             return oracle(version)
 
-    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES)
+    monkeypatch.setattr(releases, "available_releases", lambda: RELEASES)
     monkeypatch.setattr(environments, "release_environment", lambda *a, **k: "prepare")
     monkeypatch.setattr(bisect, "Prober", FakeProber)
     code = cli.main(["bisect", "r/test_x.py::test_y", "--good", "0.18.3", "--bad", "0.15.4", "--", "-x", "-v"])
@@ -444,10 +441,10 @@ def test_command_prints_progress_and_the_specifier(
     assert "skipped deepspeed 0.16.9: cannot install: no wheel" in out
     assert "note: the bug shows on --good" not in out  # 0.18.3, the --good end, is the one without the bug
 
-    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES[:3])
+    monkeypatch.setattr(releases, "available_releases", lambda: RELEASES[:3])
     assert cli.main(["bisect", "t.py::t", "--good", "0.16.9", "--bad", "0.15.4"]) == 2  # a usage error
     assert "dsrepro bisect: deepspeed 0.16.9 is not a release on the index" in capsys.readouterr().err
-    monkeypatch.setattr(bisect, "available_releases", lambda: RELEASES)
+    monkeypatch.setattr(releases, "available_releases", lambda: RELEASES)
     monkeypatch.setattr(bisect, "Prober", lambda invocation, **kwargs: fake("9.0")[1])  # the bug on both ends
     assert cli.main(["bisect", "t.py::t", "--good", "0.18.3", "--bad", "0.15.4"]) == 1  # no verdict
     assert "dsrepro bisect: the bug shows on both deepspeed 0.15.4 and deepspeed 0.18.3" in capsys.readouterr().err

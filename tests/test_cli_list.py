@@ -12,7 +12,7 @@ import pytest
 
 from pytest_dsrepro.core.results import repro_meta
 from pytest_dsrepro.tools import cli
-from pytest_dsrepro.tools.catalogue import Entry, Row, entries_from_rows, format_table
+from pytest_dsrepro.tools.catalogue import CollectedTest, Entry, entries_from_tests, format_table
 
 EPILOGUE = """
 import pytest
@@ -168,11 +168,11 @@ def test_list_imports_neither_torch_nor_deepspeed(repros: pytest.Pytester) -> No
 
 
 def test_rows_merge_without_pytest() -> None:
-    def row(nodeid: str, *affected: str) -> Row:
+    def row(nodeid: str, *affected: str) -> CollectedTest:
         meta = repro_meta((), {"title": "A"}, "/w/r/test_a.py", [((spec,), {}) for spec in affected])
-        return Row(nodeid, "/w/r/test_a.py", meta)
+        return CollectedTest(nodeid, "/w/r/test_a.py", meta)
 
-    (entry,) = entries_from_rows([row("r/test_a.py::t[x]", "<1"), row("r/test_a.py::t[y]", "<1", ">=2")])
+    (entry,) = entries_from_tests([row("r/test_a.py::t[x]", "<1"), row("r/test_a.py::t[y]", "<1", ">=2")])
     assert entry.id == "a"
     assert entry.affected == ("<1", ">=2")
     assert entry.affected_text == "<1 | >=2"

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from pytest_dsrepro.core import results
-from pytest_dsrepro.tools import install, matrix
-from pytest_dsrepro.tools.install import InstallResult, Probe
+from pytest_dsrepro.tools import install, install_command, matrix
+from pytest_dsrepro.tools.install import ImportProbe, InstallResult
 
 
 def test_find_constraints_env_then_nearest_parent(tmp_path: Path) -> None:
@@ -97,7 +97,7 @@ def test_probe_imports_with_cpu_accelerator_when_no_gpu(tmp_path: Path, monkeypa
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(stub_release(tmp_path)))
     probe = install.probe_import(sys.executable)
-    assert probe == Probe(ok=True, python=probe.python, torch="2.13.0+cpu", deepspeed="0.16.3", accelerator="cpu")
+    assert probe == ImportProbe(ok=True, python=probe.python, torch="2.13.0+cpu", deepspeed="0.16.3", accelerator="cpu")
 
 
 def test_probe_reports_the_import_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +183,7 @@ def test_failed_install_is_a_result_not_an_exception(tmp_path: Path, failing_uv:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    install.add_arguments(parser)
+    install_command.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -193,7 +193,7 @@ def test_run_records_an_unavailable_release_that_the_matrix_shows(
     constraints = tmp_path / "c.txt"
     constraints.write_text("torch==2.13.0\n")
     results_dir = tmp_path / "results"
-    code = install.run(
+    code = install_command.run(
         _args("0.0.1", "--constraints", str(constraints), "--results", str(results_dir),
               "--cache-dir", str(tmp_path / "cache"))
     )  # fmt: skip
@@ -233,7 +233,7 @@ def test_a_release_the_index_does_not_have_installs_nothing_and_is_not_recorded(
     constraints.write_text("torch==2.13.0\n")
     results_dir = tmp_path / "results"
     argv = ("9.9.9", "--constraints", str(constraints), "--results", str(results_dir), "--python", sys.executable)
-    assert install.run(_args(*argv)) == 2
+    assert install_command.run(_args(*argv)) == 2
     assert (
         "dsrepro install: the package index has no deepspeed 9.9.9 (looking up deepspeed 9.9.9 failed: Because there "
         "is no version of deepspeed==9.9.9 and you require deepspeed==9.9.9, we can conclude that your requirements "
@@ -268,7 +268,7 @@ def test_run_refuses_without_constraints(
     monkeypatch.chdir(tmp_path)
     if install.find_constraints() is not None:
         pytest.skip("a constraints.txt above the temporary directory")
-    assert install.run(_args("0.16.3")) == 2
+    assert install_command.run(_args("0.16.3")) == 2
     assert "refusing to install with torch unpinned" in capsys.readouterr().err
 
 

@@ -19,7 +19,7 @@ from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Rate, Reason, Verdict
 from pytest_dsrepro.core.outcome import Measurement
 from pytest_dsrepro.core.results import Origin
-from pytest_dsrepro.tools import matrix
+from pytest_dsrepro.tools import matrix, matrix_command
 from pytest_dsrepro.tools.matrix import MatrixError, load, merge, render_html, render_markdown, render_terminal, symbols
 
 ERROR_0163 = "AssertionError: ids [7, 7] | [0, 1]"
@@ -103,7 +103,8 @@ def test_unavailable_release_is_a_column_with_its_reason(catalogue: Path) -> Non
     assert "0.14.1: cannot run with torch 2.13.0+cpu" in render_terminal(m)
     assert "cannot run with torch 2.13.0+cpu" in render_markdown(m)
     assert "cannot run with torch 2.13.0+cpu" in render_html(m)
-    assert matrix.exit_code(m) == matrix.Exit.UNEXPECTED  # the UNEXPECTED run, not the unavailable release
+    # the UNEXPECTED run, not the unavailable release
+    assert matrix_command.exit_code(m) == matrix_command.Exit.UNEXPECTED
 
 
 def test_only_unavailable_releases_still_render(tmp_path: Path) -> None:
@@ -114,8 +115,8 @@ def test_only_unavailable_releases_still_render(tmp_path: Path) -> None:
     for rendered in (render_html(m), render_markdown(m), render_terminal(m), matrix.render_svg(m)):
         assert "intel_extension_for_pytorch" in rendered or "0.14" in rendered
     assert "intel_extension_for_pytorch" in render_html(m) + render_markdown(m) + render_terminal(m)
-    assert matrix.exit_code(m) == 0
-    assert matrix.exit_code(m, fail_on_unavailable=True) == 1
+    assert matrix_command.exit_code(m) == 0
+    assert matrix_command.exit_code(m, fail_on_unavailable=True) == 1
 
 
 def test_the_newest_file_that_ran_a_test_gives_its_run(tmp_path: Path) -> None:
@@ -132,7 +133,7 @@ def test_the_newest_file_that_ran_a_test_gives_its_run(tmp_path: Path) -> None:
     assert cell.stock is not None
     assert cell.stock.verdict is Verdict.REPRODUCED
     assert cell.stock.source == new
-    assert matrix.exit_code(m) == 0
+    assert matrix_command.exit_code(m) == 0
     assert "0.16.3: 2 results files (per test, the newest file that ran it)" in render_terminal(m)
 
 
@@ -172,7 +173,7 @@ def test_a_partial_rerun_never_empties_cells(tmp_path: Path) -> None:
     m = build([tmp_path])
     sources = {(run.nodeid, run.verdict.value, run.source) for _, _, run in m.placed()}
     assert sources == {(EPI, "REPRODUCED", full), (STOCK, "REPRODUCED", partial), (FIXED, "PASSES-WITH-FIX", full)}
-    assert matrix.exit_code(m) == 0  # the UNEXPECTED of the full run is history: the re-run replaced it
+    assert matrix_command.exit_code(m) == 0  # the UNEXPECTED of the full run is history: the re-run replaced it
     assert "not run" not in render_terminal(m)
 
 
@@ -198,7 +199,7 @@ def test_exit_code_zero_without_unexpected(tmp_path: Path) -> None:
     write(tmp_path, "0.16.3", [rec(STOCK, "REPRODUCED"), rec(FIXED, "PASSES-WITH-FIX", variant="fixed")])
     write(tmp_path, "0.16.4", [rec(STOCK, "FIXED"), rec(FIXED, "SKIPPED", variant="fixed", outcome="skipped",
                                                         error="no fix needed")])  # fmt: skip
-    assert matrix.exit_code(build([tmp_path])) == 0
+    assert matrix_command.exit_code(build([tmp_path])) == 0
 
 
 def test_failing_test_without_verdict_is_unexpected(tmp_path: Path) -> None:
@@ -212,7 +213,7 @@ def test_failing_test_without_verdict_is_unexpected(tmp_path: Path) -> None:
     assert [r.name for r in m.rows] == ["(not a repro) [test_bad]", f"{MODULE_ID} [zero3]"]  # test_ok is no row
     assert {run.verdict for _, _, run in m.placed()} == {Verdict.UNEXPECTED}
     assert "no verdict, pytest outcome error: world did not start" in " ".join(render_terminal(m).split())
-    assert matrix.exit_code(m) == 1
+    assert matrix_command.exit_code(m) == 1
 
 
 def test_repro_id_title_and_upstream_come_from_the_record(tmp_path: Path) -> None:
@@ -411,9 +412,9 @@ def test_since_marks_the_runs_that_changed(tmp_path: Path, capsys: pytest.Captur
     assert "| [●✓~] | ○· |" in render_markdown(m)
     assert "was FIXED" in render_html(m)
     # the command: --since DIR
-    assert matrix.run(_args(str(new), "--since", str(old), "--no-write", "--color", "never")) == 0
+    assert matrix_command.run(_args(str(new), "--since", str(old), "--no-write", "--color", "never")) == 0
     assert "●✓~" in capsys.readouterr().out
-    assert matrix.run(_args(str(new), "--since", str(tmp_path / "nope"), "--no-write")) == 2
+    assert matrix_command.run(_args(str(new), "--since", str(tmp_path / "nope"), "--no-write")) == 2
     assert "--since: no such file or directory" in capsys.readouterr().err
 
 
@@ -483,7 +484,7 @@ def test_deepspeeds_own_tests_are_rows_of_their_own_beside_the_catalogue(tmp_pat
         (f"{head.short} unit/runtime/zero/test_zero.py", ["TestZero3ParamPartitioningBase::test[True-False]"]),
     ]
     assert m.rows[-1].title == "DeepSpeed's own tests at v0.19.5-46-gedaa722"
-    assert matrix.exit_code(m) == 0  # a test that declares nothing is never UNEXPECTED
+    assert matrix_command.exit_code(m) == 0  # a test that declares nothing is never UNEXPECTED
     assert m.counts() == {"REPRODUCED": 1, "FIXED": 1, "NOT-APPLICABLE": 1, "PASSED": 2, "FAILED": 1, "XFAILED": 1}
     text = render_terminal(m)
     assert text.startswith("DeepSpeed repro matrix: 1 bug in 1 row, 3 of DeepSpeed's own tests x 2 DeepSpeed releases")
@@ -605,7 +606,7 @@ def test_each_unreadable_file_says_what_it_is_and_what_to_do(tmp_path: Path) -> 
     assert [c.blank_line for c in m.columns[1:]] == [f"unreadable: {said[n]}" for n in
                                                      ("results-deepspeed-0.16.4-0123abcd.json", "future.json")]  # fmt: skip
     assert [u.path.name for u in m.damaged] == sorted(n for n in said if n != "package.json")
-    assert matrix.exit_code(m) == matrix.Exit.UNREADABLE
+    assert matrix_command.exit_code(m) == matrix_command.Exit.UNREADABLE
     text = render_terminal(m)
     assert "  zero3      [● ]??  ??" in table_lines(text)
     assert "Results files that could not be read (the matrix lacks them):" in text
@@ -630,12 +631,12 @@ def _args(*argv: str) -> object:
     import argparse
 
     parser = argparse.ArgumentParser()
-    matrix.add_arguments(parser)
+    matrix_command.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_run_writes_outputs_and_exits_1_on_unexpected(catalogue: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert matrix.run(_args(str(catalogue), "--color", "never")) == 1  # type: ignore[arg-type]
+    assert matrix_command.run(_args(str(catalogue), "--color", "never")) == 1  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert "UNEXPECTED" in out
     assert (catalogue / "matrix.md").read_text().startswith("# DeepSpeed repro matrix")
@@ -643,7 +644,7 @@ def test_run_writes_outputs_and_exits_1_on_unexpected(catalogue: Path, capsys: p
     assert (catalogue / "matrix.svg").read_text().startswith("<svg ")
     assert oct((catalogue / "matrix.md").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     # the outputs are not results files: a second run reads the same four releases and nothing else
-    assert matrix.run(_args(str(catalogue), "--no-write")) == 1  # type: ignore[arg-type]
+    assert matrix_command.run(_args(str(catalogue), "--no-write")) == 1  # type: ignore[arg-type]
     assert "Left out" not in capsys.readouterr().out
 
 

@@ -19,7 +19,7 @@ import pytest
 from matrix_records import EPI, EPILOGUE, FIXED, STOCK, rec, write
 
 from pytest_dsrepro.core import results
-from pytest_dsrepro.tools.matrix import Exit
+from pytest_dsrepro.tools.matrix_command import Exit
 
 OUTPUTS = ("matrix.md", "matrix.html", "matrix.svg")
 

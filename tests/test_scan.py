@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, RunPytest
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.results import ScanVerdict
-from pytest_dsrepro.tools import scan_command
+from pytest_dsrepro.tools import catalogue_run, scan_command
 
 REPROS = """
 import pytest
@@ -211,7 +211,7 @@ def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalog
 
 def test_the_catalogue_travels_with_the_package() -> None:
     """Installed from the wheel (as tox installs it), the package holds the catalogue and its conftest.py."""
-    found = scan_command.catalogue()
+    found = catalogue_run.installed()
     assert (found.parent.name, found.name) == ("pytest_dsrepro", "catalogue")
     shipped = {p.name for p in found.glob("*.py")}
     assert shipped >= {p.name for p in (ROOT / "repros").glob("*.py")}

@@ -17,7 +17,7 @@ from packaging.version import Version
 from pytest_dsrepro.core import logread, premises, triage
 from pytest_dsrepro.core.logread import Frame
 from pytest_dsrepro.core.results import Finding, ScanVerdict
-from pytest_dsrepro.tools import scaffold, triage_command
+from pytest_dsrepro.tools import log_input, scaffold, triage_command
 
 EPILOGUE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
 TRACEBACK = """Traceback (most recent call last):
@@ -231,10 +231,10 @@ def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
 
 
 def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triage_command, "HEAD_BYTES", 64)
-    monkeypatch.setattr(triage_command, "TAIL_BYTES", 64)
+    monkeypatch.setattr(log_input, "HEAD_BYTES", 64)
+    monkeypatch.setattr(log_input, "TAIL_BYTES", 64)
     text = "deepspeed==0.18.3\n" + "noise line\n" * 1000 + "KeyError: 2\n"
-    log = triage_command.read_log("-", io.BytesIO(text.encode()))
+    log = log_input.read_log("-", io.BytesIO(text.encode()))
     assert log.cut
     assert log.size == len(text)
     assert log.text.startswith("deepspeed==0.18.3\n")

@@ -22,8 +22,9 @@ from packaging.version import Version
 from conftest import RunPytest, deepspeed_version, leftovers
 from pytest_dsrepro.core import checkout, results
 from pytest_dsrepro.core.gates import Reason, Verdict
-from pytest_dsrepro.tools import matrix, upstream_command
+from pytest_dsrepro.tools import matrix, matrix_command, upstream_command, upstream_runs
 from pytest_dsrepro.tools.environments import EnvironmentUnavailable, ReleaseEnv
+from pytest_dsrepro.tools.releases import ReleaseListError, read_releases
 from pytest_dsrepro.upstream import collection, harness
 
 PLUGIN = ("-p", "pytest_dsrepro.upstream")
@@ -362,11 +363,11 @@ def test_releases_each_run_on_their_environment_and_are_checked(
     args = argparse.Namespace(results=out, pytest_args=["-p", "no:cacheprovider", "-k", "test_one"])
     found = checkout.read(ds_checkout)
     target = ["unit/comm/test_worlds.py::TestTwoRanks"]
-    assert upstream_command.run_releases(args, found, target, [installed, "0.1.0"], prepare) == 0
+    assert upstream_runs.run_releases(args, found, target, [installed, "0.1.0"], prepare) == 0
     files, _ = results.read_all([out])
     assert sorted((f.run.version, bool(f.run.unavailable)) for f in files) == [("0.1.0", True), (installed, False)]
-    with pytest.raises(upstream_command.UpstreamError, match=f"the run on deepspeed 0.2.0 ran deepspeed {installed}"):
-        upstream_command.run_releases(args, found, target, ["0.2.0"], prepare)
+    with pytest.raises(upstream_runs.UpstreamError, match=f"the run on deepspeed 0.2.0 ran deepspeed {installed}"):
+        upstream_runs.run_releases(args, found, target, ["0.2.0"], prepare)
 
 
 # ---- the pieces, as plain functions ----------------------------------------------------------------------------
@@ -465,10 +466,10 @@ def test_requested_node_ids_inside_a_test_file(tmp_path: Path) -> None:
 def test_releases_files_and_targets(tmp_path: Path) -> None:
     releases = tmp_path / "releases.txt"
     releases.write_text("# tested\n0.16.4\n\n0.19.8  # newest\n")
-    assert upstream_command.read_releases(releases) == ["0.16.4", "0.19.8"]
+    assert read_releases(releases) == ["0.16.4", "0.19.8"]
     releases.write_text("0.16.4\nlatest\n")
-    with pytest.raises(upstream_command.UpstreamError, match=r"releases.txt:2: 'latest' is not a release version"):
-        upstream_command.read_releases(releases)
+    with pytest.raises(ReleaseListError, match=r"releases.txt:2: 'latest' is not a release version"):
+        read_releases(releases)
     tests = tmp_path / "tests"
     (tests / "unit").mkdir(parents=True)
     (tests / "unit" / "test_x.py").write_text("")
@@ -516,5 +517,5 @@ def test_upstream_rows_in_the_matrix_from_shards_and_releases(tmp_path: Path) ->
     words = [[(c.stock.word if (c := merged.cell(row, col)) and c.stock else None) for col in merged.columns]
              for row in merged.rows]  # fmt: skip
     assert words == [["NOT-APPLICABLE", "PASSED"], ["FAILED", "PASSED"]]  # each shard's test, on both releases
-    assert matrix.exit_code(merged) == 0
+    assert matrix_command.exit_code(merged) == 0
     assert merged.counts() == {"NOT-APPLICABLE": 1, "PASSED": 2, "FAILED": 1}

@@ -8,25 +8,20 @@ with ``ast`` at the commit and at its parent; a test is edited when its definiti
 own lines changed). For each, the release before (the newest release tag that does not contain the commit) and the
 first release (the oldest tag that contains it), from ``git tag --contains``.
 
-Running: the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests and
-``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and
-``dsrepro upstream --release`` on each release (``upstream_command.run_releases``: the release environments the
-matrix builds, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside the catalogue,
-named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
+Running (``run_fix``): the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests
+and ``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and a
+runner on each release (``atlas_command``'s: ``upstream_runs.run_releases``, as ``dsrepro upstream --release`` runs
+them, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside the catalogue, named
+``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
 is also where a stopped atlas resumes: a fix's release that already has results is not run again.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import re
-import subprocess
-import sys
 import tempfile
-import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +30,8 @@ from packaging.version import Version
 
 from ..core import checkout, results
 from ..core.gates import Verdict
-from . import upstream_command
-from .environments import EnvironmentUnavailable, ReleaseEnv, installed_package, release_environment
+from ..core.git import git
+from .environments import ReleaseEnv, installed_package
 from .history import Clone, Commit, HistoryError, release_of
 
 #: A subject that says it fixes something: fix, fixes, fixed, fixing, bugfix, hotfix (any case, a word of its own).
@@ -275,19 +270,12 @@ def range_of(nodeid: str, fix: Fix, runs: dict[Version, list[results.TestRecord]
 Prepare = Callable[[Version], ReleaseEnv]
 
 
-def _git(*args: str) -> str:
-    proc = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise AtlasError(f"git {' '.join(args[:2])}: {proc.stderr.strip().splitlines()[-1:]}")
-    return proc.stdout
-
-
 def sparse_checkout(clone: Clone, commit: Commit, directory: Path) -> checkout.Checkout:
     """The commit's ``tests/`` and ``version.txt`` in ``directory``: a shared clone (objects read from the user's
     clone, nothing written there), so its revision is the fix commit's, as results name it."""
-    _git("clone", "-q", "--shared", "--no-checkout", str(clone.path), str(directory))
-    _git("-C", str(directory), "sparse-checkout", "set", "--no-cone", "/tests/", "/version.txt")
-    _git("-C", str(directory), "-c", "advice.detachedHead=false", "checkout", "-q", "--detach", commit.sha)
+    git(None, "clone", "-q", "--shared", "--no-checkout", str(clone.path), str(directory))
+    git(directory, "sparse-checkout", "set", "--no-cone", "/tests/", "/version.txt")
+    git(directory, "-c", "advice.detachedHead=false", "checkout", "-q", "--detach", commit.sha)
     return checkout.read(directory)
 
 
@@ -295,12 +283,12 @@ def package_links(tree: Path) -> dict[str, str]:
     """The top-level source directories DeepSpeed's package links in, as of the tree's commit, each with where the
     package holds it: ``deepspeed/ops/op_builder -> ../../op_builder`` gives ``{"op_builder": "ops/op_builder"}``."""
     links = {}
-    for entry in _git("-C", str(tree), "ls-tree", "-r", "-z", "HEAD", "--", "deepspeed").split("\0"):
+    for entry in git(tree, "ls-tree", "-r", "-z", "HEAD", "--", "deepspeed").split("\0"):
         mode, _, rest = entry.partition(" ")
         if mode != "120000":
             continue
         blob, path = rest.split(" ", 1)[1].split("\t", 1)
-        target = os.path.normpath(os.path.join(os.path.dirname(path), _git("-C", str(tree), "cat-file", "blob", blob)))
+        target = os.path.normpath(os.path.join(os.path.dirname(path), git(tree, "cat-file", "blob", blob)))
         if "/" not in target and not target.startswith(".."):
             links[target] = path.removeprefix("deepspeed/")
     return links
@@ -328,7 +316,7 @@ Runner = Callable[[checkout.Checkout, list[str], list[str], Path], None]
 
 
 def run_fix(fix: Fix, clone: Clone, releases: Sequence[Version], out: Path, runner: Runner) -> list[Range]:
-    """The fix's tests at the fix commit on each release (``runner``: ``upstream_command.run_releases``), results
+    """The fix's tests at the fix commit on each release (``runner``: ``upstream_runs.run_releases``), results
     kept in ``out/<short>``; then each test's range. A release ``out/<short>`` already holds a run of (or an
     install failure on) is not run again: an atlas of a hundred fixes that is stopped resumes where it was."""
     where = out / fix.commit.short
@@ -353,7 +341,7 @@ def _recorded(where: Path) -> set[Version]:
     return {Version(f.run.version) for f in _results_in(where)}
 
 
-# --- the command ---------------------------------------------------------------------------------------------------
+# --- what a dry run says ----------------------------------------------------------------------------------------------
 
 
 def listing(found: Sequence[Fix], fix_count: int, seconds: float) -> list[str]:
@@ -372,74 +360,3 @@ def listing(found: Sequence[Fix], fix_count: int, seconds: float) -> list[str]:
         f"DistributedTest classes) in {len({(f.commit.sha, p) for f in found for p in f.files})} files; {seconds:.1f} s"
     )
     return lines
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "The regression atlas: in your DeepSpeed clone's range, the fix commits whose change adds or edits tests under "
-        "tests/unit; each such test, as of the fix commit, run on the release before the fix and the first release "
-        "with it (and with --releases-between, every release from the range's start), each release in its own "
-        "environment: results for `dsrepro matrix`, and each test's observed affected range."
-    )
-    parser.add_argument("--repo", type=Path, required=True, metavar="CLONE", help="your DeepSpeed clone (only read)")
-    parser.add_argument("--range", required=True, metavar="OLDER..NEWER", help="e.g. v0.16.0..master")
-    parser.add_argument("--dry-run", action="store_true", help="list the fix commits and their tests; run nothing")
-    parser.add_argument(
-        "--releases-between", action="store_true", help="also run every release from the range's start to the fix"
-    )
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="run the first N fixes with a release")
-    parser.add_argument(
-        "--only", action="append", default=[], metavar="REV", help="run only this fix commit (repeatable)"
-    )
-    parser.add_argument("--results", type=Path, default=Path("results"), metavar="DIR", help="(default: results/)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro upstream)")
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch")
-    parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
-    parser.set_defaults(pytest_args=[])
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except (AtlasError, HistoryError, checkout.CheckoutError, upstream_command.UpstreamError,
-            EnvironmentUnavailable) as exc:  # fmt: skip
-        print(f"dsrepro atlas: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    clone = Clone.open(args.repo)
-    older, newer = parse_range(clone, args.range)
-    found, fix_count = fixes(clone, older, newer)
-    if args.dry_run:
-        print("\n".join(listing(found, fix_count, time.monotonic() - started)))
-        return 0
-
-    prepare = release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
-
-    def runner(tests: checkout.Checkout, targets: list[str], releases: list[str], where: Path) -> None:
-        # Every test a fix carries, also those DeepSpeed's pytest.ini deselects by default (sequential, nightly:
-        # markers that schedule its CI, not what a test means): named by node id, each must run.
-        run_args = argparse.Namespace(**{**vars(args), "results": where, "pytest_args": ["-m", "", *args.pytest_args]})
-        upstream_command.run_releases(run_args, tests, targets, releases, with_release_sources(tests.root, prepare))
-
-    start = release_of(args.range.partition("..")[0])
-    available = sorted(clone.releases())
-    only = {clone.commit(rev).sha for rev in args.only}
-    runnable = [f for f in found if f.first and f.before and (not only or f.commit.sha in only)][: args.limit]
-    ranges: list[Range] = []
-    for fix in runnable:
-        print(f"dsrepro atlas: {fix.commit.short} {fix.commit.subject}", file=sys.stderr, flush=True)
-        releases = releases_to_run(fix, start, available, args.releases_between)
-        try:
-            ranges += run_fix(fix, clone, releases, args.results, runner)
-        except upstream_command.UpstreamError as exc:  # one fix's run that broke does not end an atlas of a hundred
-            print(f"dsrepro atlas: {fix.commit.short}: {exc}", file=sys.stderr, flush=True)
-            ranges += [Range(t.nodeid, (), False, f"its run broke: {exc}") for t in fix.tests]
-    for r in ranges:
-        print(f"{'clean' if r.clean else 'cannot tell':11} {r.nodeid}: {r.why}")
-    whys = Counter(r.why.split(" on ")[0].split(":")[0] for r in ranges if not r.clean)
-    print(f"{len(runnable)} fixes run, {len(ranges)} tests: {sum(r.clean for r in ranges)} clean ranges; "
-          f"cannot tell: {dict(whys) or 0}; {time.monotonic() - started:.0f} s")  # fmt: skip
-    return 0

@@ -18,21 +18,16 @@ Three layers, the first two pure and tested directly:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import tempfile
 import time
-import urllib.request
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from packaging.utils import InvalidSdistFilename, InvalidWheelFilename, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
 from ..core import results
@@ -40,8 +35,6 @@ from ..core.gates import FIXED, Reason, Verdict
 from ..core.results import TestRecord
 from . import processes
 from .environments import ReleaseEnv
-
-PACKAGE = "deepspeed"
 
 #: What a search runs over: releases (``Version``) or commits (``history.Commit``).
 P = TypeVar("P")
@@ -165,28 +158,30 @@ def search(
         return probe
 
     low, high = run(0), run(len(ordered) - 1)
-    for end in (low, high):
-        if end.bug is None:
-            raise NoVerdict(f"{name(end.at)} could not be tested ({end.detail}); choose another end")
-    if low.bug == high.bug:
-        state = "shows" if low.bug else "does not show"
-        raise NoVerdict(f"the bug {state} on both {name(low.at)} and {name(high.at)}: no flip to find between them")
-    lo, hi = 0, len(ordered) - 1
-    outcome = {lo: low, hi: high}
-    pending = set(range(1, len(ordered) - 1))
+    _check_ends(low, high, name)
+    (lo, before), (hi, after) = (0, low), (len(ordered) - 1, high)
+    pending = set(range(1, hi))
     while between := [i for i in range(lo + 1, hi) if i in pending]:
         index = _nearest(between, lo, hi)
         pending.discard(index)
         probe = run(index)
         if probe.bug is None:
             estimate += 1
-            continue
-        outcome[index] = probe
-        if probe.bug == low.bug:
-            lo = index
+        elif probe.bug == low.bug:
+            lo, before = index, probe
         else:
-            hi = index
-    return Result(outcome[lo], outcome[hi], tuple(ordered[lo + 1 : hi]), tuple(probes))
+            hi, after = index, probe
+    return Result(before, after, tuple(ordered[lo + 1 : hi]), tuple(probes))
+
+
+def _check_ends(low: Probe[P], high: Probe[P], name: Callable[[P], str]) -> None:
+    """Both ends tested, and with different outcomes: else there is no flip to find (``NoVerdict``)."""
+    for end in (low, high):
+        if end.bug is None:
+            raise NoVerdict(f"{name(end.at)} could not be tested ({end.detail}); choose another end")
+    if low.bug == high.bug:
+        state = "shows" if low.bug else "does not show"
+        raise NoVerdict(f"the bug {state} on both {name(low.at)} and {name(high.at)}: no flip to find between them")
 
 
 # --- reading one probe's results ----------------------------------------------------------------------------------
@@ -277,80 +272,19 @@ def describe_commit(records: Iterable[TestRecord]) -> str:
 
 
 @dataclass(frozen=True)
-class Reading:
-    """How a probe's records are read: the answer (``judge``) and the line that says why (``describe``)."""
+class Criterion:
+    """How a probe's records are judged: the answer (``judge``) and the line that says why (``describe``)."""
 
     judge: Callable[[Iterable[TestRecord]], bool | None]
     describe: Callable[[Iterable[TestRecord]], str]
 
 
 #: A release: did the body fail. A commit: did it raise what its gate declares, or pass.
-RELEASES = Reading(bug_present, describe)
-COMMITS = Reading(reproduced, describe_commit)
+RELEASES = Criterion(bug_present, describe)
+COMMITS = Criterion(reproduced, describe_commit)
 
 
-# --- real releases -----------------------------------------------------------------------------------------------
-
-
-#: The index asked for the release list: uv's setting, else pip's, else PyPI.
-INDEX_SETTINGS = ("UV_DEFAULT_INDEX", "UV_INDEX_URL", "PIP_INDEX_URL")
-DEFAULT_INDEX = "https://pypi.org/simple"
-#: The simple repository API, JSON (PEP 691) preferred, HTML (PEP 503) where a proxy or mirror serves only that.
-SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
-SIMPLE_ACCEPT = f"{SIMPLE_JSON}, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.01"
-
-
-def index_url(environ: Mapping[str, str]) -> str:
-    return next((environ[k] for k in INDEX_SETTINGS if environ.get(k)), DEFAULT_INDEX).rstrip("/")
-
-
-class _Anchors(HTMLParser):
-    """A PEP 503 project page's files, in the PEP 691 shape: ``{"filename": ..., "yanked": ...}``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.files: list[dict[str, Any]] = []
-        self._yanked: bool | None = None
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "a":
-            self._yanked = "data-yanked" in dict(attrs)
-
-    def handle_data(self, data: str) -> None:
-        if self._yanked is not None and data.strip():
-            self.files.append({"filename": data.strip(), "yanked": self._yanked})
-            self._yanked = None
-
-
-def parse_project_page(page: Mapping[str, Any]) -> list[Version]:
-    """The releases on a project page (PEP 691's shape): versions of its files' names, yanked files left out."""
-    found = set()
-    for file in page.get("files", []):
-        if file.get("yanked"):
-            continue
-        name = file["filename"]
-        try:
-            found.add(parse_wheel_filename(name)[1] if name.endswith(".whl") else parse_sdist_filename(name)[1])
-        except (InvalidSdistFilename, InvalidWheelFilename):
-            continue  # another kind of file (an .egg, a .zip of old): not installable by uv anyway
-    return sorted(found)
-
-
-def available_releases(environ: Mapping[str, str] | None = None, timeout: float = 60.0) -> list[Version]:
-    """DeepSpeed's releases on the configured package index (its simple repository API, never pip's output)."""
-    url = f"{index_url(os.environ if environ is None else environ)}/{PACKAGE}/"
-    request = urllib.request.Request(url, headers={"Accept": SIMPLE_ACCEPT})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            kind = response.headers.get_content_type()
-            body = response.read().decode(response.headers.get_content_charset() or "utf-8")
-    except OSError as exc:
-        raise BisectError(f"cannot read the release list from {url}: {exc}") from None
-    if kind == SIMPLE_JSON:
-        return parse_project_page(json.loads(body))
-    anchors = _Anchors()
-    anchors.feed(body)
-    return parse_project_page({"files": anchors.files})
+# --- running one probe ------------------------------------------------------------------------------------------------
 
 
 def one_line(text: str) -> str:
@@ -402,7 +336,7 @@ class Prober(Generic[P]):
 
     invocation: Invocation
     prepare: Prepare[P]
-    reading: Reading = RELEASES
+    criterion: Criterion = RELEASES
     runs: int = 1
     log_dir: Path | None = None  # each run's full pytest output, one file per point and run
     timeout: float = 3600.0
@@ -456,7 +390,7 @@ class Prober(Generic[P]):
             return None, f"ran deepspeed {', '.join(sorted(ran))} instead of {expected}"
         if not records:
             return None, f"no test ran (pytest exit code {done.returncode}): {_tail(done.output)}"
-        return self.reading.judge(records), one_line(self.reading.describe(records))
+        return self.criterion.judge(records), one_line(self.criterion.describe(records))
 
 
 def release_specifier(result: Result[Version]) -> str:

@@ -33,7 +33,8 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..core import versions
-from . import processes
+from ..core.files import write_atomically
+from . import install, processes
 from .environments import build_key
 from .history import Clone, Commit, describe_left_out
 
@@ -90,7 +91,7 @@ def _remove(directory: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Environment:
+class CommitEnv:
     """One commit's environment, as a probe uses it."""
 
     directory: Path
@@ -121,7 +122,7 @@ class CommitEnvironments:
         return self.envs / f"{commit.sha}-{build_key()}"
 
     @contextlib.contextmanager
-    def using(self, commit: Commit) -> Iterator[Environment]:
+    def using(self, commit: Commit) -> Iterator[CommitEnv]:
         """The commit's environment, made if needed, locked while the caller uses it. Raises ``CannotInstall``."""
         directory = self.directory(commit)
         self.envs.mkdir(parents=True, exist_ok=True)
@@ -133,14 +134,12 @@ class CommitEnvironments:
             else:
                 self._add_plugin(str(directory / "bin" / "python"))  # this plugin as it is now, not when made
             os.utime(directory / READY)  # the least recently used go first
-            yield Environment(directory, str(directory / "bin" / "python"), ready.deepspeed, made,
-                              ready.seconds if made else 0.0)  # fmt: skip
+            yield CommitEnv(directory, str(directory / "bin" / "python"), ready.deepspeed, made,
+                            ready.seconds if made else 0.0)  # fmt: skip
         if made:
             self.prune(keep=directory)
 
     def _make(self, commit: Commit, directory: Path) -> Ready:
-        from . import install
-
         started = time.monotonic()
         _remove(directory)  # half made by a process that was killed
         log = self.log_dir / f"install-{commit.short}.log" if self.log_dir else None
@@ -177,8 +176,6 @@ class CommitEnvironments:
             self.notes.append(note)
 
     def _add_plugin(self, python: str) -> None:
-        from . import install
-
         try:
             install.add_this_plugin(
                 python, self.constraints, self.log_dir / "install-plugin.log" if self.log_dir else None
@@ -258,11 +255,7 @@ class Outcomes:
         return found
 
     def put(self, commit: Commit, outcome: dict[str, Any]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".", suffix=".json", dir=self.directory)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(outcome, fh)
-        os.replace(tmp, self.directory / f"{commit.sha}.json")
+        write_atomically(self.directory / f"{commit.sha}.json", json.dumps(outcome))
 
     def __len__(self) -> int:
         return len(list(self.directory.glob("*.json"))) if self.directory.is_dir() else 0

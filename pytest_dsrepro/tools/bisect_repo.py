@@ -26,7 +26,9 @@ from typing import TextIO
 
 from packaging.version import Version
 
-from . import bisect, bisect_cache, processes
+from ..core.options import default_cache_dir
+from ..core.text import aligned
+from . import bisect, bisect_cache, install, processes
 from .bisect import BisectError, Invocation, Probe, Prober, Result
 from .environments import ReleaseEnv, probe_environ, torch_pin
 from .history import Clone, Commit
@@ -176,9 +178,7 @@ def table(probes: Sequence[Probe[Commit]], numbers: dict[str, int]) -> list[str]
         tag = f"v{probe.at.release}" if probe.at.release else ""
         when = f"{probe.timing} (stored)" if probe.stored else probe.timing
         rows.append((str(numbers[probe.at.sha]), probe.at.short, tag, probe.word, when, probe.detail[:110]))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5]
-            for row in rows]  # fmt: skip
+    return [f"  {line}" for line in aligned(rows)]
 
 
 def rerun(args: argparse.Namespace, clone: Clone, result: Result[Commit], invocation: Invocation) -> str:
@@ -213,9 +213,6 @@ def report(args: argparse.Namespace, clone: Clone, found: Found, session: Sessio
 
 def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> int:
     """``dsrepro bisect NODEID --good A --bad B --repo PATH``: 0 with a verdict, 1 when there is none (said why)."""
-    from ..core.options import default_cache_dir
-    from . import install
-
     started = time.monotonic()
     clone = Clone.open(args.repo)
     tags = clone.releases()

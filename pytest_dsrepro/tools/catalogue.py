@@ -1,10 +1,10 @@
 """The catalogue: every repro's ``ds_repro`` metadata and affected range, read by collecting tests with pytest.
 
 The markers are the one source of truth, so the catalogue is never written down anywhere else: ``collect`` runs
-pytest's own collection in-process (``--collect-only``) with a small plugin that reads each item's markers through
-``item.get_closest_marker`` / ``item.iter_markers``, turned into ``core.results.ReproMeta`` by the same function the
-results files use. Repro files import torch and DeepSpeed only inside test bodies, so collecting them is fast and
-needs neither.
+pytest's own collection in-process (``collect_only``, which ``dsrepro export`` and ``triage`` read items through too)
+with a small plugin that reads each item's markers through ``item.get_closest_marker`` / ``item.iter_markers``,
+turned into ``core.results.ReproMeta`` by the same function the results files use. Repro files import torch and
+DeepSpeed only inside test bodies, so collecting them is fast and needs neither. ``dsrepro list`` renders it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from ..core import configs, premises
 from ..core.errors import MarkerError
 from ..core.gates import oldest_first
 from ..core.results import ReproMeta, repro_meta
+from ..core.text import aligned, markdown_table
+
+if TYPE_CHECKING:
+    import pytest
 
 #: The columns ``dsrepro list`` prints, with their headers.
 COLUMNS = (("id", "ID"), ("title", "TITLE"), ("upstream", "UPSTREAM"), ("affected", "AFFECTED"), ("fixed", "FIXED IN"),
@@ -69,7 +71,7 @@ class CollectionFailed(Exception):
 
 
 @dataclass(frozen=True)
-class Row:
+class CollectedTest:
     """One collected test of a catalogued repro."""
 
     nodeid: str
@@ -79,15 +81,38 @@ class Row:
 
 
 @dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
-class _Collector:
-    """A pytest plugin object: gathers each collected item's catalogue markers."""
+class CollectionReader:
+    """A pytest plugin object for ``collect_only``: what could not be collected, in pytest's words (and what a
+    subclass, reading the items, finds wrong)."""
 
-    rows: list[Row] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self.errors.append(f"{report.nodeid or '<session>'}: {report.longreprtext.strip()}")
+
+
+def collect_only(
+    paths: Sequence[str], extra_args: Sequence[str], reader: CollectionReader, plugins: Sequence[object] = ()
+) -> None:
+    """Collect ``paths`` with pytest in this process, ``reader`` (and ``plugins``) reading the items. pytest's own
+    output is captured, and shown only when collection fails, or ``reader`` found errors (``CollectionFailed``)."""
+    import pytest  # here, not above: ``dsrepro list --help`` (triage's, export's) never pays pytest's 0.25 s import
+
+    out = io.StringIO()
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, *paths]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = pytest.main(args, plugins=[reader, *plugins])
+    if reader.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        detail = "\n".join(reader.errors) or out.getvalue().strip()
+        raise CollectionFailed(f"pytest could not collect {' '.join(paths)} (exit code {int(code)}):\n{detail}")
+
+
+@dataclass(eq=False)
+class _Collector(CollectionReader):
+    """Gathers each collected item's catalogue markers."""
+
+    tests: list[CollectedTest] = field(default_factory=list)
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
@@ -103,7 +128,7 @@ class _Collector:
                 continue
             if problem is not None:  # a repro that cannot show its bug with its own config: a defect, said here
                 self.errors.append(f"{item.nodeid}: @pytest.mark.ds_premise: {problem}")
-            self.rows.append(Row(item.nodeid, str(item.path), meta, premise))
+            self.tests.append(CollectedTest(item.nodeid, str(item.path), meta, premise))
 
 
 def _premise(item: pytest.Item) -> tuple[premises.Premise | None, str | None]:
@@ -122,23 +147,23 @@ def _premise(item: pytest.Item) -> tuple[premises.Premise | None, str | None]:
     return premise, premises.own_config_problem(premise, name, resolved.written, resolved.config)
 
 
-def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Entry]:
-    """Merge per-test rows into one entry per repro id (pure; the order is the collection order).
+def entries_from_tests(tests: Iterable[CollectedTest], root: Path | None = None) -> list[Entry]:
+    """Merge collected tests into one entry per repro id (pure; the order is the collection order).
 
     A repro's metadata is its first test's; the affected ranges are the union over its tests.
     """
     merged: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        meta = row.repro
-        path = Path(row.path)
+    for test in tests:
+        meta = test.repro
+        path = Path(test.path)
         if root is not None:
             with contextlib.suppress(ValueError):
                 path = path.relative_to(root)
-        premise = row.premise.describe() if row.premise else None
-        sets = row.premise.describe_sets() if row.premise else ""
+        premise = test.premise.describe() if test.premise else None
+        sets = test.premise.describe_sets() if test.premise else ""
         first = {**asdict(meta), "affected": [], "path": str(path), "tests": [], "premise": premise, "scan_sets": sets}
         entry = merged.setdefault(meta.id, first)
-        entry["tests"].append(row.nodeid)
+        entry["tests"].append(test.nodeid)
         for spec in meta.affected:
             if spec not in entry["affected"]:
                 entry["affected"].append(spec)
@@ -150,30 +175,10 @@ def entries_from_rows(rows: Iterable[Row], root: Path | None = None) -> list[Ent
 
 def collect(paths: Sequence[str], extra_args: Sequence[str] = (), plugins: Sequence[object] = ()) -> list[Entry]:
     """Collect ``paths`` with pytest in this process and return the catalogue; ``plugins`` read more of the same
-    collection (``dsrepro triage`` its gates).
-
-    pytest's own output is captured, and shown only when collection fails (``CollectionFailed``).
-    """
+    collection (``dsrepro triage`` its gates)."""
     collector = _Collector()
-    out = io.StringIO()
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, *paths]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = pytest.main(args, plugins=[collector, *plugins])
-    if collector.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
-        detail = "\n".join(collector.errors) or out.getvalue().strip()
-        raise CollectionFailed(f"pytest could not collect {' '.join(paths)} (exit code {int(code)}):\n{detail}")
-    return entries_from_rows(collector.rows, Path.cwd())
-
-
-def _cells(entry: Entry) -> dict[str, str]:
-    return {
-        "id": entry.id,
-        "title": entry.title,
-        "upstream": entry.upstream or "-",
-        "affected": entry.affected_text,
-        "fixed": entry.fixed_text,
-        "premise": entry.premise_text,
-    }
+    collect_only(paths, extra_args, collector, plugins)
+    return entries_from_tests(collector.tests, Path.cwd())
 
 
 #: ``dsrepro list`` fits a terminal this wide (or a narrower one). A title narrower than ``MIN_TITLE`` would be
@@ -192,41 +197,27 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
     fixed = max([len(heads["fixed"]), *(len(e.fixed_text) for e in entries)])
     room = width - ids - affected - fixed - 6
     inline = room >= MIN_TITLE
-
-    def line(*cells: str) -> str:
-        return "  ".join([cells[0].ljust(ids), cells[1].ljust(affected), cells[2].ljust(fixed), cells[3]]).rstrip()
-
-    lines = [line(heads["id"], heads["affected"], heads["fixed"], heads["title"] if inline else "")]
+    rows: list[tuple[str, ...]] = [(heads["id"], heads["affected"], heads["fixed"], heads["title"] if inline else "")]
     for e in entries:
         ranges = list(e.affected) or ["-"]
         titles = textwrap.wrap(e.title, room if inline else width - 2, break_on_hyphens=False) or ["-"]
-        rows = max(len(ranges), len(titles)) if inline else len(ranges)
-        for i in range(rows):
-            title = titles[i] if inline and i < len(titles) else ""
-            lines.append(line(e.id if i == 0 else "", ranges[i] if i < len(ranges) else "",
-                              e.fixed_text if i == 0 else "", title))  # fmt: skip
-        if not inline:
-            lines += [f"  {t}" for t in titles]
-        lines.append(f"  {e.upstream or 'upstream: -'}")
-        lines += [f"  {t}" for t in textwrap.wrap(f"premise: {e.premise_text}", width - 2, subsequent_indent="  ")]
-    return "\n".join(lines) + "\n"
-
-
-def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+        for i in range(max(len(ranges), len(titles)) if inline else len(ranges)):
+            rows.append((e.id if i == 0 else "", ranges[i] if i < len(ranges) else "", e.fixed_text if i == 0 else "",
+                         titles[i] if inline and i < len(titles) else ""))  # fmt: skip
+        below = [*([] if inline else titles), e.upstream or "upstream: -"]
+        below += textwrap.wrap(f"premise: {e.premise_text}", width - 2, subsequent_indent="  ")
+        rows += [(f"  {line}",) for line in below]  # a row of one cell: a line of its own, not a column
+    return "\n".join(aligned(rows)) + "\n"
 
 
 def format_markdown(entries: Sequence[Entry]) -> str:
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    rows = []
     for e in entries:
-        cells = _cells(e)
-        upstream = (
-            f"[{e.upstream}]({e.upstream})" if e.upstream and e.upstream.startswith("http") else cells["upstream"]
-        )
-        affected = " \\| ".join(f"`{a}`" for a in e.affected) or "-"
-        premise = _md(cells["premise"])
-        lines.append(f"| `{e.id}` | {_md(e.title)} | {upstream} | {affected} | {cells['fixed']} | {premise} |")
-    return "\n".join(lines) + "\n"
+        link = e.upstream and e.upstream.startswith("http")
+        upstream = f"[{e.upstream}]({e.upstream})" if link else e.upstream or "-"
+        affected = " | ".join(f"`{a}`" for a in e.affected)  # alternatives: the cell escapes the pipes
+        rows.append((f"`{e.id}`", e.title, upstream, affected, e.fixed_text, e.premise_text))
+    return "\n".join(markdown_table([head for _, head in COLUMNS], rows)) + "\n"
 
 
 def format_json(entries: Sequence[Entry]) -> str:

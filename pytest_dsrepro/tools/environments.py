@@ -1,6 +1,6 @@
 """One uv environment per DeepSpeed release, kept in the cache and reused: what ``dsrepro bisect``, ``scan --release``,
-``upstream --release`` and the benchmarks run a release in. Each holds torch (pinned, never moved), the release as
-``dsrepro install`` puts it there, and this plugin as installed here.
+``triage --confirm``, ``upstream --release`` (and so ``atlas``) and the benchmarks run a release in. Each holds torch
+(pinned, never moved), the release as ``dsrepro install`` puts it there, and this plugin as installed here.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
 from packaging.version import Version
 
 from ..core import versions
+from ..core.options import default_cache_dir
+from . import install
 
 #: Packages a release environment gets besides the plugin's (a repro's own needs, e.g. ``huggingface_hub``):
 #: requirement specifiers separated by spaces or commas; ``dsrepro scan --with`` sets it.
@@ -96,11 +99,6 @@ def release_environment(
     per environment: two bisects (or a bisect and a benchmark) never fill one at once. ``constraints`` defaults to
     ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here.
     """
-    from filelock import FileLock
-
-    from ..core.options import default_cache_dir
-    from . import install
-
     root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or torch_pin(root)
     wanted = extra_packages() if extra is None else list(extra)
@@ -123,3 +121,9 @@ def release_environment(
         return ReleaseEnv(env_python, probe_environ(directory))
 
     return prepare
+
+
+def prepared(prepare: Callable[[Version], ReleaseEnv], release: str, command: str) -> ReleaseEnv:
+    """``prepare``'s environment for ``release``, said first on stderr (a release new here is built: minutes)."""
+    print(f"dsrepro {command}: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
+    return prepare(Version(release))

@@ -7,17 +7,15 @@ the ``ds_engine`` fixture written out, and a ``main`` that does what a rank of a
 sets up the default process group, calls the test, and says whether the error is the one declared. It reproduces
 the stock variant (no fix); the fix, when the repro has one, is appended as a comment for reference.
 
-The test is found by collecting it with pytest in this process (as ``dsrepro list`` does): its markers and
-parameters are read from the collected item through pytest's public API; nothing of it runs here.
+The test is found by collecting it with pytest in this process (``catalogue.collect_only``, as ``dsrepro list``
+collects): its markers and parameters are read from the collected item through pytest's public API; nothing of it
+runs here. ``export_command`` writes the script.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import contextlib
 import inspect
-import io
 import json
 import re
 import string
@@ -27,16 +25,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from ..core import configs, source, versions
 from ..core.errors import MarkerError
 from ..core.gates import Nondeterministic, oldest_first, parse_nondeterministic
 from ..core.results import ReproMeta, repro_meta
+from ..core.text import aligned
+from .catalogue import CollectionFailed, CollectionReader, collect_only
 
-__all__ = ["Collected", "ExportError", "collect", "describe", "render", "run"]
+if TYPE_CHECKING:
+    import pytest
+
+__all__ = ["Collected", "ExportError", "collect", "describe", "render"]
 
 #: The fixtures a body may take, and what the script passes in their place (names of the script's ``main``).
 FIXTURES = {
@@ -84,17 +85,12 @@ def _function_id(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
-@dataclass(eq=False)  # pluggy keeps plugins in sets: identity hashing
-class _Grab:
-    """A pytest plugin object: keeps the collected items of one test function."""
+@dataclass(eq=False, kw_only=True)
+class _Grab(CollectionReader):
+    """Keeps the collected items of one test function."""
 
     function: str
     items: list[pytest.Item] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
-            self.errors.append(f"{report.nodeid or '<session>'}: {report.longreprtext.strip()}")
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         self.items = [i for i in items if _function_id(i.nodeid) == self.function]
@@ -186,15 +182,11 @@ def describe(item: pytest.Item, world_size: int) -> Collected:
 
 def collect(nodeid: str, world_size: int = 2, extra_args: Sequence[str] = ()) -> Collected:
     """Collect ``nodeid``'s test function with pytest in this process and describe its stock variant."""
-    function = _function_id(nodeid)
-    grab = _Grab(function)
-    out = io.StringIO()
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", *extra_args, function]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = pytest.main(args, plugins=[grab])
-    if grab.errors or code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
-        detail = "\n".join(grab.errors) or out.getvalue().strip()
-        raise ExportError(f"pytest could not collect {function} (exit code {int(code)}):\n{detail}")
+    grab = _Grab(function=_function_id(nodeid))
+    try:
+        collect_only([grab.function], extra_args, grab)
+    except CollectionFailed as exc:
+        raise ExportError(str(exc)) from None
     return describe(_pick(grab.items, nodeid), world_size)
 
 
@@ -350,13 +342,9 @@ def _oldest_first(gates: Sequence[tuple[str, str, str | None]]) -> list[tuple[st
 
 
 def _affected_lines(test: Collected) -> str:
-    gates = _oldest_first(test.gates)
-    width = max(len(f"deepspeed{g[0]}") for g in gates)
-    lines = []
-    for affected, name, match in gates:
-        what = name + (f" matching {match!r}" if match else "")
-        lines.append(f"    {f'deepspeed{affected}':<{width}}  {what}")
-    return "\n".join(lines)
+    rows = [(f"deepspeed{affected}", name + (f" matching {match!r}" if match else ""))
+            for affected, name, match in _oldest_first(test.gates)]  # fmt: skip
+    return "\n".join(f"    {line}" for line in aligned(rows))
 
 
 def _fix_comment(test: Collected) -> str:
@@ -374,19 +362,37 @@ def _fix_comment(test: Collected) -> str:
     return "\n\n" + "\n".join(f"# {line}".rstrip() for line in [*head, "", *text.splitlines()]) + "\n"
 
 
-def render(test: Collected, file_name: str = "repro.py") -> str:
-    """The standalone script of ``test``'s stock variant; ``ExportError`` when it would need more than torch,
-    DeepSpeed and the standard library."""
+def _test_code(test: Collected) -> tuple[str, list[str]]:
+    """The test and what it uses from its file, pytest-dsrepro's helpers (and those beside the test) inlined,
+    ``pytest.approx`` as the script's own; and the modules inlined."""
     text = test.path.read_text()
     _, found = source.statements(text)
     chosen = source.select(found, [test.function], drop=["pytestmark"], bare=[test.function])
     code, approximates = _approx_for_pytest(_hoisted(source.render(text, chosen), test.path.parent))
     code, inlined = _inline(code, test.path.parent)
+    code = re.sub(r"\n{4,}", "\n\n\n", code).strip("\n") + "\n" + (_template("approx.py.tmpl") if approximates else "")
+    return code, inlined
+
+
+def _config_values(test: Collected) -> dict[str, str]:
+    """The test's config as the script holds it: for CPU/gloo, and for CUDA/NCCL where that differs."""
     cpu, cuda = _config(test, "gloo"), _config(test, "nccl")
-    notes = f" ({'; '.join(cpu.notes)})" if cpu is not None and cpu.notes else ""
-    call_args = ", ".join(f"{a}={FIXTURES[a]}" for a in test.arguments)
+    config_cuda = "DS_CONFIG_CPU  # the same"
+    if cpu is not None and cuda is not None and cpu != cuda and cpu.config != cuda.config:
+        config_cuda = _json(cuda.config)
+    return {
+        "config_name": test.config_name or "none",
+        "cpu_notes": f" ({'; '.join(cpu.notes)})" if cpu is not None and cpu.notes else "",
+        "config_cpu": _json(cpu.config if cpu else {}),
+        "config_cuda": config_cuda,
+    }
+
+
+def render(test: Collected, file_name: str = "repro.py") -> str:
+    """The standalone script of ``test``'s stock variant; ``ExportError`` when it would need more than torch,
+    DeepSpeed and the standard library."""
+    code, inlined = _test_code(test)
     meta = test.repro
-    fixed = meta.fixed_in or "no release yet"
     values = {
         "title": meta.title or meta.id,
         "repro_id": meta.id,
@@ -395,24 +401,17 @@ def render(test: Collected, file_name: str = "repro.py") -> str:
         "upstream": meta.upstream or "-",
         "root_cause": "\n    ".join(_wrap(meta.root_cause or "-", 112)),
         "affected": _affected_lines(test),
-        "fixed_in": fixed + (f" ({meta.fix_ref})" if meta.fix_ref else ""),
+        "fixed_in": (meta.fixed_in or "no release yet") + (f" ({meta.fix_ref})" if meta.fix_ref else ""),
         "rate": _rate_note(test.nondeterministic),
         "world_size": str(test.world_size),
         "deepspeed": versions.installed_text("deepspeed") or "X.Y.Z",
         "file": file_name,
         "path": test.path.name,
         "inlined": f" (helpers inlined from {', '.join(inlined)})" if inlined else "",
-        "code": re.sub(r"\n{4,}", "\n\n\n", code).strip("\n")
-        + "\n"
-        + (_template("approx.py.tmpl") if approximates else ""),
-        "config_name": test.config_name or "none",
-        "cpu_notes": notes,
-        "config_cpu": _json(cpu.config if cpu else {}),
-        "config_cuda": "DS_CONFIG_CPU  # the same"
-        if cpu == cuda or cuda is None or cpu is None or cpu.config == cuda.config
-        else _json(cuda.config),
+        "code": code,
+        **_config_values(test),
         "expected": "[\n" + "".join(f"    {g!r},\n" for g in _oldest_first(test.gates)) + "]",
-        "call": f"{test.function}({call_args})",
+        "call": f"{test.function}({', '.join(f'{a}={FIXTURES[a]}' for a in test.arguments)})",
         "fix": _fix_comment(test),
     }
     script = string.Template(_template("export.py.tmpl")).substitute(values)
@@ -443,23 +442,3 @@ def _rate_note(plan: Nondeterministic | None) -> str:
 
 def _wrap(text: str, width: int) -> list[str]:
     return textwrap.wrap(" ".join(text.split()), width) or ["-"]
-
-
-# ----------------------------------------------------------------------------------------------------- command
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        test = collect(args.nodeid)
-        name = Path(args.output).name if args.output != "-" else f"repro_{re.sub(r'[^a-z0-9]+', '_', test.repro.id)}.py"
-        script = render(test, name)
-    except ExportError as exc:
-        print(f"dsrepro export: {exc}", file=sys.stderr)
-        return 1
-    if args.output == "-":
-        sys.stdout.write(script)
-    else:
-        Path(args.output).write_text(script)
-        print(f"wrote {args.output}: torchrun --standalone --nproc-per-node {test.world_size} {args.output}",
-              file=sys.stderr)  # fmt: skip
-    return 0

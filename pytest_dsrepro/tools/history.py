@@ -2,22 +2,23 @@
 between two of them, a commit's pull request, and a commit's tree written out into a directory of ours.
 
 Only git commands that read run against the clone (``rev-parse``, ``for-each-ref``, ``log``, ``ls-tree``,
-``cat-file``, ``config --get``), with optional locks off: nothing of its working tree, index, refs or worktree list
-changes, even when a bisect is interrupted. A commit's tree is written from the object database by ``export``:
-``git archive`` refuses a tree with a missing object, and a clone of a mirror may lack a few image blobs; those files
-are left out and named.
+``cat-file``, ``config --get``), through ``core.git`` (optional locks off): nothing of its working tree, index, refs or
+worktree list changes, even when a bisect is interrupted. A commit's tree is written from the object database by
+``export``: ``git archive`` refuses a tree with a missing object, and a clone of a mirror may lack a few image blobs;
+those files are left out and named.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
+
+from ..core.git import GitError, git, git_bytes
 
 #: Where a commit's pull request is, when the clone's origin is not on GitHub (a mirror, say).
 DEFAULT_WEB = "https://github.com/deepspeedai/DeepSpeed"
@@ -88,17 +89,15 @@ class Clone:
             raise HistoryError(f"--repo {path}: not a git repository (give the path of your DeepSpeed clone)") from None
         return clone
 
-    def git(self, *args: str, data: bytes | None = None) -> str:
-        return self.git_bytes(*args, data=data).decode(errors="replace")
+    def git(self, *args: str) -> str:
+        return self.git_bytes(*args).decode(errors="replace")
 
     def git_bytes(self, *args: str, data: bytes | None = None) -> bytes:
-        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}
-        proc = subprocess.run(["git", "-C", str(self.path), *args], input=data, capture_output=True, env=env,
-                              check=False)  # fmt: skip
-        if proc.returncode != 0:
-            error = proc.stderr.decode(errors="replace").strip().splitlines()
-            raise HistoryError(f"git {' '.join(args[:3])} in {self.path}: {error[-1] if error else proc.returncode}")
-        return proc.stdout
+        """git's answer in the clone; what it cannot answer, a ``HistoryError`` with git's own complaint."""
+        try:
+            return git_bytes(self.path, *args, data=data)
+        except GitError as exc:
+            raise HistoryError(str(exc)) from None
 
     # --- releases and revisions ----------------------------------------------------------------------------------
 
@@ -139,9 +138,11 @@ class Clone:
         return self.commit(given)
 
     def is_ancestor(self, older: Commit, newer: Commit) -> bool:
-        env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
-        cmd = ["git", "-C", str(self.path), "merge-base", "--is-ancestor", older.sha, newer.sha]
-        return subprocess.run(cmd, env=env, capture_output=True, check=False).returncode == 0
+        try:
+            git(self.path, "merge-base", "--is-ancestor", older.sha, newer.sha)
+        except GitError:  # exit code 1: not an ancestor
+            return False
+        return True
 
     def commits(self, older: Commit, newer: Commit, tagged: dict[str, Version] | None = None) -> list[Commit]:
         """``older``, then every commit after it up to ``newer`` on ``newer``'s first-parent line (one per pull

@@ -20,7 +20,6 @@ result says why (``InstallResult.reason``), and :func:`write_unavailable` record
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -43,17 +42,16 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from ..core import results
-from ..core.options import CACHE_ENV, default_cache_dir
+from ..core.options import default_cache_dir
 from ..core.results import RunRecord
 from . import processes
 
 __all__ = [
     "CONSTRAINTS_ENV",
+    "ImportProbe",
     "InstallError",
     "InstallResult",
     "NoSuchRelease",
-    "Probe",
-    "add_arguments",
     "add_this_plugin",
     "environment_python",
     "extras_installed_here",
@@ -61,7 +59,6 @@ __all__ = [
     "install_deepspeed",
     "pinned",
     "probe_import",
-    "run",
     "unavailable_results",
     "uv_binary",
     "write_unavailable",
@@ -132,7 +129,7 @@ class NoSuchRelease(InstallError):
 
 
 @dataclass(frozen=True)
-class Probe:
+class ImportProbe:
     """What importing DeepSpeed in the target interpreter showed."""
 
     ok: bool
@@ -154,7 +151,7 @@ class InstallResult:
     ok: bool
     action: str  # "installed", "already installed" or "failed"
     reason: str | None
-    probe: Probe | None
+    probe: ImportProbe | None
     seconds: float
     torch: str | None = None  # the torch in the environment, when it got that far
     steps: tuple[str, ...] = field(default=())
@@ -377,7 +374,7 @@ def _installed(python: str, names: Sequence[str]) -> dict[str, tuple[str | None,
     return {name: (v[0], v[1]) for name, v in found.items()}
 
 
-def probe_import(python: str = sys.executable, *, timeout: float = PROBE_TIMEOUT) -> Probe:
+def probe_import(python: str = sys.executable, *, timeout: float = PROBE_TIMEOUT) -> ImportProbe:
     """Import torch, then DeepSpeed (``DS_ACCELERATOR=cpu`` when torch sees no GPU), in a fresh interpreter."""
     try:
         proc = subprocess.run(
@@ -389,11 +386,11 @@ def probe_import(python: str = sys.executable, *, timeout: float = PROBE_TIMEOUT
             check=False,
         )
     except subprocess.TimeoutExpired:
-        return Probe(ok=False, error=f"importing deepspeed did not finish within {timeout:g}s")
+        return ImportProbe(ok=False, error=f"importing deepspeed did not finish within {timeout:g}s")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(PROBE_MARK):
             data: dict[str, Any] = json.loads(line[len(PROBE_MARK) :])
-            return Probe(
+            return ImportProbe(
                 ok="error" not in data,
                 python=data.get("python"),
                 torch=data.get("torch"),
@@ -404,7 +401,7 @@ def probe_import(python: str = sys.executable, *, timeout: float = PROBE_TIMEOUT
                 traceback=data.get("traceback"),
             )
     died = f"exit code {proc.returncode}" if proc.returncode >= 0 else f"killed by signal {-proc.returncode}"
-    return Probe(ok=False, error=f"import probe died ({died}): {_reason(proc.stderr, 'no output')}")
+    return ImportProbe(ok=False, error=f"import probe died ({died}): {_reason(proc.stderr, 'no output')}")
 
 
 def _probe_stamp(cache_dir: Path, python: str, have: Mapping[str, tuple[str | None, int | None]]) -> Path:
@@ -414,14 +411,14 @@ def _probe_stamp(cache_dir: Path, python: str, have: Mapping[str, tuple[str | No
     return cache_dir / "probes" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-def _cached_probe(stamp: Path) -> Probe | None:
+def _cached_probe(stamp: Path) -> ImportProbe | None:
     try:
-        return Probe(**json.loads(stamp.read_text()))
+        return ImportProbe(**json.loads(stamp.read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
 
-def _keep_probe(stamp: Path, probe: Probe) -> None:
+def _keep_probe(stamp: Path, probe: ImportProbe) -> None:
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(json.dumps(dataclasses.asdict(probe)))
@@ -534,7 +531,7 @@ class _Build:
     def torch_pin(self) -> SpecifierSet | None:
         return pinned(self.constraints, "torch")
 
-    def result(self, ok: bool, action: str, reason: str | None, probe: Probe | None) -> InstallResult:
+    def result(self, ok: bool, action: str, reason: str | None, probe: ImportProbe | None) -> InstallResult:
         return InstallResult(
             self.what, self.python, ok, action, reason, probe, round(time.monotonic() - self.started, 2),
             (probe.torch if probe else None) or self.torch, tuple(self.run.steps),
@@ -580,70 +577,3 @@ def unavailable_results(result: InstallResult, constraints: Path | None = None) 
 def write_unavailable(directory: Path, result: InstallResult, constraints: Path | None = None) -> Path:
     """Write :func:`unavailable_results` into ``directory`` (``results-deepspeed-<version>-unavailable-*.json``)."""
     return results.write(unavailable_results(result, constraints), directory)
-
-
-def _version_arg(value: str) -> str:
-    try:
-        Version(value)
-    except InvalidVersion:
-        raise argparse.ArgumentTypeError(f"not a release version: {value!r}") from None
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Install a DeepSpeed release with uv (torch pinned, DS_BUILD_OPS=0, no build isolation) and prove "
-    )
-    parser.description += "it imports. Exit 0 when usable, 1 when the release cannot run here (the reason is printed "
-    parser.description += "and, with --results, written as an 'unavailable' results file), 2 on usage errors and for "
-    parser.description += "a release the package index does not have."
-    parser.add_argument("version", type=_version_arg, help="DeepSpeed release, e.g. 0.16.3")
-    parser.add_argument(
-        "--python", default=sys.executable, help="interpreter whose environment receives it (default: this one)"
-    )
-    parser.add_argument(
-        "--constraints",
-        type=Path,
-        default=None,
-        help=f"pip constraints pinning torch (default: ${CONSTRAINTS_ENV}, else constraints.txt here or above)",
-    )
-    parser.add_argument("--cache-dir", type=Path, default=None, help=f"probe cache root (default: ${CACHE_ENV})")
-    parser.add_argument("--results", type=Path, default=None, help="on failure, write an 'unavailable' results file")
-    parser.add_argument("--log", type=Path, default=None, help="append every command and its output to this file")
-
-
-def run(args: argparse.Namespace) -> int:
-    constraints: Path | None = args.constraints or find_constraints()
-    if constraints is None or not constraints.is_file():
-        where = constraints or f"${CONSTRAINTS_ENV} or constraints.txt in {Path.cwd()} and its parents"
-        print(f"dsrepro install: no constraints file ({where}); refusing to install with torch unpinned",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        result = install_deepspeed(
-            args.version,
-            python=args.python,
-            constraints=constraints,
-            cache_dir=args.cache_dir,
-            log=args.log,
-            echo=True,
-        )
-    except NoSuchRelease as exc:
-        print(f"dsrepro install: {exc.reason}; nothing was installed or recorded", file=sys.stderr)
-        return 2
-    if result.ok:
-        p = result.probe
-        assert p is not None
-        print(
-            f"dsrepro install: deepspeed {p.deepspeed} {result.action} with torch {p.torch} "
-            f"(accelerator {p.accelerator}) in {result.seconds:.1f}s"
-        )
-        return 0
-    torch = result.torch or str(pinned(constraints, "torch") or "?")
-    print(f"dsrepro install: deepspeed {args.version} cannot run with torch {torch}: {result.reason}", file=sys.stderr)
-    if result.probe is not None and result.probe.traceback:
-        print(result.probe.traceback, file=sys.stderr)
-    if args.results is not None:
-        path = write_unavailable(args.results, result, constraints)
-        print(f"dsrepro install: recorded as unavailable in {path}", file=sys.stderr)
-    return 1

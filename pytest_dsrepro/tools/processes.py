@@ -29,7 +29,7 @@ ALREADY_TOLD = 5.0
 
 
 @dataclass(frozen=True)
-class Finished:
+class Ended:
     """How a child ended: its exit code (negative: the signal that ended it), its output, whether it was stopped
     at the timeout, and how long it ran."""
 
@@ -47,7 +47,7 @@ def run(
     timeout: float | None = None,
     output: Path | None = None,
     grace: float = GRACE,
-) -> Finished:
+) -> Ended:
     """Run ``command`` to its end or to ``timeout`` (then stopped, ``timed_out``), stdout and stderr together in
     ``output`` (a temporary file when None). An exception here (KeyboardInterrupt) stops the child, then goes on."""
     started = time.monotonic()
@@ -70,7 +70,7 @@ def run(
             raise
         sink.seek(0)
         text = sink.read()
-    return Finished(_code(child), text, timed_out, time.monotonic() - started)
+    return Ended(_code(child), text, timed_out, time.monotonic() - started)
 
 
 def to_terminal(command: Sequence[str], *, cwd: Path, env: Mapping[str, str] | None = None) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ..core.configs import PRESETS
 from ..core.logread import Reading
 
 DEFAULT_PRESET = "zero3"
@@ -68,16 +69,9 @@ def prefill(reading: Reading) -> Prefill:
     return Prefill(json.dumps(title), raises, match, next(iter(reading.issues), None))
 
 
-def presets() -> list[str]:
-    from ..core.configs import PRESETS  # imported late: the CLI starts without the plugin's modules
-
-    return list(PRESETS)
-
-
 def check_preset(preset: str) -> str:
-    valid = presets()
-    if preset not in valid:
-        raise ScaffoldError(f"unknown preset {preset!r}; presets: {', '.join(valid)}")
+    if preset not in PRESETS:
+        raise ScaffoldError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     return preset
 
 
@@ -92,8 +86,6 @@ def render(
 ) -> str:
     """The text of a new repro file (pure apart from reading the template). Its ``ds_premise`` starts as the preset's
     ZeRO stage, which its own config meets; ``start`` prefills the title and the gate (``prefill``)."""
-    from ..core.configs import PRESETS
-
     n = names(name)
     template = string.Template(resources.files("pytest_dsrepro.tools").joinpath("templates/repro.py.tmpl").read_text())
     upstream = json.dumps(issue) if issue else '"TODO: https://github.com/deepspeedai/DeepSpeed/issues/NNNN"'

@@ -2,9 +2,8 @@
 
 A thin layer over ``pytest --ds-scan`` (``session.scan_plugin``): the config is read and checked here first (the same
 ``core.userconfig``, so a mistake is one line naming file:line:col, before anything starts), then pytest runs the
-catalogue with it, in a child process, from the catalogue's own directory (so that no ``pytest.ini`` of the
-directory you are in applies), and its results file is read back for the exit code. The catalogue is the one
-installed with the package (``pytest_dsrepro/catalogue``, from ``repros/``), else, in a checkout, ``repros/``.
+catalogue with it (``catalogue_run``: in a child process, from the catalogue's own directory), and its results file
+is read back for the exit code.
 
 With ``--release`` (or ``--releases FILE``) each release gets the environment ``dsrepro bisect`` and ``dsrepro
 upstream --release`` use (``environments.release_environment``: uv, torch pinned, the recipe of ``dsrepro install``,
@@ -18,71 +17,34 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
-from ..core import results, scan_verdicts, userconfig
+from ..core import scan_verdicts, userconfig
 from ..core.results import RunRecord, ScanVerdict
-from . import processes
-
-if TYPE_CHECKING:
-    from .environments import ReleaseEnv
+from . import catalogue_run, environments, processes
+from .catalogue_run import ScanError
+from .environments import EnvironmentUnavailable, ReleaseEnv
+from .releases import ReleaseListError, read_releases
 
 #: Exit codes: 0 no known bug hits the config; 1 one does (AFFECTED); 3 none does, but some could not be told; 2 the
 #: scan could not run (a bad config, no catalogue, a release that cannot be installed).
 CLEAN, AFFECTED, UNUSABLE, UNTOLD = 0, 1, 2, 3
 
 
-class ScanError(Exception):
-    """The scan cannot run; said in one line, exit code 2."""
-
-
-def catalogue() -> Path:
-    """The catalogue this package carries: installed beside the code, or ``repros/`` of the checkout it runs from."""
-    package = Path(__file__).resolve().parents[1]
-    for place in (package / "catalogue", package.parent / "repros"):
-        if (place / "conftest.py").is_file():
-            return place
-    raise ScanError(f"no catalogue found beside {package} (pytest_dsrepro/catalogue, or repros/ of a checkout); "
-                    "reinstall pytest-dsrepro, or give --catalogue DIR")  # fmt: skip
-
-
-def run_catalogue(
-    python: str, environ: dict[str, str], where: Path, world_size: int | None, arguments: Sequence[str]
-) -> tuple[int, list[results.ResultsFile], list[results.Unreadable]]:
-    """The catalogue's pytest in a child, from its own directory (so that no ``pytest.ini`` of the directory you are
-    in applies), its output the user's to watch; ``arguments`` say what it runs (a scan, or some repros). Its exit
-    code, and the results it wrote into a directory of this run's.
-
-    The tests' ``tmp_path`` lives there too (``--basetemp``): under pytest's shared default, other pytest sessions of
-    the same user prune a long run's directories while its repros still write checkpoints there.
-    """
-    with tempfile.TemporaryDirectory(prefix="dsrepro-catalogue-") as tmp:
-        written = Path(tmp) / "results"
-        command = [python, "-m", "pytest", "--rootdir", str(where), "-p", "no:cacheprovider", "-q", "--tb=no", "-rN",
-                   "--ds-results", str(written), "--basetemp", str(Path(tmp) / "tmp")]  # fmt: skip
-        if world_size is not None:
-            command += ["--ds-world-size", str(world_size)]
-        returncode = processes.to_terminal([*command, *arguments], cwd=where, env=environ)
-        files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
-    return returncode, files, unreadable
-
-
 def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, markdown: Path | None) -> RunRecord:
-    """Run one scan with ``python``'s pytest and DeepSpeed; its record, read back from its results file."""
-    where = args.catalogue.resolve() if args.catalogue else catalogue()
-    arguments = [str(where), "--ds-scan", str(args.config.resolve()), *args.pytest_args]
-    arguments += ["--ds-report", str(markdown.resolve())] if markdown is not None else []
-    returncode, files, unreadable = run_catalogue(python, environ, where, args.world_size, arguments)
-    if returncode not in (0, 1) or not files:
-        raise ScanError(f"pytest ended with exit code {returncode} and wrote no scan (its output is above)")
-    if unreadable:
-        raise ScanError(f"unreadable results of the scan: {unreadable[0]}")
-    return files[0].run
+    """The scan the arguments ask for, with ``python``'s pytest and DeepSpeed."""
+    return catalogue_run.scan_once(
+        python,
+        environ,
+        args.config,
+        catalogue=args.catalogue,
+        world_size=args.world_size,
+        pytest_args=args.pytest_args,
+        markdown=markdown,
+    )
 
 
 def exit_code(runs: Sequence[RunRecord]) -> int:
@@ -96,15 +58,12 @@ def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
     """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
-    from .environments import EnvironmentUnavailable, extra_packages, release_environment
-
-    extra = [*extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
-    prepare = prepare or release_environment(args.cache_dir, args.constraints, extra=extra)
+    extra = [*environments.extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
+    prepare = prepare or environments.release_environment(args.cache_dir, args.constraints, extra=extra)
     runs = []
     for release in releases:
-        print(f"dsrepro scan: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
         try:
-            env = prepare(Version(release))
+            env = environments.prepared(prepare, release, "scan")
         except EnvironmentUnavailable as exc:
             raise ScanError(f"deepspeed {release} cannot run here: {exc}") from None
         runs.append(scan_once(env.python, dict(env.environ), args, None))
@@ -158,14 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .upstream_command import UpstreamError, read_releases
-
     if args.world_size is not None and args.world_size < 1:
         raise ScanError(f"--world-size {args.world_size}: must be a whole number >= 1")
     userconfig.load(args.config)  # a bad config is one line now, before any environment or world
     try:
         releases = [str(Version(r)) for r in args.release] + (read_releases(args.releases) if args.releases else [])
-    except (ValueError, UpstreamError) as exc:
+    except (ValueError, ReleaseListError) as exc:
         raise ScanError(str(exc)) from None
     if args.extra_packages and not releases:
         raise ScanError(f"--with {' '.join(args.extra_packages)}: it installs into --release environments; here, "

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core import failures, options, results, shard_manifests
-from . import known_failures
+from . import known_failures, matrix
 
 #: The pytest plugin that writes a shard's manifest.
 PLUGIN = "pytest_dsrepro.upstream.manifest"
@@ -81,8 +81,6 @@ def report(
 
 
 def merge(args: argparse.Namespace) -> int:
-    from . import matrix
-
     if args.targets or args.shard or args.release or args.releases:
         raise ShardError("--merge runs nothing: give it the shards' results directories alone")
     try:

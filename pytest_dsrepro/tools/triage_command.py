@@ -1,13 +1,14 @@
 """``dsrepro triage LOG``: is the error in this log a catalogued DeepSpeed bug, which release fixes it, what to do.
 
-The log is read within limits (``read_log``): its first ``HEAD_BYTES`` and last ``TAIL_BYTES`` only, so a 200 MB log
-answers as fast as a short one; an empty or binary file is a usage error in one line. The catalogue is read from its
-markers by pytest's collection (``catalogue.collect``, with ``_Gates`` reading the ``ds_version`` gates and
-``ds_premise`` of the same items); ``core.triage`` ranks it against ``core.logread``'s reading of the log.
+The log is read within limits (``log_input``: its head and tail only, so a 200 MB log answers as fast as a short
+one); an empty or binary file is a usage error in one line. The catalogue is read from its markers by pytest's
+collection (``catalogue.collect``, with ``_Gates`` reading the ``ds_version`` gates and ``ds_premise`` of the same
+items); ``core.triage`` ranks it against ``core.logread``'s reading of the log.
 
-``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them: with the user's config (a
-scan, ``--ds-scan``) or with the repros' own configs, on the release judged on (its environment built as ``dsrepro
-bisect`` builds one where it is not the release installed here), and reads the verdicts from the results file.
+``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them (``catalogue_run``): with the
+user's config (a scan, ``--ds-scan``) or with the repros' own configs, on the release judged on (its environment built
+as ``dsrepro bisect`` builds one where it is not the release installed here), and reads the verdicts from the results
+file.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -27,104 +28,20 @@ from ..core import configs, logread, premises, triage, userconfig, versions
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
-from . import processes
+from . import catalogue, catalogue_run, environments, processes
+from .log_input import LogError, LogText, read_log
 
 if TYPE_CHECKING:
     import pytest
 
 #: Exit codes: 0 a known bug matched with confidence (or reproduced here); 1 no known bug; 2 a usage error.
 KNOWN, UNKNOWN, USAGE = 0, 1, 2
-#: The parts of a log that are read: its start (where versions and configs are printed) and its end (the error).
-HEAD_BYTES, TAIL_BYTES = 1 << 20, 4 << 20
-#: How much of the start decides whether the input is text.
-SNIFF_BYTES = 8192
 #: Candidates ``--confirm`` runs by default.
 CONFIRM_TOP = 3
 
 
 class TriageError(Exception):
     """The triage cannot run (bad input, no catalogue, a release that cannot run): one line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class LogText:
-    """A log as read: its text (head and tail when it was cut), its size in bytes, whether its middle was left."""
-
-    name: str
-    text: str
-    size: int
-    cut: bool = False
-
-    @property
-    def described(self) -> str:
-        if self.cut:
-            return (f"{self.name}: {_bytes(self.size)}, its first {_bytes(HEAD_BYTES)} and last {_bytes(TAIL_BYTES)} "
-                    "read")  # fmt: skip
-        return f"{self.name}: {_bytes(self.size)}"
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
-    return f"{n} bytes"
-
-
-def _windows(stream: BinaryIO) -> tuple[bytes, bytes, int]:
-    """A stream's first ``HEAD_BYTES`` and last ``TAIL_BYTES`` (empty when the head holds it all), and its size."""
-    head = stream.read(HEAD_BYTES)
-    tail = bytearray()
-    size = len(head)
-    while chunk := stream.read(1 << 20):
-        size += len(chunk)
-        tail += chunk
-        del tail[: max(0, len(tail) - TAIL_BYTES)]
-    return head, bytes(tail), size
-
-
-def _binary(sample: bytes) -> bool:
-    """NUL bytes, or more than a tenth of control characters that no log prints (ANSI's escape is allowed)."""
-    if b"\0" in sample:
-        return True
-    controls = sum(1 for b in sample if b < 32 and b not in (9, 10, 12, 13, 27, 8))
-    return controls > len(sample) // 10
-
-
-def read_log(source: str, stdin: BinaryIO | None = None) -> LogText:
-    """The log at ``source`` (``-``: standard input), within ``HEAD_BYTES`` + ``TAIL_BYTES``; ``TriageError`` names
-    the file and what is wrong with it (missing, a directory, empty, binary)."""
-    name = "standard input" if source == "-" else source
-    try:
-        if source == "-":
-            head, tail, size = _windows(stdin or sys.stdin.buffer)
-        else:
-            with Path(source).open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(HEAD_BYTES)
-                if size > HEAD_BYTES + TAIL_BYTES:
-                    f.seek(size - TAIL_BYTES)
-                tail = f.read(TAIL_BYTES)
-    except OSError as exc:
-        raise TriageError(f"{name}: cannot be read ({exc.strerror or exc})") from None
-    if not (head + tail).strip():
-        raise TriageError(f"{name}: empty; give the log, traceback or issue text that shows the error")
-    if _binary(head[:SNIFF_BYTES]):
-        raise TriageError(f"{name}: binary, not a log (control bytes in its first {_bytes(SNIFF_BYTES)}); give the "
-                          "text of the error")  # fmt: skip
-    cut = size > len(head) + len(tail)
-    if cut:  # whole lines where there are lines, and a line that says what is missing
-        head = head[: head.rfind(b"\n") + 1] or head
-        tail = tail[tail.find(b"\n") + 1 :] or tail
-        skipped = f"\n[... dsrepro triage did not read {_bytes(size - len(head) - len(tail))} here ...]\n"
-        data = head + skipped.encode() + tail
-    else:
-        data = head + tail
-    return LogText(name, data.decode("utf-8", errors="replace"), size, cut)
-
-
-def reading(source: str) -> logread.Reading:
-    """The log at ``source`` read (``read_log``'s limits), for what else starts from a log (``dsrepro new``)."""
-    return logread.read(read_log(source).text)
 
 
 # --- the catalogue -------------------------------------------------------------------------------------------------
@@ -157,8 +74,6 @@ class _Gates:
 
 def known_bugs(where: Path) -> list[triage.KnownBug]:
     """The catalogue at ``where``, from its markers, as triage compares it."""
-    from . import catalogue
-
     reader = _Gates()
     try:
         entries = catalogue.collect([str(where)], ["--rootdir", str(where)], plugins=[reader])
@@ -179,13 +94,11 @@ def known_bugs(where: Path) -> list[triage.KnownBug]:
 
 
 def _catalogue(args: argparse.Namespace) -> Path:
-    from .scan_command import ScanError, catalogue
-
     if args.catalogue is not None:
         return Path(args.catalogue).resolve()
     try:
-        return catalogue()
-    except ScanError as exc:
+        return catalogue_run.installed()
+    except catalogue_run.ScanError as exc:
         raise TriageError(str(exc)) from None
 
 
@@ -241,12 +154,10 @@ def _environment(args: argparse.Namespace, judged_on: str | None) -> tuple[str, 
     the release's environment (``environments.release_environment``, built once and cached)."""
     if judged_on is None or judged_on == versions.installed_text("deepspeed"):
         return sys.executable, dict(os.environ)
-    from .environments import EnvironmentUnavailable, release_environment
-
-    print(f"dsrepro triage: deepspeed {judged_on}: preparing its environment ...", file=sys.stderr, flush=True)
     try:
-        env = release_environment(args.cache_dir, args.constraints)(Version(judged_on))
-    except EnvironmentUnavailable as exc:
+        prepare = environments.release_environment(args.cache_dir, args.constraints)
+        env = environments.prepared(prepare, judged_on, "triage")
+    except environments.EnvironmentUnavailable as exc:
         raise TriageError(f"deepspeed {judged_on} cannot run here: {exc}") from None
     return env.python, dict(env.environ)
 
@@ -254,10 +165,9 @@ def _environment(args: argparse.Namespace, judged_on: str | None) -> tuple[str, 
 def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, bugs: Sequence[triage.KnownBug],
                where: Path) -> RunRecord:  # fmt: skip
     """The bugs' own tests, stock variants only, in a child pytest from the catalogue's directory (as a scan runs)."""
-    from .scan_command import run_catalogue
-
     files = list(dict.fromkeys(str(Path(b.path).resolve()) for b in bugs))
-    returncode, read, unreadable = run_catalogue(python, environ, where, args.world_size, [*files, "-k", "not fixed"])
+    arguments = [*files, "-k", "not fixed"]
+    returncode, read, unreadable = catalogue_run.run_catalogue(python, environ, where, args.world_size, arguments)
     if returncode not in (0, 1) or not read or unreadable:
         raise TriageError(f"the repros' pytest ended with exit code {returncode} and wrote no results (its output is "
                           "above)")  # fmt: skip
@@ -275,14 +185,11 @@ def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str
           flush=True)  # fmt: skip
     python, environ = _environment(args, t.release)
     if args.config is not None:
-        from .scan_command import ScanError, scan_once
-
-        select = " or ".join(PurePath(b.path).stem for b in chosen)
-        scan = argparse.Namespace(config=args.config, world_size=args.world_size, pytest_args=["-k", select],
-                                  catalogue=where)  # fmt: skip
+        select = ["-k", " or ".join(PurePath(b.path).stem for b in chosen)]
         try:
-            run = scan_once(python, environ, scan, None)
-        except ScanError as exc:
+            run = catalogue_run.scan_once(python, environ, args.config, catalogue=where, world_size=args.world_size,
+                                          pytest_args=select)  # fmt: skip
+        except catalogue_run.ScanError as exc:
             raise TriageError(str(exc)) from None
     else:
         run = _stock_run(python, environ, args, chosen, where)
@@ -320,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with processes.interrupting(signal.SIGTERM):
             return _run(args)
-    except TriageError as exc:
+    except (TriageError, LogError) as exc:
         print(f"dsrepro triage: {exc}", file=sys.stderr)
         return USAGE
 

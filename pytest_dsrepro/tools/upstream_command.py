@@ -5,61 +5,28 @@ In a DeepSpeed checkout, ``dsrepro upstream [PATH|NODEID ...] [-- PYTEST_ARGS]``
 pytest_dsrepro.upstream ...`` run from the checkout's ``tests/`` (where DeepSpeed's pytest.ini and conftest.py are),
 paths and node ids given as from the directory you are in. With ``--release`` (or ``--releases FILE``) each release
 gets its environment (``environments.release_environment``: cached, torch pinned, this plugin added) and a pytest
-run that writes its results file; each file is checked before it is kept: the tests' checkout at the revision its
-records name, the DeepSpeed release the one asked for. ``dsrepro matrix`` then shows the tests as rows beside the
-catalogue's, named by node id and the checkout's revision.
+run that writes its results file (``upstream_runs``); each file is checked before it is kept: the tests' checkout at
+the revision its records name, the DeepSpeed release the one asked for. ``dsrepro matrix`` then shows the tests as
+rows beside the catalogue's, named by node id and the checkout's revision.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import sys
-import tempfile
-from collections import Counter
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
-
-from ..core import checkout, results
-from ..core.checkout import Checkout, CheckoutError
+from ..core import checkout
+from ..core.checkout import CheckoutError
 from ..core.failures import FailuresFileError
-from ..core.gates import Verdict
 from . import known_failures, processes, shard_merge
-from .environments import EnvironmentUnavailable, ReleaseEnv, release_environment
+from .environments import EnvironmentUnavailable
+from .releases import ReleaseListError, read_releases, release
+from .upstream_runs import UpstreamError, pytest_command, run_releases
 
-#: The pytest plugin that runs DeepSpeed's tests in this plugin's worlds.
-PLUGIN = "pytest_dsrepro.upstream"
 #: What runs when no path is given.
 DEFAULT_TARGET = "unit"
-
-
-class UpstreamError(Exception):
-    """A usage problem or a check that failed: ``dsrepro upstream`` says it in one line and exits 2."""
-
-
-def read_releases(path: Path) -> list[str]:
-    """Releases, one per line, ``#`` comments (the format of the project's releases.txt); each a valid version."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise UpstreamError(f"cannot read the releases file {path}: {exc.strerror}") from None
-    found = []
-    for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].strip()
-        if text:
-            found.append(_release(text, f"{path}:{number}"))
-    return found
-
-
-def _release(text: str, where: str) -> str:
-    try:
-        Version(text)
-    except InvalidVersion:
-        raise UpstreamError(f"{where}: {text!r} is not a release version") from None
-    return text
 
 
 def target(given: str, cwd: Path, tests: Path) -> str:
@@ -73,83 +40,6 @@ def target(given: str, cwd: Path, tests: Path) -> str:
     if not path.exists():
         raise UpstreamError(f"{given}: no such file or directory")
     return f"{relative.as_posix() if relative.parts else '.'}{sep}{names}"
-
-
-def pytest_command(python: str, targets: Sequence[str], results_dir: Path | None, extra: Sequence[str]) -> list[str]:
-    command = [python, "-m", "pytest", "-p", PLUGIN, *targets]
-    if results_dir is not None:
-        command += ["--ds-results", str(results_dir)]
-    return [*command, *extra]
-
-
-def check_run(files: Sequence[results.ResultsFile], release: str, tests: Checkout) -> None:
-    """A release's run is what it says: the DeepSpeed it ran is the release asked for, and every record's tests
-    came from the checkout's revision (read before the run; also when git showed changes since)."""
-    if not files:
-        raise UpstreamError(f"the run on deepspeed {release} wrote no results file")
-    for f in files:
-        ran = f.run.environment.deepspeed
-        if ran != release:
-            raise UpstreamError(f"{f.path}: the run on deepspeed {release} ran deepspeed {ran}")
-        wrong = {t.origin.revision if t.origin else "none" for t in f.run.tests} - {tests.revision}
-        if wrong:
-            raise UpstreamError(
-                f"{f.path}: tests from revision {', '.join(sorted(map(str, wrong)))}, not the checkout's "
-                f"{tests.revision}"
-            )
-
-
-def tally(files: Sequence[results.ResultsFile]) -> str:
-    """``12 passed, 3 failed, 1 not-applicable``: the outcomes of a run's records (NOT-APPLICABLE by its verdict)."""
-    counts: Counter[str] = Counter()
-    for f in files:
-        for t in f.run.tests:
-            counts["not-applicable" if t.verdict is Verdict.NOT_APPLICABLE else t.outcome] += 1
-    return ", ".join(f"{n} {word}" for word, n in sorted(counts.items())) or "no tests"
-
-
-def _unavailable(results_dir: Path, release: str, reason: str) -> Path:
-    from .install import InstallResult, write_unavailable
-
-    failed = InstallResult(release, "", ok=False, action="failed", reason=reason, probe=None, seconds=0.0)
-    return write_unavailable(results_dir, failed)
-
-
-def run_releases(
-    args: argparse.Namespace,
-    found: Checkout,
-    targets: list[str],
-    releases: list[str],
-    prepare: Callable[[Version], ReleaseEnv] | None = None,
-) -> int:
-    """Each release: its environment (``prepare``: ``environments.release_environment`` unless given), one pytest run
-    of the targets, its results file checked (``check_run``) and kept in ``--results``; a release that cannot be
-    installed is recorded as unavailable, as ``dsrepro install --results`` records it."""
-    results_dir = (args.results or Path("results")).resolve()
-    prepare = prepare or release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
-    for release in releases:
-        print(f"dsrepro upstream: deepspeed {release}: preparing its environment ...", file=sys.stderr, flush=True)
-        try:
-            env = prepare(Version(release))
-        except EnvironmentUnavailable as exc:
-            path = _unavailable(results_dir, release, str(exc))
-            print(f"dsrepro upstream: deepspeed {release} cannot run here: {exc} (recorded in {path})", file=sys.stderr)
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"dsrepro-upstream-{release}-") as tmp:
-            command = pytest_command(env.python, targets, Path(tmp), args.pytest_args)
-            returncode = processes.to_terminal(command, cwd=found.tests, env=env.environ)
-            files, unreadable = results.read_all([Path(tmp)])
-            if unreadable:
-                raise UpstreamError(f"unreadable results of the run on deepspeed {release}: {unreadable[0]}")
-            if returncode not in (0, 1, 5):  # 1: tests failed, as regression tests do where affected
-                raise UpstreamError(f"pytest on deepspeed {release} ended with exit code {returncode}")
-            check_run(files, release, found)
-            results_dir.mkdir(parents=True, exist_ok=True)
-            for f in files:
-                shutil.move(str(f.path), results_dir / f.path.name)
-        print(f"dsrepro upstream: deepspeed {release}: {tally(files)}", file=sys.stderr, flush=True)
-    print(f"dsrepro upstream: results in {results_dir}; `dsrepro matrix {results_dir}` shows them", file=sys.stderr)
-    return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with processes.interrupting(signal.SIGTERM):
             return _run(args)
-    except (UpstreamError, CheckoutError, FailuresFileError, shard_merge.ShardError, EnvironmentUnavailable) as exc:
+    except (UpstreamError, CheckoutError, FailuresFileError, shard_merge.ShardError, EnvironmentUnavailable,
+            ReleaseListError) as exc:  # fmt: skip
         print(f"dsrepro upstream: {exc}", file=sys.stderr)
         return 2
 
@@ -207,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     found = checkout.read(root)
     targets = [target(t, cwd, found.tests) for t in args.targets] or [DEFAULT_TARGET]
-    releases = [_release(r, "--release") for r in args.release]
+    releases = [release(r, "--release") for r in args.release]
     releases += read_releases(args.releases) if args.releases else []
     print(f"dsrepro upstream: DeepSpeed's tests from {found.describe()}", file=sys.stderr, flush=True)
     known = known_failures.known(args.failures)

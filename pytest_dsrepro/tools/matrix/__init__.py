@@ -9,16 +9,15 @@
   in words (headline, hover, the notes below every table).
 - One renderer per form: :mod:`.terminal` (120 columns), :mod:`.markdown`, :mod:`.html` (a fixed layout that fits
   1400 pixels), :mod:`.svg` (an image for an issue).
-- :mod:`.command`: the command, its output checks and its exit codes.
 
-Everything but the command is a pure function of the files' contents, tested without torch. The files are read,
-and checked, by ``core.results``; verdicts and reasons are the gates' own ``Verdict`` and ``Reason``.
+Everything here is a pure function of the files' contents, tested without torch (the command, its output checks and
+its exit codes: ``tools/matrix_command``). The files are read, and checked, by ``core.results``; verdicts and reasons
+are the gates' own ``Verdict`` and ``Reason``.
 """
 
 from __future__ import annotations
 
 from .build import load, merge, since
-from .command import Exit, add_arguments, exit_code, run
 from .html import render_html
 from .markdown import render_markdown
 from .model import Cell, Column, Disagreement, Matrix, MatrixError, Row, Run
@@ -29,19 +28,15 @@ __all__ = [
     "Cell",
     "Column",
     "Disagreement",
-    "Exit",
     "Matrix",
     "MatrixError",
     "Row",
     "Run",
-    "add_arguments",
-    "exit_code",
     "load",
     "merge",
     "render_html",
     "render_markdown",
     "render_svg",
     "render_terminal",
-    "run",
     "since",
 ]

@@ -214,7 +214,7 @@ def _rows(about: Mapping[str, _About]) -> tuple[Row, ...]:
     return tuple(sorted(rows, key=lambda r: (r.origin is not None, r.repro, r.key)))  # this project's first
 
 
-def _judged(row: Row, version: str, run: Run, slot: str) -> Run:
+def _marked_against_range(row: Row, version: str, run: Run, slot: str) -> Run:
     """A stock run against its row's declared range: contradicted when ``Reason.body_failed`` says otherwise (a
     verdict judged under an older declaration among them)."""
     if slot != "stock" or not row.declared:
@@ -254,7 +254,7 @@ def merge(files: Sequence[ResultsFile], unreadable: Sequence[Unreadable] = ()) -
             continue
         row, slot = where[nodeid]
         cell = cells.get((row.key, version), Cell())
-        cells[(row.key, version)] = dataclasses.replace(cell, **{slot: _judged(row, version, run, slot)})
+        cells[(row.key, version)] = dataclasses.replace(cell, **{slot: _marked_against_range(row, version, run, slot)})
     return Matrix(
         columns, rows, cells, tuple(unreadable),
         disagreements=tuple(d for d in disagreements if d.version not in blank),

@@ -3,12 +3,9 @@ range, one row per bug and config), the bugs with their titles and ranges, what 
 
 from __future__ import annotations
 
+from ...core.text import markdown_cell
 from . import notes, symbols
 from .model import Matrix, Row, one_line
-
-
-def _md(text: str) -> str:
-    return one_line(text).replace("|", "\\|")
 
 
 def _code(text: str) -> str:
@@ -31,6 +28,39 @@ def _cells(matrix: Matrix, row: Row) -> list[str]:
     return out
 
 
+def _table(matrix: Matrix, links: dict[str, int]) -> list[str]:
+    """The compact table; each bug's name links to its upstream issue (``links``: the numbered references)."""
+    heads = []  # the minor release over the first of its columns only
+    for i, c in enumerate(matrix.columns):
+        prefix, suffix = symbols.head(c.version)
+        heads.append(f"{prefix}<br>{suffix}" if i == 0 or prefix != symbols.head(matrix.columns[i - 1].version)[0]
+                     else suffix)  # fmt: skip
+    out = ["| bug | config | " + " | ".join(heads) + " |", "|:--|:--|" + ":-:|" * len(matrix.columns)]
+    for repro, rows in matrix.groups():
+        upstream = next((r.upstream for r in rows if r.upstream), None)
+        name = markdown_cell(repro)
+        if upstream:
+            name = f"[{name}][{links.setdefault(upstream, len(links) + 1)}]"
+        for i, r in enumerate(rows):
+            cells = [name if i == 0 else "", markdown_cell(r.label), *_cells(matrix, r)]
+            out.append(f"| {' | '.join(cells)} |")
+    return out
+
+
+def _bugs(matrix: Matrix) -> list[str]:
+    """Each bug: its id, declared range, title and link."""
+    out = []
+    for repro, rows in matrix.groups():
+        declared = {r.declared for r in rows if r.declared and r.stock}
+        ranges = "; ".join(" or ".join(f"`{d}`" for d in ds) for ds in sorted(declared))
+        title = next((r.title for r in rows if r.title), None)
+        upstream = next((r.upstream for r in rows if r.upstream), None)
+        said = f" (affected {ranges})" if ranges else ""
+        said += f": {markdown_cell(title)}" if title else ""
+        out.append(f"- **{markdown_cell(repro)}**{said}" + (f" ({upstream})" if upstream else ""))
+    return out
+
+
 def render_markdown(matrix: Matrix, image: str | None = None) -> str:
     """A GitHub-flavoured page: the table, the bugs (id, declared range, title, link), what each test raised on
     which releases, the notes; ``image``: the SVG's path relative to the page, shown above the table."""
@@ -41,33 +71,15 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
         out += [f"![the matrix as an image]({image})", ""]
     out += [f"Legend ({symbols.SHAPE}; {symbols.RANGE}):", ""]
     out += [f"- {glyph} {words}" for glyph, words in symbols.legend(matrix)] + [""]
-    heads = []  # the minor release over the first of its columns only
-    for i, c in enumerate(matrix.columns):
-        prefix, suffix = symbols.head(c.version)
-        heads.append(f"{prefix}<br>{suffix}" if i == 0 or prefix != symbols.head(matrix.columns[i - 1].version)[0]
-                     else suffix)  # fmt: skip
-    out.append("| bug | config | " + " | ".join(heads) + " |")
-    out.append("|:--|:--|" + ":-:|" * len(matrix.columns))
-    for repro, rows in matrix.groups():
-        upstream = next((r.upstream for r in rows if r.upstream), None)
-        name = f"[{_md(repro)}][{links.setdefault(upstream, len(links) + 1)}]" if upstream else _md(repro)
-        for i, r in enumerate(rows):
-            out.append(f"| {name if i == 0 else ''} | {_md(r.label)} | " + " | ".join(_cells(matrix, r)) + " |")
-    out += ["", "## Bugs", ""]
-    for repro, rows in matrix.groups():
-        declared = {r.declared for r in rows if r.declared and r.stock}
-        ranges = "; ".join(" or ".join(f"`{d}`" for d in ds) for ds in sorted(declared))
-        title = next((r.title for r in rows if r.title), None)
-        upstream = next((r.upstream for r in rows if r.upstream), None)
-        out.append(f"- **{_md(repro)}**" + (f" (affected {ranges})" if ranges else "") + (f": {_md(title)}" if title
-                   else "") + (f" ({upstream})" if upstream else ""))  # fmt: skip
+    out += [*_table(matrix, links), "", "## Bugs", "", *_bugs(matrix)]
     raised = notes.raised(matrix)
     if raised:
         out += ["", "## What each test raised", ""]
-        out += [f"- {_md(name)} on {versions}: {_code(text)}" for name, text, versions in raised]
+        out += [f"- {markdown_cell(name)} on {versions}: {_code(text)}" for name, text, versions in raised]
     for section in notes.sections(matrix):
-        out += ["", f"## {_md(section.title)}", ""]
-        out += [f"- {_code(subject) if section.code else _md(subject)}: {_md(text)}" for subject, text in section.items]
+        out += ["", f"## {markdown_cell(section.title)}", ""]
+        out += [f"- {_code(subject) if section.code else markdown_cell(subject)}: {markdown_cell(text)}"
+                for subject, text in section.items]  # fmt: skip
     out += ["", "## Sources", ""] + [f"- `{p.name}`" for c in matrix.columns for p in c.sources] + [""]
     out += [f"[{n}]: {url}" for url, n in links.items()]
     return "\n".join(out) + "\n"

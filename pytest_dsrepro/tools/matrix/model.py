@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,44 +252,6 @@ class Matrix:
     def world_sizes(self) -> Counter[int]:
         """How many runs had worlds of each size."""
         return Counter(run.world_size for _, _, run in self.placed() if run.world_size)
-
-    @functools.cached_property
-    def not_verdicts(self) -> list[tuple[str, str, list[str]]]:
-        """Why each test without a judged run on a release (NOT-APPLICABLE, SKIPPED, not run) is so: ``(name, why,
-        releases)``, one entry per row and reason. Columns without runs say why in their own notes."""
-
-        def why(run: Run | None) -> str | None:
-            if run is None:
-                return "not run: no results file of the release ran this test"
-            if run.verdict in (Verdict.NOT_APPLICABLE, Verdict.SKIPPED):
-                return f"{run.word}: {one_line(run.error or 'no reason recorded')}"
-            return None
-
-        return self._grouped(why)
-
-    @functools.cached_property
-    def with_prerequisites(self) -> list[tuple[str, str, list[str]]]:
-        """``(name, prerequisite, releases)`` for the runs that had another bug's fix applied first."""
-        return self._grouped(lambda run: "; ".join(run.prerequisites) if run and run.prerequisites else None)
-
-    def _grouped(self, why: Callable[[Run | None], str | None]) -> list[tuple[str, str, list[str]]]:
-        """What ``why`` says of each test on each release, with the releases it says it of; a row's twins said
-        once where they say the same of the same releases."""
-        found = []
-        for r in self.rows:
-            said: dict[str, dict[str, list[str]]] = {n: {} for n in r.nodeids}
-            for nodeid in r.nodeids:
-                for c in self.columns:
-                    text = None if c.blank else why(self.run_of(r, c, nodeid))
-                    if text is not None:
-                        said[nodeid].setdefault(text, []).append(c.version)
-            stock, fixed = said.get(r.stock or "", {}), said.get(r.fixed or "", {})
-            for text, versions in stock.items():
-                both = r.fixed is not None and fixed.get(text) == versions
-                found.append((r.name if both else r.test_name(r.stock or ""), text, versions))
-            found += [(r.test_name(r.fixed or ""), text, versions) for text, versions in fixed.items()
-                      if not (r.stock is not None and stock.get(text) == versions)]  # fmt: skip
-        return found
 
     def run_of(self, row: Row, column: Column, nodeid: str) -> Run | None:
         cell = self.cell(row, column)

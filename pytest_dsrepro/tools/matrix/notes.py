@@ -4,7 +4,7 @@ notes below every table (:func:`notes`: sections of subjects and sayings that ea
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...core.gates import Verdict
@@ -142,15 +142,47 @@ def _failed(matrix: Matrix) -> Section:
     return Section("Failed (tests that declare no range)", tuple(items), code=True)
 
 
+def _grouped(matrix: Matrix, why: Callable[[Run | None], str | None]) -> list[tuple[str, str, list[str]]]:
+    """What ``why`` says of each test on each release (columns without runs say why in their own notes), with the
+    releases it says it of: ``(name, saying, releases)``; a row's twins said once where they say the same of the same
+    releases."""
+    found = []
+    for r in matrix.rows:
+        said: dict[str, dict[str, list[str]]] = {n: {} for n in r.nodeids}
+        for nodeid in r.nodeids:
+            for c in matrix.columns:
+                text = None if c.blank else why(matrix.run_of(r, c, nodeid))
+                if text is not None:
+                    said[nodeid].setdefault(text, []).append(c.version)
+        stock, fixed = said.get(r.stock or "", {}), said.get(r.fixed or "", {})
+        for text, versions in stock.items():
+            both = r.fixed is not None and fixed.get(text) == versions
+            found.append((r.name if both else r.test_name(r.stock or ""), text, versions))
+        found += [(r.test_name(r.fixed or ""), text, versions) for text, versions in fixed.items()
+                  if not (r.stock is not None and stock.get(text) == versions)]  # fmt: skip
+    return found
+
+
+def _not_judged(run: Run | None) -> str | None:
+    """Why a test has no judged run on a release (NOT-APPLICABLE, SKIPPED, not run); None when it has one."""
+    if run is None:
+        return "not run: no results file of the release ran this test"
+    if run.verdict in (Verdict.NOT_APPLICABLE, Verdict.SKIPPED):
+        return f"{run.word}: {one_line(run.error or 'no reason recorded')}"
+    return None
+
+
 def _without_verdict(matrix: Matrix) -> Section:
-    items = [(name, f"{why} (on {spans(matrix.columns, versions)})") for name, why, versions in matrix.not_verdicts]
+    items = [(name, f"{why} (on {spans(matrix.columns, versions)})") for name, why, versions in
+             _grouped(matrix, _not_judged)]  # fmt: skip
     return Section("Without a judged run", tuple(items))
 
 
 def _prerequisites(matrix: Matrix) -> Section:
     """Each prerequisite fix once, with the releases and the rows it was applied to."""
     fixes: dict[tuple[str, str], list[str]] = {}
-    for name, fix, versions in matrix.with_prerequisites:
+    applied = _grouped(matrix, lambda run: "; ".join(run.prerequisites) if run and run.prerequisites else None)
+    for name, fix, versions in applied:
         fixes.setdefault((fix, spans(matrix.columns, versions)), []).append(name)
     items = [(fix, f"on {where}: {', '.join(names)}") for (fix, where), names in fixes.items()]
     return Section(f"With a prerequisite fix ({PREREQUISITE})", tuple(items))

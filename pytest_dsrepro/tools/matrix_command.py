@@ -1,9 +1,10 @@
-"""``dsrepro matrix``: its arguments, its exit codes, and the order that keeps a run from losing work.
+"""``dsrepro matrix``: the table (``matrix``) of results files, its arguments, its exit codes, and the order that
+keeps a run from losing work.
 
 Every output is checked before anything is read or rendered (``core.paths``: tried, not asked), so a read-only
 directory costs a second, not a run. Then the results are read, the table printed and the files written,
-each whole or not at all (a new file renamed over the old one); a file that could not be written is named, and the
-others are still written.
+each whole or not at all (``core.files``); a file that could not be written is named, and the others are still
+written.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ import enum
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ...core.paths import unwritable_file
-from . import build, symbols
-from .html import render_html
-from .markdown import render_markdown
-from .model import Matrix, MatrixError
-from .svg import render_svg
-from .terminal import WIDTH, render_terminal
+from ..core.files import write_atomically
+from ..core.paths import unwritable_file
+from .matrix import Matrix, MatrixError, build, render_html, render_markdown, render_svg, render_terminal, symbols
+from .matrix.terminal import WIDTH
 
 
 class Exit(enum.IntEnum):
@@ -126,31 +123,6 @@ def _relative(path: Path, start: Path) -> str:
     return os.path.relpath(path.absolute(), start.absolute())
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write(path: Path, text: str) -> None:
-    """``text`` into ``path``, whole or not at all: a regular file is written beside it and renamed over it (a
-    device or pipe is written in place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not path.is_file():
-        path.write_text(text)
-        return
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(temp, mode)  # mkstemp's file is private; the output is as any file written here would be
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
 def _build(args: argparse.Namespace, paths: Sequence[Path]) -> Matrix:
     """The matrix of ``paths``, marked against ``--since``; :class:`MatrixError` (``--since``'s said so)."""
     matrix = build.merge(*build.load(paths))
@@ -192,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     code = exit_code(matrix, fail_on_unavailable=args.fail_on_unavailable)
     for path, render in outputs:
         try:
-            write(path, render(matrix, path))
+            write_atomically(path, render(matrix, path))
         except OSError as exc:
             _say(f"{path} not saved: {exc.strerror or exc}")
             code = Exit.NOT_SAVED

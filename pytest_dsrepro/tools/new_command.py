@@ -1,0 +1,42 @@
+"""``dsrepro new NAME``: a repro file from the template (``scaffold``), prefilled from a log's error with
+``--from-log``, and the commands that come next."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import scaffold
+from .log_input import LogError, reading
+from .scaffold import DEFAULT_PRESET
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "name", metavar="NAME", help="short name, e.g. zero3-module-id; the file is repros/test_<name>.py"
+    )
+    parser.add_argument("--issue", metavar="URL", help="upstream issue URL (the repro's ds_repro upstream=)")
+    parser.add_argument(
+        "--config", metavar="PRESET", default=DEFAULT_PRESET, help=f"ds_config preset (default {DEFAULT_PRESET})"
+    )
+    parser.add_argument("--dir", default="repros", help="directory to write into (default repros/)")
+    parser.add_argument(
+        "--from-log", metavar="LOG", help="prefill the title, raises= and match= from the error in LOG (- for stdin)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        start = scaffold.Prefill() if args.from_log is None else scaffold.prefill(reading(args.from_log))
+        path = scaffold.create(args.name, Path(args.dir), issue=args.issue, preset=args.config, start=start)
+    except (scaffold.ScaffoldError, LogError) as exc:
+        print(f"dsrepro: {exc}", file=sys.stderr, flush=True)
+        return 1
+    test = f"{path.as_posix()}::test_{scaffold.names(args.name).slug}"
+    print(f"wrote {path}")
+    print("next: fill in its TODOs (the docstring says how), then run it:")
+    print(f"  pytest {path.as_posix()} -v")
+    print(f"  pytest {path.as_posix()} --ds-report report.md      # Markdown for the issue")
+    print(f"  dsrepro bisect {test} --good X --bad Y   # where it starts or stops")
+    return 0
