@@ -20,7 +20,7 @@ import pytest
 from ..core import configs
 from ..core.configs import ResolvedConfig
 from ..core.errors import MarkerError
-from ..core.gates import Ending, Nondeterministic, ending, installed_deepspeed
+from ..core.gates import Ending, ending, installed_deepspeed
 from ..core.outcome import WorldOutcome
 from . import markers, verdicts
 from .backends import WORLD_BACKEND_KEY
@@ -128,8 +128,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
         return world_backend.run(call, prepared, run)
 
     marks = item.stash[MARKS_KEY]
-    plan = marks.nondeterministic
-    outcome = world(0) if plan is None else _series(item, marks, plan, world)
+    runs = marks.nondeterministic.runs if marks.nondeterministic is not None else None
+    outcome = world(0) if runs is None else _series(item, marks, runs, world)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         _warn_returned(item.nodeid, function, outcome)
@@ -140,10 +140,8 @@ def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared
     raise WorldFailed(outcome)
 
 
-def _series(
-    item: pytest.Function, marks: Marks, plan: Nondeterministic, world: Callable[[int], WorldOutcome]
-) -> WorldOutcome:
-    """A nondeterministic repro (``ds_nondeterministic``): up to ``plan.runs`` worlds, one after the other on the
+def _series(item: pytest.Function, marks: Marks, runs: int, world: Callable[[int], WorldOutcome]) -> WorldOutcome:
+    """A nondeterministic repro (``ds_nondeterministic``): up to ``runs`` worlds, one after the other on the
     same fork server, kept for the judge, which counts the runs that failed as declared; the one the user is shown.
     The series stops at a run that ended otherwise than passing or failing as declared (the verdict is UNEXPECTED
     then, whatever the others would do) or that the body skipped or xfailed."""
@@ -152,7 +150,7 @@ def _series(
     outcomes: list[WorldOutcome] = []
     started = time.monotonic()
     shown: WorldOutcome | None = None
-    for run in range(plan.runs):
+    for run in range(runs):
         outcome = world(run)
         outcomes.append(outcome)
         if outcome.declared is not None:
