@@ -131,7 +131,7 @@ calls = []
 first_end = []
 
 try:
-    from pytest_dsrepro.session.stash import OUTCOME_KEY
+    from pytest_dsrepro.session.execution import OUTCOME_KEY
 except ImportError:
     OUTCOME_KEY = None
 

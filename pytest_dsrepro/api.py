@@ -13,8 +13,8 @@ from .inrank.engine import ConfigRejected, EngineFactory
 from .inrank.fixtures import rank_fixture
 from .inrank.perf import Slowdown, slowdown
 from .session.backends import starting_worlds
-from .session.execution import WorldFailed
 from .session.inworld import run_in_world
+from .session.verdicts import WorldFailed
 
 __all__ = [
     "ConfigRejected", "EngineFactory", "RankContext", "Slowdown", "Verdict", "WorldFailed", "current", "rank_fixture",

@@ -1,4 +1,5 @@
-"""pytest-dsrepro's hooks and fixtures: each hook is a few lines that call the module owning the idea.
+"""pytest-dsrepro's hooks and fixtures: each hook is a line or two that call the module owning the idea; the
+plugin's own hooks (``HookSpecs``), for its plugin objects, with the plugin's defaults.
 
 Nothing heavy is imported here: torch and DeepSpeed live in the fork server and the ranks.
 """
@@ -10,31 +11,52 @@ from typing import Any
 
 import pytest
 
-from .core import configs
 from .core.gates import Judgement
+from .core.results import RunRecord, TestRecord
 from .inrank.engine import EngineFactory
-from .session import (
-    backends,
-    cache_check,
-    collector,
-    execution,
-    hookspecs,
-    markers,
-    parametrize,
-    recording,
-    scan_plugin,
-    settings,
-    shard,
-    skip_location,
-    source_digests,
-)
-from .session.stash import CONFIG_KEY, INTERRUPTED_KEY, PREPARED_KEY, SCAN_PLAN_KEY, SETTINGS_KEY, WORLDS_KEY
+from .session import backends, collector, execution, markers, parametrize, rank_job, recording, settings, verdicts
+from .session.recording import RecordedTests, Summary
 from .worlds.launched import launcher
 from .worlds.protocol import RankValue
 
+#: The plugin's parts that are plugins of their own, each registered with it (and blocked with it: -p no:dsrepro).
+pytest_plugins = ("pytest_dsrepro.session.scan_plugin",)
+
+
+class HookSpecs:
+    """The plugin's own hooks, for plugin objects that put a test or the run their own way. Each is asked first;
+    where none answers (None), the plugin does its own."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_conclude(self, item: pytest.Item, judgement: Judgement, story: str) -> object:
+        """The pytest outcome of a judged test: raise it (``pytest.xfail``, ``pytest.skip``, ``pytest.fail``), or
+        return True for a pass. ``story``: what the user reads under the verdict. The plugin's own conclusion comes
+        last (REPRODUCED xfails, UNEXPECTED fails)."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_config(self, item: pytest.Item) -> dict[str, Any] | None:
+        """The DeepSpeed config a test runs in place of its ``ds_config`` entry, asked when the fixture resolves it
+        for the test's world."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_test_record(self, item: pytest.Item, record: TestRecord) -> TestRecord | None:
+        """The record of one of the test's reports, amended (``core.results.TestRecord``)."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_run_record(self, config: pytest.Config, record: RunRecord) -> RunRecord | None:
+        """The run's record, amended, for ``--ds-results``, ``--ds-report`` and the summary."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_summary(self, config: pytest.Config, recorded: RecordedTests) -> Summary | None:
+        """The run's part of the terminal summary, in place of its verdicts."""
+
+    @pytest.hookspec(firstresult=True)
+    def pytest_dsrepro_report(self, config: pytest.Config, run: RunRecord) -> str | None:
+        """The Markdown ``--ds-report`` writes, in place of the run's report."""
+
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    pluginmanager.add_hookspecs(hookspecs)
+    pluginmanager.add_hookspecs(HookSpecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,40 +65,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     markers.register(config)
-    resolved = settings.resolve(config)
-    config.stash[SETTINGS_KEY] = resolved
-    config.stash[WORLDS_KEY] = backends.choose(config, resolved)  # once: spawned worlds, or a launcher's
-    scan_plugin.configure(config, resolved)  # registered only for --ds-scan
-    collector.check_outputs(config, resolved)
-    config.pluginmanager.register(collector.RunCollector(config), "dsrepro-run")
+    resolved = settings.configure(config)
+    backends.configure(config, resolved)  # once: spawned worlds, or a launcher's
+    collector.configure(config, resolved)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    session.config.stash[INTERRUPTED_KEY] = exitstatus == pytest.ExitCode.INTERRUPTED
+    backends.session_finished(session, exitstatus)
 
 
 @pytest.hookimpl(trylast=True)  # after the summary and every output written (a launched rank 0's, for its peers)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    worlds = config.stash.get(WORLDS_KEY, None)
-    if worlds is not None:  # a comm-op build beside the worlds is let go on here, for later runs
-        worlds.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
+    backends.close(config)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [collector.header_line(config.stash[SETTINGS_KEY], launcher.launched())]
+    return [collector.header_line(config.stash[settings.SETTINGS_KEY], launcher.launched())]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    shard.select(config, items)
+    parametrize.select(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    session.config.stash[WORLDS_KEY].plan(session.items)
-    cache_check.check(session)
+    backends.plan(session)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    source_digests.remember(item)
+    rank_job.remember(item)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -91,19 +107,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
     __tracebackhide__ = True  # users read their test's frames, not the plugin's
-    with execution.in_world(pyfuncitem):
-        try:
-            result = yield
-        except BaseException as exc:
-            execution.judge_call(pyfuncitem, exc)
-            raise
-    execution.judge_call(pyfuncitem, None)
-    return result
+    return (yield from execution.call(pyfuncitem))
 
 
-@pytest.hookimpl(trylast=True)  # a scan's conclusion (``scan_plugin.Scan``) comes first
-def pytest_dsrepro_conclude(item: pytest.Item, judgement: Judgement, story: str) -> bool:
-    return execution.conclude(judgement, story)
+@pytest.hookimpl(trylast=True)  # a plugin object's conclusion comes first
+def pytest_dsrepro_conclude(judgement: Judgement, story: str) -> bool:
+    return verdicts.conclude(judgement, story)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -111,34 +120,29 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    skip_location.relocate(item, report)
+    verdicts.relocate(item, report)
     recording.attach(item, report)
     return report
-
-
-def _world_only(request: pytest.FixtureRequest, name: str) -> None:
-    if PREPARED_KEY not in request.node.stash:
-        markers.fail(f"{request.node.nodeid}: fixture {name!r} exists only in world tests (@pytest.mark.ds_world)")
 
 
 @pytest.fixture
 def ds_rank(request: pytest.FixtureRequest) -> Any:
     """This rank's global rank (0..N-1)."""
-    _world_only(request, "ds_rank")
+    execution.require_world(request, "ds_rank")
     return RankValue("rank")
 
 
 @pytest.fixture
 def ds_world_size(request: pytest.FixtureRequest) -> Any:
     """The number of ranks in this test's world."""
-    _world_only(request, "ds_world_size")
+    execution.require_world(request, "ds_world_size")
     return RankValue("world_size")
 
 
 @pytest.fixture
 def ds_device(request: pytest.FixtureRequest) -> Any:
     """This rank's device, for the data a body feeds its engine: ``"cuda:LOCAL_RANK"`` in NCCL worlds, ``"cpu"``."""
-    _world_only(request, "ds_device")
+    execution.require_world(request, "ds_device")
     return RankValue("device")
 
 
@@ -151,24 +155,11 @@ def ds_variant(request: pytest.FixtureRequest) -> str | None:
 @pytest.fixture
 def ds_config(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The DeepSpeed config of this test id (from @pytest.mark.ds_config), resolved for its world."""
-    param = getattr(request, "param", None)
-    if param is None:
-        markers.fail(f"{request.node.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test")
-    name, spec = param
-    plan = request.node.stash.get(SCAN_PLAN_KEY, None)  # a scan's: the user's config, the premise's settings on top
-    spec = plan.config if plan is not None else spec
-    prepared = request.node.stash.get(PREPARED_KEY, None)
-    size = prepared.spec.size if prepared else request.config.stash[SETTINGS_KEY].world_size
-    try:
-        resolved = configs.resolve(spec, name, size, prepared.backend if prepared else "gloo")
-    except configs.ConfigError as exc:
-        markers.fail(f"@pytest.mark.ds_config on {request.node.nodeid}: {exc}")
-    request.node.stash[CONFIG_KEY] = resolved
-    return resolved.config
+    return execution.resolve_config(request)
 
 
 @pytest.fixture
 def ds_engine(request: pytest.FixtureRequest, ds_config: dict[str, Any]) -> EngineFactory:
     """Call it in the body: ``engine = ds_engine(model=None, optimizer="auto")`` runs ``deepspeed.initialize``."""
-    _world_only(request, "ds_engine")
-    return EngineFactory(ds_config, request.node.stash[CONFIG_KEY].name)
+    execution.require_world(request, "ds_engine")
+    return EngineFactory(ds_config, request.node.stash[execution.CONFIG_KEY].name)

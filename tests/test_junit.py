@@ -16,7 +16,7 @@ import pytest
 from conftest import RunPytest, deepspeed_version
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.core.results import ReproMeta, TestRecord
-from pytest_dsrepro.session.recording import PROPERTY, Run, junit_properties
+from pytest_dsrepro.session.recording import PROPERTY, RecordedTests, junit_properties
 
 RECORD = TestRecord(nodeid="t.py::test[zero3-stock]", repro=ReproMeta("demo"), variant="stock",
                     verdict=Verdict.REPRODUCED, reason=Reason.REPRODUCED, outcome="xfailed", error="x", duration=1.0,
@@ -39,7 +39,7 @@ def test_properties_of_a_record() -> None:
 
 
 def test_a_rerun_attempt_is_dropped_and_the_last_one_counted() -> None:
-    run = Run()
+    run = RecordedTests()
     failed = TestRecord(**{**RECORD.__dict__, "verdict": Verdict.UNEXPECTED, "reason": Reason.FAILED_DIFFERENTLY,
                            "outcome": "failed"})  # fmt: skip
     for report in (_report("setup", "passed"), _report("call", "rerun", failed), _report("teardown", "passed")):

@@ -250,12 +250,12 @@ def test_environment_of_this_machine() -> None:
 
 
 def test_summary_lines_put_the_verdict_first() -> None:
-    from pytest_dsrepro.session.recording import Run
+    from pytest_dsrepro.session.recording import RecordedTests
 
     harness = dataclasses.replace(PLAIN, nodeid="t.py::h", repro=REPRO, verdict=Verdict.UNEXPECTED,
                                   reason=Reason.HARNESS_ERROR, error="no world ran: server died")  # fmt: skip
     plain_pass = dataclasses.replace(PLAIN, nodeid="t.py::ok", outcome="passed", error=None)
-    run = Run([STOCK, harness, plain_pass, RACE])
+    run = RecordedTests([STOCK, harness, plain_pass, RACE])
     assert run.summary_lines() == [
         "REPRODUCED       t.py::test[stock]  (2 attempts)",
         "UNEXPECTED       t.py::h  -- no world ran: server died",

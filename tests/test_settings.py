@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.session.settings import resolve
-from pytest_dsrepro.session.stash import SETTINGS_KEY
+from pytest_dsrepro.session.settings import SETTINGS_KEY, resolve
 
 
 def test_defaults(pytester: pytest.Pytester) -> None:

@@ -1,12 +1,13 @@
-"""Where a session's worlds run, chosen once at configure (``choose``) and kept on ``config.stash[WORLDS_KEY]``:
-forked by the fork server (``SpawnedWorlds``, the normal case), or, under an external launcher (torchrun, SLURM),
-made of the launched pytest processes themselves (``launched_run.LaunchedRun``). Setup, the body's call,
-``run_in_world``, the collector and the session's end ask the backend, never which one it is."""
+"""The session's world backend: where its worlds run, chosen once at configure (``configure``) and kept on
+``config.stash[WORLD_BACKEND_KEY]``: forked by the fork server (``SpawnedWorlds``, the normal case), or, under an
+external launcher (torchrun, SLURM), made of the launched pytest processes themselves (``launched_run.LaunchedRun``).
+Setup, the body's call, ``run_in_world``, the collector and the session's end ask the world backend, never which one
+it is. Once the run's tests are known the world backend plans them and the cache directory is checked (``plan``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import pytest
@@ -14,19 +15,19 @@ import pytest
 from ..core.errors import HarnessError
 from ..core.options import Settings
 from ..core.outcome import WorldOutcome
+from ..core.paths import unwritable
 from ..core.results import Environment
 from ..core.world_spec import WorldSpec, settle_backend
 from ..worlds.client import WorldInterrupted, WorldRunner, leases
 from ..worlds.launched import launcher
 from ..worlds.protocol import ServerFacts
-from . import launched_run, markers, settings, source_digests
-from .execution import WorldFailed
-from .progress_line import progress_line
-from .rank_job import WorldCall, rank_job, uses_deepspeed
-from .stash import WORLDS_KEY, Prepared
+from ..worlds.server import comm_op
+from . import launched_run, settings
+from .rank_job import Prepared, WorldCall, check_unchanged, rank_job, uses_deepspeed
+from .verdicts import WorldFailed, fail_harness
 
 
-class Worlds(Protocol):
+class WorldBackend(Protocol):
     """What the pytest side asks of the worlds of its session."""
 
     @property
@@ -55,6 +56,12 @@ class Worlds(Protocol):
         """At the session's very end; ``finish_builds``: it was not interrupted, so work for later runs may go on."""
 
 
+#: The session's world backend, chosen once at configure (``configure``), or earlier by ``starting_worlds``.
+WORLD_BACKEND_KEY: pytest.StashKey[WorldBackend] = pytest.StashKey()
+#: Did the session end interrupted (Ctrl-C)? Then nothing is waited for at its end.
+INTERRUPTED_KEY = pytest.StashKey[bool]()
+
+
 class SpawnedWorlds:
     """Worlds forked by this process's fork servers (``WorldRunner``), one per test."""
 
@@ -77,7 +84,7 @@ class SpawnedWorlds:
         try:
             return self._settled(spec)
         except HarnessError as exc:
-            markers.fail(f"pytest-dsrepro could not start its fork server: {exc}")
+            fail_harness("start its fork server", exc)
 
     def own_world(self, spec: WorldSpec, where: str) -> Prepared:
         return self._settled(spec)
@@ -85,7 +92,7 @@ class SpawnedWorlds:
     def run(self, call: WorldCall, prepared: Prepared, run: int = 0) -> WorldOutcome:
         """The world's outcome. A test failure raised meanwhile (pytest-timeout's) fails the test with its own words
         followed by the world's story, every rank's stack included, instead of a traceback through the plugin."""
-        source_digests.check_unchanged(self.config, call.test.module_file)  # the ranks import it anew
+        check_unchanged(self.config, call.test.module_file)  # the ranks import it anew
         job = rank_job(call, prepared)
         try:
             return self.runner.run(job, prepared.spec.size, call.reuse)
@@ -119,16 +126,70 @@ class SpawnedWorlds:
         self.runner.close(finish_builds=finish_builds)
 
 
-def choose(config: pytest.Config, resolved: Settings) -> Worlds:
+def configure(config: pytest.Config, resolved: Settings) -> None:
     """At configure, once: the launcher's worlds when one started this process (``srun pytest`` without one is
     refused), else spawned ones (made earlier by ``starting_worlds`` when a plugin asked)."""
     launched = launched_run.configure(config, resolved)
-    if launched is not None:
-        return launched
-    return config.stash.get(WORLDS_KEY, None) or SpawnedWorlds(config, resolved)
+    chosen = launched or config.stash.get(WORLD_BACKEND_KEY, None) or SpawnedWorlds(config, resolved)
+    config.stash[WORLD_BACKEND_KEY] = chosen
 
 
-@contextmanager
+def plan(session: pytest.Session) -> None:
+    """Once the run's tests are known, before the first: the world backend plans them, and a cache directory that
+    can serve no world stops a run that has world tests, in one line, rather than failing each of them."""
+    config = session.config
+    config.stash[WORLD_BACKEND_KEY].plan(session.items)
+    if config.option.collectonly or not any(item.get_closest_marker("ds_world") for item in session.items):
+        return
+    cache = config.stash[settings.SETTINGS_KEY].cache_dir
+    why = unwritable(cache)
+    if why is None:
+        return
+    if not comm_op.holds_builds(cache):
+        raise pytest.UsageError(  # one line, as every startup error: pytest.exit() here reads "! Exit: ... !"
+            f"pytest-dsrepro: the cache directory {cache} cannot be written ({why}) and holds no build of DeepSpeed's "
+            "comm op for worlds to use: point --ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory"
+        )
+    progress_line(config)(f"the cache directory {cache} cannot be written ({why}): worlds use the builds it holds")
+
+
+def session_finished(session: pytest.Session, exitstatus: int) -> None:
+    """Note whether the session was interrupted, for ``close``."""
+    session.config.stash[INTERRUPTED_KEY] = exitstatus == pytest.ExitCode.INTERRUPTED
+
+
+def close(config: pytest.Config) -> None:
+    """At the very end (after the summary and every output written: a launched rank 0's, for its peers); a comm-op
+    build beside the worlds is let go on here, for later runs, unless the session was interrupted."""
+    world_backend = config.stash.get(WORLD_BACKEND_KEY, None)
+    if world_backend is not None:
+        world_backend.close(finish_builds=not config.stash.get(INTERRUPTED_KEY, True))
+
+
+def progress_line(config: pytest.Config) -> Callable[[str], None]:
+    """A line on the terminal, now, even mid-test: ``pytest-dsrepro: <text>``, for what takes long or changes the run
+    (a fork server's first start, a cache that cannot be written).
+
+    pytest captures a test's output at the file-descriptor level, so the line is written with capturing suspended,
+    as pytest's own live logging does (the capture manager reached through the plugin manager, by its registered
+    name, as pytest-timeout does). Silent where there is no terminal reporter (``-p no:terminal``, xdist workers).
+    """
+
+    def write(text: str) -> None:
+        if not config.pluginmanager.has_plugin("terminalreporter"):
+            return
+        capture = config.pluginmanager.getplugin("capturemanager")
+        suspended = getattr(capture, "global_and_fixture_disabled", contextlib.nullcontext)
+        writer = config.get_terminal_writer()
+        with suspended():
+            writer.line()
+            writer.line(f"pytest-dsrepro: {text}", bold=True)
+            writer.flush()
+
+    return write
+
+
+@contextlib.contextmanager
 def starting_worlds(config: pytest.Config) -> Iterator[None]:
     """For a run whose tests are nearly all DeepSpeed worlds (``pytest_dsrepro.upstream``), around its earliest
     work: make the spawned worlds and start their fork server, whose import of torch and DeepSpeed (seconds) then
@@ -146,11 +207,11 @@ def starting_worlds(config: pytest.Config) -> Iterator[None]:
         yield
         return
     spawned = SpawnedWorlds(config, resolved)
-    config.stash[WORLDS_KEY] = spawned
+    config.stash[WORLD_BACKEND_KEY] = spawned
     spawned.runner.launch()
     try:
         yield
     except BaseException:
-        del config.stash[WORLDS_KEY]
+        del config.stash[WORLD_BACKEND_KEY]
         spawned.close(finish_builds=False)
         raise

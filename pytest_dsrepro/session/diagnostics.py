@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Mapping
 
 from ..core.results import Environment
+from ..core.text import strip_ansi
 from ..core.world_spec import ds_accelerator
 
 #: Seconds each may take (importing DeepSpeed and probing its ops takes ~3 s here; a cold machine more).
@@ -33,7 +33,6 @@ sys.argv = ["ds_report"]
 runpy.run_module("deepspeed.env_report", run_name="__main__")
 """
 TORCH_COMMAND = ("-W", "ignore::RuntimeWarning", "-m", "torch.utils.collect_env")  # not runpy's import warning
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def rank_environment(cuda_devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -51,8 +50,8 @@ def _finish(proc: subprocess.Popen[str], what: str) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        return f"({what} did not finish within {TIMEOUT:.0f} s)\n{_ANSI.sub('', out or '')[-2000:]}"
-    text = _ANSI.sub("", out or "").rstrip()
+        return f"({what} did not finish within {TIMEOUT:.0f} s)\n{strip_ansi(out or '')[-2000:]}"
+    text = strip_ansi(out or "").rstrip()
     if proc.returncode:
         return f"({what} exited with {proc.returncode})\n{text[-4000:]}"
     return text

@@ -1,84 +1,107 @@
-"""Running a test's body in its world, in place of the test function, and judging how it ended.
+"""Running a test's body in its world, in place of the test function.
 
-Setup parses the markers and has the session's worlds (``backends``) prepare the test; at call the body runs in a
-world of that backend (a nondeterministic repro: a ``series`` of them); the gates then judge the ending, and the
-verdict becomes pytest's outcome (``pytest_dsrepro_conclude``: the plugin's own, or a scan's).
+Setup parses the markers, refuses what gets no world (``verdicts.refuse``) and has the session's world backend
+(``backends``) prepare a world test; the ``ds_config`` fixture resolves the test's config for that world; at call
+the body runs in a world of that backend (a nondeterministic repro: a series of them, for one verdict); how it ended
+goes to the judge (``verdicts.judge``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import traceback
+import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
-from packaging.version import Version
 
-from ..core.errors import HarnessError, MarkerError
-from ..core.gates import Judgement, Reason, Verdict, holding, installed_deepspeed, judge_runs
-from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
-from ..worlds.client import RunStops
-from . import markers, refusals
-from .rank_job import body_call
-from .series import run_series
-from .skip_location import skip_at
-from .stash import (
-    JUDGEMENT_KEY,
-    MARKS_KEY,
-    OUTCOME_KEY,
-    PREPARED_KEY,
-    SERIES_KEY,
-    SETTINGS_KEY,
-    WORLDS_KEY,
-    Marks,
-    Prepared,
-)
+from ..core import configs
+from ..core.configs import ResolvedConfig
+from ..core.errors import MarkerError
+from ..core.gates import Ending, ending, installed_deepspeed
+from ..core.outcome import WorldOutcome
+from . import markers, verdicts
+from .backends import WORLD_BACKEND_KEY
+from .markers import MARKS_KEY, Marks
+from .rank_job import Prepared, body_call
+from .settings import SETTINGS_KEY
+from .verdicts import Series, WorldFailed
 
-#: pytest's ``Failed``, which its public API names only as ``pytest.fail.Exception`` (mypy takes no such base).
-_Failed = pytest.fail.Exception
-
-
-class WorldFailed(_Failed):  # type: ignore[misc,valid-type]
-    """A test failure raised in the pytest process for a failed world; keeps the structured outcome.
-
-    A ``pytest.fail`` exception with ``pytrace=False``: pytest shows exactly the rank stories, not the plugin's frames.
-    """
-
-    __module__ = "builtins"  # as pytest's own Failed: the short summary reads "WorldFailed: ranks 0-1: ..."
-
-    def __init__(self, outcome: WorldOutcome, heading: str = "") -> None:
-        story = describe_failure(outcome)
-        super().__init__(f"{heading}\n{story}" if heading else story, pytrace=False)
-        self.outcome = outcome
+#: A world test's world, settled at setup: absent for a test that is no world test.
+PREPARED_KEY = pytest.StashKey[Prepared]()
+#: The ``ds_config`` fixture's value, as resolved for the test's world (``resolve_config``).
+CONFIG_KEY = pytest.StashKey[ResolvedConfig]()
+#: The world the body ran in (of a series, the one the user is shown).
+OUTCOME_KEY = pytest.StashKey[WorldOutcome]()
+#: A nondeterministic repro's series of worlds, for its one verdict.
+SERIES_KEY = pytest.StashKey[Series]()
 
 
 def setup(item: pytest.Item) -> None:
-    """Parse the markers once, and for a world test have the session's worlds prepare it before any fixture runs.
+    """Parse the markers once, and for a world test have the session's world backend prepare it before any fixture
+    runs.
 
     Every input a test gives is checked before anything is spawned (a marker's arguments, a ``ds_config`` preset
     here; fixture values when the body is sent): on a cold cache the fork server's first start takes minutes.
     """
-    settings = item.config.stash[SETTINGS_KEY]
     try:
-        marks = markers.parse(item, settings)
-        if settings.scan is None:  # a scan runs the user's config, which the scan judges against the premise
-            markers.check_config(item, marks.premise)
+        marks = markers.settle(item, item.config.stash[SETTINGS_KEY])
     except MarkerError as exc:
-        markers.fail(str(exc))
-    item.stash[MARKS_KEY] = marks
-    refusals.where_not_applicable(item, marks)
-    if marks.world is None:
-        return
-    refusals.xunit_setup(item)
-    item.stash[PREPARED_KEY] = item.config.stash[WORLDS_KEY].prepare(item, marks.world)
+        verdicts.fail(str(exc))
+    verdicts.refuse(item, marks)
+    if marks.world is not None:
+        item.stash[PREPARED_KEY] = item.config.stash[WORLD_BACKEND_KEY].prepare(item, marks.world)
+
+
+def require_world(request: pytest.FixtureRequest, fixture: str) -> None:
+    """A fixture that only a world's ranks can give fails a test that is no world test."""
+    if PREPARED_KEY not in request.node.stash:
+        verdicts.fail(f"{request.node.nodeid}: fixture {fixture!r} exists only in world tests (@pytest.mark.ds_world)")
+
+
+def resolve_config(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The ``ds_config`` fixture's value: the test id's entry (or the config a plugin runs in its place,
+    ``pytest_dsrepro_config``) resolved for the test's world, kept for the record (``CONFIG_KEY``)."""
+    item = request.node
+    param = getattr(request, "param", None)
+    if param is None:
+        verdicts.fail(f"{item.nodeid}: ds_config needs @pytest.mark.ds_config('zero3', ...) on the test")
+    name, spec = param
+    given = item.config.hook.pytest_dsrepro_config(item=item)
+    spec = spec if given is None else given
+    prepared = item.stash.get(PREPARED_KEY, None)
+    size = prepared.spec.size if prepared else item.config.stash[SETTINGS_KEY].world_size
+    try:
+        resolved = configs.resolve(spec, name, size, prepared.backend if prepared else "gloo")
+    except configs.ConfigError as exc:
+        verdicts.fail(f"@pytest.mark.ds_config on {item.nodeid}: {exc}")
+    item.stash[CONFIG_KEY] = resolved
+    return resolved.config
+
+
+def call(item: pytest.Function) -> Generator[None, object, object]:
+    """pytest's call of a test, as a hook wrapper runs it: a world test's function replaced by its world while
+    pytest calls it, then the ending judged (a pass too), whatever pytest's own call raised."""
+    __tracebackhide__ = True
+    with _in_world(item):
+        try:
+            result = yield
+        except BaseException as exc:
+            _judge(item, exc)
+            raise
+    _judge(item, None)
+    return result
+
+
+def _judge(item: pytest.Function, exc: BaseException | None) -> None:
+    __tracebackhide__ = True
+    verdicts.judge(item, exc, item.stash.get(OUTCOME_KEY, None), item.stash.get(SERIES_KEY, None))
 
 
 @contextmanager
-def in_world(item: pytest.Function) -> Iterator[None]:
+def _in_world(item: pytest.Function) -> Iterator[None]:
     """While pytest calls a world test, its function is one that runs the body in the world.
 
     pytest's own ``pytest_pyfunc_call`` still picks the arguments, so the body gets exactly what pytest would pass.
@@ -99,31 +122,51 @@ def in_world(item: pytest.Function) -> Iterator[None]:
 def _run(item: pytest.Function, function: Callable[..., Any], prepared: Prepared, **kwargs: Any) -> None:
     __tracebackhide__ = True
     call = body_call(item, function, kwargs, prepared)
-    worlds = item.config.stash[WORLDS_KEY]
+    world_backend = item.config.stash[WORLD_BACKEND_KEY]
 
     def world(run: int) -> WorldOutcome:
-        return worlds.run(call, prepared, run)
+        return world_backend.run(call, prepared, run)
 
-    plan = item.stash[MARKS_KEY].nondeterministic
-    outcome = world(0) if plan is None else run_series(item, item.stash[MARKS_KEY], plan, world)
+    marks = item.stash[MARKS_KEY]
+    runs = marks.nondeterministic.runs if marks.nondeterministic is not None else None
+    outcome = world(0) if runs is None else _series(item, marks, runs, world)
     item.stash[OUTCOME_KEY] = outcome
     if outcome.passed:
         _warn_returned(item.nodeid, function, outcome)
         return
     declared = outcome.declared
     if declared is not None:
-        declare(item, declared)
+        verdicts.declare(item, declared)
     raise WorldFailed(outcome)
 
 
-def declare(item: pytest.Item, result: RankResult) -> NoReturn:
-    """Skip or xfail the test as the body did in its rank; a skip is reported at the body's line."""
-    __tracebackhide__ = True
-    if result.status is Status.XFAILED:
-        pytest.xfail(result.detail)
-    if result.where is None:
-        pytest.skip(result.detail)
-    skip_at(item, result.detail, *result.where)
+def _series(item: pytest.Function, marks: Marks, runs: int, world: Callable[[int], WorldOutcome]) -> WorldOutcome:
+    """A nondeterministic repro (``ds_nondeterministic``): up to ``runs`` worlds, one after the other on the
+    same fork server, kept for the judge, which counts the runs that failed as declared; the one the user is shown.
+    The series stops at a run that ended otherwise than passing or failing as declared (the verdict is UNEXPECTED
+    then, whatever the others would do) or that the body skipped or xfailed."""
+    version = installed_deepspeed()
+    where = f"@pytest.mark.ds_version on {item.nodeid}"
+    outcomes: list[WorldOutcome] = []
+    started = time.monotonic()
+    shown: WorldOutcome | None = None
+    for run in range(runs):
+        outcome = world(run)
+        outcomes.append(outcome)
+        if outcome.declared is not None:
+            shown = outcome
+            break
+        try:
+            how = ending(marks.gates, marks.variant, version, outcome.failures, where) if version else Ending.OTHER
+        except MarkerError:  # ranges that overlap: the judge says so
+            how = Ending.OTHER
+        if how is Ending.OTHER:
+            shown = outcome
+            break
+        if shown is None and how is Ending.DECLARED:
+            shown = outcome
+    item.stash[SERIES_KEY] = Series(tuple(outcomes), time.monotonic() - started)
+    return shown or outcomes[-1]
 
 
 def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutcome) -> None:
@@ -140,91 +183,3 @@ def _warn_returned(nodeid: str, function: Callable[..., Any], outcome: WorldOutc
             code.co_filename,
             code.co_firstlineno,
         )
-
-
-def _with_prerequisites(judgement: Judgement, marks: Marks, version: Version) -> Judgement:
-    """The judgement, saying which other bugs' fixes the run had applied first (the verdict stands on them)."""
-    applied = tuple(c.describe() for c in holding(marks.prerequisites, version))
-    if not applied:
-        return judgement
-    note = f" (with the prerequisite fix for {'; '.join(applied)})"
-    return dataclasses.replace(judgement, message=judgement.message + note, prerequisites=applied)
-
-
-def _with_measurements(judgement: Judgement, outcome: WorldOutcome | None) -> Judgement:
-    """The judgement, saying what the body timed against its reference (``inrank.perf``), with the margin."""
-    measured = outcome.measurements if outcome is not None else ()
-    if not measured:
-        return judgement
-    note = "".join(f"; measured: {m.describe()}" for m in measured)
-    return dataclasses.replace(judgement, message=judgement.message + note)
-
-
-def _failures(exc: BaseException | None) -> tuple[RankResult, ...]:
-    if exc is None:
-        return ()
-    if isinstance(exc, WorldFailed):
-        return exc.outcome.failures
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (RankResult(0, Status.FAILED, error=ErrorInfo.from_exception(exc, text)),)
-
-
-def _story(exc: BaseException | None) -> str:
-    """What the user reads under a verdict: the world's story, else the exception's traceback ("" for a pass)."""
-    story = describe_failure(exc.outcome) if isinstance(exc, WorldFailed) else ""
-    if exc is not None and not story:
-        story = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return story
-
-
-def _judged(exc: BaseException | None) -> bool:
-    """Is ``exc`` an ending of the body (a failure, a pass)? A skip or xfail stands as pytest's; Ctrl-C, pytest's
-    exit and the like end the session, never judged (a test interrupted is no verdict). pytest's ``Failed`` (a world
-    failed, a marker is wrong) derives from ``BaseException``, as ``xfail``'s does from it."""
-    if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)):
-        return False
-    return exc is None or isinstance(exc, (Exception, pytest.fail.Exception))
-
-
-def judge_call(item: pytest.Function, exc: BaseException | None) -> None:
-    """The verdict on the body's ending: returns when pytest's own outcome stands, else raises the concluded one.
-
-    A harness error (no world ran) fails the test as such and is never judged against the gates.
-    """
-    __tracebackhide__ = True
-    if not _judged(exc):
-        return
-    marks = item.stash.get(MARKS_KEY, Marks(None, (), None, None))
-    if isinstance(exc, RunStops):
-        pytest.exit(f"pytest-dsrepro: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
-    if isinstance(exc, HarnessError):
-        if marks.gates:
-            item.stash[JUDGEMENT_KEY] = Judgement(Reason.HARNESS_ERROR, f"no world ran: {exc}")
-        markers.fail(f"pytest-dsrepro could not run this test's world: {exc}")
-    if not marks.gates:
-        return
-    where = f"@pytest.mark.ds_version on {item.nodeid}"
-    version = installed_deepspeed()
-    if version is None:
-        markers.fail(f"{where}: DeepSpeed is not installed, so no release can be judged")
-    series = item.stash.get(SERIES_KEY, None)
-    runs = [o.failures for o in series.outcomes] if series is not None else [_failures(exc)]
-    try:
-        judgement = judge_runs(
-            marks.gates, marks.variant, version, runs, where, marks.nondeterministic, series.seconds if series else 0
-        )
-    except MarkerError as error:
-        markers.fail(str(error))
-    judgement = _with_measurements(_with_prerequisites(judgement, marks, version), item.stash.get(OUTCOME_KEY, None))
-    item.stash[JUDGEMENT_KEY] = judgement
-    item.config.hook.pytest_dsrepro_conclude(item=item, judgement=judgement, story=_story(exc))
-
-
-def conclude(judgement: Judgement, story: str) -> bool:
-    """The plugin's own outcome of a verdict: REPRODUCED is pytest's xfail, UNEXPECTED a failure saying what was
-    expected, above the story; any other verdict is the body's own pass."""
-    if judgement.verdict is Verdict.REPRODUCED:
-        pytest.xfail(judgement.message)
-    if judgement.verdict is Verdict.UNEXPECTED:
-        markers.fail(f"{judgement.message}\n\n{story}".rstrip())
-    return True

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 
 from ..core.errors import HarnessError, MarkerError
-from ..core.world_spec import world_spec
+from ..core.world_spec import WorldSpec, world_spec
 from ..inrank.fixtures import RankFixture
 from ..worlds.protocol import RankValue
-from . import markers
-from .execution import WorldFailed, declare
+from . import verdicts
+from .backends import WORLD_BACKEND_KEY
 from .rank_job import WorldCall, imports_deepspeed, reference
-from .stash import SETTINGS_KEY, WORLDS_KEY
+from .settings import SETTINGS_KEY
+from .verdicts import WorldFailed
 
 
 def run_in_world(
@@ -52,30 +53,42 @@ def run_in_world(
     files (``tmp_path`` is the same directory in every rank).
     """
     __tracebackhide__ = True
-    function_ref = _qualified(function)
-    where = f"run_in_world({function_ref[1]}) in {request.node.nodeid}"
-    arguments = {**_rank_values(function), **(kwargs or {})}
-    options = {"size": size, "backend": backend, "timeout": timeout}
+    options: dict[str, object] = {"size": size, "backend": backend, "timeout": timeout}
     options.update(process_group=process_group, launcher_env=launcher_env)
+    where, spec, call = _planned(request, function, kwargs or {}, usefixtures, options)
+    world_backend = request.config.stash[WORLD_BACKEND_KEY]
     try:
-        spec = world_spec((), options, request.config.stash[SETTINGS_KEY], where)
-        module, qualname, path = _importable(function, *function_ref, where)
-        setup = _rank_fixtures(request, usefixtures, where)
-    except MarkerError as exc:
-        markers.fail(str(exc))
-    worlds = request.config.stash[WORLDS_KEY]
-    try:
-        prepared = worlds.own_world(spec, where)
-        test = reference(module, path, qualname, request.config)
-        call = WorldCall(where, function, test, arguments, setup=setup, uses_deepspeed=imports_deepspeed(path))
-        outcome = worlds.run(call, prepared)
+        outcome = world_backend.run(call, world_backend.own_world(spec, where))
     except HarnessError as exc:
-        markers.fail(f"pytest-dsrepro could not run the world of {where}: {exc}")
+        verdicts.fail_harness(f"run the world of {where}", exc)
     if outcome.passed:
         return
     if outcome.declared is not None:
-        declare(request.node, outcome.declared)
+        verdicts.declare(request.node, outcome.declared)
     raise WorldFailed(outcome, heading=f"the {spec.size}-rank world of {where} failed:")
+
+
+def _planned(
+    request: pytest.FixtureRequest,
+    function: Callable[..., object],
+    kwargs: Mapping[str, Any],
+    usefixtures: Sequence[str],
+    options: dict[str, object],
+) -> tuple[str, WorldSpec, WorldCall]:
+    """The call in words (what an error names), its world, and what the world runs: ``function`` as the ranks import
+    it, with its arguments and rank fixtures. An argument that cannot be met fails the caller, naming it."""
+    __tracebackhide__ = True
+    module_name, qualname = _qualified(function)
+    where = f"run_in_world({qualname}) in {request.node.nodeid}"
+    try:
+        spec = world_spec((), options, request.config.stash[SETTINGS_KEY], where)
+        module, qualname, path = _importable(function, module_name, qualname, where)
+        setup = _rank_fixtures(request, usefixtures, where)
+    except MarkerError as exc:
+        verdicts.fail(str(exc))
+    test = reference(module, path, qualname, request.config)
+    arguments = {**_rank_values(function), **kwargs}
+    return where, spec, WorldCall(where, function, test, arguments, setup=setup, uses_deepspeed=imports_deepspeed(path))
 
 
 def _qualified(function: Callable[..., object]) -> tuple[str, str]:

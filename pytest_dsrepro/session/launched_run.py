@@ -23,14 +23,13 @@ from ..core.world_spec import WorldSpec
 from ..worlds.launched import launcher
 from ..worlds.launched.launched_world import LaunchedWorld, stop_as_interrupted
 from ..worlds.protocol import ServerFacts
-from . import markers
-from .rank_job import WorldCall
-from .stash import Prepared
+from .rank_job import Prepared, WorldCall
+from .verdicts import fail
 
 
 class LaunchedRun:
-    """This process's part in a launched run: the session's worlds (``backends.Worlds``), registered as a plugin
-    (``dsrepro-launched``) for its hooks."""
+    """This process's part in a launched run: the session's world backend (``backends.WorldBackend``), registered as
+    a plugin (``dsrepro-launched``) for its hooks."""
 
     def __init__(self, world: Launched, settings: Settings) -> None:
         self.world = world
@@ -55,7 +54,7 @@ class LaunchedRun:
             pytest.skip(f"needs a {spec.size}-rank world; the launcher started {self.world.world_size} ranks")
         lacking = self.uncollected.get(item.nodeid)
         if lacking is not None:
-            markers.fail(f"{item.nodeid}: {lacking}; every world test must run on every rank")
+            fail(f"{item.nodeid}: {lacking}; every world test must run on every rank")
         if not (spec.process_group and spec.launcher_env):
             pytest.skip(
                 "ds_world(process_group=False/launcher_env=False) needs worlds that pytest-dsrepro starts itself; "
@@ -64,14 +63,14 @@ class LaunchedRun:
         self.arrived = item.nodeid
         problem = self.ranks.arrive(item.nodeid, spec.timeout)
         if problem is not None:
-            markers.fail(f"{item.nodeid}: {problem}")
+            fail(f"{item.nodeid}: {problem}")
         backend, skip = launcher.settle_backend_here(spec.backend, self.world, launcher.cuda_devices())
         if skip:
             pytest.skip(skip)
         return Prepared(spec, backend)
 
     def own_world(self, spec: WorldSpec, where: str) -> Prepared:
-        markers.fail(f"{where}: run_in_world forks a world of its own, which an externally launched run cannot")
+        fail(f"{where}: run_in_world forks a world of its own, which an externally launched run cannot")
 
     def run(self, call: WorldCall, prepared: Prepared, run: int = 0) -> WorldOutcome:
         """The body as one world across every rank; the outcome is rank 0's, the same on every rank. ``run``: which

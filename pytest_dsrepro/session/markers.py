@@ -1,8 +1,10 @@
-"""The markers: documented once (``pytest --markers``), parsed and validated once per test into ``Marks``."""
+"""The markers: documented once (``pytest --markers``), parsed and validated once per test into ``Marks``, kept on
+the item's stash for every later phase."""
 
 from __future__ import annotations
 
-from typing import NoReturn
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -13,6 +15,7 @@ from ..core.gates import (
     FIXED,
     STOCK,
     Condition,
+    Fix,
     Nondeterministic,
     VersionGate,
     common_fix,
@@ -23,8 +26,34 @@ from ..core.gates import (
 from ..core.options import Settings
 from ..core.premises import Premise, own_config_problem
 from ..core.results import REPRO_PARAMETERS, Origin
-from ..core.world_spec import world_spec
-from .stash import Marks
+from ..core.world_spec import WorldSpec, world_spec
+
+
+@dataclass(frozen=True)
+class Marks:
+    """A test's markers, parsed and validated once at setup (``settle``)."""
+
+    world: WorldSpec | None  # None: not a world test
+    gates: tuple[VersionGate, ...]
+    fix: Fix | None  # applied in every rank when variant == "fixed"
+    variant: str | None  # "stock" or "fixed" when the gates declare a fix
+    prerequisites: tuple[Condition, ...] = ()  # ds_prerequisite: fixes applied before the body on their releases
+    not_applicable: tuple[Condition, ...] = ()  # ds_not_applicable: releases where the body does not run
+    premise: Premise | None = None  # ds_premise: what a config must have for the bug to be possible
+    nondeterministic: Nondeterministic | None = None  # ds_nondeterministic: runs per verdict, judged by their rate
+
+
+#: What a test's markers said, once its setup parsed them (absent when they were wrong: its setup failed saying so).
+MARKS_KEY = pytest.StashKey[Marks]()
+
+
+class GivenConfig(NamedTuple):
+    """A ``ds_config`` entry a plugin gave the test in place of its own (``parametrize.give_config``): that plugin
+    judges it against the repro's premise, so setup does not (``check_config``)."""
+
+    name: str
+    config: dict[str, Any]
+
 
 MARKERS = {
     "ds_world": "ds_world(size=None, backend=None, timeout=None, reuse=False, process_group=True, launcher_env=True): "
@@ -61,11 +90,6 @@ MARKERS = {
     "at that revision (`-p pytest_dsrepro.upstream` marks DeepSpeed's own tests so); results and the matrix name it.",
 }
 VARIANTS = (STOCK, FIXED)
-
-
-def fail(message: str) -> NoReturn:
-    """Fail the test (or its collection) with ``message`` alone: no traceback, no chained exception printed twice."""
-    raise pytest.fail.Exception(message, pytrace=False) from None
 
 
 def register(config: pytest.Config) -> None:
@@ -114,6 +138,15 @@ def variant(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
     value = callspec.params.get("ds_variant") if callspec is not None else None
     return value if value in VARIANTS else None
+
+
+def settle(item: pytest.Item, settings: Settings) -> Marks:
+    """At setup: the test's markers parsed and its own ``ds_config`` entry checked against them, then kept on its
+    stash (``MARKS_KEY``); ``MarkerError`` when one is wrong, and nothing kept."""
+    marks = parse(item, settings)
+    check_config(item, marks.premise)
+    item.stash[MARKS_KEY] = marks
+    return marks
 
 
 def parse(item: pytest.Item, settings: Settings) -> Marks:
@@ -169,10 +202,11 @@ def origin(item: pytest.Item) -> Origin | None:
 def check_config(item: pytest.Item, premise: Premise | None = None) -> None:
     """This test id's ``ds_config`` entry is a known preset or a dict (what the ``ds_config`` fixture would refuse,
     refused before the fork server starts), and meets the repro's ``ds_premise``: a repro whose own config cannot
-    show its bug, or that runs without the settings a scan would give a user's config, is a defect."""
+    show its bug, or that runs without the settings a scan would give a user's config, is a defect. A config a plugin
+    gave the test (``GivenConfig``) is that plugin's to judge."""
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("ds_config") if callspec is not None else None
-    if not isinstance(param, tuple) or len(param) != 2:
+    if isinstance(param, GivenConfig) or not isinstance(param, tuple) or len(param) != 2:
         return
     name, spec = param
     try:

@@ -1,11 +1,14 @@
 """What a world runs (``WorldCall``: a test's body or a ``run_in_world`` function, with its arguments, fixes and
-rank fixtures), and the one place that makes a spawned rank's job of it (``rank_job``)."""
+rank fixtures), and the one place that makes a spawned rank's job of it (``rank_job``): the function by reference
+(ranks import its file anew, which must still hold the code pytest collected), the rest pickled once (``payload``)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,11 +16,40 @@ from typing import Any
 import pytest
 
 from ..core import source
+from ..core.errors import HarnessError
 from ..core.gates import FIXED, Fix, holding, installed_deepspeed
+from ..core.world_spec import WorldSpec
 from ..inrank.fixtures import RankFixture
 from ..worlds.protocol import RankJob, TestRef
-from .payload import payload
-from .stash import MARKS_KEY, Prepared
+from .markers import MARKS_KEY
+
+#: Each test file's digest when pytest collected it (``remember``): ranks import the file again, which must still be
+#: that code.
+SOURCES_KEY = pytest.StashKey[dict[str, str | None]]()
+
+#: pytest's own fixtures that live in the pytest process (they hold its capture, its logging, its request): what a
+#: world test uses in their place. docs/writing-repros.md lists them too, and says why.
+STAY_IN_PYTEST = {
+    "capsys": "capture in the body with contextlib.redirect_stdout(io.StringIO()); a failing rank's own output is "
+    "shown with the failure anyway",
+    "capfd": "capture in the body (contextlib.redirect_stdout); a failing rank's own output is shown with the failure",
+    "capsysbinary": "capture in the body (contextlib.redirect_stdout)",
+    "capfdbinary": "capture in the body (contextlib.redirect_stdout)",
+    "caplog": "add a logging.Handler in the body, or in a rank fixture (@rank_fixture) that yields it",
+    "recwarn": "use warnings.catch_warnings(record=True) in the body",
+    "request": "take the values you need through fixtures (their values are sent), or use a rank fixture",
+    "pytestconfig": "read the options you need in a fixture and take its value",
+    "tmp_path_factory": "take tmp_path (one directory for every rank), or a fixture that returns a path",
+    "tmpdir_factory": "take tmp_path (one directory for every rank), or a fixture that returns a path",
+}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A world test, ready to run: its world and the backend settled for the devices at hand."""
+
+    spec: WorldSpec
+    backend: str  # gloo or nccl
 
 
 @dataclass(frozen=True)
@@ -42,6 +74,34 @@ def rank_job(call: WorldCall, prepared: Prepared) -> RankJob:
         timeout=spec.timeout, deepspeed=call.uses_deepspeed and spec.process_group, warm=call.uses_deepspeed,
         process_group=spec.process_group, launcher_env=spec.launcher_env,
     )  # fmt: skip
+
+
+def payload(where: str, kwargs: dict[str, Any], fixes: Sequence[Any], setup: tuple[RankFixture, ...] = ()) -> bytes:
+    """Pickle what the ranks need, naming the fixture that cannot travel instead of failing deep in pickle; pytest's
+    process-bound fixtures (``STAY_IN_PYTEST``) are refused with what to use instead.
+
+    Pickled once; each value is tried on its own only when that fails, to name the culprit.
+    """
+    staying = [name for name in kwargs if name in STAY_IN_PYTEST]
+    if staying:
+        name = staying[0]
+        raise HarnessError(
+            f"{where}: pytest's fixture {name!r} lives in the pytest process and cannot reach the ranks; in a "
+            f"world test, {STAY_IN_PYTEST[name]}"
+        )
+    try:
+        return pickle.dumps((kwargs, list(fixes), setup))
+    except Exception:  # whatever pickle raises (it re-raises), the fixture is named below
+        named = {**{f.qualname: f for f in setup}, **kwargs}
+        for name, value in named.items():
+            try:
+                pickle.dumps(value)
+            except Exception as exc:  # noqa: BLE001
+                raise HarnessError(
+                    f"{where}: fixture or parameter {name!r} cannot be sent to the ranks "
+                    f"({type(exc).__name__}: {exc}); world tests receive only picklable values"
+                ) from None
+        raise
 
 
 def body_call(
@@ -84,6 +144,31 @@ def _test_reference(item: pytest.Function) -> TestRef:
     cls = getattr(item, "cls", None)
     qualname = f"{cls.__qualname__}.{item.originalname}" if cls is not None else item.originalname
     return reference(module.__name__, module.__file__, qualname, item.config)
+
+
+def remember(item: pytest.Item) -> None:
+    """Note what the item's file holds as pytest collects it (just after importing it)."""
+    path = getattr(getattr(item, "module", None), "__file__", None)
+    sources = item.config.stash.setdefault(SOURCES_KEY, {})
+    if path is not None and path not in sources:
+        sources[path] = _digest(path)
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def check_unchanged(config: pytest.Config, path: str) -> None:
+    """Refuse to run ranks that import ``path`` when it no longer holds the code pytest collected (edited while the
+    run goes on), rather than run a body, fixes or markers pytest never saw."""
+    collected = config.stash.get(SOURCES_KEY, {})
+    if path in collected and _digest(path) != collected[path]:
+        raise HarnessError(
+            f"{path} changed since pytest collected it, so its ranks would run code pytest never saw; run pytest again"
+        )
 
 
 def reference(module: str, path: str, qualname: str, config: pytest.Config) -> TestRef:

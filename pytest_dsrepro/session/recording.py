@@ -1,8 +1,10 @@
-"""Recording, the pytest side of the results file: a ``TestRecord`` per test report, a ``Run`` collecting them, and
-the run's outputs (``--ds-results``, ``--ds-report``, the terminal summary, JUnit properties).
+"""Recording, the pytest side of the results file: a ``TestRecord`` per test report (a plugin object may amend it,
+``pytest_dsrepro_test_record``), ``RecordedTests`` collecting them where reports arrive, what the terminal summary
+and JUnit properties say of them.
 
-The schema is ``core.results``'s; this module only reads the facts a test left on its stash (``session.stash``) and
-its report. Records travel inside ``report.user_properties`` as JSON data, so they reach the controller under xdist.
+The schema is ``core.results``'s; this module only reads the facts a test left on its stash (its markers, world,
+config, world outcome and verdict, each kept by the module that decided it) and its report. Records travel inside
+``report.user_properties`` as JSON data, so they reach the controller under xdist.
 
 Reruns (pytest-rerunfailures): an attempt that is run again is reported with the outcome ``rerun``; its records are
 dropped when that report arrives, so each test is recorded once, by its last attempt, with the number of attempts.
@@ -14,27 +16,28 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ..core import results, scan_verdicts
+from ..core import results
 from ..core.errors import MarkerError
 from ..core.gates import Judgement, Verdict
-from ..core.report import Neutral, render_markdown
-from ..core.results import Environment, Origin, ReproMeta, RunRecord, ScanSource, Source, TestRecord
+from ..core.results import Environment, Origin, ReproMeta, RunRecord, Source, TestRecord
 from ..core.source import module_slice
+from ..core.text import aligned
 from . import markers
-from .stash import CONFIG_KEY, JUDGEMENT_KEY, MARKS_KEY, OUTCOME_KEY, PREPARED_KEY, SCAN_KEY
+from .execution import CONFIG_KEY, OUTCOME_KEY, PREPARED_KEY
+from .markers import MARKS_KEY
+from .verdicts import JUDGEMENT_KEY
 
 #: The ``user_properties`` name under which a report carries its record.
 PROPERTY = "dsrepro"
-#: The JUnit ``<property>`` names on a test's ``<testcase>`` (``PROPERTY`` + ``.`` + one of these).
 #: The verdicts whose summary line says why (the rest are what the declared range predicts).
 EXPLAINED = (Verdict.UNEXPECTED.value, Verdict.NOT_APPLICABLE.value, Verdict.SKIPPED.value)
 #: The verdicts of a body that passed as its range predicts: their record has no error line.
 PASSING = (Verdict.FIXED, Verdict.NOT_YET_AFFECTED, Verdict.PASSES_WITH_FIX)
+#: The JUnit ``<property>`` names on a test's ``<testcase>`` (``PROPERTY`` + ``.`` + one of these).
 JUNIT_NAMES = ("verdict", "reason", "deepspeed", "repro", "variant", "ranks", "attempts", "rate", "margin", "measured")
 
 
@@ -107,7 +110,6 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     judgement = item.stash.get(JUDGEMENT_KEY, None)
     marks = item.stash.get(MARKS_KEY, None)
     prepared = item.stash.get(PREPARED_KEY, None)
-    scan = item.config.stash.get(SCAN_KEY, None)
     verdict, reason = (judgement.verdict, judgement.reason) if judgement else (None, None)
     gated = bool(marks.gates) if marks is not None else item.get_closest_marker("ds_version") is not None
     if judgement is None and report.skipped and not hasattr(report, "wasxfail") and gated:
@@ -115,7 +117,6 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
     config = item.stash.get(CONFIG_KEY, None)
     outcome = item.stash.get(OUTCOME_KEY, None)
     meta = repro_meta(item)
-    error = _error_line(report, judgement)
     return TestRecord(
         nodeid=item.nodeid,
         repro=meta,
@@ -123,7 +124,7 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         verdict=verdict,
         reason=reason,
         outcome=_outcome_word(report),
-        error=error,
+        error=_error_line(report, judgement),
         duration=round(report.duration, 3),
         config=config.config if config else None,
         config_notes=config.notes if config else (),
@@ -135,7 +136,6 @@ def record(item: pytest.Item, report: pytest.TestReport) -> TestRecord:
         rate=judgement.rate if judgement else None,
         measurements=outcome.measurements if outcome is not None else (),
         origin=_origin(item),
-        scan=scan.finding(item, judgement, error) if scan is not None else None,
     )
 
 
@@ -148,9 +148,12 @@ def _origin(item: pytest.Item) -> Origin | None:
 
 
 def attach(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Put the record of a call, or of a setup/teardown that did not pass, on the report (as JSON data)."""
+    """Put the record of a call, or of a setup/teardown that did not pass, on the report (as JSON data), as a plugin
+    object amends it."""
     if report.when == "call" or not report.passed:
-        report.user_properties.append((PROPERTY, record(item, report).to_json()))
+        own = record(item, report)
+        amended = item.config.hook.pytest_dsrepro_test_record(item=item, record=own)
+        report.user_properties.append((PROPERTY, (amended or own).to_json()))
 
 
 def junit_properties(test: TestRecord, deepspeed: str | None) -> list[tuple[str, str]]:
@@ -170,8 +173,17 @@ def junit_properties(test: TestRecord, deepspeed: str | None) -> list[tuple[str,
     return [(f"{PROPERTY}.{name}", value) for name in JUNIT_NAMES if (value := values[name]) is not None]
 
 
+@dataclass(frozen=True)
+class Summary:
+    """The run's part of the terminal summary: a heading and its lines (none: nothing is written)."""
+
+    title: str
+    lines: list[str]
+    with_worlds: bool = True  # the worlds the run ran on are said after the lines (else with -v only)
+
+
 @dataclass
-class Run:
+class RecordedTests:
     """Collects the records of one pytest run, where reports arrive (the controller under xdist).
 
     ``attempt`` holds each test's records of its current attempt (since its setup report), so that a rerun can drop
@@ -216,41 +228,21 @@ class Run:
             return []  # not this plugin's business
         return junit_properties(judged[0], deepspeed)
 
-    def record(self, environment: Environment, scanned: ScanSource | None = None) -> RunRecord:
-        return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests), scan=scanned)
+    def record(self, environment: Environment) -> RunRecord:
+        return RunRecord(created=results.now(), environment=environment, tests=tuple(self.tests))
 
     def summary_lines(self) -> list[str]:
         """The terminal summary: one line per gated test, its verdict first."""
-        gated = [t for t in self.tests if t.verdict or t.repro]
-        labels = [t.label for t in gated]
-        width = max(map(len, labels), default=0)
-        lines = []
-        for label, t in zip(labels, gated, strict=True):
-            word = t.verdict.value if t.verdict else t.outcome.upper()
-            why = f"  -- {t.error}" if word in EXPLAINED else ""
-            why += "".join(f"  (prerequisite fix for {p})" for p in t.prerequisites)
-            why += "".join(f"  ({m.brief})" for m in t.measurements)
-            tries = f"  ({t.attempts} attempts)" if t.attempts > 1 else ""
-            lines.append(f"{label:<{width}}  {t.nodeid}{tries}{why}")
-        return lines
+        return aligned((t.label, f"{t.nodeid}{_tries(t)}{_why(t)}") for t in self.tests if t.verdict or t.repro)
 
 
-def write_outputs(
-    run: RunRecord, results_dir: Path | None, report: Path | None, neutral: Neutral | None = None
-) -> list[str]:
-    """``--ds-results DIR`` (a new file in it) and ``--ds-report PATH`` (Markdown, local paths made neutral), each
-    when asked for; what could not be saved, in words (checked at startup, a path can still fail at the end: a full
-    disk, a directory removed meanwhile)."""
-    unsaved = []
-    if results_dir is not None:
-        try:
-            results.write(run, results_dir)
-        except OSError as exc:
-            unsaved.append(f"--ds-results {results_dir} ({exc.strerror or exc})")
-    if report is not None:
-        try:
-            report.parent.mkdir(parents=True, exist_ok=True)
-            report.write_text(scan_verdicts.markdown(run) if run.scan else render_markdown(run, neutral=neutral))
-        except OSError as exc:
-            unsaved.append(f"--ds-report {report} ({exc.strerror or exc})")
-    return unsaved
+def _tries(test: TestRecord) -> str:
+    return f"  ({test.attempts} attempts)" if test.attempts > 1 else ""
+
+
+def _why(test: TestRecord) -> str:
+    """What the summary line says after the test: why its verdict, the fixes it stood on, what it measured."""
+    word = test.verdict.value if test.verdict else test.outcome.upper()
+    why = f"  -- {test.error}" if word in EXPLAINED else ""
+    why += "".join(f"  (prerequisite fix for {p})" for p in test.prerequisites)
+    return why + "".join(f"  ({m.brief})" for m in test.measurements)

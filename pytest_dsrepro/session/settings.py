@@ -1,4 +1,5 @@
-"""The plugin's options on pytest's side: declared from ``core.options.OPTIONS``, resolved once into ``Settings``.
+"""The plugin's options on pytest's side: declared from ``core.options.OPTIONS``, resolved once into ``Settings``,
+kept on ``config.stash[SETTINGS_KEY]``.
 
 Command line > ``DSREPRO_*`` environment > ini > default; a bad value is a ``pytest.UsageError`` at startup that
 names where it came from.
@@ -15,12 +16,21 @@ import pytest
 from ..core import options
 from ..core.options import Option, Settings
 
+#: The run's settings, resolved once at configure (``configure``).
+SETTINGS_KEY = pytest.StashKey[Settings]()
+
 
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("dsrepro", "DeepSpeed repros in N-rank torch.distributed worlds")
     for opt in options.OPTIONS:
         group.addoption(opt.flag, dest=opt.dest, metavar=opt.metavar, default=None, help=opt.help)
         parser.addini(opt.ini, opt.help, default=None)
+
+
+def configure(config: pytest.Config) -> Settings:
+    """The settings, resolved at configure and kept for every later hook."""
+    resolved = config.stash[SETTINGS_KEY] = resolve(config)
+    return resolved
 
 
 def resolve(
