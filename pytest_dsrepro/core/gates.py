@@ -11,7 +11,7 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -19,6 +19,7 @@ from packaging.version import InvalidVersion, Version
 from . import versions
 from .errors import MarkerError
 from .outcome import RankResult, Status, group_ranks, rank_ranges
+from .typed_json import Inconsistent, Least, Seconds
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -96,11 +97,18 @@ class Rate:
     raised): the verdict is UNEXPECTED whatever the rest would do, so the series stops there.
     """
 
-    runs: int
-    planned: int
+    runs: Annotated[int, Least(1)]
+    planned: Annotated[int, Least(1)]
     failed: int
-    needed: int  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
-    seconds: float  # the runs' wall time, all together
+    needed: Annotated[int, Least(1)]  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
+    seconds: Seconds  # the runs' wall time, all together
+
+    def __post_init__(self) -> None:
+        if self.runs > self.planned or self.failed > self.runs or self.needed > self.planned:
+            raise Inconsistent(
+                f"runs {self.runs}, planned {self.planned}, failed {self.failed}, needed {self.needed} do not add up "
+                "(failed <= runs <= planned, needed <= planned)"
+            )
 
     def __str__(self) -> str:
         return f"{self.failed}/{self.runs}"
