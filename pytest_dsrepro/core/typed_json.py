@@ -42,6 +42,8 @@ class OneOf:
 
 @dataclass(frozen=True)
 class _Unit:
+    """What a number counts, for its messages."""
+
     unit: str
 
 
@@ -61,21 +63,19 @@ def read(cls: type[R], data: object, where: str, inside: str | None = None) -> R
     """A ``cls`` from its JSON object; ``ValueError`` naming the field and ``where`` the object is. ``inside``: how the
     places of the records it holds begin (``where``, unless it is the whole file: ``""``)."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where} must be an object, not {_kind(data)}")
+        raise ValueError(f"{where} must be an object, not {_told(data)}")
     if isinstance(label := data.get(getattr(cls, "named_by", None)), str):
         where = f"{where} ({label})"
-    hints = _hints(typing.cast(type, cls))
-    for problem, names in (
-        ("missing", [n for n in hints if n not in data]),
-        ("unknown", sorted(set(data) - set(hints))),
-    ):
-        if names:
-            raise ValueError(f"{where}: {problem} field{'s' * (len(names) > 1)} {', '.join(map(repr, names))}")
+    readers = _readers(typing.cast(type, cls))
+    if len(data) != len(readers) or not all(name in data for name in readers):
+        for problem, names in (
+            ("missing", [n for n in readers if n not in data]),
+            ("unknown", sorted(set(data) - set(readers))),
+        ):
+            if names:
+                raise ValueError(f"{where}: {problem} field{'s' * (len(names) > 1)} {', '.join(map(repr, names))}")
     prefix = where if inside is None else inside
-    values = {
-        name: _value(hint, data[name], where, name, f"{prefix}.{name}" if prefix else name)
-        for name, hint in hints.items()
-    }
+    values = {name: reader(data[name], where, prefix) for name, reader in readers.items()}
     try:
         return cls(**values)
     except Inconsistent as exc:
@@ -99,111 +99,129 @@ def _json(value: object) -> object:
     return value
 
 
+#: How one field is read: its JSON value, the place of its record, how the places of what it holds begin.
+_Reader = Callable[[Any, str, str], object]
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """A record's fields and their types, in order (asked for every record read, so kept per class)."""
+def _readers(cls: type) -> dict[str, _Reader]:
+    """A record's fields, in order, each with its reader: made once per class from its type hints."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.name: _reader(f.name, hints[f.name]) for f in dataclasses.fields(cls)}
 
 
 _KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
 
 
-def _kind(value: object) -> str:
+def _told(value: object) -> str:
+    """A JSON value as a message names it: ``null``, ``an object``, ``a list``, ``a string``, else itself."""
     return "null" if value is None else _KINDS.get(type(value), repr(value))
+
+
+def _reader(name: str, hint: Any) -> _Reader:
+    """How field ``name``, typed ``hint`` (``X | None``: null allowed; ``Annotated``: what it says), is read."""
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    if optional:
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    rule = None
+    if typing.get_origin(hint) is Annotated:
+        hint, rule = typing.get_args(hint)[:2]
+    field = _Field(name, optional, rule)
+    if isinstance(rule, OneOf) or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+        choices = rule.choices if isinstance(rule, OneOf) else tuple(m.value for m in hint)
+        plain = functools.partial(field.choice, choices, hint)
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        plain = functools.partial(field.record, hint)
+    else:
+        plain = functools.partial(_PLAIN.get(hint) or _PLAIN[typing.get_origin(hint)], field, hint)
+    if not optional:
+        return plain
+
+    def or_null(value: Any, where: str, prefix: str) -> object:
+        return None if value is None else plain(value, where, prefix)
+
+    return or_null
 
 
 @dataclass(frozen=True)
 class _Field:
-    """One field's value being read: the place of its record, its name, its own place, what its annotation says."""
+    """One field of a record class: its name, whether it may be null, what its annotation says beyond its type."""
 
-    where: str
     name: str
-    path: str
-    value: Any
     optional: bool
     rule: object
 
-    def bad(self, expected: str) -> ValueError:
-        return ValueError(f"{self.where}: {self.name!r} must be {expected}, not {_kind(self.value)}")
+    def bad(self, value: object, where: str, expected: str) -> ValueError:
+        return ValueError(f"{where}: {self.name!r} must be {expected}, not {_told(value)}")
 
-    def number(self, whole: bool, least: float) -> bool:
-        value = self.value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and isinstance(value, float)):
-            return False
-        return value >= least
+    def path(self, prefix: str) -> str:
+        """The field's own place, for what it holds (``tests[0] (t.py::x).rate``)."""
+        return f"{prefix}.{self.name}" if prefix else self.name
 
-
-def _value(hint: Any, value: object, where: str, name: str, path: str) -> object:
-    """``value`` of field ``name`` (typed ``hint``) of the record at ``where``; ``path``: the field's own place."""
-    optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    if optional:
-        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
-        if value is None:
-            return None
-    rule = None
-    if typing.get_origin(hint) is Annotated:
-        hint, rule = hint.__origin__, hint.__metadata__[0]
-    field = _Field(where, name, path, value, optional, rule)
-    choices = rule.choices if isinstance(rule, OneOf) else tuple(m.value for m in hint) if _is_enum(hint) else None
-    if choices is not None:
+    def choice(self, choices: tuple[str, ...], hint: Any, value: Any, where: str, prefix: str) -> object:
         if value not in choices:
-            raise ValueError(f"{where}: {name!r} is {value!r}, not one of {', '.join(choices)}")
+            raise ValueError(f"{where}: {self.name!r} is {value!r}, not one of {', '.join(choices)}")
         return hint(value)
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        if optional and not isinstance(value, dict):
-            raise field.bad("an object or null")
-        return read(hint, value, path)
-    simple = _SIMPLE.get(hint) or _SIMPLE[typing.get_origin(hint)]
-    return simple(field, hint)
+
+    def record(self, hint: Any, value: Any, where: str, prefix: str) -> object:
+        if self.optional and not isinstance(value, dict):
+            raise self.bad(value, where, "an object or null")
+        return read(hint, value, self.path(prefix))
 
 
-def _text(field: _Field, hint: Any) -> object:
-    if not isinstance(field.value, str):
-        raise field.bad("a string")
-    return field.value if hint is str else _time(field)
+def _text(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
+    if not isinstance(value, str):
+        raise field.bad(value, where, "a string")
+    if hint is str:
+        return value
+    try:  # an ISO 8601 time; one without a zone is UTC's
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{where}: {field.name!r} is {value!r}, not an ISO 8601 time") from None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
 
 
-def _flag(field: _Field, hint: Any) -> object:
-    if not isinstance(field.value, bool):
-        raise field.bad("true or false")
-    return field.value
+def _flag(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
+    if not isinstance(value, bool):
+        raise field.bad(value, where, "true or false")
+    return value
 
 
-def _whole(field: _Field, hint: Any) -> object:
+def _whole(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
     least = field.rule.value if isinstance(field.rule, Least) else 0
-    if not field.number(True, least):
-        raise field.bad(f"a whole number >= {least}" + " or null" * field.optional)
-    return field.value
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise field.bad(value, where, f"a whole number >= {least}" + " or null" * field.optional)
+    return value
 
 
-def _real(field: _Field, hint: Any) -> object:
-    if not field.number(False, 0.0):
-        raise field.bad(f"a number of {field.rule.unit} >= 0" if isinstance(field.rule, _Unit) else "a number >= 0")
-    return float(field.value)
+def _real(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # nor NaN
+        unit = f" of {field.rule.unit}" if isinstance(field.rule, _Unit) else ""
+        raise field.bad(value, where, f"a number{unit} >= 0")
+    return float(value)
 
 
-def _object(field: _Field, hint: Any) -> object:
-    if not isinstance(field.value, dict):
-        raise field.bad("an object or null" if field.optional else "an object")
-    return field.value
+def _object(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
+    if not isinstance(value, dict):
+        raise field.bad(value, where, "an object or null" if field.optional else "an object")
+    return value
 
 
-def _items(field: _Field, hint: Any) -> object:
+def _items(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
     """A list, read as a tuple: of strings, or of records (each at its place, ``ranks[3]``)."""
     item = typing.get_args(hint)[0]  # tuple[item, ...]
-    value = field.value
     if item is str:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise field.bad("a list of strings")
+            raise field.bad(value, where, "a list of strings")
         return tuple(value)
     if not isinstance(value, list):
-        raise field.bad("a list")
-    return tuple(read(item, v, f"{field.path}[{i}]") for i, v in enumerate(value))
+        raise field.bad(value, where, "a list")
+    path = field.path(prefix)
+    return tuple(read(item, v, f"{path}[{i}]") for i, v in enumerate(value))
 
 
-#: How a field of each plain type (or generic origin) is read.
-_SIMPLE: dict[object, Callable[[_Field, Any], object]] = {
+#: How a field of each plain type (or generic origin: ``dict[...]``, ``tuple[...]``) is read.
+_PLAIN: dict[object, Callable[[_Field, Any, Any, str, str], object]] = {
     str: _text,
     datetime.datetime: _text,
     bool: _flag,
@@ -212,16 +230,3 @@ _SIMPLE: dict[object, Callable[[_Field, Any], object]] = {
     dict: _object,
     tuple: _items,
 }
-
-
-def _is_enum(hint: Any) -> bool:
-    return isinstance(hint, type) and issubclass(hint, enum.Enum)
-
-
-def _time(field: _Field) -> datetime.datetime:
-    """An ISO 8601 time; one without a zone is UTC's."""
-    try:
-        when = datetime.datetime.fromisoformat(field.value)
-    except ValueError:
-        raise ValueError(f"{field.where}: {field.name!r} is {field.value!r}, not an ISO 8601 time") from None
-    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
