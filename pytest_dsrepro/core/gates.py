@@ -11,7 +11,7 @@ import importlib
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 from . import versions
 from .errors import MarkerError
 from .outcome import RankResult, Status, group_ranks, rank_ranges
-from .typed_json import Inconsistent, Least, Seconds
+from .typed_json import Inconsistent
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -97,11 +97,11 @@ class Rate:
     raised): the verdict is UNEXPECTED whatever the rest would do, so the series stops there.
     """
 
-    runs: Annotated[int, Least(1)]
-    planned: Annotated[int, Least(1)]
+    runs: int
+    planned: int
     failed: int
-    needed: Annotated[int, Least(1)]  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
-    seconds: Seconds  # the runs' wall time, all together
+    needed: int  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
+    seconds: float  # the runs' wall time, all together
 
     def __post_init__(self) -> None:
         if self.runs > self.planned or self.failed > self.runs or self.needed > self.planned:

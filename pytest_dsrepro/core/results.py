@@ -30,7 +30,7 @@ from . import typed_json, versions
 from .files import write_atomically
 from .gates import Rate, Reason, Verdict
 from .outcome import Measurement, Status, WorldOutcome, group_ranks
-from .typed_json import Inconsistent, Least, OneOf, Seconds
+from .typed_json import Fields, Inconsistent, Least, OneOf, Seconds, Unit
 
 __all__ = [
     "OUTCOMES",
@@ -95,6 +95,12 @@ def upgraded(data: dict[str, Any]) -> dict[str, Any]:
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
 OUTPUT_KEPT = 4000
+#: What a series' rate and a body's measurement hold beyond their types, said here: ``core.gates`` and
+#: ``core.outcome`` define them free of any schema (``dsrepro export`` inlines ``Measurement`` into scripts).
+_RATE = Fields(runs=Least(1), planned=Least(1), needed=Least(1), seconds=Unit("seconds"))
+_MEASUREMENT = Fields(
+    seconds=Unit("seconds"), reference_seconds=Unit("seconds"), repeats=Least(1), clock=OneOf(("cpu", "wall"))
+)
 
 
 # --- the records ---------------------------------------------------------------------------------------------------
@@ -343,8 +349,9 @@ class TestRecord:
     attempts: Annotated[int, Least(1)] = 1
     source: Source | None = None
     prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
-    rate: Rate | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
-    measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference, in the same run
+    rate: Annotated[Rate, _RATE] | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
+    # what the body timed against its reference, in the same run
+    measurements: tuple[Annotated[Measurement, _MEASUREMENT], ...] = ()
     origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
     scan: Finding | None = None  # the test's verdict in a scan of a user's config (``--ds-scan``)
 

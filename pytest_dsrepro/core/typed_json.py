@@ -3,10 +3,11 @@ field and where it is (``tests[3] (t.py::x).measurements[0]: 'limit' must be a n
 
 Every declared field must be present (null where the type allows it) and no other may be: a writer that drifts from
 its schema is caught at the first file it writes, not by a reader that silently finds nothing. What a field holds
-beyond its type is said where it is declared (``Annotated[int, Least(1)]``, :data:`Seconds`, ``OneOf``); a record
-whose fields disagree with each other raises :class:`Inconsistent` from its ``__post_init__``, which :func:`read`
-tells with its place. A record class may name the field that identifies it in messages (``named_by = "nodeid"``).
-Pure: the standard library only.
+beyond its type is said where it is declared (``Annotated[int, Least(1)]``, :data:`Seconds`, ``OneOf``), or, for a
+record defined where no schema is known, where the schema holds it (``Annotated[Measurement, Fields(...)]``); a
+record whose fields disagree with each other raises :class:`Inconsistent` from its ``__post_init__``, which
+:func:`read` tells with its place. A record class may name the field that identifies it in messages
+(``named_by = "nodeid"``). Pure: the standard library only.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-__all__ = ["Inconsistent", "Least", "OneOf", "Seconds", "read", "written"]
+__all__ = ["Fields", "Inconsistent", "Least", "OneOf", "Seconds", "Unit", "read", "written"]
 
 R = TypeVar("R")
 
@@ -41,14 +42,25 @@ class OneOf:
 
 
 @dataclass(frozen=True)
-class _Unit:
-    """What a number counts, for its messages."""
+class Unit:
+    """What a number counts, for its messages (``a number of seconds >= 0``)."""
 
     unit: str
 
 
 #: A duration: read as "a number of seconds >= 0".
-Seconds = Annotated[float, _Unit("seconds")]
+Seconds = Annotated[float, Unit("seconds")]
+
+
+@dataclass(frozen=True, init=False)
+class Fields:
+    """What the fields of a record defined elsewhere hold beyond their types, said where a schema holds the record
+    (``Annotated[Measurement, Fields(repeats=Least(1))]``): the record's own module stays free of any schema."""
+
+    rules: tuple[tuple[str, object], ...]
+
+    def __init__(self, **rules: object) -> None:
+        object.__setattr__(self, "rules", tuple(rules.items()))
 
 
 class Inconsistent(ValueError):
@@ -59,14 +71,15 @@ class Inconsistent(ValueError):
         self.problem = problem
 
 
-def read(cls: type[R], data: object, where: str, inside: str | None = None) -> R:
+def read(cls: type[R], data: object, where: str, inside: str | None = None, fields: Fields | None = None) -> R:
     """A ``cls`` from its JSON object; ``ValueError`` naming the field and ``where`` the object is. ``inside``: how the
-    places of the records it holds begin (``where``, unless it is the whole file: ``""``)."""
+    places of the records it holds begin (``where``, unless it is the whole file: ``""``); ``fields``: what its
+    fields hold beyond their types, where its class does not say."""
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be an object, not {_told(data)}")
     if isinstance(label := data.get(getattr(cls, "named_by", None)), str):
         where = f"{where} ({label})"
-    readers = _readers(typing.cast(type, cls))
+    readers = _readers(typing.cast(type, cls), fields)
     if len(data) != len(readers) or not all(name in data for name in readers):
         for problem, names in (
             ("missing", [n for n in readers if n not in data]),
@@ -82,21 +95,26 @@ def read(cls: type[R], data: object, where: str, inside: str | None = None) -> R
         raise ValueError(f"{where}: {exc.problem}") from None
 
 
-def written(record: Any) -> dict[str, Any]:
+def written(record: object) -> dict[str, Any]:
     """A record as its JSON object: fields in order, enums by value, tuples as lists, times to the second."""
-    return {f.name: _json(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    return {name: _json(getattr(record, name)) for name in _names(typing.cast(type, type(record)))}
+
+
+@functools.cache
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _json(value: object) -> object:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return written(value)
     if isinstance(value, enum.Enum):
         return value.value
+    if value is None or isinstance(value, (str, int, float, dict)):
+        return value
     if isinstance(value, tuple):
         return [_json(item) for item in value]
     if isinstance(value, datetime.datetime):
         return value.isoformat(timespec="seconds")
-    return value
+    return written(value)  # a record
 
 
 #: How one field is read: its JSON value, the place of its record, how the places of what it holds begin.
@@ -104,13 +122,19 @@ _Reader = Callable[[Any, str, str], object]
 
 
 @functools.cache
-def _readers(cls: type) -> dict[str, _Reader]:
-    """A record's fields, in order, each with its reader: made once per class from its type hints."""
+def _readers(cls: type, fields: Fields | None) -> dict[str, _Reader]:
+    """A record's fields, in order, each with its reader: made once per class (and ``fields``) from its type hints."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: _reader(f.name, hints[f.name]) for f in dataclasses.fields(cls)}
+    rules = dict(fields.rules) if fields is not None else {}
+    return {f.name: _reader(f.name, hints[f.name], rules.get(f.name)) for f in dataclasses.fields(cls)}
 
 
 _KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
+
+
+def _annotated(hint: Any) -> tuple[Any, object]:
+    """``Annotated[hint, rule]`` as ``(hint, rule)``; a plain hint with no rule."""
+    return typing.get_args(hint)[:2] if typing.get_origin(hint) is Annotated else (hint, None)
 
 
 def _told(value: object) -> str:
@@ -118,15 +142,15 @@ def _told(value: object) -> str:
     return "null" if value is None else _KINDS.get(type(value), repr(value))
 
 
-def _reader(name: str, hint: Any) -> _Reader:
-    """How field ``name``, typed ``hint`` (``X | None``: null allowed; ``Annotated``: what it says), is read."""
+def _reader(name: str, hint: Any, rule: object = None) -> _Reader:
+    """How field ``name``, typed ``hint`` (``X | None``: null allowed; ``Annotated``: what it says, unless ``rule``
+    does), is read."""
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType)
     if optional:
         (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
-    rule = None
-    if typing.get_origin(hint) is Annotated:
-        hint, rule = typing.get_args(hint)[:2]
-    field = _Field(name, optional, rule)
+    hint, said = _annotated(hint)
+    field = _Field(name, optional, said if rule is None else rule)
+    rule = field.rule
     if isinstance(rule, OneOf) or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         choices = rule.choices if isinstance(rule, OneOf) else tuple(m.value for m in hint)
         plain = functools.partial(field.choice, choices, hint)
@@ -166,7 +190,7 @@ class _Field:
     def record(self, hint: Any, value: Any, where: str, prefix: str) -> object:
         if self.optional and not isinstance(value, dict):
             raise self.bad(value, where, "an object or null")
-        return read(hint, value, self.path(prefix))
+        return read(hint, value, self.path(prefix), fields=self.rule if isinstance(self.rule, Fields) else None)
 
 
 def _text(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
@@ -196,7 +220,7 @@ def _whole(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> obj
 
 def _real(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:  # nor NaN
-        unit = f" of {field.rule.unit}" if isinstance(field.rule, _Unit) else ""
+        unit = f" of {field.rule.unit}" if isinstance(field.rule, Unit) else ""
         raise field.bad(value, where, f"a number{unit} >= 0")
     return float(value)
 
@@ -209,7 +233,7 @@ def _object(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> ob
 
 def _items(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> object:
     """A list, read as a tuple: of strings, or of records (each at its place, ``ranks[3]``)."""
-    item = typing.get_args(hint)[0]  # tuple[item, ...]
+    item, rule = _annotated(typing.get_args(hint)[0])  # tuple[item, ...]
     if item is str:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise field.bad(value, where, "a list of strings")
@@ -217,7 +241,8 @@ def _items(field: _Field, hint: Any, value: Any, where: str, prefix: str) -> obj
     if not isinstance(value, list):
         raise field.bad(value, where, "a list")
     path = field.path(prefix)
-    return tuple(read(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    fields = rule if isinstance(rule, Fields) else None
+    return tuple(read(item, v, f"{path}[{i}]", fields=fields) for i, v in enumerate(value))
 
 
 #: How a field of each plain type (or generic origin: ``dict[...]``, ``tuple[...]``) is read.
