@@ -16,7 +16,7 @@ import pytest
 
 from conftest import deepspeed_version
 from pytest_dsrepro.core import results, shard_manifests
-from pytest_dsrepro.core.shard_manifests import Manifest, State
+from pytest_dsrepro.core.shard_manifests import Manifest, ShardState
 
 PLAIN = """\
 import time
@@ -170,13 +170,13 @@ def test_the_merge_judges_each_shard_by_its_manifest_and_its_results(tmp_path: P
     files, _ = results.read_all([tmp_path])
     verdicts = shard_manifests.judge(found, files)
     assert [(s.index, s.state) for s in verdicts] == [
-        (1, State.COMPLETE), (2, State.DEAD), (3, State.INCOMPLETE), (4, State.MISSING)
+        (1, ShardState.COMPLETE), (2, ShardState.DEAD), (3, ShardState.INCOMPLETE), (4, ShardState.MISSING)
     ]  # fmt: skip
     assert verdicts[2].detail == "ran 0 of 1 planned tests, pytest exit status 0"
     assert verdicts[2].missing == ("u/t.py::c",)
     assert [(s.index, s.state) for s in shard_manifests.judge([], [], count=2)] == [
-        (1, State.MISSING),
-        (2, State.MISSING),
+        (1, ShardState.MISSING),
+        (2, ShardState.MISSING),
     ]
 
 

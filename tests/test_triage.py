@@ -17,6 +17,7 @@ from packaging.version import Version
 from pytest_dsrepro.core import logread, premises, triage
 from pytest_dsrepro.core.logread import Frame
 from pytest_dsrepro.core.results import Finding, ScanVerdict
+from pytest_dsrepro.core.text import strip_ansi
 from pytest_dsrepro.tools import log_input, scaffold, triage_command
 
 EPILOGUE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
@@ -56,7 +57,7 @@ def test_colours_rank_prefixes_and_interleaved_ranks_come_apart() -> None:
 
 
 def test_colour_codes_whose_escape_was_lost_in_a_paste_are_removed() -> None:
-    assert logread.strip_ansi("[1;31mKeyError[0m: 2") == "KeyError: 2"
+    assert strip_ansi("[1;31mKeyError[0m: 2") == "KeyError: 2"
 
 
 def test_torchrun_and_mpirun_prefixes_name_the_rank() -> None:

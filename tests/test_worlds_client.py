@@ -83,9 +83,6 @@ class ScriptedServer(ForkServer):
         time.sleep(min(timeout, 0.01))
         return None
 
-    def log_tail(self) -> str:
-        return "(scripted: no log)"
-
 
 def _job(timeout: float = 30.0) -> RankJob:
     return RankJob(TestRef("m", "/m.py", "test_x", (), "/"), b"", "gloo", timeout)

@@ -6,9 +6,10 @@ row by, so it is read from the checkout itself, never taken from a caller.
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from .git import GitError, git
 
 #: What makes a directory a DeepSpeed checkout whose tests can run: DeepSpeed's harness and its test configuration.
 MARKS = ("tests/unit/common.py", "tests/conftest.py", "version.txt")
@@ -49,13 +50,11 @@ def find(start: Path) -> Path | None:
 
 
 def _git(root: Path, *args: str) -> str:
+    """git's answer, or the checkout's own error saying what git said (``core.git``: nothing written by reading)."""
     try:
-        proc = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        return git(root, *args, timeout=60).strip()
+    except GitError as exc:
         raise CheckoutError(f"git could not read {root}: {exc}") from None
-    if proc.returncode != 0:
-        raise CheckoutError(f"git could not read {root} (git {' '.join(args)}): {proc.stderr.strip()}")
-    return proc.stdout.strip()
 
 
 def read(root: Path) -> Checkout:

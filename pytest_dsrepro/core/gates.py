@@ -19,6 +19,7 @@ from packaging.version import InvalidVersion, Version
 from . import versions
 from .errors import MarkerError
 from .outcome import RankResult, Status, group_ranks, rank_ranges
+from .typed_json import Inconsistent
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
 Fix = Callable[[Any], None]
@@ -101,6 +102,13 @@ class Rate:
     failed: int
     needed: int  # failures as declared that make REPRODUCED (FIXED and PASSES-WITH-FIX need 0)
     seconds: float  # the runs' wall time, all together
+
+    def __post_init__(self) -> None:
+        if self.runs > self.planned or self.failed > self.runs or self.needed > self.planned:
+            raise Inconsistent(
+                f"runs {self.runs}, planned {self.planned}, failed {self.failed}, needed {self.needed} do not add up "
+                "(failed <= runs <= planned, needed <= planned)"
+            )
 
     def __str__(self) -> str:
         return f"{self.failed}/{self.runs}"

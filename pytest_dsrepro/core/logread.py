@@ -24,10 +24,9 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from .outcome import PEER_LOST
+from .text import strip_ansi
 from .userconfig import strip_comments
 
-#: Escape sequences (CSI, OSC, two-byte), and the colour codes a paste leaves once the escape character is gone.
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\[(?:\d{1,3};)*\d{1,3}m")
 #: Per-line rank prefixes: torch's ``[rank3]:``, torchrun's ``--tee`` ``[default3]:``, mpirun's ``[1,3]<stderr>:``,
 #: each possibly after a launcher's ``host: `` (DeepSpeed's pdsh runner).
 _RANK_PREFIX = re.compile(
@@ -162,10 +161,6 @@ class Reading:
 
 
 # --- cleaning ------------------------------------------------------------------------------------------------------
-
-
-def strip_ansi(text: str) -> str:
-    return _ANSI.sub("", text)
 
 
 def _lines(text: str) -> list[str]:

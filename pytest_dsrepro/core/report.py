@@ -26,6 +26,7 @@ from typing import Any
 from .gates import oldest_first
 from .outcome import rank_ranges
 from .results import Environment, RankStory, ReproMeta, RunRecord, Source, TestRecord
+from .text import markdown_cell, strip_ansi
 
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000
@@ -41,7 +42,6 @@ _ENV_ROWS = (
     ("pytest", "pytest"),
     ("pytest-dsrepro", "plugin"),
 )
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 # --- local paths -----------------------------------------------------------------------------------------------
@@ -94,11 +94,6 @@ def _fence(text: str, lang: str = "") -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
-def _plain(text: str) -> str:
-    """Terminal colours out (DeepSpeed colours its warnings and ds_report)."""
-    return _ANSI.sub("", text)
-
-
 def _clip(text: str, limit: int = BLOCK_LIMIT) -> str:
     """Keep the end of ``text`` (where a traceback's exception and a log's last words are)."""
     if len(text) <= limit:
@@ -148,9 +143,9 @@ def split_dumps(output: str) -> tuple[str, str]:
 
 def _output(label: str, output: str) -> list[str]:
     """A rank group's output tail; DeepSpeed's dumps folded apart unless they are all there is."""
-    kept, folded = split_dumps(_plain(output))
+    kept, folded = split_dumps(strip_ansi(output))
     if not kept.strip() or not folded:
-        return ["", _details(f"Output of {label} (tail)", _fence(_clip(_plain(output))))]
+        return ["", _details(f"Output of {label} (tail)", _fence(_clip(strip_ansi(output))))]
     n = folded.count("\n") + 1
     body = (
         _fence(_clip(kept))
@@ -158,12 +153,6 @@ def _output(label: str, output: str) -> list[str]:
         + _details(f"DeepSpeed's config and memory dumps ({n} lines)", _fence(_clip(folded)))
     )
     return ["", _details(f"Output of {label} (tail, {n} lines of DeepSpeed's config and memory dumps folded)", body)]
-
-
-def _cell(value: object) -> str:
-    """A Markdown table cell: one line, pipes escaped."""
-    text = " ".join(str(value).split())
-    return text.replace("|", "\\|") if text else "-"
 
 
 def _code(value: object) -> str:
@@ -219,29 +208,30 @@ def _environment(env: Environment) -> list[str]:
     lines = ["### Environment", "", "| | |", "|---|---|"]
     for title, key in _ENV_ROWS:
         value = getattr(env, key)
-        lines.append(f"| {title} | {_cell(value if value is not None else _UNSET.get(key, 'not installed'))} |")
+        lines.append(f"| {title} | {markdown_cell(value if value is not None else _UNSET.get(key, 'not installed'))} |")
     cpu = env.cpu or "unknown"
     if env.cpu_count:
         cpu = f"{cpu} ({env.cpu_count} cores)"
-    lines.append(f"| CPU | {_cell(cpu)} |")
+    lines.append(f"| CPU | {markdown_cell(cpu)} |")
     gpu = f"{env.gpu_count} x {env.gpu}" if env.gpu_count else "none"
-    lines.append(f"| GPU | {_cell(gpu)} |")
+    lines.append(f"| GPU | {markdown_cell(gpu)} |")
     if env.ds_report:
-        lines += ["", _details("ds_report (DeepSpeed's own environment report)", _fence(_clip(_plain(env.ds_report))))]
+        lines += [
+            "",
+            _details("ds_report (DeepSpeed's own environment report)", _fence(_clip(strip_ansi(env.ds_report)))),
+        ]
     if env.torch_env:
         summary = "python -m torch.utils.collect_env (torch's environment summary)"
-        lines += ["", _details(summary, _fence(_clip(_plain(env.torch_env))))]
+        lines += ["", _details(summary, _fence(_clip(strip_ansi(env.torch_env))))]
     return lines
-
-
-def _label(test: TestRecord) -> str:
-    return test.label
 
 
 def _summary(tests: Sequence[TestRecord]) -> list[str]:
     lines = ["### Summary", "", "| Test | Verdict | Outcome | Duration |", "|---|---|---|---|"]
     for t in tests:
-        lines.append(f"| {_code(t.nodeid)} | {_cell(_label(t))} | {_cell(t.outcome)} | {t.duration:.1f} s |")
+        lines.append(
+            f"| {_code(t.nodeid)} | {markdown_cell(t.label)} | {markdown_cell(t.outcome)} | {t.duration:.1f} s |"
+        )
     return lines
 
 
@@ -371,7 +361,7 @@ def _failures(test: TestRecord) -> list[str]:
         label = story.ranks or "ranks"
         lines += ["", f"**{label}:** {_code(story.error or 'no error recorded')}"]
         if story.traceback:
-            lines += ["", _details(f"Traceback ({label})", _fence(_clip(_plain(story.traceback)), "pytb"))]
+            lines += ["", _details(f"Traceback ({label})", _fence(_clip(strip_ansi(story.traceback)), "pytb"))]
         if story.output.strip():
             lines += _output(label, story.output)
     if not stories and test.longrepr:
@@ -380,7 +370,7 @@ def _failures(test: TestRecord) -> list[str]:
 
 
 def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[str]:
-    lines = [f"### {_label(test)}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test), *_prerequisites(test)]
+    lines = [f"### {test.label}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test), *_prerequisites(test)]
     lines += [*_rate(test), *_measured(test)]
     outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
     if test.variant:

@@ -6,8 +6,9 @@ Recording (the pytest side), ``dsrepro install``, ``dsrepro matrix``, ``dsrepro 
 go through the typed records here; nobody else reads or writes the JSON, and verdicts are the gates' own
 :class:`~pytest_dsrepro.core.gates.Verdict` and :class:`~pytest_dsrepro.core.gates.Reason`, never strings of their own.
 
-Pure: no pytest, no torch. :func:`RunRecord.from_json` validates everything and raises ``ValueError`` saying what
-is wrong and where; a file of another schema version is refused by name rather than half read.
+Pure: no pytest, no torch. The records are read and written by their type hints (:mod:`core.typed_json`):
+:func:`RunRecord.from_json` validates everything and raises ``ValueError`` saying what is wrong and where; a file of
+another schema version is refused by name rather than half read.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Annotated, Any
 
-from . import versions
+from . import typed_json, versions
+from .files import write_atomically
 from .gates import Rate, Reason, Verdict
 from .outcome import Measurement, Status, WorldOutcome, group_ranks
+from .typed_json import Fields, Inconsistent, Least, OneOf, Seconds, Unit
 
 __all__ = [
     "OUTCOMES",
@@ -92,115 +95,12 @@ def upgraded(data: dict[str, Any]) -> dict[str, Any]:
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 #: How much of one rank group's own output a record keeps.
 OUTPUT_KEPT = 4000
-
-
-# --- validation ----------------------------------------------------------------------------------------------------
-
-
-_KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string"}
-
-
-def _kind(value: object) -> str:
-    return "null" if value is None else _KINDS.get(type(value), repr(value))
-
-
-class _Fields:
-    """One JSON object being read: each getter checks a field's type and names the field when it is wrong.
-
-    Every declared field must be present (null where the type allows it) and no other field may be: a writer that
-    drifts from the schema is caught at the first file it writes, not by a reader that silently finds nothing.
-    """
-
-    def __init__(self, data: object, where: str, names: Iterable[str]) -> None:
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} must be an object, not {_kind(data)}")
-        missing = [n for n in names if n not in data]
-        unknown = sorted(set(data) - set(names))
-        if missing:
-            raise ValueError(f"{where}: missing field{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}")
-        if unknown:
-            raise ValueError(f"{where}: unknown field{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}")
-        self.data: dict[str, Any] = data
-        self.where = where
-
-    def _bad(self, name: str, expected: str) -> ValueError:
-        return ValueError(f"{self.where}: {name!r} must be {expected}, not {_kind(self.data[name])}")
-
-    def text(self, name: str) -> str:
-        value = self.data[name]
-        if not isinstance(value, str):
-            raise self._bad(name, "a string")
-        return value
-
-    def optional_text(self, name: str) -> str | None:
-        return None if self.data[name] is None else self.text(name)
-
-    def count(self, name: str, least: int = 0) -> int:
-        value = self.data[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise self._bad(name, f"a whole number >= {least}")
-        return value
-
-    def optional_count(self, name: str) -> int | None:
-        value = self.data[name]
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise self._bad(name, "a whole number >= 0 or null")
-        return value
-
-    def seconds(self, name: str) -> float:
-        value = self.data[name]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise self._bad(name, "a number of seconds >= 0")
-        return float(value)
-
-    def texts(self, name: str) -> tuple[str, ...]:
-        value = self.data[name]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self._bad(name, "a list of strings")
-        return tuple(value)
-
-    def items(self, name: str, at: str) -> list[tuple[object, str]]:
-        """A list field's items, each with its place for messages (``at[3]``)."""
-        value = self.data[name]
-        if not isinstance(value, list):
-            raise self._bad(name, "a list")
-        return [(item, f"{at}[{i}]") for i, item in enumerate(value)]
-
-    def number(self, name: str, least: float = 0.0) -> float:
-        value = self.data[name]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= least:
-            raise self._bad(name, f"a number >= {least:g}")
-        return float(value)
-
-    def optional_object(self, name: str) -> dict[str, Any] | None:
-        value = self.data[name]
-        if value is not None and not isinstance(value, dict):
-            raise self._bad(name, "an object or null")
-        return value
-
-    def choice(self, name: str, choices: Sequence[str]) -> str:
-        value = self.data[name]
-        if value not in choices:
-            raise ValueError(f"{self.where}: {name!r} is {value!r}, not one of {', '.join(choices)}")
-        return str(value)
-
-    def optional_choice(self, name: str, choices: Sequence[str]) -> str | None:
-        return None if self.data[name] is None else self.choice(name, choices)
-
-
-_NAMES: dict[type, tuple[str, ...]] = {}
-#: What a record's verdict and reason may be (asked for every record read).
-_VERDICT_NAMES = tuple(v.value for v in Verdict)
-_REASON_NAMES = tuple(r.value for r in Reason)
-
-
-def _names(cls: type) -> tuple[str, ...]:
-    """A record's field names (asked for every record read, so kept per class)."""
-    if cls not in _NAMES:
-        _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return _NAMES[cls]
+#: What a series' rate and a body's measurement hold beyond their types, said here: ``core.gates`` and
+#: ``core.outcome`` define them free of any schema (``dsrepro export`` inlines ``Measurement`` into scripts).
+_RATE = Fields(runs=Least(1), planned=Least(1), needed=Least(1), seconds=Unit("seconds"))
+_MEASUREMENT = Fields(
+    seconds=Unit("seconds"), reference_seconds=Unit("seconds"), repeats=Least(1), clock=OneOf(("cpu", "wall"))
+)
 
 
 # --- the records ---------------------------------------------------------------------------------------------------
@@ -254,28 +154,7 @@ class Environment:
     torch_env: str | None = None  # ``python -m torch.utils.collect_env``, when a report asked for it
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "environment") -> Environment:
-        f = _Fields(data, where, _names(cls))
-        return cls(
-            deepspeed=f.optional_text("deepspeed"),
-            torch=f.optional_text("torch"),
-            python=f.optional_text("python"),
-            backend=f.optional_text("backend"),
-            world_size=f.optional_count("world_size"),
-            os=f.optional_text("os"),
-            cpu=f.optional_text("cpu"),
-            cpu_count=f.optional_count("cpu_count"),
-            gpu=f.optional_text("gpu"),
-            gpu_count=f.optional_count("gpu_count"),
-            pytest=f.optional_text("pytest"),
-            plugin=f.optional_text("plugin"),
-            accelerator=f.optional_text("accelerator"),
-            ds_report=f.optional_text("ds_report"),
-            torch_env=f.optional_text("torch_env"),
-        )
+        return typed_json.written(self)
 
 
 def _cpu_model() -> str:
@@ -317,22 +196,6 @@ class ReproMeta:
     fixed_in: str | None = None  # the first release without the bug; None: unfixed
     root_cause: str = ""
     affected: tuple[str, ...] = ()  # the test's ds_version specifiers, in marker order
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "affected": list(self.affected)}
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "repro") -> ReproMeta:
-        f = _Fields(data, where, _names(cls))
-        return cls(
-            id=f.text("id"),
-            title=f.text("title"),
-            upstream=f.optional_text("upstream"),
-            fix_ref=f.optional_text("fix_ref"),
-            fixed_in=f.optional_text("fixed_in"),
-            root_cause=f.text("root_cause"),
-            affected=f.texts("affected"),
-        )
 
 
 #: ``ds_repro``'s parameters, in the order positional arguments fill them (see the marker's registered help).
@@ -395,17 +258,6 @@ class Source:
     fix_code: str | None = None
     world_elsewhere: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "source") -> Source:
-        f = _Fields(data, where, _names(cls))
-        world = f.data["world_elsewhere"]
-        if not isinstance(world, bool):
-            raise f._bad("world_elsewhere", "true or false")
-        return cls(f.text("path"), f.text("code"), f.optional_text("fix"), f.optional_text("fix_code"), world)
-
 
 @dataclass(frozen=True)
 class Origin:
@@ -425,25 +277,16 @@ class Origin:
         commit, plus, rest = self.revision.partition("+")
         return f"{self.project}@{commit[:10]}{plus}{rest}"
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "origin") -> Origin:
-        f = _Fields(data, where, _names(cls))
-        return cls(f.text("project"), f.text("revision"), f.optional_text("described"))
-
     @classmethod
     def from_marker(cls, args: Sequence[object], kwargs: Mapping[str, object]) -> Origin:
         """A ``ds_origin(project, revision, described=None)`` marker's origin; ``ValueError`` names what is wrong."""
-        given: dict[str, object] = dict(zip(_names(cls), args, strict=False))
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        given: dict[str, object] = dict(zip(names, args, strict=False))
         given.update(kwargs)
-        unknown = sorted(set(given) - set(_names(cls)))
-        if unknown or len(args) > len(_names(cls)):
-            raise ValueError(
-                f"unexpected argument(s) {', '.join(unknown) or repr(args)}; takes {', '.join(_names(cls))}"
-            )
-        return cls.from_json({name: given.get(name) for name in _names(cls)}, "ds_origin")
+        unknown = sorted(set(given) - set(names))
+        if unknown or len(args) > len(names):
+            raise ValueError(f"unexpected argument(s) {', '.join(unknown) or repr(args)}; takes {', '.join(names)}")
+        return typed_json.read(cls, {name: given.get(name) for name in names}, "ds_origin")
 
 
 @dataclass(frozen=True)
@@ -454,14 +297,6 @@ class RankStory:
     error: str
     traceback: str
     output: str
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: object, where: str = "rank story") -> RankStory:
-        f = _Fields(data, where, _names(cls))
-        return cls(f.text("ranks"), f.text("error"), f.text("traceback"), f.text("output"))
 
 
 def rank_stories(outcome: WorldOutcome | None) -> tuple[RankStory, ...]:
@@ -485,37 +320,6 @@ def _tail(output: str) -> str:
     return kept.partition("\n")[2] if "\n" in kept[:-1] else kept
 
 
-def _rate_json(rate: Rate) -> dict[str, Any]:
-    return dataclasses.asdict(rate)
-
-
-def _rate_from_json(data: object, where: str) -> Rate:
-    f = _Fields(data, where, _names(Rate))
-    runs, planned = f.count("runs", least=1), f.count("planned", least=1)
-    rate = Rate(runs, planned, f.count("failed"), f.count("needed", least=1), f.seconds("seconds"))
-    if runs > planned or rate.failed > runs or rate.needed > planned:
-        raise ValueError(f"{where}: runs {runs}, planned {planned}, failed {rate.failed}, needed {rate.needed} do not "
-                         "add up (failed <= runs <= planned, needed <= planned)")  # fmt: skip
-    return rate
-
-
-def _measurement_json(measurement: Measurement) -> dict[str, Any]:
-    return dataclasses.asdict(measurement)
-
-
-def _measurement_from_json(data: object, where: str) -> Measurement:
-    f = _Fields(data, where, _names(Measurement))
-    return Measurement(
-        what=f.text("what"),
-        reference=f.text("reference"),
-        seconds=f.seconds("seconds"),
-        reference_seconds=f.seconds("reference_seconds"),
-        limit=f.number("limit", least=0.0),
-        repeats=f.count("repeats", least=1),
-        clock=f.choice("clock", ("cpu", "wall")),
-    )
-
-
 @dataclass(frozen=True, kw_only=True)
 class TestRecord:
     """One test report (the call, or a setup/teardown that failed).
@@ -526,26 +330,29 @@ class TestRecord:
     """
 
     __test__ = False  # not a pytest test class, whatever its name
+    named_by = "nodeid"  # how messages about a record read from a file name it (``typed_json.read``)
 
     nodeid: str
     repro: ReproMeta | None
     variant: str | None  # "stock" or "fixed" when the gates declare a fix
     verdict: Verdict | None
     reason: Reason | None
-    outcome: str  # one of OUTCOMES
+    outcome: Annotated[str, OneOf(OUTCOMES)]
     error: str | None
-    duration: float
+    duration: Seconds
     config: dict[str, Any] | None  # the DeepSpeed config the world was given
     config_notes: tuple[str, ...] = ()
     ranks: tuple[RankStory, ...] = ()
     longrepr: str | None = None
     world_size: int | None = None  # the ranks of the test's world; None: not a world test
-    attempts: int = 1  # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
+    # how many times pytest ran it (pytest-rerunfailures); the record is the last attempt's
+    attempts: Annotated[int, Least(1)] = 1
     source: Source | None = None
     prerequisites: tuple[str, ...] = ()  # the ds_prerequisite fixes applied in the ranks, each with its reason
+    rate: Annotated[Rate, _RATE] | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
+    # what the body timed against its reference, in the same run
+    measurements: tuple[Annotated[Measurement, _MEASUREMENT], ...] = ()
     origin: Origin | None = None  # where a test that is not the catalogue's came from (``ds_origin``)
-    rate: Rate | None = None  # a nondeterministic repro's series of runs (``ds_nondeterministic``)
-    measurements: tuple[Measurement, ...] = ()  # what the body timed against its reference, in the same run
     scan: Finding | None = None  # the test's verdict in a scan of a user's config (``--ds-scan``)
 
     @property
@@ -557,99 +364,18 @@ class TestRecord:
     def __post_init__(self) -> None:
         problem = _verdict_problem(self.verdict, self.reason)
         if problem:
-            raise ValueError(f"{self.nodeid}: {problem}")
+            raise Inconsistent(problem, self.nodeid)
         if self.outcome not in OUTCOMES:
-            raise ValueError(f"{self.nodeid}: outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}")
+            raise Inconsistent(f"outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}", self.nodeid)
         if self.attempts < 1:
-            raise ValueError(f"{self.nodeid}: attempts is {self.attempts}, not a whole number >= 1")
+            raise Inconsistent(f"attempts is {self.attempts}, not a whole number >= 1", self.nodeid)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "nodeid": self.nodeid,
-            "repro": self.repro.to_json() if self.repro else None,
-            "variant": self.variant,
-            "verdict": self.verdict.value if self.verdict else None,
-            "reason": self.reason.value if self.reason else None,
-            "outcome": self.outcome,
-            "error": self.error,
-            "duration": self.duration,
-            "config": self.config,
-            "config_notes": list(self.config_notes),
-            "ranks": [r.to_json() for r in self.ranks],
-            "longrepr": self.longrepr,
-            "world_size": self.world_size,
-            "attempts": self.attempts,
-            "source": self.source.to_json() if self.source else None,
-            "prerequisites": list(self.prerequisites),
-            "rate": None if self.rate is None else _rate_json(self.rate),
-            "measurements": [_measurement_json(m) for m in self.measurements],
-            "origin": self.origin.to_json() if self.origin else None,
-            "scan": None if self.scan is None else _finding_json(self.scan),
-        }
+        return typed_json.written(self)
 
     @classmethod
     def from_json(cls, data: object, where: str = "test") -> TestRecord:
-        if isinstance(data, dict) and isinstance(data.get("nodeid"), str):
-            where = f"{where} ({data['nodeid']})"
-        f = _Fields(data, where, _names(cls))
-        repro = f.optional_object("repro")
-        source = f.optional_object("source")
-        rate = f.optional_object("rate")
-        origin = f.optional_object("origin")
-        scan = f.optional_object("scan")
-        verdict = f.optional_choice("verdict", _VERDICT_NAMES)
-        reason = f.optional_choice("reason", _REASON_NAMES)
-        problem = _verdict_problem(Verdict(verdict) if verdict else None, Reason(reason) if reason else None)
-        if problem:
-            raise ValueError(f"{where}: {problem}")
-        return cls(
-            nodeid=f.text("nodeid"),
-            repro=None if repro is None else ReproMeta.from_json(repro, f"{where}.repro"),
-            variant=f.optional_text("variant"),
-            verdict=Verdict(verdict) if verdict else None,
-            reason=Reason(reason) if reason else None,
-            outcome=f.choice("outcome", OUTCOMES),
-            error=f.optional_text("error"),
-            duration=f.seconds("duration"),
-            config=f.optional_object("config"),
-            config_notes=f.texts("config_notes"),
-            ranks=tuple(RankStory.from_json(item, at) for item, at in f.items("ranks", f"{where}.ranks")),
-            longrepr=f.optional_text("longrepr"),
-            world_size=f.optional_count("world_size"),
-            attempts=f.count("attempts", least=1),
-            source=None if source is None else Source.from_json(source, f"{where}.source"),
-            prerequisites=f.texts("prerequisites"),
-            rate=None if rate is None else _rate_from_json(rate, f"{where}.rate"),
-            measurements=tuple(
-                _measurement_from_json(item, at) for item, at in f.items("measurements", f"{where}.measurements")
-            ),
-            origin=None if origin is None else Origin.from_json(origin, f"{where}.origin"),
-            scan=None if scan is None else _finding_from_json(scan, f"{where}.scan"),
-        )
-
-
-_SCAN_VERDICTS = tuple(v.value for v in ScanVerdict)
-
-
-def _finding_json(finding: Finding) -> dict[str, Any]:
-    return {"verdict": finding.verdict.value, "detail": finding.detail, "notes": list(finding.notes)}
-
-
-def _scan_source_json(source: ScanSource) -> dict[str, Any]:
-    return {"path": source.path, "config": source.config, "notes": list(source.notes)}
-
-
-def _finding_from_json(data: object, where: str) -> Finding:
-    f = _Fields(data, where, _names(Finding))
-    return Finding(ScanVerdict(f.choice("verdict", _SCAN_VERDICTS)), f.text("detail"), f.texts("notes"))
-
-
-def _scan_source_from_json(data: object, where: str) -> ScanSource:
-    f = _Fields(data, where, _names(ScanSource))
-    config = f.optional_object("config")
-    if config is None:
-        raise f._bad("config", "an object")
-    return ScanSource(f.text("path"), config, f.texts("notes"))
+        return typed_json.read(cls, data, where)
 
 
 def _verdict_problem(verdict: Verdict | None, reason: Reason | None) -> str | None:
@@ -678,14 +404,7 @@ class RunRecord:
             raise ValueError(_schema_problem(self.schema))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "created": self.created.isoformat(timespec="seconds") if self.created else None,
-            "environment": self.environment.to_json(),
-            "unavailable": self.unavailable,
-            "tests": [t.to_json() for t in self.tests],
-            "scan": None if self.scan is None else _scan_source_json(self.scan),
-        }
+        return typed_json.written(self)
 
     @classmethod
     def from_json(cls, data: object) -> RunRecord:
@@ -695,14 +414,7 @@ class RunRecord:
         data = upgraded(data)
         if data["schema"] != SCHEMA:
             raise ValueError(_schema_problem(data["schema"]))
-        f = _Fields(data, "results file", _names(cls))
-        return cls(
-            environment=Environment.from_json(data["environment"]),
-            tests=tuple(TestRecord.from_json(item, at) for item, at in f.items("tests", "tests")),
-            unavailable=f.optional_text("unavailable"),
-            created=_created(f.optional_text("created")),
-            scan=None if (scan := f.optional_object("scan")) is None else _scan_source_from_json(scan, "scan"),
-        )
+        return typed_json.read(cls, data, "results file", inside="")
 
     @property
     def version(self) -> str:
@@ -730,16 +442,6 @@ def _schema_problem(found: object, writer: str | None = None) -> str:
     return f"schema {found!r}: not a pytest-dsrepro schema; {only}"
 
 
-def _created(text: str | None) -> datetime.datetime | None:
-    if text is None:
-        return None
-    try:
-        when = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"results file: 'created' is {text!r}, not an ISO 8601 time") from None
-    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
-
-
 def now() -> datetime.datetime:
     """A run's ``created`` time: UTC, to the second."""
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
@@ -749,15 +451,15 @@ def now() -> datetime.datetime:
 
 
 def write(run: RunRecord, directory: Path) -> Path:
-    """Write ``run`` as a new file in ``directory`` (created if needed); files never overwrite each other.
+    """Write ``run`` as a new file in ``directory`` (created if needed), whole or not at all; files never overwrite
+    each other.
 
     ``results-deepspeed-<release>-<random>.json``, with ``-unavailable`` before the random part for a release
     that could not run.
     """
-    directory.mkdir(parents=True, exist_ok=True)
     kind = "-unavailable" if run.unavailable else ""
     path = directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
-    path.write_text(json.dumps(run.to_json(), indent=2, default=str))
+    write_atomically(path, json.dumps(run.to_json(), indent=2, default=str))
     return path
 
 

@@ -20,6 +20,7 @@ from packaging.version import InvalidVersion, Version
 from .gates import Rate, Reason
 from .premises import lookup
 from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
+from .text import aligned, cut, markdown_table
 from .userconfig import _autos  # the one reading of where a config says "auto"
 
 #: How ``ds_engine`` words a config that DeepSpeed itself refuses (``inrank.engine.ConfigRejected``).
@@ -129,11 +130,6 @@ def counts(found: Sequence[BugRow]) -> str:
     return ", ".join(f"{n} {v.value}" for v in SEVERITY if (n := sum(r.verdict is v for r in found)))
 
 
-def _cut(text: str, width: int | None) -> str:
-    """``text`` within ``width`` characters (None: whole, for output that wraps rather than loses words)."""
-    return text if width is None or len(text) <= width else text[: max(width - 3, 0)] + "..."
-
-
 def notes(run: RunRecord) -> list[str]:
     """What was done to the user's config, each once: reading it (comments, ``"auto"``), then what the worlds
     adapted (fp16 -> fp32 on CPU, ...)."""
@@ -145,24 +141,20 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
     """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
     settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
     found = rows(run)
-    lines = [_cut(line, width) for line in refusals(run)]
-    lines += [_cut(f"note: {note}", width) for note in notes(run)]
+    lines = [cut(line, width) for line in refusals(run)]
+    lines += [cut(f"note: {note}", width) for note in notes(run)]
     if not found:
         return [*lines, "no catalogued bug was scanned"]
     name = max(len(r.id) for r in found)
     word = max(len(r.verdict.value) for r in found)
     indent = " " * (word + name + 4)
     for r in found:
-        lines.append(_cut(f"{r.verdict.value:<{word}}  {r.id:<{name}}  {r.detail}", width))
-        lines += [_cut(f"{indent}with {note}", width) for note in r.notes]
+        lines.append(cut(f"{r.verdict.value:<{word}}  {r.id:<{name}}  {r.detail}", width))
+        lines += [cut(f"{indent}with {note}", width) for note in r.notes]
         if r.workaround:
-            lines.append(_cut(f"{indent}workaround: the repro's fix, {r.workaround}", width))
+            lines.append(cut(f"{indent}workaround: the repro's fix, {r.workaround}", width))
     lines.append(f"{counts(found)} (deepspeed {run.version}, {run.environment.world_size} ranks)")
     return lines
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown(run: RunRecord) -> str:
@@ -177,13 +169,14 @@ def markdown(run: RunRecord) -> str:
     said = notes(run)
     out += [f"- {note}" for note in said] + ([""] if said else [])
     found = rows(run)
-    out += [f"**{counts(found) or 'no catalogued bug scanned'}**", "", "| bug | verdict | why | upstream |",
-            "| --- | --- | --- | --- |"]  # fmt: skip
+    table_rows = []
     for r in found:
         why = r.detail + "".join(f"; with {note}" for note in r.notes)
         why += f"; workaround: the repro's fix `{r.workaround}`" if r.workaround else ""
         link = f"[link]({r.upstream})" if r.upstream else ""
-        out.append(f"| `{r.id}` {_cell(r.title)} | **{r.verdict.value}** | {_cell(why)} | {link} |")
+        table_rows.append((f"`{r.id}` {r.title}", f"**{r.verdict.value}**", why, link))
+    out += [f"**{counts(found) or 'no catalogued bug scanned'}**", ""]
+    out += markdown_table(("bug", "verdict", "why", "upstream"), table_rows)
     return "\n".join(out) + "\n"
 
 
@@ -222,17 +215,22 @@ def first_clean(runs: Sequence[RunRecord]) -> str | None:
     return clean
 
 
-def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
-    """Several releases' scans of one config: a bug per line, a release per column, and the first clean release."""
+def _grid(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[list[str]]]:
+    """The runs oldest first, and their verdicts as a table: ``bug`` and the releases, then a row per bug (``-``
+    where a release did not scan it)."""
     ordered = sorted(runs, key=lambda r: _version(r.version))
     table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
     bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
-    name = max((len(b) for b in bugs), default=3)
-    cell = max(len(v.value) for v in ScanVerdict)
-    lines = [_cut(f"{'bug':<{name}}  " + "  ".join(f"{r.version:<{cell}}" for r in ordered), width)]
-    for bug in bugs:
-        cells = "  ".join(f"{table[r.version].get(bug, '-'):<{cell}}" for r in ordered)
-        lines.append(_cut(f"{bug:<{name}}  {cells}".rstrip(), width))
+    return ordered, [
+        ["bug", *(r.version for r in ordered)],
+        *([bug, *(table[r.version].get(bug, "-") for r in ordered)] for bug in bugs),
+    ]
+
+
+def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
+    """Several releases' scans of one config: a bug per line, a release per column, and the first clean release."""
+    ordered, grid = _grid(runs)
+    lines = aligned(grid, width=width)
     clean = first_clean(ordered)
     newest = ordered[-1]
     if clean is None and refusals(newest):
@@ -253,14 +251,9 @@ def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
 def markdown_across(runs: Sequence[RunRecord]) -> str:
     """Several releases' scans as Markdown: the table of bugs by release, the first clean release, then each
     release's own scan."""
-    ordered = sorted(runs, key=lambda r: _version(r.version))
-    table = {r.version: {row.id: row.verdict.value for row in rows(r)} for r in ordered}
-    bugs = list(dict.fromkeys(bug for r in ordered for bug in table[r.version]))
-    out = ["# DeepSpeed config scan across releases", "", "| bug | " + " | ".join(r.version for r in ordered) + " |",
-           "| --- |" + " --- |" * len(ordered)]  # fmt: skip
-    for bug in bugs:
-        cells = [table[r.version].get(bug, "-") for r in ordered]
-        out.append(f"| `{bug}` | " + " | ".join(cells) + " |")
+    ordered, (header, *grid) = _grid(runs)
+    cells = ([f"`{bug}`", *verdicts] for bug, *verdicts in grid)
+    out = ["# DeepSpeed config scan across releases", "", *markdown_table(header, cells)]
     out += ["", across(ordered)[-1], ""]
     for run in ordered:
         out += [markdown(run).replace("# DeepSpeed config scan", f"## DeepSpeed {run.version}", 1), ""]

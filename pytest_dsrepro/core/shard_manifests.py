@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import write_atomically
 from .results import ResultsFile
 
 #: A manifest file's ending: read by the merge, never by results readers (which read ``*.json``).
@@ -66,11 +66,8 @@ class Manifest:
 
 def write(manifest: Manifest, directory: Path) -> Path:
     """Write (or rewrite, when pytest ends) a shard's manifest in ``directory``, whole or not at all."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / manifest.filename()
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(manifest.to_json(), indent=1))
-    partial.replace(path)
+    write_atomically(path, json.dumps(manifest.to_json(), indent=1))
     return path
 
 
@@ -95,7 +92,7 @@ def find(paths: Sequence[Path]) -> list[tuple[Path, Manifest]]:
 # --- the merge's judgement -----------------------------------------------------------------------------------------
 
 
-class State(str, enum.Enum):
+class ShardState(str, enum.Enum):
     COMPLETE = "complete"
     INCOMPLETE = "incomplete"  # results, but without some of its planned tests
     DEAD = "dead"  # a manifest but no results: the shard's pytest did not end
@@ -109,7 +106,7 @@ class Shard:
     index: int
     count: int
     deepspeed: str | None
-    state: State
+    state: ShardState
     detail: str
     missing: tuple[str, ...] = ()  # planned node ids no results file of the shard has
 
@@ -138,19 +135,19 @@ def judge(
         if not mine:
             ended = "pytest never ended" if m.exitstatus is None else f"pytest ended ({m.exitstatus}) without results"
             state, detail = (
-                State.DEAD,
+                ShardState.DEAD,
                 f"planned {planned} tests, no results file: {ended} (killed, or its machine lost?)",
             )
         elif missing:
             status = "" if m.exitstatus is None else f", pytest exit status {m.exitstatus}"
-            state, detail = State.INCOMPLETE, f"ran {planned - len(missing)} of {planned} planned tests{status}"
+            state, detail = ShardState.INCOMPLETE, f"ran {planned - len(missing)} of {planned} planned tests{status}"
         else:
-            state, detail = State.COMPLETE, f"ran its {planned} planned tests"
+            state, detail = ShardState.COMPLETE, f"ran its {planned} planned tests"
         shards.append(Shard(m.index, m.count, m.deepspeed, state, detail, missing))
     if count is not None and not seen:
         seen[(None, count)] = set()
     for (deepspeed, n), indices in seen.items():
         for index in sorted(set(range(1, (count or n) + 1)) - indices):
             why = "no manifest: it never collected its tests, or its results are not among those given"
-            shards.append(Shard(index, count or n, deepspeed, State.MISSING, why))
+            shards.append(Shard(index, count or n, deepspeed, ShardState.MISSING, why))
     return sorted(shards, key=lambda s: (s.deepspeed or "", s.count, s.index))

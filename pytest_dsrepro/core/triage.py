@@ -33,6 +33,7 @@ from .logread import Raised, Reading
 from .premises import Premise
 from .results import Finding, RunRecord, ScanVerdict
 from .scan_verdicts import SEVERITY, finding
+from .text import markdown_table
 
 #: A candidate at or above this score is a known bug with confidence: its declared message matched.
 CONFIDENT = 50
@@ -396,48 +397,22 @@ def new_repro_hint(log: str) -> str:
     return f"to catalogue it: dsrepro new NAME --from-log {log}   (a repro prefilled from the log's exception)"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str = "LOG") -> str:
     """A comment for the GitHub issue: the candidate, the evidence, the upstream link, the fixed release, the
     workaround and the command that reproduces it; the other candidates and the ruled out below."""
     confirmed = confirmed or {}
-    best = t.known or (t.candidates[0] if t.candidates else None)
-    out = []
     strong = next((r for r in t.ruled_out if r.score >= CONFIDENT), None)
-    if t.known is not None:
-        b = t.known.bug
-        out += [f"### This looks like a known DeepSpeed bug: `{b.id}`", "", f"**{b.title}**", ""]
-    elif strong is not None:
-        b = strong.bug
-        fixed = b.fixed_in or "none yet"
-        out += [f"### This looks like the known DeepSpeed bug `{b.id}`, but {strong.reason}", "", f"**{b.title}**",
-                "", f"- Upstream: {b.upstream or 'not recorded'}; fixed release: {fixed}"]  # fmt: skip
-    else:
-        out += ["### No known DeepSpeed bug matches this log with confidence", ""]
+    out = _headline(t, strong)
     out.append(f"- The log shows: `{showed(t.reading)}`")
     out.append(f"- Judged on: {_judged_on(t)}")
-    if t.known is not None and best is not None:
-        b = best.bug
-        out.append(f"- Evidence ({best.score}/100): {best.reason}")
-        out.append(f"- Root cause: {b.root_cause}")
-        out.append(f"- Upstream: {b.upstream or 'not recorded'}")
-        out.append(f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}")
-        out.append(f"- Workaround: {b.workaround}")
-        if b.id in confirmed:
-            out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
-        release = f" --release {t.release}" if t.release else ""
-        out += ["", "Reproduce it (`pip install pytest-dsrepro`):", "", "```bash",
-                f"dsrepro triage {log}{release} --confirm", f"pytest {b.file} -rx   # in a pytest-dsrepro checkout",
-                "```"]  # fmt: skip
+    if t.known is not None:
+        out += _known_bug(t.known, t.release, confirmed, log)
     elif strong is None:
         out += ["", f"To catalogue it: `dsrepro new NAME --from-log {log}` writes a repro prefilled from this error."]
     others = [c for c in t.candidates if c is not t.known]
     if others:
-        out += ["", "| other candidate | score | why |", "| --- | --- | --- |"]
-        out += [f"| `{c.bug.id}` {_cell(c.bug.title)} | {c.score} | {_cell(c.reason)} |" for c in others[:5]]
+        rows = [(f"`{c.bug.id}` {c.bug.title}", c.score, c.reason) for c in others[:5]]
+        out += ["", *markdown_table(("other candidate", "score", "why"), rows)]
     if t.ruled_out:
         out += ["", "Ruled out:", ""]
         for r in t.ruled_out:
@@ -446,3 +421,34 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
             out.append(f"- `{r.bug.id}`: {r.reason}{also}")
     out += ["", "_Found by `dsrepro triage` (pytest-dsrepro), from the catalogue's own markers._"]
     return "\n".join(out) + "\n"
+
+
+def _headline(t: Triage, strong: RuledOut | None) -> list[str]:
+    """The comment's title: the known bug, the one a strong match was ruled out from (and why), or none."""
+    if t.known is not None:
+        b = t.known.bug
+        return [f"### This looks like a known DeepSpeed bug: `{b.id}`", "", f"**{b.title}**", ""]
+    if strong is not None:
+        b = strong.bug
+        fixed = b.fixed_in or "none yet"
+        return [f"### This looks like the known DeepSpeed bug `{b.id}`, but {strong.reason}", "", f"**{b.title}**",
+                "", f"- Upstream: {b.upstream or 'not recorded'}; fixed release: {fixed}"]  # fmt: skip
+    return ["### No known DeepSpeed bug matches this log with confidence", ""]
+
+
+def _known_bug(known: Candidate, release: str | None, confirmed: Mapping[str, Finding], log: str) -> list[str]:
+    """What a user of the known bug needs: evidence, cause, upstream, fix, workaround, the command that confirms."""
+    b = known.bug
+    out = [
+        f"- Evidence ({known.score}/100): {known.reason}",
+        f"- Root cause: {b.root_cause}",
+        f"- Upstream: {b.upstream or 'not recorded'}",
+        f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}",
+        f"- Workaround: {b.workaround}",
+    ]
+    if b.id in confirmed:
+        out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
+    flag = f" --release {release}" if release else ""
+    return [*out, "", "Reproduce it (`pip install pytest-dsrepro`):", "", "```bash",
+            f"dsrepro triage {log}{flag} --confirm", f"pytest {b.file} -rx   # in a pytest-dsrepro checkout",
+            "```"]  # fmt: skip

@@ -56,6 +56,25 @@ def _timed(work: Callable[[], object], clock: Callable[[], float]) -> float:
     return clock() - started
 
 
+def _least_times(
+    subject: Callable[[], object], reference: Callable[[], object], repeats: int, warmup: int, tick: Callable[[], float]
+) -> tuple[float, float]:
+    """The least time of each over ``repeats`` interleaved calls, after ``warmup`` untimed ones; which goes first
+    alternates, so that neither always runs on what the other left warm (caches, allocator)."""
+    for _ in range(warmup):
+        subject()
+        reference()
+    best = best_reference = math.inf
+    for i in range(repeats):
+        if i % 2:
+            best_reference = min(best_reference, _timed(reference, tick))
+            best = min(best, _timed(subject, tick))
+        else:
+            best = min(best, _timed(subject, tick))
+            best_reference = min(best_reference, _timed(reference, tick))
+    return best, best_reference
+
+
 def slowdown(
     subject: Callable[[], object],
     reference: Callable[[], object],
@@ -80,19 +99,7 @@ def slowdown(
             f"slowdown: limit={limit!r} must be a ratio > 0, repeats={repeats!r} >= 1, warmup >= 0, clock={clock!r} "
             f"one of {', '.join(CLOCKS)}"
         )
-    tick = CLOCKS[clock]
-    for _ in range(warmup):
-        subject()
-        reference()
-    best = best_reference = math.inf
-    for i in range(repeats):
-        if i % 2:
-            best_reference = min(best_reference, _timed(reference, tick))
-            best = min(best, _timed(subject, tick))
-        else:
-            best = min(best, _timed(subject, tick))
-            best_reference = min(best_reference, _timed(reference, tick))
-    best, best_reference = _least_of_world(best, best_reference)
+    best, best_reference = _least_of_world(*_least_times(subject, reference, repeats, warmup, CLOCKS[clock]))
     measurement = Measurement(what, against, best, best_reference, limit, repeats, clock)
     measured(measurement)
     if measurement.slow:

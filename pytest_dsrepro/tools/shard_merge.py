@@ -94,7 +94,7 @@ def merge(args: argparse.Namespace) -> int:
     if files:
         print(matrix.render_terminal(matrix.merge(files, unreadable)))
     print("\n".join(report(verdicts, sorted_failures, unreadable)))
-    bad = [s for s in verdicts if s.state is not shard_manifests.State.COMPLETE]
+    bad = [s for s in verdicts if s.state is not shard_manifests.ShardState.COMPLETE]
     if not verdicts:
         print(
             "dsrepro upstream --merge: no shard manifest found: were the shards run with --shard I/N?", file=sys.stderr

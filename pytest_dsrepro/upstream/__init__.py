@@ -24,7 +24,7 @@ import pytest
 from ..api import rank_fixture, starting_worlds
 from ..core import checkout, versions
 from . import harness
-from .collection import STATE, State, UpstreamModule
+from .collection import STATE, UpstreamModule, UpstreamSession
 
 #: The project whose tests these are, as results and the matrix name it.
 PROJECT = "DeepSpeed"
@@ -65,7 +65,7 @@ def take_checkout_off_path(root: Path | None, deepspeed_file: str | None) -> Non
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[STATE] = State(config)
+    config.stash[STATE] = UpstreamSession(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -148,7 +148,7 @@ def _placeholder(parent: pytest.Collector, names: Sequence[str], instead: Instea
 
 
 @dataclass
-class State:
+class UpstreamSession:
     """The session's part of the upstream layer: upstream's harness replaced (undone when pytest ends) and the
     ``DistributedFixture`` names that have a fixture here."""
 
@@ -175,7 +175,7 @@ class State:
         self.monkeypatch.undo()
 
 
-STATE = pytest.StashKey[State]()
+STATE = pytest.StashKey[UpstreamSession]()
 
 
 class UpstreamModule(pytest.Module):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from ..core.files import write_atomically
 from ..core.outcome import DECLARED, PHASES, ErrorInfo, Measurement, RankResult, Status
 from .workdir import result_file
 
@@ -354,11 +355,9 @@ class RankReport:
 
 
 def write_report(workdir: Path, rank: int, report: RankReport) -> None:
-    """Atomically, so that the pytest process never reads half a report."""
-    path = result_file(workdir, rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(report))
-    tmp.rename(path)
+    """Whole or not at all, so that the pytest process never reads half a report (not synced to disk: read at once,
+    in this boot, then discarded with the world)."""
+    write_atomically(result_file(workdir, rank), pickle.dumps(report), durable=False)
 
 
 def read_report(workdir: Path, rank: int) -> RankReport | None:

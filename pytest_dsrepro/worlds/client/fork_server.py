@@ -64,12 +64,44 @@ def _silent(text: str) -> None:
 WorldMessage = Spawned | Exited | Finished | Reaped
 
 
-class World(Protocol):
+class WorldListener(Protocol):
     """What waits for a world's messages (``world_run.WorldRun``)."""
 
     world_id: int
 
     def take(self, message: WorldMessage) -> None: ...
+
+
+class ServerNews:
+    """The server's news of itself, kept as it comes: its ``Hello``, and a comm-op build (or a first preload) it says
+    is running or has ended. ``take`` answers what to tell the user of it, in words (a first build takes minutes).
+    A server closed hears nothing more: the next one it starts starts with news of its own."""
+
+    def __init__(self) -> None:
+        self.hello: Hello | None = None
+        self.build_ended = False
+        self.building: float | None = None  # since when the server has been building, as it said between worlds
+
+    def take(self, message: Hello | Building | BuildEnded | None, between_worlds: bool) -> str | None:
+        """Keep what ``message`` says (None: ``PROGRESS_EVERY`` seconds, or a wait's end, passed in silence, which
+        between worlds a build still running is told as); the words for the user, if any."""
+        match message:
+            case None:
+                if between_worlds and self.building is not None:
+                    return f"... still building ({time.monotonic() - self.building:.0f}s)"
+            case Building(what=what):  # a comm-op build or a first preload: what it does, and how long
+                if between_worlds:
+                    self.building = time.monotonic()
+                return what
+            case Hello(facts=facts):
+                self.hello, building, self.building = message, self.building, None
+                if building is not None and facts.fatal is None and not facts.builds_beside:
+                    took = time.monotonic() - building
+                    return f"DeepSpeed's CPU comm op ready after {took:.0f}s; later runs load it from the cache"
+            case BuildEnded(what=what):
+                self.build_ended, self.building = True, None
+                return what or None
+        return None
 
 
 class ForkServer:
@@ -97,15 +129,8 @@ class ForkServer:
         self.facts: ServerFacts | None = None
         self.refused: str | None = None  # why it could not get ready, when it said so: it is not started again
         self._launched = 0.0  # when ``launch`` started it (monotonic)
-        self._hello_said: Hello | None = None
-        self._build_ended = False
-        self._building: float | None = None  # since when the server has been building, as it said between worlds
+        self.news = ServerNews()
         self.heard = 0.0  # when the server last said anything (monotonic)
-
-    @property
-    def environ(self) -> dict[str, str]:
-        """The pytest process's environment when the server started: what a world's environment is compared with."""
-        return self.process.environ
 
     def launch(self, deepspeed: bool = False) -> None:
         """Start the server without waiting for it (``start`` waits); ``deepspeed``: its first world uses DeepSpeed,
@@ -123,46 +148,35 @@ class ForkServer:
             raise HarnessError(f"the pytest-dsrepro fork server {self.refused}, when this run's first world started it")
         self.launch(deepspeed)
         try:
-            message = self._hello()
+            hello = self._hello()
             failure = f"did not start: no answer within {self.startup_timeout:g}s"
         except ServerGone as exc:
-            message = None
+            hello = None
             after = time.monotonic() - self._launched
             failure = f"ended ({exc.ending}) {after:.1f}s after it was started, before it was ready"
-        if not isinstance(message, Hello) or message.facts.fatal is not None:
+        if hello is None or hello.facts.fatal is not None:
             self.process.stop()
-            log = self.log_tail()
+            log = self.process.log_tail()
             self.close()
-            if isinstance(message, Hello):
-                if message.facts.stops_run:
-                    raise CacheUnusable(message.facts.fatal)
-                self.refused = f"could not get ready ({message.facts.fatal})"  # the same for every later world
+            if hello is not None:
+                if hello.facts.stops_run:
+                    raise CacheUnusable(hello.facts.fatal)
+                self.refused = f"could not get ready ({hello.facts.fatal})"  # the same for every later world
                 failure = self.refused
             raise HarnessError(f"the pytest-dsrepro fork server {failure}; {told_log(log)}")
-        expected = versions.resolved("deepspeed", "deepspeed")
-        seen = versions.Release(message.facts.deepspeed, message.facts.deepspeed_path)
-        if not versions.same_release(expected, seen):
+        wrong = _other_release(hello.facts)
+        if wrong is not None:
             self.process.stop()
             self.close()
-            raise WrongRelease(
-                f"this pytest resolves deepspeed {expected}, but the ranks import deepspeed {seen}; every verdict "
-                "would be about a release the ranks did not run (a sys.path entry only one of them has: PYTHONPATH, "
-                "a test directory pytest inserted, a .pth file?)"
-            )
+            raise WrongRelease(wrong)
         gpus = tuple(g.name for g in self.gpus)
-        self.facts = dataclasses.replace(message.facts, cuda_devices=len(gpus), gpus=gpus)
+        self.facts = dataclasses.replace(hello.facts, cuda_devices=len(gpus), gpus=gpus)
         return self.facts
 
     def _hello(self) -> Hello | None:
-        """Wait for ``Hello``, telling ``progress`` what a comm-op build is doing meanwhile, and when it is done."""
-        self._hello_said = None
-        self.wait_for(lambda: self._hello_said is not None, time.monotonic() + self.startup_timeout)
-        hello, building, self._building = self._hello_said, self._building, None
-        facts = hello.facts if hello is not None else None
-        if facts and facts.fatal is None and not facts.builds_beside and building is not None:
-            took = time.monotonic() - building
-            self.progress(f"DeepSpeed's CPU comm op ready after {took:.0f}s; later runs load it from the cache")
-        return hello
+        """Wait for ``Hello`` (``ServerNews`` tells what a comm-op build is doing meanwhile, and when it is done)."""
+        self.wait_for(lambda: self.news.hello is not None, time.monotonic() + self.startup_timeout)
+        return self.news.hello
 
     def noted_preload(self, preloaded: str | None, fork_hazard: str | None = None) -> None:
         """Keep with its facts what the server imported ahead of its ranks, once it has (``Spawned.preloaded``), and
@@ -174,9 +188,6 @@ class ForkServer:
         if fork_hazard is not None and self.facts.fork_hazard is None:
             self.facts = dataclasses.replace(self.facts, fork_hazard=fork_hazard)
 
-    def log_tail(self, lines: int = 30) -> str:
-        return self.process.log_tail(lines)
-
     def send(self, message: ClientMessage) -> None:
         """``ServerGone`` when the server is not running or died."""
         self.process.send(message)
@@ -186,7 +197,7 @@ class ForkServer:
         return self.process.receive(timeout)
 
     def wait_for(
-        self, until: Callable[[], bool], deadline: float, world: World | None = None, silence: float = math.inf
+        self, until: Callable[[], bool], deadline: float, world: WorldListener | None = None, silence: float = math.inf
     ) -> bool:
         """The one loop over the server's messages: each is dispatched (``dispatch``; ``world``'s go to it) until
         ``until()`` holds (True), or ``deadline`` (``time.monotonic()``) passes, or the server says nothing for
@@ -199,7 +210,7 @@ class ForkServer:
             self.dispatch(self.receive(min(left, PROGRESS_EVERY)), world)
         return True
 
-    def dispatch(self, message: ServerMessage | None, world: World | None = None) -> None:
+    def dispatch(self, message: ServerMessage | None, world: WorldListener | None = None) -> None:
         """Every message the server sends, by its class; None: ``PROGRESS_EVERY`` seconds (or a wait's end) passed in
         silence, which between worlds a build still running is told as."""
         if message is not None:
@@ -209,24 +220,9 @@ class ForkServer:
                 if world is not None and message.world == world.world_id:
                     world.take(message)
             case _:
-                self._news(message, between_worlds=world is None)
-
-    def _news(self, message: Hello | Building | BuildEnded | None, between_worlds: bool) -> None:
-        """The server's own news: its ``Hello``, and what a build (or a first preload) is doing."""
-        match message:
-            case None:
-                if between_worlds and self._building is not None:
-                    self.progress(f"... still building ({time.monotonic() - self._building:.0f}s)")
-            case Building(what=what):  # a comm-op build or a first preload: what it does, and how long
-                if between_worlds:
-                    self._building = time.monotonic()
-                self.progress(what)
-            case Hello():
-                self._hello_said = message
-            case BuildEnded(what=what):
-                self._build_ended, self._building = True, None
-                if what:
-                    self.progress(what)
+                said = self.news.take(message, between_worlds=world is None)
+                if said is not None:
+                    self.progress(said)
 
     @property
     def alive(self) -> bool:
@@ -239,10 +235,10 @@ class ForkServer:
         answer within ``FINISH_WAIT``: ``close`` stops it, and the build with it."""
         if not self.alive or self.facts is None or not self.facts.builds_beside:
             return
-        self._build_ended = False
+        self.news.build_ended = False
         try:
             self.send(FinishBuild())
-            if not self.wait_for(lambda: self._build_ended, time.monotonic() + FINISH_WAIT):
+            if not self.wait_for(lambda: self.news.build_ended, time.monotonic() + FINISH_WAIT):
                 self.progress(
                     f"the fork server did not answer within {FINISH_WAIT:g}s at the end of the run (busy with a first "
                     "preload?): stopped with what it was doing, a comm-op build still running included"
@@ -250,7 +246,7 @@ class ForkServer:
         except ServerGone as gone:  # nothing left to hand on; ``close`` cleans up after it
             self.progress(f"the fork server ended before the build did ({gone.ending})")
         finally:
-            self._building = None
+            self.news.building = None
 
     def close(self) -> None:
         """Stop the server (it kills whatever it started and exits) and remove its log, even when a second Ctrl-C
@@ -259,4 +255,18 @@ class ForkServer:
             self.process.stop()
         finally:
             self.process.remove_log()
-            self.facts = None
+            self.facts, self.news = None, ServerNews()
+
+
+def _other_release(facts: ServerFacts) -> str | None:
+    """Why the server's DeepSpeed is not the one this pytest process resolves, if it is not: every verdict would be
+    about a release the ranks did not run."""
+    expected = versions.resolved("deepspeed", "deepspeed")
+    seen = versions.Release(facts.deepspeed, facts.deepspeed_path)
+    if versions.same_release(expected, seen):
+        return None
+    return (
+        f"this pytest resolves deepspeed {expected}, but the ranks import deepspeed {seen}; every verdict would be "
+        "about a release the ranks did not run (a sys.path entry only one of them has: PYTHONPATH, a test directory "
+        "pytest inserted, a .pth file?)"
+    )

@@ -139,3 +139,41 @@ def acquire(
                 f"no {count} free GPUs within {wait:g}s (--ds-gpu-wait); busy: {'; '.join(held) or 'none any more'}"
             )
         sleep(min(left, poll * random.uniform(0.5, 1.5)))
+
+
+class WorldLeases:
+    """The GPUs of one pytest process's NCCL worlds: a lease per world, and the one a kept world holds for its life.
+
+    A kept NCCL world (``reuse=True``) holds its lease for its life: the next test of its scope and size runs on it;
+    the next NCCL world of another, on the server that ends the kept world as it starts this one, takes it over when
+    it needs as many GPUs, and otherwise leases its own once it is given back (the kept ranks then live unleased for
+    the moment it takes the server to end them); a gloo world runs on another server and leaves the kept world, and
+    its lease, alone.
+    """
+
+    def __init__(self, directory: Path, wait: float) -> None:
+        self.directory = directory
+        self.wait = wait
+        self.kept: Lease | None = None  # the GPUs of the NCCL world its server keeps
+
+    def take(self, gpus: Sequence[Gpu], size: int, holder: str) -> Lease:
+        """The GPUs of an NCCL world of ``size`` ranks: the kept world's, else new ones (``acquire``)."""
+        kept = self.kept
+        if kept is not None and len(kept.gpus) == size:
+            self.kept = None
+            return kept
+        self.release_kept()
+        return acquire(gpus, size, self.directory, self.wait, holder)
+
+    def ended(self, lease: Lease, kept: bool) -> None:
+        """A world ended: its lease is held on while the server keeps its ranks (``kept``), else given back."""
+        if kept:
+            self.kept = lease
+        else:
+            lease.release()
+
+    def release_kept(self) -> None:
+        """The kept NCCL world ended (its server closed, or a world needing other GPUs ended it): they are free."""
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            kept.release()

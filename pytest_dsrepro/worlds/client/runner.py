@@ -46,11 +46,10 @@ class WorldRunner:
         self.progress = progress
         self.failure_grace = failure_grace
         self.stack_dump_wait = stack_dump_wait
-        self.gpu_wait = gpu_wait
         self.servers: dict[str, ForkServer] = {}  # accelerator -> its fork server
         self.warm_ahead = True  # ``plan``
+        self.gpu_leases = leases.WorldLeases(leases.lease_dir(cache_dir), gpu_wait)
         self._gpus: tuple[Gpu, ...] | None = None
-        self._kept_lease: leases.Lease | None = None  # the GPUs of the NCCL world its server keeps
         self._ids = itertools.count(1)
 
     def gpus(self) -> tuple[Gpu, ...]:
@@ -102,10 +101,11 @@ class WorldRunner:
     def run(self, job: RankJob, size: int, reuse: str | None = None) -> WorldOutcome:
         """Run one world of ``size`` ranks (a test that uses DeepSpeed, ``job.warm``, starts warm); ``reuse``: the
         test's reuse scope (``Spawn.reuse``): ranks kept from its previous test may run it. An NCCL world
-        runs on GPUs leased for it alone (``_nccl_lease``); ``leases.Busy`` when none came free within ``gpu_wait``."""
+        runs on GPUs leased for it alone (``leases.WorldLeases``); ``leases.Busy`` when none came free within
+        ``gpu_wait``."""
         server = self.server_for(job.backend)
         nccl = job.backend == "nccl"
-        lease = self._nccl_lease(job, size) if nccl else None
+        lease = self.gpu_leases.take(self.gpus(), size, _holder(job)) if nccl else None
         cold = job.warm and not self.warm_ahead
         job = dataclasses.replace(job, warm=job.warm and self.warm_ahead)
         world = None
@@ -123,49 +123,19 @@ class WorldRunner:
                 failure_grace=self.failure_grace,
                 stack_dump_wait=self.stack_dump_wait,
                 reuse=reuse,
-                flight_recorder=self._flight_recorder() if nccl else None,
+                flight_recorder=_flight_recorder(self.cache_dir) if nccl else None,
             )
             seen = {**os.environ, **(lease.environ() if lease else {})}
             if nccl:
                 seen.update(nccl_diagnostics.environment(world.workdir, os.environ, job.timeout))
-            job = dataclasses.replace(job, environ=EnvironChanges.between(server.environ, seen))
+            job = dataclasses.replace(job, environ=EnvironChanges.between(server.process.environ, seen))
             try:
                 return world.run(job)
             finally:
                 server.noted_preload(world.preloaded or (NOT_WARMED if cold else None), world.fork_hazard)
         finally:
-            if lease is not None and world is not None and world.kept:
-                self._kept_lease = lease
-            elif lease is not None:
-                lease.release()
-
-    def _nccl_lease(self, job: RankJob, size: int) -> leases.Lease:
-        """The GPUs of an NCCL world. A kept NCCL world (``reuse=True``) holds its lease for its life: the next test
-        of its scope and size runs on it; the next NCCL world of another, on the server that ends the kept world as
-        it starts this one, takes it over when it needs as many GPUs, and otherwise leases its own once it is given
-        back (the kept ranks then live unleased for the moment it takes the server to end them); a gloo world runs on
-        another server and leaves the kept world, and its lease, alone."""
-        kept = self._kept_lease
-        if kept is not None and len(kept.gpus) == size:
-            self._kept_lease = None
-            return kept
-        self._release_kept_lease()
-        return self._lease(job, size)
-
-    def _release_kept_lease(self) -> None:
-        """The kept NCCL world ended (its server closed, or a world needing other GPUs ended it): they are free."""
-        kept, self._kept_lease = self._kept_lease, None
-        if kept is not None:
-            kept.release()
-
-    def _flight_recorder(self) -> Path:
-        """Where a stopped NCCL world's flight recorder dumps are kept (its own directory is discarded)."""
-        return self.cache_dir / "nccl-flight-recorder" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-
-    def _lease(self, job: RankJob, size: int) -> leases.Lease:
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        holder = f"{Path(job.test.module_file).name}::{job.test.qualname}" + (f", xdist {worker}" if worker else "")
-        return leases.acquire(self.gpus(), size, leases.lease_dir(self.cache_dir), self.gpu_wait, holder)
+            if lease is not None:
+                self.gpu_leases.ended(lease, kept=world is not None and world.kept)
 
     def close(self, finish_builds: bool = False) -> None:
         """Stop every fork server; ``finish_builds``: the run was not interrupted, so comm-op builds still running
@@ -177,4 +147,15 @@ class WorldRunner:
         finally:
             for server in self.servers.values():
                 server.close()
-            self._release_kept_lease()
+            self.gpu_leases.release_kept()
+
+
+def _flight_recorder(cache_dir: Path) -> Path:
+    """Where a stopped NCCL world's flight recorder dumps are kept (its own directory is discarded)."""
+    return cache_dir / "nccl-flight-recorder" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _holder(job: RankJob) -> str:
+    """Who holds an NCCL world's lease, in words for those who wait: its test, and its xdist worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"{Path(job.test.module_file).name}::{job.test.qualname}" + (f", xdist {worker}" if worker else "")

@@ -78,6 +78,13 @@ class _Rank:
     exited_at: float | None = None  # when the server reaped it (time.monotonic()'s clock)
     finished: bool = False  # a reusable world's rank that ended its test cleanly and lives on (``Finished``)
 
+    @property
+    def failed(self) -> bool:
+        """Ended, and not cleanly: a non-zero exit code, no report, or a failure reported."""
+        return self.returncode is not None and (
+            self.returncode != 0 or self.report is None or self.report.status is Status.FAILED
+        )
+
 
 @dataclass
 class WorldRun:
@@ -99,9 +106,6 @@ class WorldRun:
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # the server answered Reap: nothing of the world is left
     kept: bool = False  # asked the server to keep its ranks for the next test of its scope (``_keep``)
-
-    def _failed(self, r: _Rank) -> bool:
-        return r.returncode is not None and (r.returncode != 0 or r.report is None or r.report.status is Status.FAILED)
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks if r.returncode is None]
@@ -152,9 +156,8 @@ class WorldRun:
             self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.reuse))
             # The server may be silent for the world's timeout at most (a first preload says Building as it goes).
             if not self.server.wait_for(lambda: bool(self.ranks), math.inf, self, silence=self.timeout):
-                raise HarnessError(
-                    f"the pytest-dsrepro fork server did not start the ranks; {told_log(self.server.log_tail())}"
-                )
+                log = self.server.process.log_tail()
+                raise HarnessError(f"the pytest-dsrepro fork server did not start the ranks; {told_log(log)}")
             self._wait(started + self.timeout)
             return self._outcome(started)
         except ServerGone as exc:
@@ -189,10 +192,10 @@ class WorldRun:
         first_failure: float | None = None
         while live := self._live():
             now = time.monotonic()
-            if first_failure is None and any(self._failed(r) for r in self.ranks):
+            if first_failure is None and any(r.failed for r in self.ranks):
                 first_failure = now
             if first_failure is not None and now > first_failure + self.failure_grace:
-                failed = [r.rank for r in self.ranks if self._failed(r)]
+                failed = [r.rank for r in self.ranks if r.failed]
                 self._force_end(
                     live,
                     Status.STOPPED,
@@ -208,7 +211,7 @@ class WorldRun:
 
     def _turned(self, failing: bool) -> bool:
         """Has the wait something new to decide: every rank ended, or (not ``failing`` yet) a first rank failed?"""
-        return not self._live() or (not failing and any(map(self._failed, self.ranks)))
+        return not self._live() or (not failing and any(r.failed for r in self.ranks))
 
     def _collect_exits(self, ranks: list[_Rank]) -> None:
         """The ``Exited`` of ranks the server was asked to kill (it answers at once; ``REAP_WAIT`` bounds a wedged
@@ -226,19 +229,11 @@ class WorldRun:
                 stack = self._stack(r.rank)
                 results.append(RankResult(r.rank, r.forced, detail=r.forced_detail, output=output, stack=stack))
             else:
-                results.append(_judged(r, output, started, self._stack(r.rank)))
+                results.append(_ended_on_its_own(r, output, started, self._stack(r.rank)))
         duration = time.monotonic() - started
-        return WorldOutcome(self.size, self.backend, tuple(results), duration, self._phases(started), self.reused)
-
-    def _phases(self, started: float) -> tuple[tuple[str, float], ...]:
-        """Where the world's time went, when every rank got through every phase on its own."""
-        marks = [r.report.marks for r in self.ranks if r.report is not None and r.forced is None]
-        ends = [r.exited_at for r in self.ranks if r.exited_at is not None]
-        if not self.ranks or len(marks) < len(self.ranks) or len(ends) < len(self.ranks):
-            return ()
-        if any(len(m) != len(PHASES) - 1 for m in marks):
-            return ()
-        return phases(started, marks, max(ends))
+        return WorldOutcome(
+            self.size, self.backend, tuple(results), duration, _phases(self.ranks, started), self.reused
+        )
 
     def _keep(self) -> bool:
         """May the server keep the ranks for the next test of the scope? Only when every one of them ended its body so
@@ -273,7 +268,18 @@ class WorldRun:
             discard(self.workdir)
 
 
-def _judged(r: _Rank, output: str, started: float, stack: str) -> RankResult:
+def _phases(ranks: list[_Rank], started: float) -> tuple[tuple[str, float], ...]:
+    """Where the world's time went, when every rank got through every phase on its own."""
+    marks = [r.report.marks for r in ranks if r.report is not None and r.forced is None]
+    ends = [r.exited_at for r in ranks if r.exited_at is not None]
+    if not ranks or len(marks) < len(ranks) or len(ends) < len(ranks):
+        return ()
+    if any(len(m) != len(PHASES) - 1 for m in marks):
+        return ()
+    return phases(started, marks, max(ends))
+
+
+def _ended_on_its_own(r: _Rank, output: str, started: float, stack: str) -> RankResult:
     """A rank that ended on its own: its report counts only when it also exited cleanly.
 
     A crash is never a pass: a rank that wrote PASSED (or SKIPPED) and then died by a signal or a non-zero exit code

@@ -34,6 +34,7 @@ nothing here knows pytest (``session/launched_run`` is the pytest side).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import pickle
@@ -97,7 +98,6 @@ class LaunchedWorld:
         self.world = world
         self.peers = Peers(world, connect_timeout)
         self.lockstep = Lockstep(self.peers, release)
-        self._comm_op_ready = False
 
     def plan(self, nodeids: Sequence[str], timeout: float) -> dict[str, str]:
         """The tests of ``nodeids`` that cannot run as one world, and why (``Lockstep.plan``)."""
@@ -129,45 +129,76 @@ class LaunchedWorld:
     ) -> WorldOutcome:
         """Run the body of the test all ranks arrived at, as one world; every rank returns the same outcome.
         ``run``: which world of a nondeterministic verdict's series this is (each starts anew on its own keys)."""
-        peers, seq = self.peers, self.lockstep.seq
-        store = peers.store(seq, run=run)
+        store = self.peers.store(self.lockstep.seq, run=run)
         if self.world.rank == 0:
             _post_arguments(store, kwargs)
         self.lockstep.start(store, timeout)
         kwargs = kwargs if self.world.rank == 0 else _arguments_of_rank_0(store, kwargs)
         started = time.monotonic()
-        deadline = started + timeout
+        result = self._set_up(store, backend, timeout, deepspeed, started)
+        if result is None:
+            ctx = RankContext(self.world.rank, self.world.world_size, self.world.local_rank, backend)
+            call = functools.partial(body.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed, setup=setup)
+            result = self._watched(call, store, run, backend, started, timeout)
+        _leave(backend, failed=result.status is not Status.PASSED)
+        self.peers.check_interrupted()
+        return self._one_outcome(store, backend, started, timeout)
+
+    def _set_up(self, store: Any, backend: str, timeout: float, deepspeed: bool, started: float) -> RankResult | None:
+        """A default process group of this test's own, on its own keys, every rank connected before any body runs
+        (DeepSpeed's comm op loaded first where the test uses DeepSpeed). None, or this rank's failure, published as
+        a spawned rank reports it."""
+        import torch.distributed as dist
+
         try:
             if deepspeed:
-                self._warm_comm_op()
-            self._join(store, backend, timeout)
+                _warm_comm_op()
+            if dist.is_initialized():  # left by something else than this plugin: never share it with a test
+                _leave(backend, failed=True)
+            if backend == "nccl":
+                # CleanUpOnly: NCCL's watchdog aborts a failed communicator, but leaves the pytest process alive.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            group_store = dist.PrefixStore("pg", store)  # type: ignore[attr-defined]
+            rank, size = self.world.rank, self.world.world_size
+            rendezvous.init_default_group(backend, group_store, rank, size, timeout + GROUP_MARGIN)
+            rendezvous.agree_connected(group_store, size, timeout)
         except BaseException as exc:  # noqa: BLE001 - this rank's failure, as a spawned rank reports it
             error = ErrorInfo.from_exception(exc, "world setup failed:\n" + traceback.format_exc())
             result = RankReport(Status.FAILED, error=error, at=time.monotonic()).result(self.world.rank, "", started)
-            peers.publish(store, result)
-        else:
-            ctx = RankContext(self.world.rank, self.world.world_size, self.world.local_rank, backend)
-            report: RankReport | None = None
-            # Interrupted escapes run_body only when it came after the body, as run_body reported it: the watcher's
-            # result stands either way.
-            before = _children()
-            watch = BodyWatch(peers, peers.store(seq, watcher=True, run=run), deadline, timeout)
-            with watch, contextlib.suppress(Interrupted):
-                report = watch.interruptible(body.run_body, fn, kwargs, fixes, ctx, deepspeed=deepspeed, setup=setup)
-            _kill_what_it_started(before)
-            if watch.fired is not None:
-                result = watch.fired
-            else:
-                assert report is not None, "only the watcher interrupts a body, having published the rank's result"
-                result = report.result(self.world.rank, started=started)
-                if result.error is not None and result.error.is_instance_of(KeyboardInterrupt):
-                    _leave(backend, failed=True)
-                    peers.interrupt(result.error.text)
-                peers.publish(store, result)
-        _leave(backend, failed=result.status is not Status.PASSED)
-        peers.check_interrupted()
+            self.peers.publish(store, result)
+            return result
+        return None
+
+    def _watched(
+        self, call: Callable[[], RankReport], store: Any, run: int, backend: str, started: float, timeout: float
+    ) -> RankResult:
+        """The body, ``call``, under its watcher (``BodyWatch``), and what it started killed after it: this rank's
+        result, published (by the watcher, when it stopped the body); Ctrl-C in the body is told to every rank."""
+        report: RankReport | None = None
+        # Interrupted escapes run_body only when it came after the body, as run_body reported it: the watcher's
+        # result stands either way.
+        before = _children()
+        watcher = self.peers.store(self.lockstep.seq, watcher=True, run=run)
+        watch = BodyWatch(self.peers, watcher, started + timeout, timeout)
+        with watch, contextlib.suppress(Interrupted):
+            report = watch.interruptible(call)
+        _kill_what_it_started(before)
+        if watch.fired is not None:
+            return watch.fired
+        assert report is not None, "only the watcher interrupts a body, having published the rank's result"
+        result = report.result(self.world.rank, started=started)
+        if result.error is not None and result.error.is_instance_of(KeyboardInterrupt):
+            _leave(backend, failed=True)
+            self.peers.interrupt(result.error.text)
+        self.peers.publish(store, result)
+        return result
+
+    def _one_outcome(self, store: Any, backend: str, started: float, timeout: float) -> WorldOutcome:
+        """The world's outcome, the same on every rank: rank 0 gathers every rank's result and publishes it, the
+        others wait for it."""
+        peers = self.peers
         # A rank blocked in a collective that no peer will join is answered by the group's own timeout at the latest.
-        final = deadline + GROUP_MARGIN + SLACK
+        final = started + timeout + GROUP_MARGIN + SLACK
         if self.world.rank == 0:
             results = peers.interruptible(lambda: self._gather(store, final))
             outcome = WorldOutcome(self.world.world_size, backend, results, time.monotonic() - started)
@@ -180,29 +211,6 @@ class LaunchedWorld:
         outcome = pickle.loads(store.get("outcome"))
         assert isinstance(outcome, WorldOutcome)
         return outcome
-
-    def _join(self, store: Any, backend: str, timeout: float) -> None:
-        """A default process group of this test's own, on its own keys; every rank connected before any body runs."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # left by something else than this plugin: never share it with a test
-            _leave(backend, failed=True)
-        if backend == "nccl":
-            # CleanUpOnly: NCCL's watchdog aborts a failed communicator, but leaves the pytest process alive.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        group_store = dist.PrefixStore("pg", store)  # type: ignore[attr-defined]
-        rendezvous.init_default_group(
-            backend, group_store, self.world.rank, self.world.world_size, timeout + GROUP_MARGIN
-        )
-        rendezvous.agree_connected(group_store, self.world.world_size, timeout)
-
-    def _warm_comm_op(self) -> None:
-        """DeepSpeed's CPU comm op from the plugin's cache (as the fork server loads it), once per process."""
-        if not self._comm_op_ready:
-            from ..server import comm_op
-
-            comm_op.warm_up()
-            self._comm_op_ready = True
 
     def _gather(self, store: Any, deadline: float) -> tuple[RankResult, ...]:
         """Every rank's result; a rank whose result never came is named as such (and one that died, at once)."""
@@ -238,6 +246,14 @@ class LaunchedWorld:
                 time.sleep(POLL)
         except dist.DistError:
             pass
+
+
+@functools.cache
+def _warm_comm_op() -> None:
+    """DeepSpeed's CPU comm op from the plugin's cache (as the fork server loads it), once per process."""
+    from ..server import comm_op
+
+    comm_op.warm_up()
 
 
 def _children() -> set[int]:

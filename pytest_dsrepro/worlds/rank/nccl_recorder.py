@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...core.files import write_atomically
 from ..workdir import NCCL_TRACE_FILE, nccl_request_file, nccl_requested_file
 
 #: The share of the world's timeout a collective may take: a hang that starts in the world's first quarter is past
@@ -74,10 +75,7 @@ def serve_dump_request(rank: int, dump: Callable[[], bytes] = _dump_from_torch, 
                 data = dump()
             except Exception as exc:  # noqa: BLE001 - said in the rank's story instead of a dump
                 data = pickle.dumps({"dsrepro_error": f"{type(exc).__name__}: {exc}"})
-            target = nccl_requested_file(workdir, rank)
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.write_bytes(data)
-            tmp.rename(target)
+            write_atomically(nccl_requested_file(workdir, rank), data, durable=False)
 
     thread = threading.Thread(target=serve, name="dsrepro-nccl-flight-recorder", daemon=True)
     _serving.append(thread)

@@ -105,16 +105,8 @@ def run_rank(
         marks.append(time.monotonic())
 
     job.environ.apply(os.environ)
-    master = None  # a world without the plugin's process group: (port, rank 0's own store), alive with the rank
     try:
-        store = rendezvous.rendezvous(meeting.port, meeting.world, job.timeout)
-        if job.launcher_env:
-            if not job.process_group:  # the body makes the group, on a MASTER_PORT nobody else serves
-                master = rendezvous.own_master_port(store, rank, job.timeout)
-            rendezvous.set_rank_environment(rank, world_size, master[0] if master else meeting.port)
-        if job.process_group:
-            rendezvous.init_default_group(job.backend, store, rank, world_size, job.timeout)
-        rendezvous.agree_connected(store, world_size, job.timeout)
+        stores = _meet(job, rank, world_size, meeting)
     except BaseException as exc:  # noqa: BLE001
         return body.failed_report(exc, "world setup failed:\n", traceback.format_exc())
     mark()
@@ -131,4 +123,21 @@ def run_rank(
     if dist.is_initialized() and report.status is Status.PASSED and not keep_group:
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
+    del stores  # kept until the body was over
     return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))
+
+
+def _meet(job: RankJob, rank: int, world_size: int, meeting: Meeting) -> tuple[object, ...]:
+    """The world's rendezvous: the server's store, torchrun's variables, the default process group, every rank
+    connected. Returns what must live as long as the body: the store, and in a world without the plugin's process
+    group the master port and rank 0's own store on it."""
+    master = None
+    store = rendezvous.rendezvous(meeting.port, meeting.world, job.timeout)
+    if job.launcher_env:
+        if not job.process_group:  # the body makes the group, on a MASTER_PORT nobody else serves
+            master = rendezvous.own_master_port(store, rank, job.timeout)
+        rendezvous.set_rank_environment(rank, world_size, master[0] if master else meeting.port)
+    if job.process_group:
+        rendezvous.init_default_group(job.backend, store, rank, world_size, job.timeout)
+    rendezvous.agree_connected(store, world_size, job.timeout)
+    return store, master

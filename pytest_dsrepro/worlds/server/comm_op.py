@@ -257,7 +257,6 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     ``TORCH_EXTENSIONS_DIR`` set by the user is used with torch's own JIT, once a damaged build there is discarded.
     """
     import deepspeed
-    from deepspeed.comm.torch import build_shm_op
     from filelock import FileLock, Timeout
 
     builder = _builder()
@@ -275,41 +274,55 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     except Timeout:
         announce(f"waiting for another pytest-dsrepro process to build {release} (first time only)")
         lock.acquire()
-    except OSError as exc:  # a read-only cache: what it holds is used as it is
-        if not chosen and library.exists() and damage(library) is None and _register(builder, _import(library)):
-            return f"loaded from {directory} (a read-only cache)"
-        raise Unusable(
-            f"{directory} cannot be written ({exc.strerror or exc}) and holds no build of {release} that loads: point "
-            "--ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory"
-        ) from None
+    except OSError as exc:
+        return _read_only(builder, directory, bool(chosen), release, exc)
     try:
         remove_stale_locks(directory)
         if chosen:
             _sound(library, announce, release)  # torch's JIT loads it, or builds it again
         elif _cached(builder, library, announce, release):
             return f"loaded from {directory}"
-        if not library.exists():
-            took = expected_build(directory.parent)
-            announce(
-                f"building {release}, first time only ({took}; cached in {directory}); "
-                "the first DeepSpeed world waits for it"
-            )
-        started = time.monotonic()
-        try:
-            with _compilers_scratch():
-                op = build_shm_op()
-            with contextlib.suppress(OSError):  # for the next build's estimate
-                (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
-        except Exception as exc:  # noqa: BLE001 - told as what to do: every world would fail on it
-            ours = library.parent if chosen else directory  # the user's directory may hold other builds
-            elsewhere = "unset TORCH_EXTENSIONS_DIR" if chosen else "point --ds-cache-dir elsewhere"
-            raise Unusable(
-                f"{release} could not be built in {directory} ({type(exc).__name__}: {exc}); remove its build "
-                f"(rm -rf {ours}) and run again, or {elsewhere}"
-            ) from None
+        op = _build(directory, library, bool(chosen), announce, release)
     finally:
         lock.release()
     return f"built in {directory}" if op is not None else "not used by this accelerator"
+
+
+def _read_only(builder: Any, directory: Path, chosen: bool, release: str, exc: OSError) -> str:
+    """A cache that cannot be written: what it holds is used as it is, or ``Unusable`` says where to point instead."""
+    library = shared_library(directory)
+    if not chosen and library.exists() and damage(library) is None and _register(builder, _import(library)):
+        return f"loaded from {directory} (a read-only cache)"
+    raise Unusable(
+        f"{directory} cannot be written ({exc.strerror or exc}) and holds no build of {release} that loads: point "
+        "--ds-cache-dir (or DSREPRO_CACHE_DIR) at a writable directory"
+    ) from None
+
+
+def _build(directory: Path, library: Path, chosen: bool, announce: Callable[[str], None], release: str) -> object:
+    """Build the op with DeepSpeed's own JIT, under the cache's lock, telling the user how long a first build takes;
+    its time kept for the next estimate. ``Unusable``, saying what to do, when it fails: every world would fail on it.
+    ``chosen``: ``directory`` is the user's ``TORCH_EXTENSIONS_DIR``."""
+    from deepspeed.comm.torch import build_shm_op
+
+    if not library.exists():
+        took = expected_build(directory.parent)
+        said = f"building {release}, first time only ({took}; cached in {directory})"
+        announce(f"{said}; the first DeepSpeed world waits for it")
+    started = time.monotonic()
+    try:
+        with _compilers_scratch():
+            op = build_shm_op()
+        with contextlib.suppress(OSError):  # for the next build's estimate
+            (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
+    except Exception as exc:  # noqa: BLE001 - told as what to do: every world would fail on it
+        ours = library.parent if chosen else directory  # the user's directory may hold other builds
+        elsewhere = "unset TORCH_EXTENSIONS_DIR" if chosen else "point --ds-cache-dir elsewhere"
+        raise Unusable(
+            f"{release} could not be built in {directory} ({type(exc).__name__}: {exc}); remove its build "
+            f"(rm -rf {ours}) and run again, or {elsewhere}"
+        ) from None
+    return op
 
 
 # ---- a first build beside the worlds -------------------------------------------------------------------------------
@@ -334,6 +347,36 @@ class Background:
     started: float
     ended: bool = False  # the child was reaped (``adopt``)
     detached: bool = False  # the child goes on after the server (``detach``)
+
+    @classmethod
+    def begin(cls, builder: Any, directory: Path, release: str, announce: Callable[[str], None]) -> Background:
+        """Start the build in a child (``_apart``), saying so (and why, when the last one failed), and switch the op
+        off here meanwhile: the worlds forked now run without it, as DeepSpeed does where it cannot build it."""
+        import deepspeed.ops
+
+        from . import preload
+
+        failed = directory / BUILD_FAILED
+        with contextlib.suppress(OSError):
+            announce(f"the last build of {release} failed ({' '.join(failed.read_text().split())}): building it again")
+            failed.unlink()
+        announce(
+            f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
+            "the worlds: until it is built they run without it, as DeepSpeed does where it cannot build it, and a "
+            "test that calls inference_all_reduce waits for it there"
+        )
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(
+            directory
+        )  # where ranks JIT-build DeepSpeed's other ops, as after a load
+        read, lifeline = os.pipe()
+        child = preload.Child.start(lambda: _apart(read, lifeline, failed))
+        os.close(read)
+        library = shared_library(directory)
+        switch = deepspeed.ops.__compatible_ops__.get(builder.NAME, True)
+        background = cls(child, lifeline, builder, library, release, switch, time.monotonic())
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # after the fork: the child builds it
+        _wait_in_ranks(library, child.pid)
+        return background
 
     def done(self) -> bool:
         return self.ended or self.child.done()
@@ -391,8 +434,6 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
     ``TORCH_EXTENSIONS_DIR`` set by the user is torch's own JIT's, built as ``warm_up`` builds it."""
     import deepspeed
 
-    from . import preload
-
     builder = _builder()
     if builder is None or not builder.is_compatible(False) or os.environ.get("TORCH_EXTENSIONS_DIR"):
         return warm_up(announce), None
@@ -404,33 +445,7 @@ def start(announce: Callable[[str], None] = lambda _: None) -> tuple[str, Backgr
     release = f"DeepSpeed's CPU comm op for {deepspeed.__version__}"
     if not writable or (library.exists() and not _discarded(directory, library, announce, release)):
         return warm_up(announce), None  # loaded now
-    import deepspeed.ops
-
-    failed = directory / BUILD_FAILED
-    with contextlib.suppress(OSError):
-        announce(f"the last build of {release} failed ({' '.join(failed.read_text().split())}): building it again")
-        failed.unlink()
-    announce(
-        f"building {release}, first time only ({expected_build(directory.parent)}; cached in {directory}), beside "
-        "the worlds: until it is built they run without it, as DeepSpeed does where it cannot build it, and a test "
-        "that calls inference_all_reduce waits for it there"
-    )
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)  # where ranks JIT-build DeepSpeed's other ops, as after a load
-    read, lifeline = os.pipe()
-    child = preload.Child.start(lambda: _apart(read, lifeline, failed))
-    os.close(read)
-    background = Background(
-        child,
-        lifeline,
-        builder,
-        library,
-        release,
-        deepspeed.ops.__compatible_ops__.get(builder.NAME, True),
-        time.monotonic(),
-    )
-    deepspeed.ops.__compatible_ops__[builder.NAME] = False  # after the fork: the child builds it
-    _wait_in_ranks(library, child.pid)
-    return BESIDE, background
+    return BESIDE, Background.begin(builder, directory, release, announce)
 
 
 #: What the server writes on the lifeline to let the build go on after it (``Background.detach``).

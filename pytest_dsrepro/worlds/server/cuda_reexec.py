@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core import versions
+from ...core.files import write_atomically
 from ..device_nodes import gpu_device_nodes
 from ..protocol import ServerFacts
 
@@ -93,10 +94,7 @@ def restart_without_deepspeed(found: Deferred, cache_dir: Path, torch: str) -> N
     forked anything: nothing of its own is lost."""
     noted = verdict_file(cache_dir, found.deepspeed, found.deepspeed_path, torch, found.accelerator)
     with contextlib.suppress(OSError):  # a note that cannot be written costs the next server this restart, no more
-        noted.parent.mkdir(parents=True, exist_ok=True)
-        tmp = noted.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(found.dumps())
-        tmp.rename(noted)
+        write_atomically(noted, found.dumps())
     sys.stdout.flush()
     sys.stderr.flush()
     os.environ[DEFERRED] = found.dumps()

@@ -38,12 +38,12 @@ from ..rank.spawned_rank import STACK_SIGNAL
 from . import comm_op, preload
 from .kept import KeptWorld
 from .reaping import RankTable
-from .spawning import TestModules, World, freeze, start_world
+from .spawning import ForkedWorld, TestModules, freeze, start_world
 from .store import Store
 from .warmup import warm_for_deepspeed
 
 
-class Worlds:
+class OpenWorlds:
     """The worlds this server started for pytest: their ranks until told, their directories until reaped."""
 
     def __init__(
@@ -57,7 +57,7 @@ class Worlds:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
         self.store = store
-        self.worlds: dict[int, World] = {}
+        self.worlds: dict[int, ForkedWorld] = {}
         self.ranks = RankTable(conn)
         self.modules = TestModules()
         self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
@@ -122,7 +122,7 @@ class Worlds:
                 print(f"pytest-dsrepro fork server: WARNING: forking world {world} with {hazard}", file=sys.stderr)
             freeze()  # what the server made since, too
             pids, links = start_world(job, size, directory, meeting, code, os.getpid(), self.conn, reuse is not None)
-            started = World(tuple(pids), tuple(links), reuse)
+            started = ForkedWorld(tuple(pids), tuple(links), reuse)
         self.worlds[world] = started
         self._finished[world] = set()
         self.ranks.add(world, started.pids)
@@ -174,11 +174,11 @@ class Worlds:
             workdir.discard(directory, buffers=not kept)
         self.conn.send(Reaped(world))
 
-    def _alive(self, world: World) -> bool:
+    def _alive(self, world: ForkedWorld) -> bool:
         """Every rank of the world still runs: none was told dead, nor died since."""
         return all(pid in self.ranks.pids for pid in world.pids) and world.whole()
 
-    def end(self, world: World) -> None:
+    def end(self, world: ForkedWorld) -> None:
         """Kill every process of ``world`` (``RankTable.end``), sparing the server's own children and other worlds."""
         own = (self.store.pid, *(c.pid for c in (self.scouted, self.building and self.building.child) if c))
         self.ranks.end(world, set(own), {w.group for w in self.worlds.values()})

@@ -14,24 +14,24 @@ from collections.abc import Callable
 from .. import shm
 from ..protocol import NextTest
 from ..workdir import LOOPBACK
-from .spawning import World
+from .spawning import ForkedWorld
 from .store import Store
 
 
 class KeptWorld:
-    """The kept world, if any; ``end`` kills a world's processes (``Worlds.end``)."""
+    """The kept world, if any; ``end`` kills a world's processes (``OpenWorlds.end``)."""
 
-    def __init__(self, end: Callable[[World], None], store: Store) -> None:
+    def __init__(self, end: Callable[[ForkedWorld], None], store: Store) -> None:
         self.end = end
         self.store = store
-        self.world: World | None = None
+        self.world: ForkedWorld | None = None
 
-    def keep(self, world: World) -> None:
+    def keep(self, world: ForkedWorld) -> None:
         if self.world is not None:  # never expected: one world at a time
             self.discard()
         self.world = dataclasses.replace(world, reused=False)
 
-    def resume(self, reuse: str | None, size: int, test: NextTest) -> World | None:
+    def resume(self, reuse: str | None, size: int, test: NextTest) -> ForkedWorld | None:
         """The kept world, running ``test``, when it may (same scope, same size, every rank alive and taking it); None
         otherwise, the kept world then ended: one world at a time."""
         kept = self.world

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...core.files import write_atomically
 from ...core.outcome import describe_exit
 from .. import shm
 
@@ -285,15 +286,13 @@ def vet(
 
 
 def _keep(listing: Path, names: list[str], unsafe: list[str], seconds: float) -> str:
-    """Write the list for later servers (atomically), with how long finding it took; what became of it, in words."""
-    tmp = listing.with_suffix(f".{os.getpid()}.tmp")
+    """Write the list for later servers (whole or not at all), with how long finding it took; what became of it, in
+    words."""
     try:
-        listing.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": LIST_FORMAT, "modules": names, "unsafe": unsafe, "seconds": seconds}))
-        tmp.rename(listing)
+        write_atomically(
+            listing, json.dumps({"format": LIST_FORMAT, "modules": names, "unsafe": unsafe, "seconds": seconds})
+        )
     except OSError as exc:  # a read-only cache: found again by the next run
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return f"not cached ({exc.strerror or exc})"
     return "now cached"
 

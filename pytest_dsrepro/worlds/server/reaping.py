@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..protocol import Exited
-from .spawning import World
+from .spawning import ForkedWorld
 
 #: How long a SIGKILLed process may take to die before the reaping moves on (it is stuck in the kernel).
 DEATH_WAIT = 5.0
@@ -119,7 +119,7 @@ class RankTable:
             if done:
                 self.tell(pid, os.waitstatus_to_exitcode(status))
 
-    def end(self, world: World, spared: set[int | None], others: set[int]) -> None:
+    def end(self, world: ForkedWorld, spared: set[int | None], others: set[int]) -> None:
         """SIGKILL the world's process group and wait for its ranks; then whatever else they left among the server's
         children (processes they started, adopted by the server when their parent died: in the group, or gone
         elsewhere with setsid), round after round, since a dying process's children are adopted only as it dies.

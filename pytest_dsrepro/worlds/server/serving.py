@@ -32,7 +32,7 @@ from .. import shm, workdir
 from ..prctl import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ..protocol import SCOUT_ARGUMENT, Building, Hello, ServerFacts
 from . import comm_op, preload
-from .dispatch import Worlds
+from .dispatch import OpenWorlds
 from .reaping import kill_descendants
 from .spawning import freeze
 from .store import Store
@@ -56,7 +56,7 @@ def serve(
     building: comm_op.Background | None = None,
 ) -> None:
     """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = Worlds(conn, open_worlds, store, scouted, building)
+    worlds = OpenWorlds(conn, open_worlds, store, scouted, building)
     wakeups = _child_exit_wakeups()
     while True:
         links = worlds.links()
@@ -132,13 +132,19 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
-            building.stop()  # unless it was let go on for later runs: then it and its compilers are spared
-        kill_descendants(spared=building.child.pid if building is not None and building.detached else None)
-        shutil.rmtree(comm_op.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
-        for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
-            workdir.discard(directory)
-        if store.port:  # a kept world's buffers, which no directory names any more
-            shm.remove_world_buffers(workdir.LOOPBACK, store.port)
+        _clean_up(building, open_worlds, store)
         if os.getppid() != parent:  # nobody is left to read the log
             log.unlink(missing_ok=True)
+
+
+def _clean_up(building: comm_op.Background | None, open_worlds: dict[int, Path], store: Store) -> None:
+    """At the server's end, however it came: every process it started killed (a build let go on spared), the worlds
+    never reaped discarded, a kept world's buffers removed."""
+    if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
+        building.stop()  # unless it was let go on for later runs: then it and its compilers are spared
+    kill_descendants(spared=building.child.pid if building is not None and building.detached else None)
+    shutil.rmtree(comm_op.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
+    for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
+        workdir.discard(directory)
+    if store.port:  # a kept world's buffers, which no directory names any more
+        shm.remove_world_buffers(workdir.LOOPBACK, store.port)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import CodeType
+from typing import NoReturn
 
 from ..prctl import die_with_parent
 from ..protocol import Meeting, RankJob, TestRef
@@ -54,11 +55,19 @@ def fork_child(
     sys.stdout.flush()  # or the child would inherit, and later write, whatever the server had buffered
     sys.stderr.flush()
     pid = os.fork()
-    if pid:
-        if group is not None:
-            with contextlib.suppress(OSError):  # the child may already have set it, or already be gone
-                os.setpgid(pid, group or pid)
-        return pid
+    if pid == 0:
+        _child(conn, server_pid, body, group, theirs)
+    if group is not None:
+        with contextlib.suppress(OSError):  # the child may already have set it, or already be gone
+            os.setpgid(pid, group or pid)
+    return pid
+
+
+def _child(
+    conn: Connection, server_pid: int, body: Callable[[], None], group: int | None, theirs: Sequence[Connection]
+) -> NoReturn:
+    """The forked child: the server's socket, links and signal handling left behind, dying with the server, ``body``
+    run, then its exit (70 when the body raised, its traceback in the output file)."""
     code = 70
     try:
         if group is not None:
@@ -113,7 +122,7 @@ def start_world(
 
 
 @dataclass(frozen=True)
-class World:
+class ForkedWorld:
     """One world the server forked: its ranks, in a process group of their own that rank 0 leads.
 
     Rank 0 stays unreaped (a zombie once it exits, after its exit has been told) until the world is reaped: while its

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ...core.options import default_cache_dir
 from ..device_nodes import gpu_device_nodes
@@ -56,19 +57,20 @@ def prepare(
         cuda_reexec.restart_without_deepspeed(
             cuda_reexec.Deferred.of(deepspeed, accelerator), default_cache_dir(), str(torch.__version__)
         )
-    return (
-        dataclasses.replace(
-            facts,
-            deepspeed=str(deepspeed.__version__),
-            deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
-            comm_op=loaded,
-            comm_op_seconds=round(time.monotonic() - started, 2),
-            builds_beside=building is not None,
-            accelerator=str(accelerator.device_name()),
-            accelerator_backend=str(accelerator.communication_backend_name()),
-        ),
-        scouted,
-        building,
+    took = round(time.monotonic() - started, 2)
+    facts = dataclasses.replace(facts, comm_op=loaded, comm_op_seconds=took, builds_beside=building is not None)
+    return _with_deepspeed(facts, deepspeed, accelerator), scouted, building
+
+
+def _with_deepspeed(facts: ServerFacts, deepspeed: Any, accelerator: Any) -> ServerFacts:
+    """``facts`` with the DeepSpeed in play: its release, where it imports from, its accelerator and that one's
+    communication backend (builtins all: unpickled in pytest, they import nothing)."""
+    return dataclasses.replace(
+        facts,
+        deepspeed=str(deepspeed.__version__),
+        deepspeed_path=os.path.dirname(os.path.realpath(deepspeed.__file__)),
+        accelerator=str(accelerator.device_name()),
+        accelerator_backend=str(accelerator.communication_backend_name()),
     )
 
 
