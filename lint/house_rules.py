@@ -242,7 +242,8 @@ def file_lines(path: Path, most: int) -> Finding:
 
 
 def names_outside(mods: list[Module], word: str, where: tuple[str, ...], owner: str) -> Finding:
-    """Lines of code (comments and strings aside) in ``where`` that name ``word``, outside its ``owner`` module."""
+    """Lines of code in ``where`` that name ``word``, outside its ``owner`` module: a name, or a string of one word
+    (a module path, a plugin's name); comments, docstrings and help texts may speak of it."""
     places: list[str] = []
     for m in mods:
         if not m.name.startswith(where) or m.name == owner:
@@ -251,6 +252,14 @@ def names_outside(mods: list[Module], word: str, where: tuple[str, ...], owner: 
             token.start[0]
             for token in tokenize.generate_tokens(io.StringIO(m.source).readline)
             if token.type == tokenize.NAME and word in token.string.lower()
+        }
+        tree = m.tree
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree) if _docstring(node)}
+        lines |= {
+            node.lineno
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            if word in node.value.lower() and not any(c.isspace() for c in node.value)
         }
         places.extend(f"{m.path}:{line}" for line in sorted(lines))
     return Finding(f"lines naming the {word} outside {owner}", len(places), 0, tuple(places))
@@ -356,6 +365,18 @@ def _slashed(m: Module) -> str:
     """``core/options`` for ``pytest_dsrepro.core.options``; a package's ``__init__`` as ``upstream/__init__``."""
     path = m.name.removeprefix(PACKAGE).lstrip(".").replace(".", "/")
     return f"{path}/__init__" if m.path.name == "__init__.py" and path else path or PACKAGE
+
+
+def _docstring(node: ast.AST) -> bool:
+    body = getattr(node, "body", None)
+    return (
+        isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and isinstance(body, list)
+        and bool(body)
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    )
 
 
 def _defines_something(m: Module) -> bool:

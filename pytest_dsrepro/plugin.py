@@ -19,10 +19,6 @@ from .session.recording import RecordedTests, Summary
 from .worlds.launched import launcher
 from .worlds.protocol import RankValue
 
-#: The plugin's parts that are plugins of their own, each registered with it (and blocked with it: -p no:dsrepro).
-pytest_plugins = ("pytest_dsrepro.session.scan_plugin",)
-
-
 class HookSpecs:
     """The plugin's own hooks, for plugin objects that put a test or the run their own way. Each is asked first;
     where none answers (None), the plugin does its own."""

@@ -47,7 +47,8 @@ def broken(tmp_path: Path) -> Path:
         tmp_path,
         {
             "pytest_dsrepro/__init__.py": "",
-            "pytest_dsrepro/plugin.py": "from .session import scan_plugin\n\nSCAN = scan_plugin\n",
+            "pytest_dsrepro/plugin.py": "from .session import scan_plugin\n\nSCAN = scan_plugin\n"
+            'pytest_plugins = ("pytest_dsrepro.session.scan_plugin",)\nHELP = "used by a scan"\n',
             "pytest_dsrepro/core/__init__.py": "",
             "pytest_dsrepro/core/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n",
             "pytest_dsrepro/core/b.py": "def f():\n    from . import a\n\n\nclass Twice:\n    pass\n",
@@ -79,7 +80,11 @@ def test_every_rule_catches_its_fault(rules: ModuleType, broken: Path) -> None:
     )
     assert reading(found, "cli.py")[0] == 201
     assert reading(found, "function-level package imports")[0] == 1  # one_command's; core/b's is outside tools
-    assert reading(found, "naming the scan")[1] == ("pytest_dsrepro/plugin.py:1", "pytest_dsrepro/plugin.py:3")
+    assert reading(found, "naming the scan")[1] == (  # a name, a one-word string; not a help text
+        "pytest_dsrepro/plugin.py:1",
+        "pytest_dsrepro/plugin.py:3",
+        "pytest_dsrepro/plugin.py:4",
+    )
     assert reading(found, "README lines over")[0] == 1
     assert reading(found, "Speed")[0] == 41
     assert reading(found, "does not name")[1] == (

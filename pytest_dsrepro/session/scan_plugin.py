@@ -1,6 +1,7 @@
 """``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side, as a plugin object
-of its own (``Scan``, registered as ``dsrepro-scan`` only for a scan). The rest of the plugin knows nothing of it: the
-scan answers the plugin's own hooks (``plugin.HookSpecs``) and pytest's.
+of its own: this module is a pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only
+for a scan. The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
+(``plugin.HookSpecs``) and pytest's.
 
 At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
 before anything starts). At collection each catalogued repro (a test with ``ds_repro``) gets one test id, ``[scan]``,
@@ -57,8 +58,8 @@ FINDING_KEY = pytest.StashKey[Finding]()
 def pytest_configure(config: pytest.Config) -> None:
     """Read the user's config once; whatever is wrong with it is a usage error now. On a machine with no GPU (or
     ``--ds-backend gloo``) the worlds are gloo, so what needs CUDA and has no CPU form is refused now too."""
-    settings = config.stash[SETTINGS_KEY]
-    if settings.scan is None:
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None or settings.scan is None:  # None: the plugin itself is off (-p no:dsrepro)
         return
     gloo = settings.backend == "gloo" or (settings.backend == "auto" and not gpu_device_nodes())
     try:
