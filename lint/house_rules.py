@@ -254,7 +254,7 @@ def names_outside(mods: list[Module], word: str, where: tuple[str, ...], owner: 
             if token.type == tokenize.NAME and word in token.string.lower()
         }
         tree = m.tree
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree) if _docstring(node)}
+        docstrings = {id(doc) for node in ast.walk(tree) if (doc := _docstring(node)) is not None}
         lines |= {
             node.lineno
             for node in ast.walk(tree)
@@ -367,16 +367,14 @@ def _slashed(m: Module) -> str:
     return f"{path}/__init__" if m.path.name == "__init__.py" and path else path or PACKAGE
 
 
-def _docstring(node: ast.AST) -> bool:
-    body = getattr(node, "body", None)
-    return (
-        isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and isinstance(body, list)
-        and bool(body)
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    )
+def _docstring(node: ast.AST) -> ast.Constant | None:
+    """The docstring of a module, class or function, as its constant; None where it has none."""
+    if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) or not node.body:
+        return None
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.value
+    return None
 
 
 def _defines_something(m: Module) -> bool:

@@ -19,6 +19,7 @@ from .session.recording import RecordedTests, Summary
 from .worlds.launched import launcher
 from .worlds.protocol import RankValue
 
+
 class HookSpecs:
     """The plugin's own hooks, for plugin objects that put a test or the run their own way. Each is asked first;
     where none answers (None), the plugin does its own."""
