@@ -420,6 +420,29 @@ def test_a_world_interrupted_by_a_timeout_keeps_every_ranks_stack(runner: WorldR
     assert not world.workdir.exists()
 
 
+def test_an_interruption_before_spawned_was_read_still_names_the_running_ranks() -> None:
+    """On a loaded machine a body can interrupt pytest before pytest has read ``Spawned``: the ranks already run, so
+    the interruption waits for the server's word of them and ends them as HUNG (their stacks asked for), instead of
+    letting the bare interruption through with no story."""
+
+    class InterruptedBeforeSpawned(ScriptedServer):
+        interrupted = False
+
+        def receive(self, timeout: float) -> ServerMessage | None:
+            if not self.interrupted:
+                self.interrupted = True
+                raise Interruption("Timeout (>5.0s) from pytest-timeout.")
+            return super().receive(timeout)
+
+    server = InterruptedBeforeSpawned()
+    world = WorldRun(server, WORLD, 2, "gloo", 30.0)  # type: ignore[arg-type]
+    with pytest.raises(client.WorldInterrupted) as interrupted:
+        world.run(_job())
+    assert {r.status for r in interrupted.value.outcome.ranks} == {Status.HUNG}
+    assert any(isinstance(m, DumpStacks) for m in server.sent)
+    assert world.reaped
+
+
 def test_a_world_interrupted_before_its_ranks_were_announced_is_still_reaped(tmp_path: Path) -> None:
     """Ctrl-C between Spawn and Spawned: the server reaps ranks the client never heard of; nothing breaks."""
 

@@ -1,6 +1,6 @@
-"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side, as a plugin object
-of its own: this module is a pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only
-for a scan. The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
+"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side. This module is a
+pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only for a scan (as
+``dsrepro-scan-config``). The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
 (``plugin.HookSpecs``) and pytest's.
 
 At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
         user = userconfig.load(settings.scan, "gloo" if gloo else None)
     except userconfig.UserConfigError as exc:
         raise pytest.UsageError(f"pytest-dsrepro: --ds-scan {exc}") from None
-    config.pluginmanager.register(Scan(user), "dsrepro-scan")
+    config.pluginmanager.register(Scan(user), "dsrepro-scan-config")
 
 
 def _accelerator(prepared: Prepared) -> str:

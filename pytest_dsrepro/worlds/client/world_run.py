@@ -55,6 +55,10 @@ REAP_WAIT = 15.0
 #: The same for a world whose ranks were never announced (Ctrl-C while the server prepared them).
 UNANNOUNCED_REAP_WAIT = 1.0
 
+#: How long an interruption waits for the server's word of ranks already running (a loaded machine can run a body
+#: before pytest has read ``Spawned``), so that their stacks are still taken.
+ANNOUNCE_WAIT = 5.0
+
 
 class WorldInterrupted(BaseException):
     """Something other than Ctrl-C interrupted a running world (pytest-timeout's failure, another plugin's exit):
@@ -177,6 +181,11 @@ class WorldRun:
 
     def _interrupted(self, exc: BaseException, started: float) -> WorldOutcome | None:
         """Something else interrupted the wait (pytest-timeout's failure): the live ranks' stacks, then the world."""
+        if not self.ranks:
+            try:
+                self.server.wait_for(lambda: bool(self.ranks), time.monotonic() + ANNOUNCE_WAIT, self)
+            except ServerGone:
+                return None
         live = self._live()
         if not live:
             return None
