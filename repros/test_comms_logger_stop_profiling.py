@@ -38,13 +38,11 @@ ZERO0_COMMS_LOGGER = {
 
 def clear_prof_all_on_stop(monkeypatch):
     """Backport of PR #8137: ``stop_profiling_comms`` clears ``prof_all``."""
-    import inspect
-
     from deepspeed.utils.comms_logging import CommsLogger
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "self.prof_all = False" in inspect.getsource(CommsLogger.stop_profiling_comms):
+    if release_has(CommsLogger.stop_profiling_comms, "self.prof_all = False"):
         return  # this release has the fix
     backport(
         monkeypatch,

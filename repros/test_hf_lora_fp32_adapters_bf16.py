@@ -54,12 +54,13 @@ def gather_each_dtype_apart(monkeypatch):
     """PR #8073's effect: every all-gather buffer has its own parameter's dtype. Here each dtype's parameters are
     gathered by their own call of the installed method (which may carry the persistent-gather prerequisite)."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.partition_parameters import Init
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     gather = Init._allgather_params_coalesced
-    if "param_list[0].ds_tensor.dtype" not in inspect.getsource(gather):
+    if not release_has(gather, "param_list[0].ds_tensor.dtype"):
         return  # this release has the fix
 
     @functools.wraps(gather)

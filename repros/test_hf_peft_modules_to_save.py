@@ -49,14 +49,11 @@ ZERO3 = {
 
 def hook_classes_per_module(monkeypatch):
     """Backport of PR #8144: a module's hook classes and counters are looked up in its own ``__dict__``."""
-    import inspect
-
     from deepspeed.runtime.zero import parameter_offload
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    source = inspect.getsource(parameter_offload)
-    if 'if not hasattr(module, "post_bwd_fn"):' not in source:
+    if not release_has(parameter_offload, 'if not hasattr(module, "post_bwd_fn"):'):
         return  # fixed, or before PR #7062, when the classes were created in the module's own forward
     backport(
         monkeypatch,

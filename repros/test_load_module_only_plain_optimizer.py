@@ -34,13 +34,11 @@ FP32_ZERO0 = {
 
 def refresh_only_if_the_optimizer_can(monkeypatch):
     """Backport of PR #7133: refresh the fp32 masters only when the optimizer has them."""
-    import inspect
-
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "hasattr(self.optimizer, 'refresh_fp32_params')" in inspect.getsource(DeepSpeedEngine._load_checkpoint):
+    if release_has(DeepSpeedEngine._load_checkpoint, "hasattr(self.optimizer, 'refresh_fp32_params')"):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -29,13 +29,11 @@ pytestmark = [
 
 def zero_for_every_group(monkeypatch):
     """Backport of PR #7969: before the first step the ratio is 0.0 and the rates are one 0 per param group."""
-    import inspect
-
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "return [0.0]" not in inspect.getsource(WarmupCosineLR.get_lr):
+    if not release_has(WarmupCosineLR.get_lr, "return [0.0]"):
         return  # this release has the fix
     backport(
         monkeypatch,

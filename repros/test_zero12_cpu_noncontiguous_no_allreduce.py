@@ -58,12 +58,12 @@ def noncontiguous(stage, reduce_scatter=False):
 
 def split_by_dtype(monkeypatch):
     """Backport of PR #8382: ``split_half_float_double`` buckets gradients by dtype, whatever their device."""
-    import inspect
-
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if "device_name()" not in inspect.getsource(stage_1_and_2.split_half_float_double):
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(stage_1_and_2.split_half_float_double, "device_name()"):
         return  # this release has the fix
 
     def split_half_float_double(tensors):

@@ -37,13 +37,11 @@ def elastic(stage):
 
 def skip_0dim_state_when_unpadding(monkeypatch):
     """Backport of PR #7659: only tensors with a dimension carry padding."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "value.dim() > 0" in inspect.getsource(DeepSpeedZeroOptimizer._get_state_without_padding):
+    if release_has(DeepSpeedZeroOptimizer._get_state_without_padding, "value.dim() > 0"):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -69,15 +69,13 @@ def config(stage):
 def record_under_comm_dtype(monkeypatch):
     """Backport of PR #7660: the extra-large parameter is recorded under its communication dtype. A no-op before
     0.17.2 (one parameter, no dtype key) and from 0.18.2 (fixed)."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     stale = r"self\.extra_large_param_to_reduce\[param\.dtype\] = param"
-    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
-    if "extra_large_param_to_reduce[param.dtype]" not in source:
+    bucket = DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads
+    if not release_has(bucket, "extra_large_param_to_reduce[param.dtype]"):
         return
     backport(
         monkeypatch,

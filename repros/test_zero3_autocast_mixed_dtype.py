@@ -49,13 +49,11 @@ ZERO3_AUTOCAST = {
 
 def check_communication_dtype(monkeypatch):
     """Backport of PR #8113: a bucket's parameters must share their communication dtype, not their own dtype."""
-    import inspect
-
     from deepspeed.runtime.zero import partition_parameters
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if '"all params must have the same dtype"' not in inspect.getsource(partition_parameters.Init):
+    if not release_has(partition_parameters.Init, '"all params must have the same dtype"'):
         return  # this release has the fix
     backport(
         monkeypatch,

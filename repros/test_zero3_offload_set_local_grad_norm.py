@@ -66,12 +66,13 @@ def store_the_new_norm(monkeypatch):
     """Backport of PR #7302: with offload, ``set_local_grad_for_param`` also stores the new gradient's norm, where
     ``step()`` reads it."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     set_local_grad = getattr(DeepSpeedZeroOptimizer_Stage3, "set_local_grad_for_param", None)
-    if set_local_grad is None or "norm_for_param_grads" in inspect.getsource(set_local_grad):
+    if set_local_grad is None or release_has(set_local_grad, "norm_for_param_grads"):
         return  # before 0.15.3 (no such API) or from 0.17.0 (fixed)
 
     @functools.wraps(set_local_grad)

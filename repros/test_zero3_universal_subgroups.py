@@ -50,13 +50,13 @@ def walk_every_subgroup(monkeypatch):
     """PR #7585's effect on the converter: each rank's parameters are read from the sub-group that holds them. The
     converter hands this function the parameters in partition order, so it moves to the next sub-group's flat
     tensors when the current one is used up (upstream passes the per-sub-group shapes through instead)."""
-    import inspect
-
     import torch
     from deepspeed.checkpoint import ds_to_universal as converter
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     extract = getattr(converter, "extract_zero_shards_stage3", None)
-    if extract is None or "['state'][0]" not in inspect.getsource(extract):
+    if extract is None or not release_has(extract, "['state'][0]"):
         return  # fixed, or before ZeRO-3 universal checkpoints (0.14.4 and older)
 
     def extract_by_subgroup(optim_files, param_shapes, dp_degree, temp_dir, dp_index):

@@ -43,15 +43,13 @@ ZERO3 = {
 def invalidate_trace_on_reregistration(monkeypatch):
     """Backport of PR #8043: registering the root module again invalidates the coordinator's trace, and clearing the
     trace also clears the per-module fetch-step deques."""
-    import inspect
-
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     # Before 0.16.4 (PR #6847) the method was _register_hooks_recursively.
     register = getattr(DeepSpeedZeRoOffload, "_register_deepspeed_module", None)
-    if "_invalidate_trace" in inspect.getsource(register or DeepSpeedZeRoOffload._register_hooks_recursively):
+    if release_has(register or DeepSpeedZeRoOffload._register_hooks_recursively, "_invalidate_trace"):
         return  # this release has the fix
     backport(
         monkeypatch,
