@@ -102,12 +102,14 @@ BUDGET = 480.0
 #: The run's own start: installing the wheels, then a torch import each to read the versions and count the devices.
 SETUP = 25.0
 #: Each check's share of the budget, seconds (of two side by side, the larger counts). ``nccl-2`` (two GPUs) has no
-#: share of its own: it runs on what the others left. The catalogue (88 tests): in 1-rank NCCL worlds about 76 worlds
-#: (the CPU-only repros are NOT-APPLICABLE there, with no world) at 2-4 s each (a fresh NCCL world was 1.34 s of it
-#: on an H100, the Hugging Face repros take more); in 2-rank gloo worlds 160 worlds (a race's verdict is a series of
-#: 20), 827 s on a loaded 2-core machine, about a third of it on 16 cores. The hang's world times out at 30 s; the
-#: cost's 12 worlds and 5 bare ones take about 1.4 s each; the leases' holder holds the GPU 8 s.
-SHARES = {"nccl-1": 325.0, "gloo-2": 300.0, "hang": 45.0, "cost": 35.0, "leases": 30.0, "nccl-2": 0.0}
+#: share of its own: it runs on what the others left. The catalogue (88 tests): in 1-rank NCCL worlds 66 worlds (the
+#: CPU-only repros are NOT-APPLICABLE there, with no world; the pipeline's want two GPUs) at 2-4 s each (a fresh NCCL
+#: world was 1.34 s of it on an H100, the Hugging Face repros take more); in 2-rank gloo worlds 126 worlds (a race's
+#: verdict is a series of 20), 827 s on a loaded 2-core machine, about a third of it on 16 cores. Each pytest session
+#: there starts a fork server that imports torch and DeepSpeed (several seconds) before its first world: the hang's
+#: world then times out at 30 s; the cost's 12 worlds and 5 bare ones take about 1.4 s each; the leases' holder holds
+#: the GPU 8 s while a second session is refused, and a third starts its own server after it.
+SHARES = {"nccl-1": 305.0, "gloo-2": 300.0, "hang": 55.0, "cost": 40.0, "leases": 35.0, "nccl-2": 0.0}
 #: After a check's limit: the snapshot gets ``SNAPSHOT`` seconds, then pytest, interrupted, the rest of ``STOPPING``
 #: to write its results and end its worlds, before it is killed. The budget keeps one ``STOPPING`` at its end, and a
 #: check stopped earlier takes it from the checks after it.
@@ -407,7 +409,7 @@ class GpuCheck:
         self.work = work  # the check's own test files
         self.catalogue = catalogue
         self.timeout = timeout  # a catalogue world's (--ds-timeout)
-        self.stopping = stopping  # what a check keeps of its limit to stop and leave its evidence (``run``)
+        self.stopping = stopping  # how long a check stopped at its limit gets to leave its evidence (``run``)
         self.pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA"]
 
     def catalogue_run(self, title: str, name: str, size: int, backend: str, reference: str, limit: float) -> Check:
@@ -419,9 +421,8 @@ class GpuCheck:
                   log=self.evidence / f"{name}.log", stopping=self.stopping)  # fmt: skip
         found = records(results_dir)
         if ran.returncode is None:
-            test = running_test(ran.output) or "(no test had started)"
-            return Check(title, FAIL, ran.seconds, f"stopped at its limit with {len(found)} tests recorded; "
-                         f"{summary_line(ran.output)}", limit, test, stopping_stack(ran.tree, ran.output))  # fmt: skip
+            seen = f"stopped at its limit with {len(found)} tests recorded; {summary_line(ran.output)}"
+            return self._stopped(title, ran, limit, seen, found)
         wanting = wanting_gpus(found)
         here = {n: label(t) for n, t in found.items()}
         expected = {
@@ -465,15 +466,15 @@ class GpuCheck:
         return ran, records(results_dir)
 
     def _stopped(self, title: str, ran: Ran, limit: float, seen: str, found: dict[str, results.TestRecord],
-                 result: str = FAIL) -> Check:  # fmt: skip
-        """A check that did not pass: the test that stopped it (running at its limit, else the first that failed)."""
+                 otherwise: tuple[str, str] = ("", "")) -> Check:  # fmt: skip
+        """A check that did not pass, and the test that stopped it: the one running at its limit, else the first that
+        failed, else ``otherwise`` (what the check itself found wrong: the test, and what it printed)."""
         if ran.returncode is None:
             test = running_test(ran.output) or "(no test had started)"
-            return Check(title, result, ran.seconds, seen, limit, test, stopping_stack(ran.tree, ran.output))
+            return Check(title, FAIL, ran.seconds, seen, limit, test, stopping_stack(ran.tree, ran.output))
         failed = next((t for t in found.values() if t.outcome == "failed"), None)
-        if failed is None:
-            return Check(title, result, ran.seconds, seen, limit)
-        return Check(title, result, ran.seconds, seen, limit, failed.nodeid, record_stack(failed))
+        test, stack = (failed.nodeid, record_stack(failed)) if failed is not None else otherwise
+        return Check(title, FAIL, ran.seconds, seen, limit, test, stack)
 
     def leases(self, limit: float) -> Check:
         title = "GPU leases, two sessions"
@@ -506,8 +507,8 @@ class GpuCheck:
                 return Check(title, FAIL, time.monotonic() - began, "the holder never ran (leases-holder.log)", limit,
                              "test_hold.py::test_holds_the_gpu", "")  # fmt: skip
             # Each stopped (if at all) in a few seconds: together they end within the stop the budget keeps.
-            busy, _ = self._pytest("leases-busy", "test_hold.py", "--ds-gpu-wait", "1",
-                                   limit=max(deadline - time.monotonic(), 1.0) / 2, stopping=5.0)  # fmt: skip
+            busy, busy_found = self._pytest("leases-busy", "test_hold.py", "--ds-gpu-wait", "1",
+                                             limit=max(deadline - time.monotonic(), 1.0) / 2, stopping=5.0)  # fmt: skip
             after, found = self._pytest("leases-after", "test_hold.py", limit=max(deadline - time.monotonic(), 1.0),
                                         stopping=5.0)  # fmt: skip
         finally:
@@ -524,7 +525,9 @@ class GpuCheck:
                 f"{waited} ({after.seconds:.1f}s)")  # fmt: skip
         if named and skipped and waited:
             return Check(title, PASS, time.monotonic() - began, seen, limit)
-        return self._stopped(title, after if busy.returncode is not None else busy, limit, seen, found)
+        # The second session was not skipped as it should, or the third did not run after the holder.
+        wrong, its = (busy, busy_found) if not (named and skipped) else (after, found)
+        return self._stopped(title, wrong, limit, seen, its, ("test_hold.py::test_holds_the_gpu", wrong.output[-1500:]))
 
     def hang(self, limit: float) -> Check:
         title = "a hang, explained"
@@ -597,7 +600,8 @@ class GpuCheck:
         bare = re.search(r"FLOOR median=([\d.]+)", floor.output)
         if not fresh or bare is None:
             seen = f"{summary_line(ran.output)}; floor: {floor.output.strip()[-200:]}"
-            return self._stopped(title, ran if not fresh else floor, limit, seen, found)
+            wrong = ("test_cost.py::test_fresh", ran.output[-1500:]) if not fresh else ("floor", floor.output[-1500:])
+            return self._stopped(title, ran if not fresh else floor, limit, seen, found, wrong)
         base = float(bare.group(1))
         f, k = statistics.median(fresh), statistics.median(kept) if kept else float("nan")
         return Check(title, PASS, time.monotonic() - began,
@@ -671,8 +675,8 @@ def table(checks: Sequence[Check]) -> str:
     rows = ["| check | result | seconds (limit) | seen | stopped by |", "|---|---|---|---|---|"]
     for c in checks:
         stopped = f"`{c.test}`: {one_line(c.stack)}" if c.test else ""
-        rows.append(f"| {c.name} | {c.result} | {c.seconds:.0f} ({c.limit:.0f}) | {c.seen.replace('|', '/')} | "
-                    f"{stopped.replace('|', '/')} |")  # fmt: skip
+        took = f"{c.seconds:.0f} ({c.limit:.0f})" if c.limit else ""
+        rows.append(f"| {c.name} | {c.result} | {took} | {c.seen.replace('|', '/')} | {stopped.replace('|', '/')} |")
     return "\n".join(rows)
 
 
@@ -746,8 +750,8 @@ def _checks(args: argparse.Namespace, env: dict[str, str], work: Path) -> int:
                                "'torch', torch.__version__, 'deepspeed', deepspeed.__version__)"],
                               env=env, capture_output=True, text=True)  # fmt: skip
     gpus = cuda_devices(env)
-    head = (f"gpu_check: {installed}; {versions.stdout.strip() or versions.stderr.strip()[-300:]}; {gpus} CUDA "
-            f"devices; set up in {time.monotonic() - began:.0f}s")  # fmt: skip
+    said = (versions.stdout.strip().splitlines() or [versions.stderr.strip()[-300:]])[-1]  # DeepSpeed logs to stdout
+    head = f"gpu_check: {installed}; {said}; {gpus} CUDA devices; set up in {time.monotonic() - began:.0f}s"
     say(head)
     evidence = work / "evidence"
     evidence.mkdir()
@@ -765,7 +769,8 @@ def _checks(args: argparse.Namespace, env: dict[str, str], work: Path) -> int:
                 ended = list(pool.map(lambda name, limit=limit: checks[name](limit), step))
         for c in ended:
             done.append(c)
-            say(f"gpu_check: {c.name}: {c.result} in {c.seconds:.0f}s of {c.limit:.0f}: {c.seen}"
+            took = f" in {c.seconds:.0f}s of {c.limit:.0f}" if c.limit else ""
+            say(f"gpu_check: {c.name}: {c.result}{took}: {c.seen}"
                 + (f"; stopped by {c.test}: {one_line(c.stack)}" if c.test else ""))  # fmt: skip
         write_evidence(args.out, evidence, args.input, head, done)
     say(table(done))
@@ -810,12 +815,17 @@ def script(into: Path, release: str, python: str) -> Path:
     path = into / "run.sh"
     path.write_text(SCRIPT.format(
         commit=commit.stdout.strip() or "an unknown commit", date=datetime.date.today().isoformat(), release=release,
-        python=python, script=into.relative_to(ROOT) / "run.sh" if inside else path, budget=BUDGET,
+        python=python, script=_shown(path), budget=BUDGET,
         root=f'"$(dirname "$0")/{os.path.relpath(ROOT, into)}"' if inside else shlex.quote(str(ROOT)),
         input=shlex.quote(str(into.relative_to(ROOT) if inside else into)),
     ))  # fmt: skip
     path.chmod(0o755)
     return path
+
+
+def _shown(path: Path) -> Path:
+    """``path`` as a command run from the repository's root names it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -842,7 +852,8 @@ def prepare(args: argparse.Namespace) -> int:
             continue
         took = reference(py, ROOT / "repros", into, size, ["-k", args.k] if args.k else [])
         print(f"gpu_check prepare: {len(verdicts(into))} CPU verdicts at {size} rank(s) in {into}, {took:.0f}s")
-    print(f"gpu_check prepare: there, run  bash {script(args.into, args.release, args.python_version)}")
+    written = script(args.into, args.release, args.python_version)
+    print(f"gpu_check prepare: there, from the repository's root:  bash {_shown(written)}")
     return 0
 
 

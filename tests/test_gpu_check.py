@@ -40,7 +40,7 @@ def test_the_whole_check_fits_eight_minutes_and_no_check_overruns_it() -> None:
     assert gc.steps(gc.ORDER) == [("nccl-1", "gloo-2"), ("hang",), ("cost",), ("leases",), ("nccl-2",)]
     assert gc.budget_for(gc.ORDER) == gc.BUDGET == 480
     assert gc.arithmetic(gc.ORDER) == (
-        "budget: setup 25 + nccl-1 beside gloo-2 325 + hang 45 + cost 35 + leases 30 + one stop 20 = 480 s; nccl-2 "
+        "budget: setup 25 + nccl-1 beside gloo-2 305 + hang 55 + cost 40 + leases 35 + one stop 20 = 480 s; nccl-2 "
         "on what the others leave"
     )
     # Every step runs to its limit, and any of them is stopped there (a stop takes STOPPING more): the run still
@@ -58,16 +58,16 @@ def test_the_whole_check_fits_eight_minutes_and_no_check_overruns_it() -> None:
 
 def test_what_a_check_leaves_unused_passes_to_the_next() -> None:
     left = gc.BUDGET - 10  # set up in 10 s
-    assert gc.limit_for(("nccl-1", "gloo-2"), gc.ORDER, left) == 340  # their 325, and the 15 s the setup left
-    assert gc.limit_for(("hang",), gc.ORDER, left - 200) == 185  # the catalogues took 200 of their 340
+    assert gc.limit_for(("nccl-1", "gloo-2"), gc.ORDER, left) == 320  # their 305, and the 15 s the setup left
+    assert gc.limit_for(("hang",), gc.ORDER, left - 200) == 175  # the catalogues took 200 of their 320
     assert gc.limit_for(("nccl-2",), gc.ORDER, 60) == 40  # two GPUs: what is left, less the one stop
 
 
 def test_a_rerun_of_what_failed_takes_only_their_shares() -> None:
     assert gc.steps(["cost", "hang"]) == [("hang",), ("cost",)]
-    assert gc.budget_for(["hang", "cost"]) == 25 + 45 + 35 + 20
+    assert gc.budget_for(["hang", "cost"]) == 25 + 55 + 40 + 20
     assert gc.budget_for(["gloo-2"]) == 25 + 300 + 20  # alone, the gloo catalogue's own share
-    assert gc.budget_for(["hang"], scale=2) == 2 * (25 + 45 + 20)
+    assert gc.budget_for(["hang"], scale=2) == 2 * (25 + 55 + 20)
 
 
 # ---- naming the test and the stack ----------------------------------------------------------------------------

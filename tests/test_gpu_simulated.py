@@ -176,7 +176,7 @@ def test_a_cpu_only_repro_is_not_applicable_in_an_nccl_world(
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(
         [
-            "SKIPPED [[]1[]] test_a_cpu_only_repro_is_not_applicable_in_an_nccl_world.py:11: not applicable in a "
+            "SKIPPED [[]1[]] test_a_cpu_only_repro_is_not_applicable_in_an_nccl_world.py:9: not applicable in a "
             "nccl world: its bug exists only with DeepSpeed's cpu accelerator (its ds_premise), and this world's ranks "
             "run the cuda one"
         ]
