@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import configs, logread, premises, triage, userconfig, versions
+from ..core import configs, faces, logread, premises, triage, userconfig, versions
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
@@ -85,9 +85,10 @@ def known_bugs(where: Path) -> list[triage.KnownBug]:
     for e in entries:
         gates = reader.gates.get(e.id, [])
         fix = common_fix(gates)
-        signatures = tuple(dict.fromkeys(triage.Signature.of(g) for g in gates))
-        bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path, signatures,
-                                      reader.premises.get(e.id), getattr(fix, "__name__", None)))  # fmt: skip
+        own = (faces.gate_face(e.upstream, g.range, g.raises.__name__, g.match) for g in gates)
+        bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path,
+                                      tuple(dict.fromkeys([*own, *e.faces])), reader.premises.get(e.id),
+                                      getattr(fix, "__name__", None), e.affected))  # fmt: skip
     if not bugs:
         raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
     return bugs
@@ -105,19 +106,20 @@ def _catalogue(args: argparse.Namespace) -> Path:
 # --- what the triage is judged on ----------------------------------------------------------------------------------
 
 
-def release(given: str | None, reading: logread.Reading) -> tuple[Version | None, str]:
-    """``--release``, else the DeepSpeed installed here, else the release the log states; and where it came from."""
+def release(given: str | None, reading: logread.Reading) -> triage.Judged:
+    """``--release``, else the releases the log states, else the DeepSpeed installed here (only assumed: it rules no
+    bug out); and where they came from."""
     if given is not None:
         try:
-            return Version(given), "--release"
+            return triage.Judged((Version(given),), triage.GIVEN)
         except InvalidVersion:
             raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
+    if reading.versions:
+        return triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
     installed = versions.installed("deepspeed")
     if installed is not None:
-        return installed, "installed here"
-    if reading.versions:
-        return Version(reading.versions[0]), "stated in the log"
-    return None, ""
+        return triage.Judged((installed,), triage.ASSUMED)
+    return triage.Judged()
 
 
 def config(path: Path | None, reading: logread.Reading, world_size: int) -> tuple[dict[str, Any] | None, str | None]:
@@ -139,11 +141,9 @@ def config(path: Path | None, reading: logread.Reading, world_size: int) -> tupl
 
 
 def triage_log(log: LogText, bugs: Sequence[triage.KnownBug], args: argparse.Namespace) -> triage.Triage:
-    declared = {s.raises for b in bugs for s in b.signatures}
-    reading = logread.read(log.text, known=declared)
-    judged_on, release_from = release(args.release, reading)
+    reading = logread.read(log.text, known=triage.declared_types(bugs))
     given, config_from = config(args.config, reading, args.world_size or 2)
-    return triage.rank(bugs, reading, judged_on, given, release_from=release_from, config_from=config_from)
+    return triage.rank(bugs, reading, release(args.release, reading), given, config_from=config_from)
 
 
 # --- --confirm -----------------------------------------------------------------------------------------------------
@@ -209,8 +209,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
     parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
     parser.add_argument(
-        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the one "
-        "installed here, else the one the log states)"
+        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the ones the "
+        "log states, else the one installed here, only assumed: it rules no bug out)"
     )  # fmt: skip
     parser.add_argument("--markdown", type=Path, metavar="PATH", help="write a ready GitHub comment to PATH")
     parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
@@ -239,10 +239,9 @@ def _run(args: argparse.Namespace) -> int:
     where = _catalogue(args)
     t = triage_log(log, known_bugs(where), args)
     print(f"dsrepro triage: {log.described}, {t.reading.lines} lines")
-    stated = t.reading.versions
-    if stated and t.release is not None and stated[0] != t.release:
-        print(f"note: the log states deepspeed {stated[0]}; judged on {t.release} ({t.release_from}); "
-              f"--release {stated[0]} judges on the log's")  # fmt: skip
+    if t.release_from == triage.ASSUMED:
+        print(f"note: the log states no release; deepspeed {t.release} is the one installed here, assumed: it rules "
+              "no bug out (--release VERSION judges on the release that failed)")  # fmt: skip
     confirmed = confirm(args, t, where) if args.confirm else {}
     for line in triage.terminal(t, confirmed):
         print(line)
