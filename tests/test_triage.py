@@ -6,6 +6,7 @@ in a subprocess on the installed catalogue, with bad input of every kind, and on
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import logread, premises, triage
+from pytest_dsrepro.core import known_fixes, logread, premises, triage, versions
 from pytest_dsrepro.core.faces import Face, gate_face
 from pytest_dsrepro.core.logread import Frame
 from pytest_dsrepro.core.results import Finding, ScanVerdict
@@ -120,6 +121,7 @@ def test_a_config_pasted_in_the_log_with_comments_is_read() -> None:
     text = 'my config:\n{\n  "zero_optimization": {"stage": 3},  // ZeRO-3\n  "train_batch_size": 8\n}\n{"a": 1}\n'
     assert logread.read(text).config == {"zero_optimization": {"stage": 3}, "train_batch_size": 8}
 
+
 # --- reading reports as they arrive ---------------------------------------------------------------------------------
 
 
@@ -162,7 +164,10 @@ def test_a_traceback_cut_before_its_exception_keeps_its_frames() -> None:
     reading = logread.read(text)
     assert reading.errors == ()
     assert Frame("deepspeed/runtime/engine.py", 2300, "backward") in reading.cut
-    assert triage.showed(reading) == "a traceback cut before its exception, at deepspeed/runtime/engine.py:2300 in backward"
+    assert (
+        triage.showed(reading)
+        == "a traceback cut before its exception, at deepspeed/runtime/engine.py:2300 in backward"
+    )
 
 
 @pytest.mark.parametrize(
@@ -187,7 +192,7 @@ def test_a_type_named_without_a_message_is_noted() -> None:
 def test_a_message_written_out_without_its_type_still_names_the_bug() -> None:
     """The paste lost the type's first letter: the declared message, long enough to name the bug, is in the text."""
     gated = bug("slice", gate_face(None, "<1", "IndexError", r"slice\(\) cannot be applied to a 0-dim tensor"))
-    t = triage.rank([gated], logread.read("报错信息：\nndexError: slice() cannot be applied to a 0-dim tensor.\n"))
+    t = triage.rank([gated], logread.read("the error:\nndexError: slice() cannot be applied to a 0-dim tensor.\n"))
     assert t.known is not None
     assert "the text writes out its message 'slice() cannot be applied to a 0-dim tensor'" in t.known.reason
 
@@ -233,7 +238,6 @@ def test_a_quoted_multi_node_log_is_read() -> None:
     text = "\n".join(f"> node-07: {line}" for line in TRACEBACK.splitlines())
     (error,) = logread.read(text).errors
     assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
-
 
 
 # --- ranking --------------------------------------------------------------------------------------------------------
@@ -319,7 +323,9 @@ def test_the_releases_a_log_states_rule_in_when_any_is_in_range() -> None:
     assert t.known.reason.endswith("deepspeed 0.19.5 is in that range")
     assert judged.describe() == "deepspeed 0.19.7 (stated in the log; it also states 0.19.5)"
     ruled = triage.rank(CATALOGUE, reading, triage.Judged((Version("0.19.7"), Version("0.19.8")), triage.STATED))
-    assert ruled.ruled_out[0].reason == "deepspeed 0.19.7, 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
+    assert (
+        ruled.ruled_out[0].reason == "deepspeed 0.19.7, 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
+    )
 
 
 def test_a_config_that_cannot_meet_the_premise_rules_the_bug_out() -> None:
@@ -499,3 +505,81 @@ def test_confirm_says_honestly_that_a_fixed_bug_does_not_reproduce_here(tmp_path
     assert "confirm: not reproduced here: fixed: passes on deepspeed" in proc.stdout
     assert "FIXED  test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, above the triage
     assert "a known bug: zero3-module-id-clobbered (fixed in 0.16.4; the DeepSpeed installed here is" in proc.stdout
+
+
+# --- the fixes the atlas knows ---------------------------------------------------------------------------------------
+
+
+FROB = known_fixes.KnownFix(16, "Fix the frobnicator", "0" * 40, "0.1.0", "99.0", (
+    known_fixes.FixedTest("unit/test_frob.py::test_widgets_kept", "ranks 0-1: RuntimeError: the frobnicator lost its "
+                          "widgets on rank 3"),
+    known_fixes.FixedTest("unit/test_frob.py::test_count", "assert 3 == 0"),
+))  # fmt: skip
+
+
+def test_a_known_fix_is_named_by_its_tests_failure_with_its_pull_request() -> None:
+    fix = triage.fix_bug(FROB)
+    assert (fix.id, fix.title, fix.upstream, fix.fixed_in, fix.affected) == (
+        "fix-16",
+        "Fix the frobnicator",
+        "https://github.com/deepspeedai/DeepSpeed/pull/16",
+        "99.0",
+        ("<99.0",),
+    )
+    (face,) = fix.faces  # a test's own ``assert`` is no face: users never see it
+    assert face.raises == "RuntimeError"
+    t = triage.rank([*CATALOGUE, fix], logread.read("RuntimeError: the frobnicator lost its widgets on rank 0\n"))
+    assert t.known is not None
+    assert t.known.bug is fix
+    assert "the fix's own test failed so on 0.1.0 and passes from 99.0" in t.known.reason
+    assert t.known.bug.workaround == "upgrade to deepspeed 99.0 or later"
+    ruled = triage.rank([fix], logread.read("RuntimeError: the frobnicator lost its widgets\n"), on("99.1"))
+    assert ruled.ruled_out[0].reason == "deepspeed 99.1 is outside its affected range <99.0: fixed in 99.0"
+
+
+def test_a_catalogued_bug_outranks_a_known_fix_of_the_same_evidence() -> None:
+    same = dataclasses.replace(triage.fix_bug(FROB), faces=KEYERROR_BUG.faces, affected=KEYERROR_BUG.affected)
+    t = triage.rank([same, KEYERROR_BUG], logread.read("KeyError: 2\n"))
+    assert [c.bug.id for c in t.candidates] == ["keyerror", "fix-16"]
+
+
+def _fake_deepspeed_clone(root: Path) -> str:
+    """A clone in DeepSpeed's layout whose fix commit adds a test that fails on any release before 99.0."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    files = {"version.txt": "0.1.0\n", "tests/conftest.py": "", "tests/pytest.ini": "[pytest]\n",
+             "tests/unit/common.py": "class DistributedTest: pass\n",
+             "tests/unit/test_frob.py": "def test_widgets_kept():\n    import deepspeed\n\n    assert deepspeed."
+             "__version__ == '99.0', 'the frobnicator lost its widgets'\n"}  # fmt: skip
+    root.mkdir()
+    git("init", "-q")
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    git("add", "-A")
+    git("commit", "-qm", "Fix the frobnicator (#16)")
+    return git("rev-parse", "HEAD")
+
+
+def test_confirm_runs_a_known_fixs_own_test_from_the_users_clone(tmp_path: Path) -> None:
+    """``--confirm --repo CLONE``: the fix's own test, at the fix's commit, run on the DeepSpeed here, where it fails
+    as it did before the fix: the bug is reproduced here."""
+    sha = _fake_deepspeed_clone(tmp_path / "DeepSpeed")
+    fixes = tmp_path / "known-fixes.json"
+    known_fixes.write(fixes, [dataclasses.replace(FROB, commit=sha, tests=FROB.tests[:1])], "a test")
+    log = tmp_path / "crash.log"
+    log.write_text("RuntimeError: the frobnicator lost its widgets on rank 0\n")
+    without = dsrepro_triage(str(log), "--known-fixes", str(fixes), "--repo", "x", cwd=tmp_path)
+    assert (without.returncode, without.stderr) == (triage_command.USAGE, "dsrepro triage: --repo is for --confirm: "
+                                                    "the clone a known fix's own test is run from\n")  # fmt: skip
+    proc = dsrepro_triage(str(log), "--known-fixes", str(fixes), "--confirm", "--top", "1", "--repo",
+                          str(tmp_path / "DeepSpeed"), cwd=tmp_path, timeout=600)  # fmt: skip
+    assert proc.returncode == triage_command.KNOWN, proc.stdout + proc.stderr
+    assert "KNOWN BUG  fix-16: Fix the frobnicator" in proc.stdout
+    assert ("confirm: REPRODUCED here: its own test unit/test_frob.py::test_widgets_kept fails on deepspeed "
+            f"{versions.installed_text('deepspeed')}, as before the fix (99.0): AssertionError: the frobnicator lost its "
+            "widgets") in proc.stdout  # fmt: skip
+    assert "a known bug, reproduced here: fix-16" in proc.stdout

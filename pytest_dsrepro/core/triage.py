@@ -20,6 +20,7 @@ Pure: no pytest, no torch; the renderers for the terminal and for a GitHub comme
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -27,13 +28,14 @@ from typing import Any
 
 from packaging.version import Version
 
-from . import evidence
+from . import evidence, logread
 from .evidence import CONFIDENT, Evidence
 from .faces import Face
 from .gates import oldest_first
+from .known_fixes import KnownFix
 from .logread import Reading
 from .premises import Premise
-from .results import Finding, RunRecord, ScanVerdict
+from .results import Finding, RunRecord, ScanVerdict, TestRecord
 from .scan_verdicts import SEVERITY, finding
 from .text import markdown_table
 
@@ -43,12 +45,15 @@ FLOOR = 10
 RULED_FLOOR = 20
 #: Where the release judged on came from: given, stated, or only assumed (which never rules a bug out).
 GIVEN, STATED, ASSUMED = "--release", "stated in the log", "installed here (assumed)"
+#: A known fix's test failure is a face when its message is at least this long; at most this much of it is matched.
+_FAILURE_MIN, _FAILURE_CHARS = 16, 160
 
 
 @dataclass(frozen=True)
 class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
-    ones, ``affected`` its ranges, ``fix`` the repro's fix by name."""
+    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the atlas knows (``fixed_by``: no repro,
+    its own upstream tests, ``fix_bug``)."""
 
     id: str
     title: str
@@ -60,6 +65,7 @@ class KnownBug:
     premise: Premise | None = None
     fix: str | None = None
     affected: tuple[str, ...] = ()
+    fixed_by: KnownFix | None = None
 
     @property
     def ranges(self) -> str:
@@ -80,6 +86,8 @@ class KnownBug:
 
     @property
     def workaround(self) -> str:
+        if self.fixed_by is not None:
+            return f"upgrade to deepspeed {self.fixed_by.first} or later"
         if self.fix:
             return f"the repro's fix `{self.fix}` in {self.file}"
         return "none catalogued"
@@ -169,6 +177,21 @@ class Triage:
         return [j.bug for j in ranked[:top]]
 
 
+def fix_bug(fix: KnownFix) -> KnownBug:
+    """A fix the atlas knows, as triage ranks it: its pull request's title and link, its first fixed release, each of
+    its tests' failure on the release before the fix as a face (numbers as any number; a test's own assertion or a
+    failure too short to tell anything is no face)."""
+    found = []
+    for test in fix.tests:
+        error = logread.read(test.failure).primary
+        first = error.first_line[:_FAILURE_CHARS] if error is not None else ""
+        if error is None or len(first) < _FAILURE_MIN or error.name == "Failed" or first.startswith("assert "):
+            continue
+        found.append(Face(fix.link, error.type, re.sub(r"\d+", r"\\d+", re.escape(first))))
+    return KnownBug(f"fix-{fix.pr}", fix.title, fix.link, fix.first, "", "", tuple(dict.fromkeys(found)),
+                    affected=(f"<{fix.first}",), fixed_by=fix)  # fmt: skip
+
+
 def declared_types(bugs: Sequence[KnownBug]) -> set[str]:
     """Every exception name the bugs' faces declare (``logread.read`` recognises bare lines of those that do not
     end in ``Error``, such as ``Slowdown``)."""
@@ -241,6 +264,9 @@ def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
         points, parts = points + more, [*parts, said]
     if context.config is not None and bug.premise is not None:
         points, parts = points + 4, [*parts, f"the config meets its premise ({bug.premise.describe()})"]
+    if bug.fixed_by is not None and found.matched:
+        fix = bug.fixed_by
+        parts.append(f"the fix's own test failed so on {fix.before} and passes from {fix.first}")
     assumed = context.judged.release
     note = _assumed(bug, assumed) if context.judged.origin == ASSUMED and assumed is not None else ""
     return Candidate(bug, min(points, 100), "; ".join(p for p in parts if p), note)
@@ -261,7 +287,7 @@ def rank(
     context = _Context(log, judged, config, {i: evidence.words(d) for i, d in documents.items()})
     every = [judge(bug, context) for bug in bugs]
     candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
-                        key=lambda c: (-c.score, c.bug.id))  # fmt: skip
+                        key=lambda c: (-c.score, c.bug.fixed_by is not None, c.bug.id))  # fmt: skip
     ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
     return Triage(reading, judged, config_from, tuple(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
 
@@ -287,6 +313,20 @@ def confirmations(run: RunRecord, fixed_in: Mapping[str, str | None]) -> dict[st
             said = Finding(ScanVerdict.CANNOT_TELL, f"{test.outcome}: {test.error or 'no verdict'}")
         found.setdefault(bug, []).append(said)
     return {bug: min(said, key=lambda f: SEVERITY.index(f.verdict)) for bug, said in found.items()}
+
+
+def fix_confirmation(fix: KnownFix, release: str, records: Sequence[TestRecord]) -> Finding:
+    """What a known fix's own tests said on ``release``: one failing, as before the fix, is the bug here."""
+    mine = [r for r in records if r.nodeid.split("[")[0] in {t.nodeid for t in fix.tests}]
+    failed = next((r for r in mine if r.outcome in ("failed", "error")), None)
+    if failed is not None:
+        told = (failed.error or failed.outcome).removeprefix("WorldFailed: ")
+        return Finding(ScanVerdict.AFFECTED, f"its own test {failed.nodeid} fails on deepspeed {release}, as before "
+                       f"the fix ({fix.first}): {told}")  # fmt: skip
+    if mine and all(r.outcome == "passed" for r in mine):
+        return Finding(ScanVerdict.NOT_AFFECTED, f"its own tests pass on deepspeed {release}")
+    said = ", ".join(sorted({r.outcome for r in mine})) or "no record"
+    return Finding(ScanVerdict.CANNOT_TELL, f"its own tests on deepspeed {release}: {said}")
 
 
 def confirmed_word(said: Finding) -> str:

@@ -211,9 +211,8 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
                          titles[i] if inline and i < len(titles) else ""))  # fmt: skip
         below = [*([] if inline else titles), e.upstream or "upstream: -"]
         below += textwrap.wrap(f"premise: {e.premise_text}", width - 2, subsequent_indent="  ")
-        for face in e.faces:
-            below += textwrap.wrap(f"seen: {face.describe()} {face.where}", width - 2, subsequent_indent="  ",
-                                   break_long_words=False, break_on_hyphens=False)  # fmt: skip
+        for face in e.faces:  # the link on a line of its own: never broken
+            below += [*textwrap.wrap(f"seen: {face.describe()}", width - 2, subsequent_indent="  "), f"at {face.where}"]
         rows += [(f"  {line}",) for line in below]  # a row of one cell: a line of its own, not a column
     return "\n".join(aligned(rows)) + "\n"
 

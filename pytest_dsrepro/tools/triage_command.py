@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import configs, faces, logread, premises, triage, userconfig, versions
+from ..core import configs, faces, known_fixes, logread, premises, results, triage, userconfig, versions
+from ..core.checkout import CheckoutError
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
+from ..core.git import GitError
+from ..core.known_fixes import KnownFix
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
-from . import catalogue, catalogue_run, environments, processes
+from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
 from .log_input import LogError, LogText, read_log
 
 if TYPE_CHECKING:
@@ -72,8 +77,9 @@ class _Gates:
             self.gates.setdefault(bug, []).extend(gates)
 
 
-def known_bugs(where: Path) -> list[triage.KnownBug]:
-    """The catalogue at ``where``, from its markers, as triage compares it."""
+def known_bugs(where: Path, fixes_file: Path | None = None) -> list[triage.KnownBug]:
+    """The catalogue at ``where``, from its markers, as triage compares it; then the fixes the atlas knows
+    (``fixes_file``, else the package's own) that no catalogued bug already is (by pull request)."""
     reader = _Gates()
     try:
         entries = catalogue.collect([str(where)], ["--rootdir", str(where)], plugins=[reader])
@@ -91,7 +97,12 @@ def known_bugs(where: Path) -> list[triage.KnownBug]:
                                       getattr(fix, "__name__", None), e.affected))  # fmt: skip
     if not bugs:
         raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
-    return bugs
+    try:
+        fixes = known_fixes.load(fixes_file)
+    except (OSError, ValueError) as exc:
+        raise TriageError(f"--known-fixes {fixes_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    links = " ".join(f"{e.upstream} {e.fix_ref}" for e in entries)
+    return bugs + [triage.fix_bug(f) for f in fixes if not re.search(rf"/pull/{f.pr}\b", links)]
 
 
 def _catalogue(args: argparse.Namespace) -> Path:
@@ -175,14 +186,22 @@ def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, b
 
 
 def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str, Finding]:
-    """The best candidates' repros (``Triage.to_confirm``) run here: with ``--config`` as a scan, else on their own
-    configs."""
+    """The best candidates (``Triage.to_confirm``) run here: a catalogued bug's repro (with ``--config`` as a scan,
+    else on its own configs), a known fix's own upstream tests (from ``--repo``)."""
     chosen = t.to_confirm(args.top)
     if not chosen:
         return {}
     names = ", ".join(b.id for b in chosen)
     print(f"dsrepro triage: confirming {names} on deepspeed {t.release or 'installed here'} ...", file=sys.stderr,
           flush=True)  # fmt: skip
+    fixes = [b for b in chosen if b.fixed_by is not None]
+    repros = [b for b in chosen if b.fixed_by is None]
+    found = {b.id: confirm_fix(args, b.fixed_by, t.release) for b in fixes if b.fixed_by is not None}
+    return {**found, **(_confirm_repros(args, t, repros, where) if repros else {})}
+
+
+def _confirm_repros(args: argparse.Namespace, t: triage.Triage, chosen: list[triage.KnownBug],
+                    where: Path) -> dict[str, Finding]:  # fmt: skip
     python, environ = _environment(args, t.release)
     if args.config is not None:
         select = ["-k", " or ".join(PurePath(b.path).stem for b in chosen)]
@@ -194,6 +213,34 @@ def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str
     else:
         run = _stock_run(python, environ, args, chosen, where)
     return triage.confirmations(run, {b.id: b.fixed_in for b in chosen})
+
+
+def confirm_fix(args: argparse.Namespace, fix: KnownFix, release: str | None) -> Finding:
+    """A known fix's own tests, at its commit (a sparse checkout of ``--repo``, as the atlas runs them), on the
+    release judged on (the installed one, else its environment): failing as before the fix is REPRODUCED here."""
+    on = release or versions.installed_text("deepspeed")
+    if args.repo is None or on is None:
+        why = "give --repo CLONE (a DeepSpeed clone) to run its test" if args.repo is None else "no DeepSpeed here"
+        return Finding(ScanVerdict.CANNOT_TELL, f"its own test {fix.tests[0].nodeid} was not run: {why}")
+    try:
+        clone = history.Clone.open(args.repo)
+        with tempfile.TemporaryDirectory(prefix=f"dsrepro-triage-{fix.pr}-") as tmp:
+            tests = atlas.sparse_checkout(clone, clone.commit(fix.commit), Path(tmp) / "DeepSpeed")
+            out = Path(tmp) / "results"
+            run_args = argparse.Namespace(results=out, pytest_args=["-m", ""])
+            prepare = atlas.with_release_sources(tests.root, _release_env(args, on))
+            upstream_runs.run_releases(run_args, tests, [t.nodeid for t in fix.tests], [on], prepare)
+            records = [t for f in results.read_all([out])[0] if f.run.unavailable is None for t in f.run.tests]
+    except (history.HistoryError, GitError, CheckoutError, upstream_runs.UpstreamError) as exc:
+        raise TriageError(f"--repo {args.repo}: {exc}") from None
+    return triage.fix_confirmation(fix, on, records)
+
+
+def _release_env(args: argparse.Namespace, release: str) -> Callable[[Version], environments.ReleaseEnv]:
+    """The release's environment: this interpreter where it is the release installed here, else its own."""
+    if release == versions.installed_text("deepspeed"):
+        return lambda _: environments.ReleaseEnv(sys.executable, dict(os.environ))
+    return environments.release_environment(args.cache_dir, args.constraints)
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
@@ -221,6 +268,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--catalogue", type=Path, default=None, metavar="DIR", help="repros to triage against")
     parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro scan)")
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+    parser.add_argument(
+        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known "
+        "fix's own test is taken from (at the fix's commit) to run on the release judged on"
+    )  # fmt: skip
+    parser.add_argument(
+        "--known-fixes", type=Path, default=None, metavar="PATH", help="the fixes triage knows besides the catalogue "
+        "(default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes one)"
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,9 +290,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or (args.world_size is not None and args.world_size < 1):
         raise TriageError("--top and --world-size must be whole numbers >= 1")
+    if args.repo is not None and not args.confirm:
+        raise TriageError("--repo is for --confirm: the clone a known fix's own test is run from")
     log = read_log(args.log)
     where = _catalogue(args)
-    t = triage_log(log, known_bugs(where), args)
+    t = triage_log(log, known_bugs(where, args.known_fixes), args)
     print(f"dsrepro triage: {log.described}, {t.reading.lines} lines")
     if t.release_from == triage.ASSUMED:
         print(f"note: the log states no release; deepspeed {t.release} is the one installed here, assumed: it rules "
