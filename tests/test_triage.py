@@ -550,7 +550,7 @@ def _fake_deepspeed_clone(root: Path) -> str:
         return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
                               check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
 
-    files = {"version.txt": "0.1.0\n", "tests/conftest.py": "", "tests/pytest.ini": "[pytest]\n",
+    files = {"version.txt": "0.1.0\n", ".gitignore": "__pycache__/\n", "tests/conftest.py": "", "tests/pytest.ini": "[pytest]\n",
              "tests/unit/common.py": "class DistributedTest: pass\n",
              "tests/unit/test_frob.py": "def test_widgets_kept():\n    import deepspeed\n\n    assert deepspeed."
              "__version__ == '99.0', 'the frobnicator lost its widgets'\n"}  # fmt: skip
