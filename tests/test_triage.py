@@ -233,6 +233,13 @@ def test_deepspeed_frames_under_any_prefix(frame: str) -> None:
     assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
 
 
+def test_a_traceback_indented_whole_is_read() -> None:
+    """A paste indented as a Markdown code block: the exception line is indented like the frames."""
+    (error,) = logread.read("\n".join(f"    {line}" for line in TRACEBACK.splitlines())).errors
+    assert error.name == "AttributeError"
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+
+
 def test_a_quoted_multi_node_log_is_read() -> None:
     """A Markdown quote's ``> `` and a launcher's host before every line (DeepSpeed's pdsh runner)."""
     text = "\n".join(f"> node-07: {line}" for line in TRACEBACK.splitlines())

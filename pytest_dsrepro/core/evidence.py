@@ -3,16 +3,18 @@
 The evidence, strongest first:
 
 - a face's message pattern finds an exception's message: 70 with the face's type (or a face that names none: 65),
-  55 with another type (a wrapper); a face's message written out in the text without its type (a title, prose, a
-  type whose first letter the paste lost) 50; these are the only evidence that makes a candidate confident;
+  55 with another type (a wrapper), and up to 5 more the more of the message it covers; a face's message written out
+  in the text without its type (a title, prose, a type whose first letter the paste lost) 50; these are the only
+  evidence that makes a candidate confident;
 - a face with a type and frames but no message: that type raised through one of those frames, 60;
 - a message cut short that is the start of a face's message: 45 with the type, 35 without;
-- the type alone: 35 for a face that declares no message (plus shared words), 10 for one that does;
+- the type alone: 35 for a face that declares no message nor frames (plus shared words), 10 otherwise;
 - the face's frames among the log's (any path: a cut traceback's, rich's, a source checkout's): 10 each, at most 30,
   and the functions the bug's title and root cause name: 6 each, files 3;
 - the face's words in the text: 8 each, at most 24;
 - the words the text shares with the bug's own (title, root cause, faces' words and messages), each weighed by how
-  few bugs use it: at most 20; an exception type the text only names (a title's "RuntimeError when ..."): 5.
+  few bugs use it: at most 20 (5 beside a matched message, whose words it would count again); an exception type the
+  text only names (a title's "RuntimeError when ..."): 5.
 
 Without a matched message, the evidence stays below ``CONFIDENT``. Pure: no pytest, no torch.
 """
@@ -32,6 +34,8 @@ from .logread import Raised, Reading
 
 #: A candidate at or above this score is a known bug with confidence: a face's message matched.
 CONFIDENT = 50
+#: The most that shared words add to a matched message (they rank candidates that have no message).
+_MATCHED_OVERLAP = 5
 #: How much of a long text the words are read from (its start: the title and the prose; its end: the error).
 _TEXT_HEAD, _TEXT_TAIL = 64 * 1024, 64 * 1024
 #: Words too common in DeepSpeed's errors and reports to tell bugs apart.
@@ -182,6 +186,11 @@ def _variants(message: str) -> tuple[str, ...]:
     return (message, message.replace("\n", ""), message.replace("\n", " "))
 
 
+def _search(pattern: str, message: str) -> re.Match[str] | None:
+    """Where ``pattern`` finds ``message`` as shown or with its lines joined (``_variants``)."""
+    return next((m for m in (re.search(pattern, v) for v in _variants(message)) if m), None)
+
+
 def _typed(face: Face, error: Raised) -> bool | None:
     """Whether ``error`` is of the face's type (None: the face names none)."""
     return None if face.raises_name is None else face.raises_name in error.type_names
@@ -190,17 +199,19 @@ def _typed(face: Face, error: Raised) -> bool | None:
 def against(face: Face, error: Raised) -> _Hit:
     """One face against one exception: the message, a message cut short, or the type."""
     typed = _typed(face, error)
-    if face.match and any(re.search(face.match, m) for m in _variants(error.message)):
+    found = _search(face.match, error.message) if face.match else None
+    if found is not None:
+        covered = round(5 * min(len(found.group()) / max(len(error.first_line), 1), 1.0))  # the more it says, the more
         if typed is None:
-            return _Hit(65, f"the message is one it is seen with: {face.describe()}", face, True)
+            return _Hit(65 + covered, f"the message is one it is seen with: {face.describe()}", face, True)
         if typed:
-            return _Hit(70, f"the message is the one it declares: {face.describe()}", face, True)
+            return _Hit(70 + covered, f"the message is the one it declares: {face.describe()}", face, True)
         why = f"the message matches its {face.match!r} (raised as {error.name}, not {face.raises})"
-        return _Hit(55, why, face, True)
+        return _Hit(55 + covered, why, face, True)
     cut = error.first_line.rstrip()
     if face.match and len(cut) >= LITERAL_MIN and face.literal.startswith(cut) and cut != face.literal:
         return _Hit(45 if typed is not False else 35, f"the message is cut short of {face.match!r}", face)
-    if typed and face.match is None:
+    if typed and face.match is None and not face.frames:  # a face with frames needs one of them (``typed_through``)
         return _Hit(35, f"it declares {face.raises} with any message", face)
     if typed:
         return _Hit(10, f"the same exception type ({face.raises}), another message", face)
@@ -282,6 +293,8 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     said = phrases(faces, log.text, log.lower)
     weight, common = shared(bug_words, log.words, log.vocabulary)
     overlap = round(20 * (1 - math.exp(-weight / 6)))
+    if best.matched:  # the message's own words already counted in the match: what else the text says, a little
+        overlap = min(overlap, _MATCHED_OVERLAP)
     types = {face.raises_name for face in faces if face.raises_name}
     only_named = 5 if best.points < 10 and types & set(reading.named) else 0
     why = (

@@ -317,14 +317,17 @@ def _is_exception(name: str, known: re.Pattern[str] | None) -> bool:
     )
 
 
-def _exception(line: str, inside: bool, known: re.Pattern[str] | None) -> tuple[str, str, tuple[Frame, ...]] | None:
-    """The exception a line states: a traceback's last line (``inside``), else a bare error line; its type, its
-    message's first line and a probe's compact frame written after it (``Error: message  @ deepspeed/x.py:12 in f``)."""
+def _exception(
+    line: str, inside: bool, known: re.Pattern[str] | None, strict: bool = False
+) -> tuple[str, str, tuple[Frame, ...]] | None:
+    """The exception a line states: a traceback's last line (``inside``), else (unless ``strict``: an indented line
+    inside a traceback, which is code unless it is all an exception) a bare error line; its type, its message's first
+    line and a probe's compact frame written after it (``Error: message  @ deepspeed/x.py:12 in f``)."""
     if inside:
         found = _RAISED.match(line.strip())
         if found is not None and _is_exception(found["type"], known):
             return found["type"], found["message"] or "", ()
-    bare = _bare(line, known)
+    bare = None if strict else _bare(line, known)
     if bare is None:
         return None
     text = bare["message"] or ""
@@ -350,7 +353,9 @@ def _errors(lines: Sequence[str], known: re.Pattern[str] | None) -> tuple[list[R
             cut, frames, inside = cut + frames, [], True
         elif frame is not None and _bare(line, known) is None:
             frames, inside = [*frames, frame], True
-        elif not (inside and (not line.strip() or line.startswith(_CODE))):
+        elif inside and (not line.strip() or line.startswith(_CODE)):  # code, carets; or an indented paste's end
+            said = _exception(line, inside, known, strict=True) if line.strip() else None
+        else:
             said = _exception(line, inside, known)
             if said is None:
                 cut, frames, inside = cut + frames, [], False
