@@ -315,7 +315,7 @@ def test_a_release_only_assumed_never_rules_a_matched_bug_out() -> None:
     assert t.known is not None
     assert t.known.bug.id == "keyerror"
     assert t.known.note == "fixed in 0.19.6; the DeepSpeed installed here is 0.19.8: was the log from an older release?"
-    assert "deepspeed 0.19.8 (installed here (assumed))" in "\n".join(triage.terminal(t))
+    assert "judged on: deepspeed 0.19.8 (installed here, assumed); config:" in "\n".join(triage.terminal(t))
     assert triage.verdict(t).startswith("a known bug: keyerror (fixed in 0.19.6; the DeepSpeed installed here is")
 
 

@@ -44,7 +44,7 @@ FLOOR = 10
 #: A ruled-out bug is named only when its evidence reached this (more than an exception type in common).
 RULED_FLOOR = 20
 #: Where the release judged on came from: given, stated, or only assumed (which never rules a bug out).
-GIVEN, STATED, ASSUMED = "--release", "stated in the log", "installed here (assumed)"
+GIVEN, STATED, ASSUMED = "--release", "stated in the log", "installed here, assumed"
 #: A known fix's test failure is a face when its message is at least this long; at most this much of it is matched.
 _FAILURE_MIN, _FAILURE_CHARS = 16, 160
 
