@@ -453,6 +453,16 @@ def test_bad_input_is_one_line(tmp_path: Path, content: bytes, said: str) -> Non
     assert "Traceback" not in proc.stderr
 
 
+def test_a_known_fixes_file_that_is_not_one_is_one_line(tmp_path: Path) -> None:
+    log = tmp_path / "crash.log"
+    log.write_text("KeyError: 2\n")
+    (tmp_path / "fixes.json").write_text('{"schema": 99}')
+    proc = dsrepro_triage(str(log), "--known-fixes", "fixes.json", cwd=tmp_path)
+    assert proc.returncode == triage_command.USAGE
+    assert proc.stderr == ("dsrepro triage: --known-fixes fixes.json: fixes.json: not a known-fixes file of schema 1"
+                           "\n")  # fmt: skip
+
+
 def test_a_missing_log_is_one_line(tmp_path: Path) -> None:
     missing = dsrepro_triage(str(tmp_path / "nowhere.log"), cwd=tmp_path)
     assert missing.returncode == triage_command.USAGE
