@@ -157,7 +157,13 @@ def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
             continue
         text = str(report["text"])
         started = time.perf_counter()
-        t = triage_log(LogText(str(report["id"]), text, len(text.encode())), bugs, args)
+        try:
+            t = triage_log(LogText(str(report["id"]), text, len(text.encode())), bugs, args)
+        except Exception as exc:  # noqa: BLE001  # a revision that crashes on a text answers nothing for it
+            found.append({"id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
+                          "gpu": "gpu" in report["faces"], "first": None, "score": 0, "known": None, "fix": None,
+                          "release": "-", "seconds": time.perf_counter() - started, "crashed": repr(exc)[:200]})  # fmt: skip
+            continue
         took = time.perf_counter() - started
         first = t.candidates[0] if t.candidates else None
         fixed = t.known is not None and getattr(t.known.bug, "fixed_by", None) is not None  # a fix, not catalogued
@@ -181,6 +187,7 @@ class Figures:
     others: int
     claimed: int
     fixes: int  # others named a known fix of the atlas with confidence
+    crashed: int  # texts the triage ended with a traceback on
     median_ms: float
 
     @classmethod
@@ -192,7 +199,8 @@ class Figures:
         known = sum(r["known"] == r["answer"] for r in ours)
         claimed = sum(r["known"] is not None for r in others)
         fixes = sum(r.get("fix") is not None for r in others)
-        return cls(len(ours), first, known, len(others), claimed, fixes, statistics.median(seconds) * 1000)
+        crashed = sum("crashed" in r for r in rows)
+        return cls(len(ours), first, known, len(others), claimed, fixes, crashed, statistics.median(seconds) * 1000)
 
     def cells(self) -> list[str]:
         def share(n: int, of: int) -> str:
@@ -200,12 +208,13 @@ class Figures:
 
         unclaimed = self.others - self.claimed
         return [share(self.first, self.ours), share(self.known, self.ours), share(unclaimed, self.others),
-                str(self.fixes), f"{self.median_ms:.1f} ms"]  # fmt: skip
+                str(self.fixes), str(self.crashed), f"{self.median_ms:.1f} ms"]  # fmt: skip
 
 
 def table(results: dict[str, list[dict[str, object]]], halves: list[str]) -> None:
     """Side by side: per revision, per half, all texts and the GPU-worded ones."""
-    head = ["triage", "texts", "catalogued: first", "catalogued: KNOWN", "others: not claimed", "a known fix", "median"]
+    head = ["triage", "texts", "catalogued: first", "catalogued: KNOWN", "others: not claimed", "a known fix", "crashed",
+            "median"]  # fmt: skip
     rows = [head]
     for name, rows_of in results.items():
         for half in halves:

@@ -391,6 +391,13 @@ def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
     assert shown["zero_optimization"] == {"stage": 3}
 
 
+def test_a_pasted_config_deepspeed_would_refuse_is_judged_as_written() -> None:
+    """A section written as a bare value (``"fp16": false``) is no crash: the premise is judged on it as written."""
+    reading = logread.read('config: {"fp16": false, "zero_optimization": {"stage": 2}}\nKeyError: 2\n')
+    config, said = triage_command.config(None, reading, 2)
+    assert (config, said) == ({"fp16": False, "zero_optimization": {"stage": 2}}, "the config shown in the log")
+
+
 def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(log_input, "HEAD_BYTES", 64)
     monkeypatch.setattr(log_input, "TAIL_BYTES", 64)

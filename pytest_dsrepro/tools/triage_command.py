@@ -147,7 +147,8 @@ def config(path: Path | None, reading: logread.Reading, world_size: int) -> tupl
         return None, None
     try:
         return configs.resolve(given, "triage", world_size, "gloo").written, said
-    except (configs.ConfigError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse: judged as written
+    except (configs.ConfigError, AttributeError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse
+        # (a section written as a bare value: ``"fp16": false``) is judged as written
         return given, said
 
 
