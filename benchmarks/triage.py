@@ -160,18 +160,20 @@ def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
         try:
             t = triage_log(LogText(str(report["id"]), text, len(text.encode())), bugs, args)
         except Exception as exc:  # noqa: BLE001  # a revision that crashes on a text answers nothing for it
+            took = time.perf_counter() - started
             found.append({"id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
                           "gpu": "gpu" in report["faces"], "first": None, "score": 0, "known": None, "fix": None,
-                          "release": "-", "seconds": time.perf_counter() - started, "crashed": repr(exc)[:200]})  # fmt: skip
+                          "release": "-", "seconds": took, "crashed": repr(exc)[:200]})  # fmt: skip
             continue
         took = time.perf_counter() - started
         first = t.candidates[0] if t.candidates else None
         fixed = t.known is not None and getattr(t.known.bug, "fixed_by", None) is not None  # a fix, not catalogued
+        looks = next((r.bug.id for r in t.ruled_out if r.score >= 50), None) if t.known is None else None
         found.append({
             "id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
             "gpu": "gpu" in report["faces"], "first": first.bug.id if first else None,
             "score": first.score if first else 0, "known": t.known.bug.id if t.known and not fixed else None,
-            "fix": t.known.bug.id if fixed and t.known else None,
+            "fix": t.known.bug.id if fixed and t.known else None, "looks": looks,
             "release": f"{t.release} ({t.release_from})" if t.release else "none", "seconds": took,
         })  # fmt: skip
     return found
@@ -183,6 +185,7 @@ class Figures:
 
     ours: int
     first: int
+    said: int  # first, or the bug a verdict says the log looks like (ruled out on the release judged on)
     known: int
     others: int
     claimed: int
@@ -196,25 +199,28 @@ class Figures:
         others = [r for r in rows if r["answer"] == "none"]
         seconds = [float(str(r["seconds"])) for r in rows] or [0.0]
         first = sum(r["first"] == r["answer"] for r in ours)
+        said = sum(r["answer"] in (r["first"], r.get("looks")) for r in ours)
         known = sum(r["known"] == r["answer"] for r in ours)
         claimed = sum(r["known"] is not None for r in others)
         fixes = sum(r.get("fix") is not None for r in others)
         crashed = sum("crashed" in r for r in rows)
-        return cls(len(ours), first, known, len(others), claimed, fixes, crashed, statistics.median(seconds) * 1000)
+        return cls(len(ours), first, said, known, len(others), claimed, fixes, crashed,
+                   statistics.median(seconds) * 1000)  # fmt: skip
 
     def cells(self) -> list[str]:
         def share(n: int, of: int) -> str:
             return f"{n}/{of} ({100 * n / of:.0f}%)" if of else "-"
 
         unclaimed = self.others - self.claimed
-        return [share(self.first, self.ours), share(self.known, self.ours), share(unclaimed, self.others),
+        return [share(self.first, self.ours), share(self.said, self.ours), share(self.known, self.ours),
+                share(unclaimed, self.others),
                 str(self.fixes), str(self.crashed), f"{self.median_ms:.1f} ms"]  # fmt: skip
 
 
 def table(results: dict[str, list[dict[str, object]]], halves: list[str]) -> None:
     """Side by side: per revision, per half, all texts and the GPU-worded ones."""
-    head = ["triage", "texts", "catalogued: first", "catalogued: KNOWN", "others: not claimed", "a known fix", "crashed",
-            "median"]  # fmt: skip
+    head = ["triage", "texts", "catalogued: first", "first or 'looks like'", "catalogued: KNOWN", "others: not claimed",
+            "a known fix", "crashed", "median"]  # fmt: skip
     rows = [head]
     for name, rows_of in results.items():
         for half in halves:
@@ -234,20 +240,22 @@ def show(rows: list[dict[str, object]]) -> None:
               f"known={r['known'] or r.get('fix')} release={r['release']}")  # fmt: skip
 
 
-def before(revision: str, half: str) -> list[dict[str, object]]:
+def before(revision: str, half: str, big: bool) -> tuple[list[dict[str, object]], str]:
     """The corpus triaged by ``revision``'s triage and catalogue: a temporary git worktree, this script's
-    ``--corpus-json`` in a child interpreter with that worktree first on its path."""
+    ``--corpus-json`` in a child interpreter with that worktree first on its path; and that revision's command on the
+    200 MB log (``big``)."""
     with tempfile.TemporaryDirectory(prefix="triage-before-") as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(tree), revision],
                        check=True)  # fmt: skip
+        environ = {**os.environ, "PYTHONPATH": str(tree)}
         try:
             done = subprocess.run([sys.executable, __file__, "--corpus-json", str(tree / "repros"), "--half", half],
-                                  cwd=tmp, env={**os.environ, "PYTHONPATH": str(tree)},
-                                  capture_output=True, text=True, check=True)  # fmt: skip
+                                  cwd=tmp, env=environ, capture_output=True, text=True, check=True)  # fmt: skip
+            said = measure_big(tree, environ) if big else ""
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    return list(json.loads(done.stdout))
+    return list(json.loads(done.stdout)), said
 
 
 # --- the catalogue's own failures (the old benchmark) --------------------------------------------------------------
@@ -353,8 +361,9 @@ def measure_foreign() -> list[float]:
     return seconds
 
 
-def measure_big(megabytes: int = 200) -> None:
-    """The command on a log of ``megabytes`` (a training log's lines, the epilogue error at its end)."""
+def measure_big(root: Path = ROOT, environ: dict[str, str] | None = None, megabytes: int = 200) -> str:
+    """The command (of the tree at ``root``) on a log of ``megabytes`` (a training log's lines, the epilogue error at
+    its end): its exit code, wall time and verdict."""
     with tempfile.TemporaryDirectory(prefix="triage-bench-") as tmp:
         log = Path(tmp) / "big.log"
         line = b"[2025-01-09 10:12:44,101] [INFO] [logging.py:128:log_dist] [Rank 0] step=1000, skipped=0, lr=[1e-05]\n"
@@ -364,11 +373,11 @@ def measure_big(megabytes: int = 200) -> None:
                 f.write(block)
             f.write(b"AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'backward'\n")
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", str(log)], cwd=ROOT,
-                              capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", str(log)], cwd=root,
+                              env=environ, capture_output=True, text=True, check=False)  # fmt: skip
         took = time.perf_counter() - started
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()
-    print(f"\n{megabytes} MB log: `dsrepro triage` exit {done.returncode} in {took:.2f} s wall: {last}")
+    return f"{megabytes} MB log: `dsrepro triage` exit {done.returncode} in {took:.2f} s wall: {last}"
 
 
 def old_benchmark(context: Path | None, big: bool) -> None:
@@ -382,7 +391,7 @@ def old_benchmark(context: Path | None, big: bool) -> None:
     print(f"\nper triage (read + rank, in process): median {statistics.median(seconds) * 1000:.1f} ms, "
           f"max {max(seconds) * 1000:.1f} ms over {len(seconds)}")  # fmt: skip
     if big:
-        measure_big()
+        print(f"\nnow: {measure_big()}")
 
 
 def main() -> int:
@@ -405,12 +414,15 @@ def main() -> int:
     results = {"now": triage_corpus(ROOT / "repros", args.half)}
     if args.show:
         show([r for r in results["now"] if not r["measuring"]])
+    big_before = ""
     if args.before:
-        results[args.before] = before(args.before, args.half)
+        results[args.before], big_before = before(args.before, args.half, not args.no_big and not args.no_own)
     table(results, ["tuning", "measuring"] if args.half == "both" else [args.half])
     if not args.no_own:
         print()
         old_benchmark(args.context, not args.no_big)
+    if big_before:
+        print(f"{args.before}: {big_before}")
     return 0
 
 

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -72,6 +72,8 @@ _CODE = ("  ", "\t", "^", "~", "->", "-->", "\u2502", "\u256d", "\u2570", "\u277
 _PLUGIN_SUFFIX = re.compile(
     r"(?:; collateral: .*? then lost a peer)?(?: \(with the prerequisite fix for .*\))?(?:; measured: .*)?$"
 )
+#: A rank prefix that a progress bar pushed to the middle of a line.
+_MID_RANK = re.compile(r"(?<=\S)(?=\[rank\d+\]:)")
 #: The next rank group of the plugin's one-line failure text (``ranks 0-1: KeyError: 2; rank 2: ...``).
 _NEXT_GROUP = re.compile(r"; (?=ranks? \d[\d, -]*: )")
 #: Statements of the DeepSpeed release: ``deepspeed==0.18.3``, ``DeepSpeed version 0.18.3``, ds_report's ``deepspeed
@@ -90,6 +92,8 @@ CONFIG_KEYS = frozenset({
 _ISSUE_URL = re.compile(r"https://github\.com/(?:deepspeedai|microsoft)/DeepSpeed/(?:issues|pull)/\d+")
 #: How many ``{`` a log may make ``read`` try as JSON, and how much text each try may span.
 _CONFIG_TRIES, _CONFIG_SPAN = 200, 64 * 1024
+#: How much of a long text's start and end is read for types it only names.
+_NAMED_SPAN = 64 * 1024
 #: Lines a message may span; characters kept of it.
 _MESSAGE_LINES, _MESSAGE_CHARS = 30, 4000
 #: A hard wrap is recognised at this width or wider, when at least this many lines end exactly there.
@@ -215,8 +219,9 @@ def _lines(text: str) -> list[str]:
         parts = [p for p in raw.split("\r") if p.strip()]
         line = (parts[-1] if parts else "").rstrip()
         line = line[2:] if line.startswith("> ") else "" if line == ">" else line
-        for piece in re.split(r"(?<=\S)(?=\[rank\d+\]:)", line):
-            out += _NEXT_GROUP.split(piece)
+        pieces = _MID_RANK.split(line) if "[rank" in line else [line]  # a cheap look first: most lines have none
+        for piece in pieces:
+            out += _NEXT_GROUP.split(piece) if "; rank" in piece else [piece]
     return _without_hosts(out)
 
 
@@ -285,7 +290,7 @@ def _starts_record(line: str) -> bool:
 # --- exceptions ----------------------------------------------------------------------------------------------------
 
 
-def _message(first: str, rest: Sequence[str], known: re.Pattern[str] | None = None) -> str:
+def _message(first: str, rest: Sequence[str], known: _Known | None = None) -> str:
     """A message's first line (the plugin's own suffixes left out, a pasted repr's ``\\'`` undone) and the lines
     that continue it, up to a blank line or the start of something else."""
     kept = [_PLUGIN_SUFFIX.sub("", first.strip().replace("\\'", "'"), count=1)]
@@ -300,11 +305,13 @@ def _message(first: str, rest: Sequence[str], known: re.Pattern[str] | None = No
 
 def _frame(line: str) -> Frame | None:
     """The frame a line states, as Python, rich, IPython or a probe writes it."""
-    found = _FRAME.search(line) or (_COMPACT_FRAME.search(line) if ".py:" in line else None)
+    found = _FRAME.search(line) if 'File "' in line else None  # cheap looks first: most lines of a log are no frame
+    if found is None and ".py:" in line and " in " in line:
+        found = _COMPACT_FRAME.search(line)
     return None if found is None else Frame.of(found["path"], found["line"], found["function"])
 
 
-def _is_exception(name: str, known: re.Pattern[str] | None) -> bool:
+def _is_exception(name: str, known: _Known | None) -> bool:
     """Whether a traceback's last line names an exception: an error's name, a built-in exception, a dotted type, or
     one the catalogue declares (so that prose after a cut traceback is never read as its exception)."""
     own = name.rsplit(".", 1)[-1]
@@ -313,12 +320,12 @@ def _is_exception(name: str, known: re.Pattern[str] | None) -> bool:
         own.endswith(("Error", "Exception", "Interrupt", "Exit", "Warning"))
         or (isinstance(builtin, type) and issubclass(builtin, BaseException))
         or ("." in name and own[:1].isupper())
-        or (known is not None and known.fullmatch(own) is not None)
+        or (known is not None and own in known.names)
     )
 
 
 def _exception(
-    line: str, inside: bool, known: re.Pattern[str] | None, strict: bool = False
+    line: str, inside: bool, known: _Known | None, strict: bool = False
 ) -> tuple[str, str, tuple[Frame, ...]] | None:
     """The exception a line states: a traceback's last line (``inside``), else (unless ``strict``: an indented line
     inside a traceback, which is code unless it is all an exception) a bare error line; its type, its message's first
@@ -337,7 +344,7 @@ def _exception(
     return bare["type"], text[:at] if at >= 0 else text, frames
 
 
-def _errors(lines: Sequence[str], known: re.Pattern[str] | None) -> tuple[list[Raised], list[Frame]]:
+def _errors(lines: Sequence[str], known: _Known | None) -> tuple[list[Raised], list[Frame]]:
     """Every traceback's exception (with its frames) and every bare error line, in order; and the frames of
     tracebacks that end without an exception (cut where the paste stopped, or before ``[...]``)."""
     found: list[Raised] = []
@@ -369,21 +376,32 @@ def _errors(lines: Sequence[str], known: re.Pattern[str] | None) -> tuple[list[R
     return found, cut + frames
 
 
-def _bare(line: str, known: re.Pattern[str] | None) -> re.Match[str] | None:
+def _bare(line: str, known: _Known | None) -> re.Match[str] | None:
     """The error a line outside a traceback states, if any (a cheap look first: most lines of a log state none)."""
     if "Error" in line or "Exception" in line or "Interrupt" in line:
         found = _BARE.search(line)
         if found is not None:
             return found
-    return known.search(line) if known is not None and ":" in line else None
-
-
-def _known(names: Iterable[str]) -> re.Pattern[str] | None:
-    """Bare lines of types the catalogue declares whose names do not say they are errors (``Slowdown: ...``)."""
-    alternatives = "|".join(re.escape(n) for n in sorted(set(names)))
-    if not alternatives:
+    if known is None or ":" not in line or not any(name in line for name in known.names):
         return None
-    return re.compile(rf"(?:^|(?<=[\s:;]))(?P<type>(?:\w+\.)*(?:{alternatives}))(?::\s?(?P<message>.*))?$")
+    return known.pattern.search(line)
+
+
+class _Known(NamedTuple):
+    """Types the catalogue declares whose names do not say they are errors (``Slowdown``), and their bare lines."""
+
+    names: tuple[str, ...]
+    pattern: re.Pattern[str]
+
+
+def _known(names: Iterable[str]) -> _Known | None:
+    """Bare lines of types the catalogue declares whose names do not say they are errors (``Slowdown: ...``); the
+    others ``_BARE`` reads already."""
+    own = tuple(sorted({n for n in names if not _BARE.fullmatch(n)}))
+    if not own:
+        return None
+    alternatives = "|".join(re.escape(n) for n in own)
+    return _Known(own, re.compile(rf"(?:^|(?<=[\s:;]))(?P<type>(?:\w+\.)*(?:{alternatives}))(?::\s?(?P<message>.*))?$"))
 
 
 def _merge(per_rank: Iterable[tuple[int | None, list[Raised]]]) -> tuple[Raised, ...]:
@@ -452,6 +470,11 @@ def _size(node: object) -> int:
     return sum(1 + _size(v) for v in node.values()) if isinstance(node, Mapping) else 0
 
 
+def _ends(text: str) -> str:
+    """The start and end of a long text (a title and its prose; the error), where types are only named."""
+    return text if len(text) <= 2 * _NAMED_SPAN else f"{text[:_NAMED_SPAN]}\n{text[-_NAMED_SPAN:]}"
+
+
 def read(text: str, known: Iterable[str] = ()) -> Reading:
     """Everything triage compares, from a log as pasted. ``known``: exception names that do not end in ``Error``
     but that a catalogued bug raises (``Slowdown``), recognised on bare lines too."""
@@ -471,5 +494,5 @@ def read(text: str, known: Iterable[str] = ()) -> Reading:
         text=clean,
         lines=len(lines),
         cut=tuple(dict.fromkeys(cut)),
-        named=tuple(dict.fromkeys(m["type"] for m in _NAMED.finditer(clean))),
+        named=tuple(dict.fromkeys(m["type"] for m in _NAMED.finditer(_ends(clean)))),
     )
