@@ -27,6 +27,20 @@ pytestmark = [
     pytest.mark.ds_premise(stage=0, precision="bf16"),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.17.6/deepspeed/runtime/engine.py#L3274",
+        raises="AttributeError",
+        match="'FP16_(?:Unfused)?Optimizer' object has no attribute '(?:dp_process_group|_restore_from_bit16_weights)'",
+        frames=("engine.py:_load_zero_checkpoint",),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.0/deepspeed/runtime/engine.py",
+        words=("load_checkpoint", "optimizer state", "bf16_zero"),
+    ),
+]
+
 
 def load_checkpoints_unrestricted(monkeypatch):
     """PR #6751 (0.16.0): DeepSpeed's checkpoint engine loads with ``weights_only=False``. Before it, torch >= 2.6

@@ -26,6 +26,14 @@ pytestmark = [
     pytest.mark.ds_premise(config={"comms_logger.enabled": True}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.0/deepspeed/utils/comms_logging.py#L93",
+        words=("stop_profiling_comms", "comms_logger", "prof_all", "log_summary"),
+    ),
+]
+
 #: A plain data-parallel engine (its gradient all-reduce goes through ``deepspeed.comm``) with the logger on.
 ZERO0_COMMS_LOGGER = {
     "zero_optimization": {"stage": 0},

@@ -40,6 +40,23 @@ pytestmark = [
     PERSISTENT_ALLGATHER_RACE,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/8072",
+        raises="TypeError",
+        match="output tensor must have the same type as input tensor",
+        frames=("partition_parameters.py:_allgather_params_coalesced",),
+        words=("_allgather_params_coalesced", "autocast_adapter_dtype", "LoRA"),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/huggingface/trl/pull/6091",
+        words=("non-quantized PEFT", "mixed-dtype"),
+        gpu=True,
+    ),
+]
+
 ZERO3_BF16 = {
     "bf16": {"enabled": True},
     "zero_optimization": {"stage": 3},  # the default persistence threshold: every tiny parameter is persistent

@@ -38,6 +38,15 @@ pytestmark = [
     requires_hf,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8144",
+        frames=("parameter_offload.py:_post_backward_module_hook",),
+        words=("modules_to_save", "ModulesToSaveWrapper", "ds_grads_remaining"),
+    ),
+]
+
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "zero_force_ds_cpu_optimizer": False,

@@ -31,6 +31,14 @@ pytestmark = [
     TORCH_LOAD_WEIGHTS_ONLY,  # zero_to_fp32 reads the checkpoint
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7546",
+        words=("load_universal", "model_states", "zero_pp_rank_0_mp_rank_00_model_states"),
+    ),
+]
+
 ZERO3_LOAD_UNIVERSAL = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},

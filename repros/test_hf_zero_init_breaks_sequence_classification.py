@@ -35,6 +35,16 @@ pytestmark = [
     requires_hf,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/modelscope/ms-swift/pull/5820",
+        raises="AttributeError",
+        match=r"'\\w+ForSequenceClassification' object has no attribute '\\w+'",
+        words=("ForSequenceClassification", "_old_init", "zero.Init", "Zero context manager"),
+    ),
+]
+
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "train_micro_batch_size_per_gpu": 1,

@@ -24,6 +24,17 @@ pytestmark = [
     pytest.mark.ds_premise(stage=0, precision="fp32"),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.16.4/deepspeed/runtime/engine.py#L3018",
+        raises="AttributeError",
+        match=r"'\\w+' object has no attribute 'refresh_fp32_params'",
+        frames=("engine.py:_load_checkpoint",),
+        words=("load_module_only",),
+    ),
+]
+
 FP32_ZERO0 = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,

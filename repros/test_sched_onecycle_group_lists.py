@@ -30,6 +30,16 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8201",
+        raises="TypeError",
+        match=r"unsupported operand type\\(s\\) for [-+*/]: '\\w+' and 'list'",
+        words=("OneCycle", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom"),
+    ),
+]
+
 
 def one_value_per_group(monkeypatch):
     """Backport of PR #8201: each of the four bounds is one value per param group (``WarmupLR._format_param``,

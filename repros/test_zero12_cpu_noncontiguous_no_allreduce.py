@@ -37,6 +37,14 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.2/deepspeed/runtime/zero/stage_1_and_2.py#L62",
+        words=("contiguous_gradients", "split_half_float_double", "buffered_reduce_fallback", "torch.cpu.FloatTensor"),
+    ),
+]
+
 LR = 1e-2
 STEPS = 2
 TOLERANCE = 1e-6

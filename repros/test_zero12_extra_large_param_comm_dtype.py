@@ -45,6 +45,16 @@ pytestmark = [
     COMM_DTYPE_BUCKET,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7653",
+        frames=("stage_1_and_2.py:reduce_ipg_grads", "stage_1_and_2.py:reduce_gradients"),
+        words=("communication_data_type", "extra_large_param_to_reduce"),
+        gpu=True,
+    ),
+]
+
 STEPS = 3
 LR = 0.1
 #: bf16 reduction rounds each averaged gradient to 8 bits of mantissa; 3 SGD steps stay within 1e-3 of fp32.

@@ -44,6 +44,15 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7886",
+        words=("count_used_parameters_in_backward", "hook count", "performance regression", "s/iter"),
+        gpu=True,
+    ),
+]
+
 #: 256 parameter tensors (weights and biases of 128 layers) in the measured model; the reference trains the same
 #: tensors as 8 models of 32.
 LAYERS, SPLIT = 128, 8

@@ -32,6 +32,21 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/8279",
+        raises="KeyError",
+        frames=("stage_1_and_2.py:average_tensor",),
+        words=("zero-sized", "param_to_partition_ids", "trailing"),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8280",
+        words=("zero-sized parameters",),
+    ),
+]
+
 HIDDEN = 4
 STEPS = 3
 

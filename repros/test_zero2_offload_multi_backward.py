@@ -33,6 +33,20 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7981",
+        words=(
+            "set_gradient_accumulation_boundary",
+            "offload_optimizer",
+            "copy_grads_in_partition",
+            "multiple backward",
+        ),
+        gpu=True,
+    ),
+]
+
 BACKWARDS = 2
 LR = 0.1
 TOLERANCE = 1e-6

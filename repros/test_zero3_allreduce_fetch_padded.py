@@ -40,6 +40,14 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.3/deepspeed/runtime/zero/partitioned_param_coordinator.py#L310",
+        words=("stage3_use_all_reduce_for_fetch_params", "ds_numel_aligned", "all-reduce fetch"),
+    ),
+]
+
 ZERO3_ALL_REDUCE_FETCH = {
     "zero_optimization": {
         "stage": 3,

@@ -33,6 +33,15 @@ pytestmark = [
     pytest.mark.ds_premise(stage=3, config={"torch_autocast.enabled": True}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.2/deepspeed/runtime/zero/partition_parameters.py#L1236",
+        frames=("partition_parameters.py:_all_gather_dtype",),
+        words=("torch_autocast", "lower_precision_safe_modules"),
+    ),
+]
+
 ZERO3_AUTOCAST = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "torch_autocast": {

@@ -27,6 +27,14 @@ pytestmark = [
     ZERO3_PARTITIONED,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/6772",
+        words=("module.id", "expert placement", "_register_hooks_recursively", ".id attribute"),
+    ),
+]
+
 #: ZeRO-3 with every parameter partitioned: persistent parameters take a separate all-gather path that is not
 #: deterministic on gloo before 0.19.8 (see docs/repros.md), and this bug does not depend on them.
 ZERO3 = {

@@ -36,6 +36,16 @@ pytestmark = [
     TORCH_LOAD_WEIGHTS_ONLY,  # the converter reads the checkpoint
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.17.6/deepspeed/checkpoint/ds_to_universal.py#L152",
+        raises="RuntimeError",
+        frames=("ds_to_universal.py:extract_zero_shards_stage3",),
+        words=("ds_to_universal", "sub_group_size", "extract_zero_shards_stage3"),
+    ),
+]
+
 #: 16x16 MLP (256 + 16 + 16 + 1 elements): with sub_group_size 100, ZeRO-3 makes several sub-groups.
 ZERO3_SUBGROUPS = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 100},

@@ -30,6 +30,24 @@ pytestmark = [
     ZERO3_PARTITIONED,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/huggingface/accelerate/issues/3386",
+        raises="IndexError",
+        frames=(
+            "partitioned_param_coordinator.py:record_parameters",
+            "partitioned_param_coordinator.py:reset_step",
+            "partitioned_param_coordinator.py:construct_parameter_trace_from_module_trace",
+        ),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8043",
+        words=("unwrap_model_for_generation", "reset_step", "record_parameters"),
+    ),
+]
+
 #: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
 #: test_zero3_persistent_allgather_race.py); losses are compared, so clipping is off on every release.
 ZERO3 = {
