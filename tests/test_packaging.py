@@ -5,6 +5,8 @@ docs need."""
 from __future__ import annotations
 
 import email.parser
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -93,7 +95,6 @@ def test_an_editable_install_imports_the_catalogue(tmp_path: Path, frontend: str
     """Issue 49, item 6: ``pip install -e .`` and ``uv pip install -e .`` of a checkout, in a new environment with
     no network (no index, no build isolation: this environment's setuptools lent to it, nothing else of it), import
     ``pytest_dsrepro.catalogue`` from the checkout's ``repros/``, as docs/writing-repros.md tells users to."""
-    import setuptools
     from uv import find_uv_bin
 
     tree = tmp_path / "pytest-dsrepro"
@@ -109,8 +110,12 @@ def test_an_editable_install_imports_the_catalogue(tmp_path: Path, frontend: str
                                check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
     lent = tmp_path / "setuptools-lent"
     lent.mkdir()
-    here = Path(setuptools.__file__).parent.parent
-    for name in ("setuptools", "_distutils_hack", f"setuptools-{setuptools.__version__}.dist-info"):
+    # Found, not imported: setuptools' distutils hack refuses to load where a test before this one imported distutils.
+    spec = importlib.util.find_spec("setuptools")
+    assert spec is not None
+    assert spec.origin is not None
+    here = Path(spec.origin).parent.parent
+    for name in ("setuptools", "_distutils_hack", f"setuptools-{importlib.metadata.version('setuptools')}.dist-info"):
         (lent / name).symlink_to(here / name)
     (site / "setuptools-lent.pth").write_text(f"{lent}\n")
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "UV_OFFLINE": "1"}
