@@ -714,46 +714,19 @@ def matrix_cut_short(base: Path) -> Figure:
 
 # ---- issue 49 items 2, 5 and 7: every op built beside the worlds, the first world's warm-up -----------------------
 
-ADAGRAD = """
-import os, time
+#: Two tests of ``size`` ranks that load DeepSpeed's CPU Adagrad (its smallest CPU op); with ``fails``, rank 1 of the
+#: first fails at once, and its world is stopped while rank 0 waits for the op's first build.
+OP_TESTS = """
 import pytest
+from deepspeed.accelerator import get_accelerator
 
-
-def adagrad():
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().create_op_builder("CPUAdagradBuilder").load()
-"""
-STOPPED_MID_BUILD = (
-    ADAGRAD
-    + """
-
-@pytest.mark.ds_world(size=2)
-def test_a_stopped(ds_rank):
-    if ds_rank == 1:
+@pytest.mark.ds_world(size={size})
+@pytest.mark.parametrize("first", [True, False])
+def test_op(ds_rank, first):
+    if {fails} and first and ds_rank == 1:
         raise RuntimeError("rank 1 fails while rank 0 waits for the op")
-    adagrad()
-
-
-@pytest.mark.ds_world(size=2)
-def test_b_needs_it(ds_rank):
-    adagrad()
+    get_accelerator().create_op_builder("CPUAdagradBuilder").load()
 """
-)
-KILLED_MID_BUILD = (
-    ADAGRAD
-    + """
-
-@pytest.mark.ds_world(size=1)
-def test_a_waits(ds_rank):
-    adagrad()
-
-
-@pytest.mark.ds_world(size=1)
-def test_b_needs_it(ds_rank):
-    adagrad()
-"""
-)
 WAITS_FOR_A_MARK = """
 import os, time
 import pytest
@@ -776,12 +749,15 @@ def test_trivial(ds_rank, n):
 APART = ("dsrepro-build", "dsrepro-scout")
 
 
-def _op_cache(base: Path) -> Path:
-    """A cache holding this environment's comm op (copied) and nothing else: no other op, no preload list."""
+def _op_cache(base: Path, lists: bool = True) -> Path:
+    """A cache holding this environment's comm op and (``lists``) the preload lists, copied from the real cache, and
+    no other op."""
     source = _built_op()
     cache = base / "cache"
     shutil.copytree(source, cache / "torch_extensions" / source.name,
                     ignore=shutil.ignore_patterns("fused_adam", "cpu_adam", "cpu_adagrad"))  # fmt: skip
+    if lists:
+        shutil.copytree(source.parent.parent / "preload", cache / "preload")
     return cache
 
 
@@ -812,7 +788,7 @@ def op_build_world_stopped(base: Path) -> Figure:
     """A world stopped while its rank waits for an op's first build (its other rank failed); the next test needs the
     op, with a 10 s timeout: seconds to the run's end, the verdicts, what is left (a torch baton blocks builds)."""
     cache = _op_cache(base / "setup")
-    run = Run(base / "run", STOPPED_MID_BUILD, "-v", "--ds-timeout", "10", cache=cache)
+    run = Run(base / "run", OP_TESTS.format(size=2, fails=True), "-v", "--ds-timeout", "10", cache=cache)
     seconds = run.finish(timeout=3600)
     said = sum("building DeepSpeed's cpu_adagrad op" in line for line in run.lines)
     return Figure("49.2 a world stopped mid op build", seconds, f"{_summary(run)}; build said {said}x",
@@ -823,7 +799,7 @@ def op_build_killed(base: Path) -> Figure:
     """The process compiling an op a rank asked for, SIGKILLed mid-compile: its compilers' end, and the next test's
     build (through the baton the killed one left)."""
     cache = _op_cache(base / "setup")
-    run = Run(base / "run", KILLED_MID_BUILD, "-v", "--ds-timeout", "10", cache=cache)
+    run = Run(base / "run", OP_TESTS.format(size=1, fails=False), "-v", "--ds-timeout", "10", cache=cache)
     compiling, gone = _compilers_gone_after(run, "dsrepro-compile")
     seconds = run.finish(timeout=3600)
     sees = f"compilers running: {compiling}; none left {gone and round(gone, 2)} s after the kill; {_summary(run)}"
@@ -845,14 +821,12 @@ def comm_op_build_killed(base: Path) -> Figure:
 def op_build_damaged(base: Path) -> Figure:
     """A cached op cut short: discarded, said once, built again: seconds to the verdict."""
     cache = _op_cache(base / "setup")
+    tests = OP_TESTS.format(size=1, fails=False)
     with tempfile.TemporaryDirectory() as tmp:  # the op built once, in a cache of its own
-        built = Run(Path(tmp), ADAGRAD + "\n\n@pytest.mark.ds_world(size=1)\ndef test_it(ds_rank):\n    adagrad()\n",
-                    cache=cache)  # fmt: skip
-        built.finish(timeout=3600)
+        Run(Path(tmp), tests, cache=cache).finish(timeout=3600)
     (library,) = (cache / "torch_extensions").glob("cpu_adagrad-*/cpu_adagrad/cpu_adagrad.so")
     library.write_bytes(library.read_bytes()[:4096])  # its headers: a third would keep the code (-g)
-    run = Run(base / "run", ADAGRAD + "\n\n@pytest.mark.ds_world(size=2)\ndef test_it(ds_rank):\n    adagrad()\n",
-              "-v", "--ds-timeout", "10", cache=cache)  # fmt: skip
+    run = Run(base / "run", tests, "-v", "--ds-timeout", "10", cache=cache)
     seconds = run.finish(timeout=3600)
     said = sum("does not load" in line for line in run.lines)
     return Figure("49.2 a damaged op build in the cache", seconds, f"damage said {said}x; {_summary(run)}",
@@ -862,7 +836,7 @@ def op_build_damaged(base: Path) -> Figure:
 def first_run_short_timeout(base: Path) -> Figure:
     """Item 5: four trivial DeepSpeed tests with --ds-timeout 5 on a cache that never found a first engine step's
     imports: seconds to the run's end, the verdicts, how long the search went on apart afterwards."""
-    cache = _op_cache(base / "setup")
+    cache = _op_cache(base / "setup", lists=False)
     run = Run(base / "run", FIRST_RUN, "-v", "--ds-timeout", "5", cache=cache)
     seconds = run.finish(timeout=600)
     apart = _went_apart(run)

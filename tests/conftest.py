@@ -171,6 +171,27 @@ def cache_with_comm_op(path: Path, preload_lists: bool = True) -> Path:
     return path
 
 
+def first_run_without_a_preload_list(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch, source: str, passed: int
+) -> pytest.RunResult:
+    """``source``'s tests, which use DeepSpeed, run with ``--ds-timeout 5`` on a cache that holds the comm op but
+    never found what a first engine step imports: every test passes, the search said to run beside the worlds (which
+    do not wait for it), and whatever goes on apart after the run has ended, before the next one."""
+    monkeypatch.setenv(CACHE_ENV, str(cache_with_comm_op(pytester.path / "cache", preload_lists=False)))
+    pytester.makepyfile(source)
+    result = run("-v", "--ds-timeout", "5")
+    result.assert_outcomes(passed=passed)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-dsrepro: finding what a first DeepSpeed engine step imports, first time only for deepspeed *, "
+            "beside the worlds: until it is found, they run without it",
+        ]
+    )
+    assert "did not start" not in result.stdout.str()
+    assert wait_for_builds_apart() == []
+    return result
+
+
 def deepspeed_version() -> str:
     from importlib import metadata
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
+from conftest import REAL_CACHE, RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.server.builds import (
@@ -334,6 +334,7 @@ def test_a_first_build_holds_up_no_world(
     cache = pytester.path / "cold-cache"
     target = cache / "torch_extensions" / source.name
     target.mkdir(parents=True)
+    shutil.copytree(Path(REAL_CACHE) / "preload", cache / "preload")  # only the build is new: no search goes on apart
     mark = pytester.path / "first-world-ran"
     pytester.makepyfile(BESIDE_THE_BUILD.format(mark=str(mark)))
     monkeypatch.setenv(CACHE_ENV, str(cache))
@@ -358,11 +359,12 @@ def test_a_first_build_holds_up_no_world(
         [
             f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only (*), beside "
             "the worlds: until it is built they run without it*",
-            "*test_b_needs_the_op PASSED*",
-            "worlds ran on: *; comm op building beside the worlds; *",
-            "*= 2 passed in *",  # the build ended while test_b waited for it: the run's end has none to wait for
+            "*::test_b_needs_the_op ",
             f"pytest-dsrepro: DeepSpeed's CPU comm op for {deepspeed_version()} built beside the worlds in *s; worlds "
-            "from now on use it, later runs load it",
+            "from now on use it, later runs load it",  # while test_b waited for it: the run's end has none to wait for
+            "PASSED*",
+            "worlds ran on: *; comm op building beside the worlds; *",
+            "*= 2 passed in *",
         ]
     )
     assert shared_library(target).exists()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_CACHE, RunPytest, cache_with_comm_op, wait_for_builds_apart
+from conftest import REAL_CACHE, RunPytest, first_run_without_a_preload_list
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.client import leases
 from pytest_dsrepro.worlds.client.gpu_probe import Gpu
@@ -145,18 +145,7 @@ def test_on_a_gpu_machine_no_world_waits_for_the_preload_search(
     first world, forking a throwaway child every few seconds for minutes (a GPU image's Python stack), and worlds with
     a short timeout failed as if it had not started their ranks. A scout finds it beside the worlds there too, and
     the worlds run meanwhile."""
-    monkeypatch.setenv(CACHE_ENV, str(cache_with_comm_op(pytester.path / "cache", preload_lists=False)))
-    pytester.makepyfile(DEEPSPEED_GLOO_WORLDS)
-    result = run("-v", "--ds-timeout", "5")
-    result.assert_outcomes(passed=3)
-    result.stdout.fnmatch_lines(
-        [
-            "pytest-dsrepro: finding what a first DeepSpeed engine step imports, first time only for deepspeed *, "
-            "beside the worlds: until it is found, they run without it",
-        ]
-    )
-    assert "did not start" not in result.stdout.str()
-    assert wait_for_builds_apart() == []
+    first_run_without_a_preload_list(pytester, run, monkeypatch, DEEPSPEED_GLOO_WORLDS, passed=3)
 
 
 def test_a_deepspeed_that_initialises_cuda_on_import_is_left_to_the_ranks(

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, cache_with_comm_op, wait_for_builds_apart
-from pytest_dsrepro.core.options import CACHE_ENV
+from conftest import RunPytest, first_run_without_a_preload_list
 
 
 def _pythonpath() -> list[str]:
@@ -211,19 +210,8 @@ def test_a_first_run_with_a_short_timeout_passes_every_test(
     ranks" while the fork server found what a first engine step imports, and the server then crashed forking a world
     whose directory pytest had discarded. The search runs beside the worlds (the first worlds run without its list),
     goes on apart when the run ends before it, and the next run preloads what it found."""
-    monkeypatch.setenv(CACHE_ENV, str(cache_with_comm_op(pytester.path / "cache", preload_lists=False)))
-    pytester.makepyfile(TRIVIAL_DEEPSPEED_TESTS)
-    result = run("-v", "--ds-timeout", "5")
-    result.assert_outcomes(passed=4)
-    result.stdout.fnmatch_lines(
-        [
-            "pytest-dsrepro: finding what a first DeepSpeed engine step imports, first time only for deepspeed *, "
-            "beside the worlds: until it is found, they run without it",
-            "worlds ran on: *; preloaded *",
-        ]
-    )
-    assert "did not start" not in result.stdout.str()
-    assert wait_for_builds_apart() == []
+    result = first_run_without_a_preload_list(pytester, run, monkeypatch, TRIVIAL_DEEPSPEED_TESTS, passed=4)
+    result.stdout.fnmatch_lines(["worlds ran on: *; preloaded *"])
     assert [p.name for p in private_tmp.iterdir() if p.name.startswith("dsrepro-")] == []
     again = run("-v", "--ds-timeout", "5")
     again.assert_outcomes(passed=4)
