@@ -2,7 +2,7 @@
 
 Every message of ``protocol`` that the server sends is received in one place (``ForkServer.wait_for``) and dispatched
 by its class in one other (``ForkServer.dispatch``): the server's own news (``Building``, ``Hello``, ``BuildEnded``)
-is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``Reaped``) goes to the world that waits
+is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``OpWait``, ``Reaped``) goes to the world that waits
 (``world_run.WorldRun.take``). Whoever waits says for what (``until``) and until when.
 """
 
