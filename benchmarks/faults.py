@@ -765,22 +765,33 @@ def _summary(run: Run) -> str:
     return next((line.strip("= ") for line in reversed(run.lines) if " in " in line and "=" in line), "no summary")
 
 
+def _names(run: Run) -> list[str]:
+    """The names of the run's live processes (one may end while it is asked)."""
+    names = []
+    for p in run.processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(p.name())
+    return names
+
+
 def _compilers_gone_after(run: Run, victim: str) -> tuple[bool, float | None]:
     """Once a compiler runs, SIGKILL the tagged process named ``victim``: (compilers seen, seconds until none is
     left)."""
-    compiling = run.wait_for(lambda: any(p.name() == "cc1plus" for p in run.processes()), timeout=600)
+    compiling = run.wait_for(lambda: "cc1plus" in _names(run), timeout=600)
     for p in run.processes():
-        if p.name() == victim:
-            p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.name() == victim:
+                p.kill()
     killed = time.monotonic()
-    gone = run.wait_for(lambda: not any(p.name() in ("cc1plus", "ninja") for p in run.processes()), timeout=30)
+    gone = run.wait_for(lambda: not {"cc1plus", "ninja"} & set(_names(run)), timeout=30)
     return compiling, (time.monotonic() - killed) if gone else None
 
 
 def _went_apart(run: Run, limit: float = 1800) -> float:
     """Seconds that what the run let go on apart (a build, the preload search) took to end after pytest did."""
     ended = time.monotonic()
-    run.wait_for(lambda: not any(p.name() in APART for p in run.processes()), timeout=limit)
+    while set(APART) & set(_names(run)) and time.monotonic() - ended < limit:
+        time.sleep(0.2)
     return time.monotonic() - ended
 
 
