@@ -916,6 +916,148 @@ def workflow_audit(base: Path) -> Figure:
     proc = subprocess.run([zizmor, "--offline", "--no-progress", str(path)], capture_output=True, text=True)
     return Figure("34 zizmor over the documented workflow", time.monotonic() - started,
                   f"exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1][:100]}")  # fmt: skip
+# ---- issue 49 items 2, 5 and 7: every op built beside the worlds, the first world's warm-up -----------------------
+
+#: Two tests of ``size`` ranks that load DeepSpeed's CPU Adagrad (its smallest CPU op); with ``fails``, rank 1 of the
+#: first fails at once, and its world is stopped while rank 0 waits for the op's first build.
+OP_TESTS = """
+import pytest
+from deepspeed.accelerator import get_accelerator
+
+@pytest.mark.ds_world(size={size})
+@pytest.mark.parametrize("first", [True, False])
+def test_op(ds_rank, first):
+    if {fails} and first and ds_rank == 1:
+        raise RuntimeError("rank 1 fails while rank 0 waits for the op")
+    get_accelerator().create_op_builder("CPUAdagradBuilder").load()
+"""
+WAITS_FOR_A_MARK = """
+import os, time
+import pytest
+
+@pytest.mark.ds_world(size=1, timeout=600)
+def test_waits(ds_rank):
+    while not os.path.exists("checked"):
+        time.sleep(0.1)
+"""
+FIRST_RUN = """
+import deepspeed
+import pytest
+
+@pytest.mark.ds_world(size=2)
+@pytest.mark.parametrize("n", range(4))
+def test_trivial(ds_rank, n):
+    pass
+"""
+#: What a build beside the worlds or a search apart is called while it goes on after its run (``worlds.server.builds``).
+APART = ("dsrepro-build", "dsrepro-scout")
+
+
+def _op_cache(base: Path, lists: bool = True) -> Path:
+    """A cache holding this environment's comm op and (``lists``) the preload lists, copied from the real cache, and
+    no other op."""
+    source = _built_op()
+    cache = base / "cache"
+    shutil.copytree(source, cache / "torch_extensions" / source.name,
+                    ignore=shutil.ignore_patterns("fused_adam", "cpu_adam", "cpu_adagrad"))  # fmt: skip
+    if lists:
+        shutil.copytree(source.parent.parent / "preload", cache / "preload")
+    return cache
+
+
+def _summary(run: Run) -> str:
+    return next((line.strip("= ") for line in reversed(run.lines) if " in " in line and "=" in line), "no summary")
+
+
+def _names(run: Run) -> list[str]:
+    """The names of the run's live processes (one may end while it is asked)."""
+    names = []
+    for p in run.processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(p.name())
+    return names
+
+
+def _compilers_gone_after(run: Run, victim: str) -> tuple[bool, float | None]:
+    """Once a compiler runs, SIGKILL the tagged process named ``victim``: (compilers seen, seconds until none is
+    left)."""
+    compiling = run.wait_for(lambda: "cc1plus" in _names(run), timeout=600)
+    for p in run.processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.name() == victim:
+                p.kill()
+    killed = time.monotonic()
+    gone = run.wait_for(lambda: not {"cc1plus", "ninja"} & set(_names(run)), timeout=30)
+    return compiling, (time.monotonic() - killed) if gone else None
+
+
+def _went_apart(run: Run, limit: float = 1800) -> float:
+    """Seconds that what the run let go on apart (a build, the preload search) took to end after pytest did."""
+    ended = time.monotonic()
+    while set(APART) & set(_names(run)) and time.monotonic() - ended < limit:
+        time.sleep(0.2)
+    return time.monotonic() - ended
+
+
+def op_build_world_stopped(base: Path) -> Figure:
+    """A world stopped while its rank waits for an op's first build (its other rank failed); the next test needs the
+    op, with a 10 s timeout: seconds to the run's end, the verdicts, what is left (a torch baton blocks builds)."""
+    cache = _op_cache(base / "setup")
+    run = Run(base / "run", OP_TESTS.format(size=2, fails=True), "-v", "--ds-timeout", "10", cache=cache)
+    seconds = run.finish(timeout=3600)
+    said = sum("building DeepSpeed's cpu_adagrad op" in line for line in run.lines)
+    return Figure("49.2 a world stopped mid op build", seconds, f"{_summary(run)}; build said {said}x",
+                  run.leftovers(cache))  # fmt: skip
+
+
+def op_build_killed(base: Path) -> Figure:
+    """The process compiling an op a rank asked for, SIGKILLed mid-compile: its compilers' end, and the next test's
+    build (through the baton the killed one left)."""
+    cache = _op_cache(base / "setup")
+    run = Run(base / "run", OP_TESTS.format(size=1, fails=False), "-v", "--ds-timeout", "10", cache=cache)
+    compiling, gone = _compilers_gone_after(run, "dsrepro-compile")
+    seconds = run.finish(timeout=3600)
+    sees = f"compilers running: {compiling}; none left {gone and round(gone, 2)} s after the kill; {_summary(run)}"
+    return Figure("49.2 a SIGKILLed op build", seconds, sees, run.leftovers(cache))
+
+
+def comm_op_build_killed(base: Path) -> Figure:
+    """Item 7: a first comm-op build beside the worlds, its warden SIGKILLed mid-compile: its compilers' end (they
+    raced the next build before), then the run's."""
+    cache = base / "cold-cache"
+    run = Run(base, WAITS_FOR_A_MARK, "-v", cache=cache)
+    compiling, gone = _compilers_gone_after(run, "dsrepro-build")
+    (run.dir / "checked").touch()
+    seconds = run.finish(timeout=600)
+    sees = f"compilers running: {compiling}; none left {gone and round(gone, 2)} s after the kill; {_summary(run)}"
+    return Figure("49.7 a SIGKILLed comm-op build", seconds, sees, run.leftovers(cache))
+
+
+def op_build_damaged(base: Path) -> Figure:
+    """A cached op cut short: discarded, said once, built again: seconds to the verdict."""
+    cache = _op_cache(base / "setup")
+    tests = OP_TESTS.format(size=1, fails=False)
+    with tempfile.TemporaryDirectory() as tmp:  # the op built once, in a cache of its own
+        Run(Path(tmp), tests, cache=cache).finish(timeout=3600)
+    (library,) = (cache / "torch_extensions").glob("cpu_adagrad-*/cpu_adagrad/cpu_adagrad.so")
+    library.write_bytes(library.read_bytes()[:4096])  # its headers: a third would keep the code (-g)
+    run = Run(base / "run", tests, "-v", "--ds-timeout", "10", cache=cache)
+    seconds = run.finish(timeout=3600)
+    said = sum("does not load" in line for line in run.lines)
+    return Figure("49.2 a damaged op build in the cache", seconds, f"damage said {said}x; {_summary(run)}",
+                  run.leftovers(cache))  # fmt: skip
+
+
+def first_run_short_timeout(base: Path) -> Figure:
+    """Item 5: four trivial DeepSpeed tests with --ds-timeout 5 on a cache that never found a first engine step's
+    imports: seconds to the run's end, the verdicts, how long the search went on apart afterwards."""
+    cache = _op_cache(base / "setup", lists=False)
+    run = Run(base / "run", FIRST_RUN, "-v", "--ds-timeout", "5", cache=cache)
+    seconds = run.finish(timeout=600)
+    apart = _went_apart(run)
+    listed = len(list((cache / "preload").glob("*.json"))) if (cache / "preload").exists() else 0
+    sees = f"{_summary(run)}; the search went on {apart:.0f} s after it, lists kept: {listed}"
+    return Figure("49.5 a first run with --ds-timeout 5", seconds, sees, run.leftovers(cache))
 
 
 FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
@@ -953,6 +1095,11 @@ FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "sigterm-mid-world": lambda d, a: sigterm_mid_world(d),
     "full-disk-at-end": lambda d, a: full_disk_at_end(d),
     "workflow-audit": lambda d, a: workflow_audit(d),
+    "op-build-world-stopped": lambda d, a: op_build_world_stopped(d),
+    "op-build-killed": lambda d, a: op_build_killed(d),
+    "comm-op-build-killed": lambda d, a: comm_op_build_killed(d),
+    "op-build-damaged": lambda d, a: op_build_damaged(d),
+    "first-run-short-timeout": lambda d, a: first_run_short_timeout(d),
 }
 
 

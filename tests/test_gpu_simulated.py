@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_CACHE, RunPytest
+from conftest import REAL_CACHE, RunPytest, first_run_without_a_preload_list
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
@@ -126,6 +126,28 @@ def test_nccl_and_gloo_worlds_with_a_deepspeed_that_guards_its_import(
     inits = gpus.cuda_inits()
     assert len(inits) >= 3, inits  # the probe, then each rank
     assert all(line.endswith(" ok") for line in inits), inits
+
+
+DEEPSPEED_GLOO_WORLDS = """
+import deepspeed  # the ranks use DeepSpeed: the fork server warms up for them
+import pytest
+
+
+@pytest.mark.ds_world(backend="gloo")
+@pytest.mark.parametrize("n", range(3))
+def test_gloo(ds_rank, n):
+    pass
+"""
+
+
+def test_on_a_gpu_machine_no_world_waits_for_the_preload_search(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48 item 1: on a GPU machine the fork server found what a first engine step imports itself, before its
+    first world, forking a throwaway child every few seconds for minutes (a GPU image's Python stack), and worlds with
+    a short timeout failed as if it had not started their ranks. A scout finds it beside the worlds there too, and
+    the worlds run meanwhile."""
+    first_run_without_a_preload_list(pytester, run, monkeypatch, DEEPSPEED_GLOO_WORLDS, passed=3)
 
 
 def test_a_deepspeed_that_initialises_cuda_on_import_is_left_to_the_ranks(
