@@ -916,6 +916,8 @@ def workflow_audit(base: Path) -> Figure:
     proc = subprocess.run([zizmor, "--offline", "--no-progress", str(path)], capture_output=True, text=True)
     return Figure("34 zizmor over the documented workflow", time.monotonic() - started,
                   f"exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1][:100]}")  # fmt: skip
+
+
 # ---- issue 49 items 2, 5 and 7: every op built beside the worlds, the first world's warm-up -----------------------
 
 #: Two tests of ``size`` ranks that load DeepSpeed's CPU Adagrad (its smallest CPU op); with ``fails``, rank 1 of the
