@@ -70,9 +70,14 @@ _original: Callable[..., Any] | None = None
 
 def install(address: str, server: int) -> None:
     """In the fork server, once DeepSpeed is imported: every process it forks from now on asks it for the ops that
-    DeepSpeed would JIT-build there. The server itself and its build children keep DeepSpeed's own ``jit_load``."""
+    DeepSpeed would JIT-build there. The server itself and its build children keep DeepSpeed's own ``jit_load``. A
+    DeepSpeed with no op builder (a commit older than ``deepspeed.ops.op_builder``, as ``dsrepro bisect`` may install)
+    has nothing to build: its ranks run as it is."""
     global _serving, _original
-    from deepspeed.ops.op_builder.builder import OpBuilder
+    try:
+        from deepspeed.ops.op_builder.builder import OpBuilder
+    except ImportError:
+        return
 
     _serving = (address, server)
     if _original is not None:
