@@ -369,9 +369,9 @@ def own_group(ds_rank, own_port):
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     port = os.environ["MASTER_PORT"]
-    mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{port}_" in n]
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{{port}}_" in n]
     assert len(mine) == 2, mine  # the op really ran: one buffer per rank, named after the group's port
-    Path(f"port-{ds_rank}").write_text(port)
+    Path(f"port-{{ds_rank}}").write_text(port)
 
 @pytest.mark.ds_world(process_group=False, timeout={timeout})
 def test_own_group(ds_rank):

@@ -6,8 +6,8 @@ and looks here for what it cannot, each compared with the rank's own state when 
 
 - torch's global modes: its default dtype and device, grad and inference mode, deterministic algorithms, anomaly
   mode, autocast, function and dispatch modes (``torch.device`` used as a context), saved-tensor hooks, its threads,
-  matmul precision, ``torch.backends`` flags, print options. Put back, they would hide what the test built under
-  them (a module-level tensor made in float64);
+  matmul precision, ``torch.backends`` flags, print options, the rank's CUDA device. Put back, they would hide what
+  the test built under them (a module-level tensor made in float64);
 - a DeepSpeed context entered and never left: ``deepspeed.zero.Init`` patches every ``torch.nn.Module`` class,
   the test's own included, for as long as it is entered;
 - threads and child processes still running, file locks held (``/proc/locks``): a fresh rank has none;
@@ -64,6 +64,8 @@ def _torch_modes(torch: Any) -> dict[str, Callable[[], object]]:
             backends.mkldnn.enabled),
         "torch's print options (torch.set_printoptions)": lambda: dict(vars(torch._tensor_str.PRINT_OPTS)),
         "torch's warn-always (torch.set_warn_always)": torch.is_warn_always_enabled,
+        "the rank's CUDA device (torch.cuda.set_device)": lambda: not torch.cuda.is_initialized() or (
+            torch.cuda.current_device() == int(os.environ.get("LOCAL_RANK", "0"))),
     }  # fmt: skip
 
 
