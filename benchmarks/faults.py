@@ -748,8 +748,8 @@ class TestScope:
 
 def _leftover_scope(reuse: bool) -> str:
     tests = "".join(
-        f"\n    def test_{i}_{name}_left(self, ds_rank, monkeypatch):\n        {leave}\n"
-        f"\n    def test_{i}_{name}_checked(self, ds_rank):\n        assert {check}\n"
+        f"\n    def test_{i}_{name.replace('-', '_')}_left(self, ds_rank, monkeypatch):\n        {leave}\n"
+        f"\n    def test_{i}_{name.replace('-', '_')}_checked(self, ds_rank):\n        assert {check}\n"
         for i, (name, (leave, check)) in enumerate(LEFTOVER_PAIRS.items(), start=1)
     )
     return LEFTOVER_SCOPE.format(reuse=reuse) + tests
@@ -763,18 +763,18 @@ def _outcomes(run: Run) -> dict[str, str]:
 def reuse_leftovers(base: Path) -> Figure:
     """Item 1: a reuse scope whose every other test leaves one of the issue's leftovers, the next asserting a fresh
     rank's state; run without reuse, then with it: the same outcomes both ways, and the time each took."""
-    runs, seconds = {}, {}
+    outcomes, seconds, left = {}, {}, []
     for reuse in (False, True):
-        runs[reuse] = Run(base / f"reuse-{reuse}", _leftover_scope(reuse), "-v")
-        seconds[reuse] = runs[reuse].finish()
-    outcomes = {reuse: _outcomes(run) for reuse, run in runs.items()}
+        run = Run(base / f"reuse-{reuse}", _leftover_scope(reuse), "-v")
+        seconds[reuse] = run.finish()
+        outcomes[reuse] = _outcomes(run)
+        left += run.leftovers()
     failed = sorted(t for t, o in outcomes[True].items() if o != "PASSED")
     sees = (
         f"same outcomes with and without reuse: {outcomes[True] == outcomes[False]} ({len(outcomes[True])} tests, "
         f"not passed: {failed or 'none'}); without reuse {seconds[False]:.1f} s"
     )
-    return Figure("26 a reuse scope of the issue's leftovers", seconds[True], sees,
-                  runs[True].leftovers() + runs[False].leftovers())  # fmt: skip
+    return Figure("26 a reuse scope of the issue's leftovers", seconds[True], sees, left)
 
 
 GATED_FLOAT64 = """
