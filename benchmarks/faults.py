@@ -1062,6 +1062,121 @@ def first_run_short_timeout(base: Path) -> Figure:
     return Figure("49.5 a first run with --ds-timeout 5", seconds, sees, run.leftovers(cache))
 
 
+# ---- issue 49, items 1 and 4: what a test leaves in a kept rank; /dev/shm whoever named it -------------------------
+
+#: Each leftover the issue names, as (what a test leaves, what the next test asserts as a fresh rank has it).
+LEFTOVER_PAIRS = {
+    "monkeypatch": ("monkeypatch.setattr(torch, 'ones', torch.zeros)", "torch.ones(1).item() == 1"),
+    "function": ("torch.nn.functional.gelu = lambda x: x * 0", "torch.nn.functional.gelu(torch.ones(1)).item() > 0.8"),
+    "dtype": ("torch.set_default_dtype(torch.float64)", "torch.get_default_dtype() == torch.float32"),
+    "grad": ("torch.set_grad_enabled(False)", "torch.is_grad_enabled()"),
+    "zero-init": ("deepspeed.zero.Init(config_dict_or_path=Z3).__enter__()",
+                  "torch.nn.Linear(4, 4).weight.numel() == 16"),
+    "param-id": ("with deepspeed.zero.Init(config_dict_or_path=Z3): torch.nn.Linear(4, 4)", "Init.param_id == 0"),
+    "thread": ("threading.Thread(target=time.sleep, args=(60,), daemon=True).start()", "threading.active_count() == 1"),
+    "lock": ("HELD.append(open(f'lock-{ds_rank}', 'w')); fcntl.flock(HELD[-1], fcntl.LOCK_EX)",
+             "fcntl.flock(open(f'lock-{ds_rank}', 'w'), fcntl.LOCK_EX | fcntl.LOCK_NB) is None"),
+    "rng": ("torch.rand(99)", "repr(torch.rand(2).tolist()) == Path('draw').read_text()"),
+    "stdout": ("sys.stdout = io.StringIO()", "print('a print') is None"),
+}  # fmt: skip
+
+LEFTOVER_SCOPE = """
+import fcntl, io, sys, threading, time
+from pathlib import Path
+import deepspeed, pytest, torch
+from deepspeed.runtime.zero.partition_parameters import Init
+
+Z3 = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3}}}}
+HELD = []
+
+@pytest.mark.ds_world(size=2, reuse={reuse}, timeout=120)
+class TestScope:
+    def test_0_draws(self, ds_rank):
+        Path("draw").write_text(repr(torch.rand(2).tolist()))
+"""
+
+
+def _leftover_scope(reuse: bool) -> str:
+    tests = "".join(
+        f"\n    def test_{i}_{name.replace('-', '_')}_left(self, ds_rank, monkeypatch):\n        {leave}\n"
+        f"\n    def test_{i}_{name.replace('-', '_')}_checked(self, ds_rank):\n        assert {check}\n"
+        for i, (name, (leave, check)) in enumerate(LEFTOVER_PAIRS.items(), start=1)
+    )
+    return LEFTOVER_SCOPE.format(reuse=reuse) + tests
+
+
+def _outcomes(run: Run) -> dict[str, str]:
+    found = (line.split("::")[-1].split() for line in run.lines if "::TestScope::" in line and " " in line)
+    return {words[0]: words[1] for words in found if len(words) > 1 and words[1].isupper()}
+
+
+def reuse_leftovers(base: Path) -> Figure:
+    """Item 1: a reuse scope whose every other test leaves one of the issue's leftovers, the next asserting a fresh
+    rank's state; run without reuse, then with it: the same outcomes both ways, and the time each took."""
+    outcomes, seconds, left = {}, {}, []
+    for reuse in (False, True):
+        run = Run(base / f"reuse-{reuse}", _leftover_scope(reuse), "-v")
+        seconds[reuse] = run.finish()
+        outcomes[reuse] = _outcomes(run)
+        left += run.leftovers()
+    failed = sorted(t for t, o in outcomes[True].items() if o != "PASSED")
+    sees = (
+        f"same outcomes with and without reuse: {outcomes[True] == outcomes[False]} ({len(outcomes[True])} tests, "
+        f"not passed: {failed or 'none'}); without reuse {seconds[False]:.1f} s"
+    )
+    return Figure("35 a reuse scope of the issue's leftovers", seconds[True], sees, left)
+
+
+GATED_FLOAT64 = """
+import pytest, torch
+
+@pytest.mark.ds_world(size=2, reuse=True)
+@pytest.mark.ds_version(affected=">=0", raises=ValueError, match="broke")
+class TestGated:
+    def test_1(self, ds_rank):
+        torch.set_default_dtype(torch.float64)
+        raise ValueError("it broke")
+
+    def test_2(self, ds_rank):
+        assert torch.get_default_dtype() == torch.float32
+        raise ValueError("it broke")
+
+    def test_3(self, ds_rank):
+        assert torch.get_default_dtype() == torch.float32
+        raise ValueError("it broke")
+"""
+
+
+def gated_float64(base: Path) -> Figure:
+    """Item 1: three gated repros in a reuse class, the first REPRODUCED leaving float64 behind."""
+    run = Run(base, GATED_FLOAT64, "--ds-results=results")
+    seconds = run.finish()
+    verdicts = [t["verdict"] for f in (base / "results").glob("*.json") for t in json.loads(f.read_text())["tests"]]
+    return Figure("36 three gated repros, the first leaving float64", seconds, f"verdicts {verdicts}",
+                  run.leftovers())  # fmt: skip
+
+
+OWN_GROUP_ENDING = """
+import os, signal, time
+import pytest
+
+@pytest.mark.ds_world(process_group=False, timeout=15)
+def test_own_group(ds_rank):
+    import deepspeed, torch.distributed as dist
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    {ending}
+"""
+
+
+def own_group_ends(base: Path, ending: str, name: str) -> Figure:
+    """Item 4: a body that makes its own process group (DeepSpeed names its 2 x 66 MiB buffers after its port), then
+    hangs or crashes."""
+    run = Run(base, OWN_GROUP_ENDING.format(ending=ending))
+    seconds = run.finish()
+    return Figure(name, seconds, run.first("FAILED")[:120], run.leftovers())
+
+
 FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "build": lambda d, a: ctrl_c_during_build(d),
     "ctrl-c": lambda d, a: ctrl_c_mid_world(d, 1),
@@ -1102,6 +1217,15 @@ FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "comm-op-build-killed": lambda d, a: comm_op_build_killed(d),
     "op-build-damaged": lambda d, a: op_build_damaged(d),
     "first-run-short-timeout": lambda d, a: first_run_short_timeout(d),
+    "reuse-leftovers": lambda d, a: reuse_leftovers(d),
+    "reuse-gated-float64": lambda d, a: gated_float64(d),
+    "own-group-hangs": lambda d, a: own_group_ends(d, "time.sleep(3600)", "37 a body's own group hangs"),
+    "own-group-crashes": lambda d, a: own_group_ends(
+        d, "os._exit(3) if ds_rank == 1 else time.sleep(3600)", "38 a body's own group: one rank crashes"
+    ),
+    "own-group-killed": lambda d, a: own_group_ends(
+        d, "os.kill(os.getpid(), signal.SIGKILL)", "39 a body's own group: every rank SIGKILLed"
+    ),
 }
 
 

@@ -11,10 +11,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest, assert_clear_error, run_marked, wait_for_no_processes
+from conftest import RunPytest, assert_clear_error, leftovers, run_marked, wait_for_no_processes
 
 
 def test_body_runs_in_every_rank_with_fixtures_and_params(pytester: pytest.Pytester, run: RunPytest) -> None:
@@ -346,6 +347,63 @@ def test_dev_shm_is_left_as_found(pytester: pytest.Pytester, run: RunPytest, mar
     ports = {p.name.rpartition("-")[2] for p in worlds}  # the fork server's store port: one, or one per server
     left = [n for n in os.listdir("/dev/shm") if any(f"_{port}_" in n for port in ports)]
     assert not left, f"left in /dev/shm: {left}"
+
+
+#: A body that makes its own process group (on the port rank 0 hosts for it, or on one it chose itself) and binds
+#: DeepSpeed to it, which maps its /dev/shm buffers named after that port; then it hangs or crashes.
+OWN_GROUP = """
+import os, signal, socket, time
+from pathlib import Path
+import pytest
+
+def own_group(ds_rank, own_port):
+    import deepspeed, torch.distributed as dist
+    if own_port:  # a MASTER_PORT of the body's own: rank 0 finds a free one and tells rank 1
+        if ds_rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                Path("chosen").write_text(str(s.getsockname()[1]))
+        while not (Path("chosen").exists() and Path("chosen").read_text()):
+            time.sleep(0.01)
+        os.environ["MASTER_PORT"] = Path("chosen").read_text()
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    port = os.environ["MASTER_PORT"]
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer") and f"_{{port}}_" in n]
+    assert len(mine) == 2, mine  # the op really ran: one buffer per rank, named after the group's port
+    Path(f"port-{{ds_rank}}").write_text(port)
+
+@pytest.mark.ds_world(process_group=False, timeout={timeout})
+def test_own_group(ds_rank):
+    own_group(ds_rank, {own_port})
+    {ending}
+"""
+
+ENDINGS = {
+    "hangs": ("time.sleep(3600)", 10),
+    "one-rank-crashes": ("os._exit(3) if ds_rank == 1 else time.sleep(3600)", 60),
+    "every-rank-is-killed": ("os.kill(os.getpid(), signal.SIGKILL)", 60),
+}
+
+
+#: Every ending on rank 0's port; on a port of the body's own, those where a rank lives on to be read. Not covered:
+#: every rank dead by a signal before anyone read their maps, on a port the body chose (no process that knew it lives).
+OWN_GROUP_CASES = [(e, False) for e in sorted(ENDINGS)] + [("hangs", True), ("one-rank-crashes", True)]
+
+
+@pytest.mark.parametrize(("ending", "own_port"), OWN_GROUP_CASES, ids=lambda v: str(v).lower())
+def test_dev_shm_is_left_as_found_when_a_body_with_its_own_group_hangs_or_crashes(
+    pytester: pytest.Pytester, run: RunPytest, private_tmp: Path, ending: str, own_port: bool
+) -> None:
+    """Issue 49, item 4: DeepSpeed names its buffers after the group's port, which only the world's processes know.
+    The fork server reads what they map before it kills them (a hung or stopped rank maps its peers' buffers, a
+    crashed one's too), and rank 0 notes the port it hosts for the body's group; nothing of the world is left."""
+    body, timeout = ENDINGS[ending]
+    pytester.makepyfile(OWN_GROUP.format(timeout=timeout, own_port=own_port, ending=body))
+    result = run()
+    result.assert_outcomes(failed=1)
+    port = (pytester.path / "port-0").read_text()
+    assert leftovers(private_tmp, [port]) == []
 
 
 ALL_REDUCES = """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import os
 import pickle
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import pytest
 
 from conftest import RunPytest
 from pytest_dsrepro.core.outcome import ErrorInfo, RankResult, Status
-from pytest_dsrepro.worlds import protocol, workdir
+from pytest_dsrepro.worlds import protocol, shm, workdir
 from pytest_dsrepro.worlds.client import ForkServer
 from pytest_dsrepro.worlds.client.world_run import _user_frames
 from pytest_dsrepro.worlds.protocol import (
@@ -177,3 +179,43 @@ def test_stack_dumps_keep_only_the_users_frames() -> None:
         ]
     )
     assert _user_frames(dump).splitlines() == dump.splitlines()[:3]
+
+
+def _buffer(shm_dir: Path, port: int, rank: int, addr: str = "127.0.0.1") -> Path:
+    """A file named as DeepSpeed names a rank's allreduce buffer (csrc/cpu/comm/shm.cpp), in ``shm_dir``."""
+    path = shm_dir / f"{shm.PREFIX}{os.getuid()}_{addr}_{port}_{rank}"
+    path.write_bytes(b"\0" * 4096)
+    return path
+
+
+def test_the_buffers_a_process_maps_are_found_whatever_port_named_them(tmp_path: Path) -> None:
+    """Issue 49, item 4: the fork server reads a rank's maps before it kills it; here this process maps one."""
+    mapped, other = _buffer(tmp_path, 41234, 0), _buffer(tmp_path, 41234, 1)
+    with mapped.open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert shm.mapped_by([os.getpid()], tmp_path) == {mapped}
+    assert shm.mapped_by([os.getpid()], tmp_path) == set()
+    assert other.exists()
+
+
+def test_every_ranks_buffer_of_a_group_one_of_them_names_goes(tmp_path: Path) -> None:
+    """A rank that died before its peers opened its buffer is in no survivor's maps: its group's name finds it."""
+    group = [_buffer(tmp_path, 5000, r) for r in range(3)]
+    others = [_buffer(tmp_path, 50001, 0), _buffer(tmp_path, 5000, 0, addr="10.0.0.1"), tmp_path / "unrelated_5000_0"]
+    others[-1].write_text("")
+    assert shm.group_buffers([group[1]], tmp_path) == group
+    shm.remove(shm.group_buffers([group[1]], tmp_path))
+    assert [p for p in group + others if p.exists()] == others
+
+
+def test_a_world_directory_names_the_port_of_a_bodys_own_group(tmp_path: Path) -> None:
+    """Rank 0 notes the group's port before the body runs: a world whose every rank died still has it removed (in
+    the real /dev/shm, on a port no socket can have)."""
+    port = 9_000_000 + os.getpid()
+    buffers = [_buffer(shm.SHM_DIR, port, r) for r in range(2)]
+    try:
+        workdir.group_port_file(tmp_path).write_text(str(port))
+        workdir.discard(tmp_path)
+        assert not tmp_path.exists()
+        assert [p for p in buffers if p.exists()] == []
+    finally:
+        shm.remove(buffers)

@@ -191,6 +191,7 @@ class WorldOutcome:
     duration: float
     phases: tuple[tuple[str, float], ...] = ()  # seconds per phase (``PHASES``) when every rank got through them
     reused: bool = False  # its ranks ran an earlier test of the same reuse scope (``ds_world(reuse=True)``)
+    not_kept: str = ""  # why its ranks are not kept for the next test of that scope: what the test left in them
 
     @property
     def passed(self) -> bool:
@@ -337,7 +338,8 @@ def describe_failure(outcome: WorldOutcome) -> str:
     if len(group_ranks(outcome.failures)) > 1 and causes:
         first = f"; rank {causes[0].rank} failed first, at {causes[0].at:.2f}s"
     reused = ", on ranks kept from an earlier test (reuse=True)" if outcome.reused else ""
-    lines.append(f"({outcome.size}-rank {outcome.backend} world{reused}, {outcome.duration:.1f}s{first})")
+    not_kept = f"; not kept for the next test, which gets fresh ranks: {outcome.not_kept}" if outcome.not_kept else ""
+    lines.append(f"({outcome.size}-rank {outcome.backend} world{reused}, {outcome.duration:.1f}s{first}{not_kept})")
     for g in groups:
         head = g.ranks[0]
         if head.error is not None:

@@ -346,6 +346,7 @@ class RankReport:
     fix: str = ""  # the fix that raised while it was being applied (the body never ran)
     measurements: tuple[Measurement, ...] = ()  # what the body timed (``inrank.perf``)
     marks: tuple[float, ...] = ()  # when it started, connected, loaded the test, started, ended its body (``PHASES``)
+    not_kept: str = ""  # what the test left that a kept rank cannot put back: the rank exits (``rank.leftovers``)
 
     def goes_on(self, backend: str) -> bool:
         """May a rank of a reusable world run the next test of its scope after this ending? Only once the world's

@@ -3,16 +3,22 @@ removes them): DeepSpeed's CPU shared-memory allreduce leaves one ~66 MiB file p
 deletes it.
 
 Names are ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp, the same
-from 0.14 to 0.19). A world's MASTER_PORT is the port of its fork server's store, held by that server while it
-lives, whose worlds run one at a time: the files carrying that address and port are the running world's, and
-removing them cannot touch a world of another server. A body that makes its own process group, or a launcher's
-world, names them after another port: those a rank maps are found in its ``/proc/self/maps``
-(:func:`mapped_buffers`), and removed once no rank of the world can still be waiting to open them.
+from 0.14 to 0.19), made once per process, by its first process group, each rank creating its own and mapping every
+other rank's. A world's MASTER_PORT is the port of its fork server's store, held by that server while it lives, whose
+worlds run one at a time: the files carrying that address and port are the running world's, and removing them cannot
+touch a world of another server. A body that makes its own process group names them after another port (rank 0's
+own store, which the world's directory notes, or one the body chose): the fork server finds those in the
+``/proc/<pid>/maps`` of the world's processes before it kills them (:func:`mapped_by`: a hung or stopped rank maps
+its peers' too, a crashed one's among them), a rank that ends its test lists its own (:func:`mapped_buffers`), and
+every buffer of a group one of them names goes (:func:`group_buffers`), once no rank of the world can still be
+waiting to open them.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -44,3 +50,24 @@ def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR
         return []
     named = (Path(line.split(maxsplit=5)[-1]) for line in lines if PREFIX in line)  # a rank maps hundreds of files
     return sorted({p for p in named if is_buffer(p, shm_dir)})
+
+
+def mapped_by(pids: Iterable[int], shm_dir: Path = SHM_DIR) -> set[Path]:
+    """DeepSpeed's buffers these processes map (a process gone maps nothing)."""
+    return {p for pid in pids for p in mapped_buffers(Path(f"/proc/{pid}/maps"), shm_dir)}
+
+
+def group_buffers(buffers: Iterable[Path], shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Every rank's buffer of the process groups these buffers belong to (the name without its ``_<rank>``): a rank
+    that died before a peer opened its buffer is named by none of the peers' maps."""
+    found = set()
+    for path in buffers:
+        group, _, rank = path.name.rpartition("_")
+        if is_buffer(path, shm_dir) and rank.isdigit() and shm_dir.is_dir():
+            found |= {p for p in shm_dir.glob(f"{glob.escape(group)}_[0-9]*") if p.name.rpartition("_")[2].isdigit()}
+    return sorted(found)
+
+
+def remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)

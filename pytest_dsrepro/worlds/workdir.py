@@ -2,7 +2,8 @@
 how to leave nothing of it behind.
 
 Ranks write their reports, output and stacks here, and the ``/dev/shm`` buffers they mapped; the fork server writes
-down its store's port, which names the world's buffers when its ranks bind DeepSpeed to the plugin's group. The
+down its store's port, which names the world's buffers when its ranks bind DeepSpeed to the plugin's group, and rank 0
+of a world whose body makes its own group that group's port. The
 pytest process reads it after the world; whoever outlives the world (the fork server, or pytest if the server died)
 discards it. A rank's report file is written and read only through ``protocol.write_report`` and
 ``protocol.read_report``.
@@ -26,6 +27,12 @@ def port_file(workdir: Path) -> Path:
 
 def write_port(workdir: Path, port: int) -> None:
     port_file(workdir).write_text(str(port))
+
+
+def group_port_file(workdir: Path) -> Path:
+    """Where rank 0 of a world whose body makes its own process group notes that group's ``MASTER_PORT`` (the store
+    it hosts: ``rank.rendezvous.own_master_port``), which names the group's buffers, before the body runs."""
+    return workdir / "group_port"
 
 
 def buffers_file(workdir: Path, rank: int) -> Path:
@@ -96,12 +103,12 @@ def read_output(workdir: Path, rank: int) -> str:
 
 
 def discard(workdir: Path, buffers: bool = True) -> None:
-    """Remove the world's /dev/shm buffers (keyed by its store port; ``buffers=False``: its ranks live on, kept for
-    the next test, and still map them) and its directory."""
+    """Remove the world's /dev/shm buffers (named after its store's port, or its body's own group's; those its ranks
+    listed; ``buffers=False``: its ranks live on, kept for the next test, and still map them) and its directory."""
     if buffers:
-        port = read_text(port_file(workdir))
-        if port:
-            shm.remove_world_buffers(LOOPBACK, int(port))
+        for port in (read_text(port_file(workdir)), read_text(group_port_file(workdir))):
+            if port.strip().isdigit():
+                shm.remove_world_buffers(LOOPBACK, int(port))
         for listed in workdir.glob("buffers-*.txt"):
             for path in map(Path, read_text(listed).splitlines()):
                 if shm.is_buffer(path):

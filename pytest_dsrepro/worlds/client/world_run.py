@@ -262,9 +262,11 @@ class WorldRun:
             else:
                 results.append(_ended_on_its_own(r, output, started, self._stack(r.rank)))
         duration = time.monotonic() - started
+        left = [f"rank {r.rank}: {r.report.not_kept}" for r in self.ranks if r.report is not None and r.report.not_kept]
         return WorldOutcome(
-            self.size, self.backend, tuple(results), duration, _phases(self.ranks, started), self.reused
-        )
+            self.size, self.backend, tuple(results), duration, _phases(self.ranks, started), self.reused,
+            "; ".join(left),
+        )  # fmt: skip
 
     def _keep(self) -> bool:
         """May the server keep the ranks for the next test of the scope? Only when every one of them ended its body so

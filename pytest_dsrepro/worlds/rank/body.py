@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import CodeType, TracebackType
 from typing import Any
 
@@ -83,6 +83,17 @@ def _fix_name(fix: Fix) -> str:
     return str(getattr(fix, "__qualname__", None) or repr(fix))
 
 
+def _monkeypatches(values: Iterable[Any]) -> Iterator[Any]:
+    """The ``pytest.MonkeyPatch`` objects among a body's arguments and its rank fixtures' arguments."""
+    import pytest
+
+    for value in values:
+        if isinstance(value, pytest.MonkeyPatch):
+            yield value
+        elif isinstance(value, fixtures.RankFixture):
+            yield from _monkeypatches(value.kwargs.values())
+
+
 def run_body(
     fn: Callable[..., Any],
     kwargs: dict[str, Any],
@@ -92,12 +103,15 @@ def run_body(
     deepspeed: bool = False,
     setup: Sequence[fixtures.RankFixture] = (),
     mark: Callable[[], None] = lambda: None,
+    undo_patches: bool = False,
 ) -> RankReport:
     """Apply the fixes (through a MonkeyPatch, undone afterwards), bind DeepSpeed's comm layer when the test uses
     DeepSpeed (after the fixes: a fix may patch that layer), set up rank fixtures (``setup`` first: those the body
     does not name, autouse ones among them), and run the body; report how it ended (a rank fixture's failing
     teardown fails the rank; a fix that raises is named: the body never ran) and what the body timed. ``mark`` is
-    called as the body starts."""
+    called as the body starts. ``undo_patches``: a spawned rank undoes the ``monkeypatch`` the body and its rank
+    fixtures got (a copy of pytest's, which undoes only its own) once the rank fixtures are torn down, before the
+    fixes are, as pytest would."""
     import pytest
 
     applying = ""
@@ -107,6 +121,8 @@ def run_body(
                 applying = _fix_name(fix)
                 fix(monkeypatch)
             applying = ""
+            for patch in _monkeypatches([*kwargs.values(), *setup]) if undo_patches else ():
+                stack.callback(patch.undo)
             if deepspeed:
                 bind_deepspeed(ctx.backend)
             arguments = _arguments(kwargs, ctx, stack, setup)

@@ -55,6 +55,11 @@ def _dump_from_torch() -> bytes:
 _serving: list[threading.Thread] = []  # the one thread of this process (a kept rank makes its group once)
 
 
+def threads() -> list[threading.Thread]:
+    """The harness's own thread in this rank, if it started one: not a test's leftover (``leftovers``)."""
+    return list(_serving)
+
+
 def serve_dump_request(rank: int, dump: Callable[[], bytes] = _dump_from_torch, poll: float = 0.1) -> None:
     """In a rank of an NCCL world: a daemon thread that writes the flight recorder when the harness asks
     (``request_dumps``), next to where torch's watchdog would. It follows ``TORCH_FR_DUMP_TEMP_FILE`` from test to

@@ -1,39 +1,58 @@
-"""Runs in a kept rank, between two tests on the same ranks (``ds_world(reuse=True)``): what a rank puts back so that
-the next test starts as it would on a freshly forked rank, as far as a process can be taken back.
+"""Runs in the fork server (``Baseline.take``, before it forks a reusable world) and in its kept ranks (between two
+tests of a reuse scope, ``ds_world(reuse=True)``): what a kept rank puts back so that the next test starts as it would
+on a freshly forked rank.
 
 torch's ``MultiProcContinuousTest`` keeps its workers and gives every test a fresh process group; DeepSpeed's own
-``reuse_dist_env`` keeps the process group as well. Here a gloo rank destroys its default process group after every
-test (the next test makes its own, under its own store prefix; an NCCL rank keeps its own, whose communicator is what
-keeping the world saves), then puts back what it had when it was forked:
+``reuse_dist_env`` keeps the process group as well, and neither puts anything back. Here a gloo rank destroys its
+default process group after every test (the next test makes its own, under its own store prefix; an NCCL rank keeps
+its own, whose communicator is what keeping the world saves), then puts back what it had when it was forked:
 
-- the environment (``os.environ``), whatever the test set or removed;
+- the environment (``os.environ``, and the time zone read from it);
 - every global of DeepSpeed's modules that the test rebound or whose container it filled: its comm layer's backend
   (``deepspeed.comm.comm.cdb``), its cached groups (``deepspeed.utils.groups._WORLD_GROUP``, the expert-parallel
-  dicts), counters, a monkeypatched function; in DeepSpeed modules first imported since, every global that holds a
-  process group is emptied, since that group is gone.
+  dicts), a monkeypatched function; in DeepSpeed modules first imported since, every global that holds a process
+  group is emptied, since that group is gone;
+- every name the libraries rebound as they ran, in any module the rank was forked with or its classes (counters such
+  as DeepSpeed's ``Init.param_id``, ``torch.nn.functional.linear`` swapped by ZeRO-3: ``namespaces``);
+- the random streams (Python's, torch's, NumPy's; CUDA's as a fresh process has them), the warnings filters, the
+  loggers' levels, handlers and switches.
 
-What a test changes elsewhere (torch's global settings, other libraries' state, the test module's imports) stays for
-the next test of its scope, as under DeepSpeed's own reuse. Runs in ranks; imports torch only inside functions.
+The ``monkeypatch`` a body or a fix got is undone in the ranks as the body ends (``body.run_body``). What a rank cannot
+put back (a name the test's own code rebound, torch's modes, threads, ...: ``Baseline.leftovers`` and
+``leftovers.ProcessState``) ends the world instead. What no rank looks at stays for the next test of its scope, as in
+one pytest process: the test module's own globals (it is imported once per rank), objects a test changed in place.
+Imports torch only inside functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import operator
 import os
+import random
 import sys
+import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from .namespaces import Namespaces, Rebound
+
 #: How deep a global's containers are searched for a process group.
 SEARCH_DEPTH = 3
+#: The fork server's namespaces, taken once and refreshed before each reusable world it forks (``Baseline.take``).
+_SERVER: list[Namespaces] = []
+
+
+def _deepspeed(name: str) -> bool:
+    return name == "deepspeed" or name.startswith("deepspeed.")
 
 
 def _deepspeed_modules() -> dict[str, ModuleType]:
-    return {
-        name: module
-        for name, module in list(sys.modules.items())
-        if isinstance(module, ModuleType) and (name == "deepspeed" or name.startswith("deepspeed."))
-    }
+    return {name: m for name, m in list(sys.modules.items()) if isinstance(m, ModuleType) and _deepspeed(name)}
 
 
 def _contents(value: object) -> object:
@@ -48,14 +67,15 @@ def _contents(value: object) -> object:
 
 
 def _unchanged(saved: Any, value: Any) -> bool:
-    """Does the container hold what was saved, object for object (its items are never compared by ``==``: tensors)?"""
+    """Does the container hold what was saved, object for object (its items are never compared by ``==``: tensors)?
+    In C loops: a kept rank asks it of every DeepSpeed container after every test."""
     if len(saved) != len(value):
         return False
     if isinstance(value, dict):
-        return all(key in saved and saved[key] is item for key, item in value.items())
+        return bool(saved.keys() == value.keys() and all(map(operator.is_, saved.values(), value.values())))
     if isinstance(value, list):
-        return all(a is b for a, b in zip(saved, value, strict=True))
-    return all(item in saved for item in value)
+        return all(map(operator.is_, saved, value))
+    return bool(value.issubset(saved))
 
 
 def _refill(container: Any, contents: Any) -> None:
@@ -70,56 +90,139 @@ def holds_group(value: object, depth: int = SEARCH_DEPTH) -> bool:
     """Is ``value`` a process group, or a dict, list, tuple or set holding one?"""
     from torch.distributed import ProcessGroup
 
-    if isinstance(value, ProcessGroup):
-        return True
-    if depth > 0 and isinstance(value, dict):
-        return any(holds_group(v, depth - 1) for v in (*value.keys(), *value.values()))
-    if depth > 0 and isinstance(value, (list, tuple, set, frozenset)):
-        return any(holds_group(v, depth - 1) for v in value)
-    return False
+    def holds(value: object, depth: int) -> bool:
+        if issubclass(type(value), ProcessGroup):  # not isinstance: torch's metaclass makes each one cost microseconds
+            return True
+        if depth > 0 and isinstance(value, dict):
+            return any(holds(v, depth - 1) for v in (*value.keys(), *value.values()))
+        if depth > 0 and isinstance(value, (list, tuple, set, frozenset)):
+            return any(holds(v, depth - 1) for v in value)
+        return False
+
+    return holds(value, depth)
+
+
+def _forked_namespaces() -> Namespaces:
+    if _SERVER:
+        _SERVER[0].refresh()
+    else:
+        _SERVER.append(Namespaces.take())
+    return _SERVER[0]
+
+
+def _random_streams() -> tuple[tuple[Callable[[Any], object], object], ...]:
+    """Each random stream the rank has, with what puts its state back: Python's, torch's, NumPy's global one."""
+    streams: list[tuple[Callable[[Any], object], object]] = [(random.setstate, random.getstate())]
+    torch, numpy_random = sys.modules.get("torch"), sys.modules.get("numpy.random")
+    if torch is not None:
+        streams.append((torch.set_rng_state, torch.get_rng_state()))
+    if numpy_random is not None:
+        streams.append((numpy_random.set_state, numpy_random.get_state()))
+    return tuple(streams)
+
+
+def _fresh_cuda_streams() -> None:
+    """CUDA's generators as a fresh process makes them (its default seed, no offset): a rank forks without CUDA, and
+    a kept NCCL rank's were made by its first test."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        for i, generator in enumerate(torch.cuda.default_generators):
+            generator.manual_seed(torch.Generator(device=f"cuda:{i}").initial_seed())
+
+
+_Logger = tuple[logging.Logger, int, bool, bool, tuple[logging.Handler, ...]]
+
+
+def _loggers() -> tuple[int, tuple[_Logger, ...]]:
+    """``logging.disable``'s level, and each logger's level, switches and handlers."""
+    manager = logging.Logger.manager
+    found = [logging.getLogger(), *(v for v in manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    return manager.disable, tuple((g, g.level, g.disabled, g.propagate, tuple(g.handlers)) for g in found)
+
+
+def _put_back_loggers(saved: tuple[int, tuple[_Logger, ...]]) -> None:
+    disable, loggers = saved
+    logging.Logger.manager.disable = disable
+    for logger, level, disabled, propagate, handlers in loggers:
+        logger.level, logger.disabled, logger.propagate = level, disabled, propagate
+        if tuple(logger.handlers) != handlers:
+            logger.handlers[:] = handlers
+    logging.Logger.manager._clear_cache()  # type: ignore[attr-defined] # what Logger.setLevel calls
 
 
 @dataclass(frozen=True)
 class Baseline:
-    """A rank's state as forked: the environment, and the globals of every DeepSpeed module (with their containers'
-    contents)."""
+    """A rank's state as forked: the environment, the namespaces of its modules (``namespaces``), the contents of
+    DeepSpeed's containers; and, taken in the rank itself (``settled``), its random streams, warnings filters and
+    loggers."""
 
     environ: dict[str, str]
-    globals: dict[str, dict[str, object]]
+    namespaces: Namespaces
     contents: dict[tuple[str, str], object]
+    deepspeed: frozenset[str]  # DeepSpeed's modules then
+    streams: tuple[tuple[Callable[[Any], object], object], ...] = ()
+    filters: tuple[object, ...] = ()
+    loggers: tuple[int, tuple[_Logger, ...]] = (0, ())
 
     @classmethod
     def take(cls) -> Baseline:
-        found: dict[str, dict[str, object]] = {}
-        contents: dict[tuple[str, str], object] = {}
-        for name, module in _deepspeed_modules().items():
-            found[name] = dict(vars(module))
-            for key, value in found[name].items():
+        """In the fork server, before it forks a reusable world: saved in its own memory, which the ranks share
+        until they write to it (a kept rank never copies a page to compare)."""
+        contents, modules = {}, _deepspeed_modules()
+        for name, module in modules.items():
+            for key, value in list(vars(module).items()):
                 copied = _contents(value)
                 if copied is not None:
                     contents[name, key] = copied
-        return cls(dict(os.environ), found, contents)
+        return cls(dict(os.environ), _forked_namespaces(), contents, frozenset(modules))
 
-    def restore(self) -> list[str]:
-        """Put it back; the DeepSpeed globals put back or emptied, as ``module.name``."""
+    def settled(self) -> Baseline:
+        """In the rank, at once after the fork: what the fork changed (threading's locks, Python's random seed)."""
+        self.namespaces.refresh()
+        return dataclasses.replace(self, streams=_random_streams(), filters=tuple(warnings.filters), loggers=_loggers())
+
+    def leftovers(self, rebound: list[Rebound]) -> list[str]:
+        """What the test left that cannot be put back: a name its own code rebound outside DeepSpeed's modules and
+        classes (put back whoever rebound them), a module taken out of ``sys.modules``."""
+        ours = [r for r in rebound if r.by_test and not _deepspeed(r.where)]
+        replaced = [f"sys.modules[{name!r}] was replaced or removed" for name in self.namespaces.replaced_modules()]
+        return [str(r) for r in ours] + replaced
+
+    def restore(self, rebound: list[Rebound]) -> list[str]:
+        """Put it all back; what was put back of the namespaces, as ``module.name``. What the libraries set (not code)
+        outside DeepSpeed stays, and is what the next test is compared with."""
+        zone = os.environ.get("TZ")
         os.environ.clear()
         os.environ.update(self.environ)
+        if zone != os.environ.get("TZ"):
+            time.tzset()
+        back = [r for r in rebound if _deepspeed(r.where) or r.code]
+        for r in back:
+            r.put_back()
+        restored = [r.where for r in back] + self._deepspeed_containers()
+        for set_state, state in self.streams:
+            set_state(state)
+        _fresh_cuda_streams()
+        warnings.filters[:] = self.filters  # type: ignore[index]
+        getattr(warnings, "_filters_mutated", lambda: None)()  # the filters' caches, as warnings.simplefilter does
+        _put_back_loggers(self.loggers)
+        self.namespaces.refresh(self.namespaces.moved)
+        return restored
+
+    def _deepspeed_containers(self) -> list[str]:
+        """DeepSpeed's containers refilled as forked; in its modules first imported since, globals holding a process
+        group emptied."""
         restored = []
-        for name, module in _deepspeed_modules().items():
-            before = self.globals.get(name)
-            namespace = vars(module)
+        for (name, key), saved in self.contents.items():
+            value = vars(sys.modules[name]).get(key) if name in sys.modules else None
+            if value is not None and not _unchanged(saved, value):
+                _refill(value, saved)
+                restored.append(f"{name}.{key}")
+        later = [*self.namespaces.added, *(n for n, _ in self.namespaces.new_modules())]
+        for name in (n for n in later if _deepspeed(n) and n not in self.deepspeed and n in sys.modules):
+            namespace = vars(sys.modules[name])
             for key, value in list(namespace.items()):
-                if before is not None and key in before:
-                    original = before[key]
-                    saved = self.contents.get((name, key))
-                    if original is not value:
-                        namespace[key] = original
-                    elif saved is None or _unchanged(saved, value):
-                        continue
-                    if saved is not None:
-                        _refill(original, saved)
-                    restored.append(f"{name}.{key}")
-                elif holds_group(value):
+                if holds_group(value):
                     namespace[key] = type(value)() if isinstance(value, (dict, list, set)) else None
                     restored.append(f"{name}.{key}")
         return restored

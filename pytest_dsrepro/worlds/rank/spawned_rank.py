@@ -20,8 +20,10 @@ from types import CodeType
 from ...core.outcome import Status
 from ...inrank.context import RankContext
 from ..protocol import Meeting, NextTest, RankFinished, RankJob, RankReport, write_report
-from ..workdir import output_file, record_buffers, stack_file
-from . import body, rendezvous, reuse_reset
+from ..workdir import group_port_file, output_file, record_buffers, stack_file
+from . import body, rendezvous
+from .leftovers import ProcessState
+from .reuse_reset import Baseline
 
 #: The signal on which a rank dumps every thread's Python stack (the fork server sends it, asked by pytest).
 STACK_SIGNAL = signal.SIGUSR1
@@ -50,22 +52,29 @@ def rank_life(
     meeting: Meeting,
     code: CodeType | None,
     link: Connection | None = None,
+    forked: Baseline | None = None,
 ) -> None:
-    """One forked rank: its test, reported. A rank of a reusable world (``link``) whose body passed (in a gloo world,
-    or failed, or skipped: ``RankReport.goes_on``) puts back what it had when it was forked (``reuse_reset``), says it
-    finished, and waits on its link for the next test of its scope; it exits after any other ending (a setup that
-    failed, a crash), or when the server closes its link."""
-    baseline = reuse_reset.Baseline.take() if link is not None else None
+    """One forked rank: its test, reported. A rank of a reusable world (``link``, and ``forked``: what the server
+    saved of it before the fork) whose body passed (in a gloo world, or failed, or skipped: ``RankReport.goes_on``)
+    puts back what it had when it was forked (``reuse_reset``), says it finished, and waits on its link for the next
+    test of its scope. It exits after any other ending (a setup that failed, a crash), when the test left what it
+    cannot put back (``leftovers``: its report says what, ``RankReport.not_kept``), or when the server closes its
+    link."""
+    baseline = forked.settled() if forked is not None and link is not None else None
+    state = ProcessState.take() if baseline is not None else None
     while True:
         _into(workdir, rank)
-        report = run_rank(job, rank, size, meeting, code, keep_group=link is not None and job.backend == "nccl")
+        kept_group = link is not None and job.backend == "nccl"
+        report = run_rank(job, rank, size, meeting, code, keep_group=kept_group, workdir=workdir)
         record_buffers(workdir, rank)
-        if link is None or baseline is None or not report.goes_on(job.backend):
+        if link is None or baseline is None or state is None or not report.goes_on(job.backend):
             write_report(workdir, rank, report)
             return
         _drop_group(report)
-        baseline.restore()
-        write_report(workdir, rank, report)
+        left = _put_back(baseline, state)
+        write_report(workdir, rank, dataclasses.replace(report, not_kept="; ".join(left)))
+        if left:
+            return
         link.send(RankFinished(time.monotonic()))
         try:
             following = link.recv()
@@ -74,6 +83,19 @@ def rank_life(
         assert isinstance(following, NextTest)
         job, workdir, meeting = following.job, Path(following.workdir), following.meeting
         code = None if following.code is None else marshal.loads(following.code)
+
+
+def _put_back(baseline: Baseline, state: ProcessState) -> list[str]:
+    """After a test on a kept rank: what it left that cannot be put back (then nothing is: the rank exits), else
+    everything put back as forked (``reuse_reset``) and nothing."""
+    rebound = baseline.namespaces.rebound()
+    left = state.leftovers() + baseline.leftovers(rebound)
+    if not left:
+        try:
+            baseline.restore(rebound)
+        except Exception as exc:  # noqa: BLE001 - never expected: what could not be put back is a leftover
+            left.append(f"putting it back failed: {type(exc).__name__}: {exc}")
+    return left
 
 
 def _drop_group(report: RankReport) -> None:
@@ -93,12 +115,14 @@ def run_rank(
     code: CodeType | None = None,
     *,
     keep_group: bool = False,
+    workdir: Path | None = None,
 ) -> RankReport:
     """A spawned rank's test, from its rendezvous to its report, except process plumbing (``rank_life``); ``code``:
     the test module's code, compiled by the fork server for every rank of the world (None: compiled here). Its
     report's ``marks`` say when it got through each phase of the world (``core.outcome.PHASES``). ``keep_group``: a
     rank of a reusable NCCL world keeps its process group for the next test (a new NCCL communicator is the cost of
-    such a world); a gloo rank makes a new one per test, which costs milliseconds."""
+    such a world); a gloo rank makes a new one per test, which costs milliseconds. ``workdir``: where rank 0 notes the
+    port of the group a body makes itself, which names DeepSpeed's buffers (``workdir.group_port_file``)."""
     marks = [time.monotonic()]
 
     def mark() -> None:
@@ -107,6 +131,8 @@ def run_rank(
     job.environ.apply(os.environ)
     try:
         stores = _meet(job, rank, world_size, meeting)
+        if workdir is not None and rank == 0 and stores[1] is not None:
+            group_port_file(workdir).write_text(str(stores[1][0]))
     except BaseException as exc:  # noqa: BLE001
         return body.failed_report(exc, "world setup failed:\n", traceback.format_exc())
     mark()
@@ -117,7 +143,7 @@ def run_rank(
     except BaseException as exc:  # noqa: BLE001
         return body.failed_report(exc, "loading the test failed:\n", traceback.format_exc())
     mark()
-    report = body.run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark)
+    report = body.run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark, undo_patches=True)
     import torch.distributed as dist
 
     if dist.is_initialized() and report.status is Status.PASSED and not keep_group:
@@ -127,7 +153,7 @@ def run_rank(
     return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))
 
 
-def _meet(job: RankJob, rank: int, world_size: int, meeting: Meeting) -> tuple[object, ...]:
+def _meet(job: RankJob, rank: int, world_size: int, meeting: Meeting) -> tuple[object, tuple[int, object] | None]:
     """The world's rendezvous: the server's store, torchrun's variables, the default process group, every rank
     connected. Returns what must live as long as the body: the store, and in a world without the plugin's process
     group the master port and rank 0's own store on it."""

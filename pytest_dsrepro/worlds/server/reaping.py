@@ -3,7 +3,9 @@
 The server is a child subreaper, so even the processes ranks start are its children: ending a world kills its
 process group, then whatever its ranks left among the server's children (no scan of every process on the machine).
 Each rank's end is told to pytest once (``Exited``); until then its pid cannot name another process, and rank 0,
-whose pid is the group's id, is reaped last.
+whose pid is the group's id, is reaped last. Before it kills a rank (and the processes it started), the server reads
+which of DeepSpeed's ``/dev/shm`` buffers they map, whatever port named them, and removes every buffer of those
+process groups once the world is dead (``shm``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+from .. import shm
 from ..protocol import Exited
 from .spawning import ForkedWorld
 
@@ -49,7 +53,8 @@ def children() -> list[int]:
 
 def kill_descendants(rounds: int = 5, spared: Collection[int] = ()) -> list[tuple[int, int | None]]:
     """SIGKILL every process below the server and wait for them; ``(pid, returncode)`` of those it reaped. ``spared``:
-    children left to go on after the server with their own children (builds, ``builds.BuildChild.detach``).
+    children left to go on after the server with their own children (builds, ``builds.BuildChild.detach``). The
+    DeepSpeed buffers they mapped go with them.
 
     Several rounds: a process killed in one round may have started another (a compiler driver its next stage), and
     the grandchildren of a killed process are re-parented to the server (a child subreaper) only as it dies.
@@ -57,17 +62,34 @@ def kill_descendants(rounds: int = 5, spared: Collection[int] = ()) -> list[tupl
     import psutil
 
     reaped: list[tuple[int, int | None]] = []
+    buffers: set[Path] = set()
     for _ in range(rounds):
         procs = [p for p in psutil.Process().children() if p.pid not in spared]
         procs += [d for p in procs for d in _descendants(p)]
         if not procs:
             break
+        buffers |= shm.mapped_by(p.pid for p in procs)
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         gone, _alive = psutil.wait_procs(procs, timeout=5)
         reaped += [(p.pid, getattr(p, "returncode", None)) for p in gone]  # psutil sets it on the processes gone
+    shm.remove(shm.group_buffers(buffers))
     return reaped
+
+
+def _tree(pids: Iterable[int]) -> list[int]:
+    """These processes and every process below them, from the kernel's lists of each one's children."""
+    found: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo += [int(child) for child in f.read().split() if int(child) not in found]
+    return found
 
 
 def _descendants(process: Any) -> list[Any]:
@@ -85,16 +107,22 @@ class RankTable:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.pids: dict[int, tuple[int, int]] = {}
+        self.groups: dict[int, int] = {}  # world -> its process group (rank 0's pid)
+        self.buffers: dict[int, set[Path]] = {}  # process group -> DeepSpeed buffers its killed processes mapped
 
-    def add(self, world: int, pids: Iterable[int]) -> None:
+    def add(self, world: int, pids: Sequence[int]) -> None:
         self.pids.update({pid: (world, rank) for rank, pid in enumerate(pids)})
+        self.groups[world] = pids[0]
 
     def signal(self, world: int, ranks: tuple[int, ...], sig: int) -> None:
-        """Only ranks whose exit was not told yet: their pids cannot have been recycled for another process."""
-        for pid, (w, r) in self.pids.items():
-            if w == world and r in ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
+        """Only ranks whose exit was not told yet: their pids cannot have been recycled for another process. Before
+        a SIGKILL, the DeepSpeed buffers the ranks (and what they started) map are noted for the world's end."""
+        pids = [pid for pid, (w, r) in self.pids.items() if w == world and r in ranks]
+        if sig == signal.SIGKILL and world in self.groups:
+            self.buffers.setdefault(self.groups[world], set()).update(shm.mapped_by(_tree(pids)))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def tell(self, pid: int, returncode: int) -> None:
         ended = self.pids.pop(pid, None)
@@ -124,11 +152,15 @@ class RankTable:
         children (processes they started, adopted by the server when their parent died: in the group, or gone
         elsewhere with setsid), round after round, since a dying process's children are adopted only as it dies.
         Rank 0, which holds the group's id, is reaped last. ``spared``: the server's own children (its store, a
-        build); ``others``: the process groups of worlds still open."""
+        build); ``others``: the process groups of worlds still open. Then every DeepSpeed buffer of the process groups
+        whose buffers they mapped, read before they were killed (the world's own port's go with its directory)."""
         leader = world.group
+        ranks = [pid for pid in world.pids if pid in self.pids]  # not told yet, so not reaped: safe to signal
+        ours = set(children())  # a kept world's ranks too, which no one waits for: none was reaped, none recycled
+        buffers = self.buffers.pop(leader, set()) | shm.mapped_by(_tree(p for p in world.pids if p in ours))
+        self.groups = {w: g for w, g in self.groups.items() if g != leader}
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader, signal.SIGKILL)
-        ranks = [pid for pid in world.pids if pid in self.pids]  # not told yet, so not reaped: safe to signal
         for pid in ranks:  # one that left the group (setsid in a body) too
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -138,6 +170,7 @@ class RankTable:
             strays = [pid for pid in children() if pid not in own and not _in_group(pid, others)]
             if not strays:
                 break
+            buffers |= shm.mapped_by(strays)
             for pid in strays:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -145,6 +178,7 @@ class RankTable:
                 os.killpg(leader, signal.SIGKILL)  # whatever joined the group meanwhile
             self._wait_dead(strays)
         self._wait_dead([leader])
+        shm.remove(shm.group_buffers(buffers))
 
     def _wait_dead(self, pids: list[int]) -> None:
         """Reap these (SIGKILLed) children, telling the ranks' ends; a process the kernel cannot end within

@@ -25,6 +25,7 @@ from typing import NoReturn
 from ..prctl import die_with_parent
 from ..protocol import Meeting, RankJob, TestRef
 from ..rank import testmodule
+from ..rank.reuse_reset import Baseline
 from ..rank.spawned_rank import rank_life
 
 
@@ -103,16 +104,21 @@ def start_world(
     reusable: bool = False,
 ) -> tuple[list[int], list[Connection]]:
     """Fork the world's ranks, in a process group of their own led by rank 0; their pids, and for a reusable world
-    the server's end of each rank's link."""
+    the server's end of each rank's link (and what its ranks put back between two tests, taken here, in the server's
+    memory, which they share: ``Baseline.take``)."""
     pids: list[int] = []
     links: list[Connection] = []
+    baseline = None
+    if reusable:
+        baseline = Baseline.take()
+        freeze()  # what it saved too
     for r in range(size):
         theirs = None
         if reusable:
             a, b = socket.socketpair()
             links.append(Connection(a.detach()))
             theirs = Connection(b.detach())
-        body = functools.partial(rank_life, job, r, size, workdir, meeting, code, theirs)
+        body = functools.partial(rank_life, job, r, size, workdir, meeting, code, theirs, baseline)
         try:
             pids.append(fork_child(conn, server_pid, body, group=pids[0] if pids else 0, theirs=links))
         finally:
