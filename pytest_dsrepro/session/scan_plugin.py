@@ -37,6 +37,8 @@ from .verdicts import JUDGEMENT_KEY, fail
 
 #: The test id of a repro's one scanned test.
 SCAN_ID = "scan"
+#: The name ``Scan`` registers under: not the entry point's, which pytest gives this module itself.
+REGISTERED_AS = "dsrepro-scan-run"
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
         user = userconfig.load(settings.scan, "gloo" if gloo else None)
     except userconfig.UserConfigError as exc:
         raise pytest.UsageError(f"pytest-dsrepro: --ds-scan {exc}") from None
-    config.pluginmanager.register(Scan(user), "dsrepro-scan")
+    config.pluginmanager.register(Scan(user), REGISTERED_AS)
 
 
 def _accelerator(prepared: Prepared) -> str:
