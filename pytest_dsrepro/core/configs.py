@@ -97,16 +97,34 @@ def _fill(section: dict[str, Any], key: str, value: object) -> None:
         section[key] = value
 
 
-def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
-    """Replace ``"auto"`` in place, the way transformers' HfTrainerDeepSpeedConfig does."""
-    micro = config.get("train_micro_batch_size_per_gpu")
-    micro = args.micro_batch_size if micro in (None, "auto") else micro
-    accum = config.get("gradient_accumulation_steps")
-    accum = args.gradient_accumulation_steps if accum in (None, "auto") else accum
+def _given(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def resolve_batch(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
+    """Write all three batch keys (in place), so that a body can read each: an ``"auto"`` or absent one filled as
+    Hugging Face's Trainer fills it, except where DeepSpeed derives it from the others (``train_batch_size`` = micro
+    batch x accumulation x ranks: a config of 512 with micro-batches of 32 accumulates 8 steps on 2 ranks). What does
+    not divide is left for DeepSpeed to refuse."""
+    train = _given(config, "train_batch_size")
+    micro = _given(config, "train_micro_batch_size_per_gpu")
+    accum = _given(config, "gradient_accumulation_steps")
+    if micro is None and train is not None and train % ((accum or 1) * world_size) == 0:
+        micro = train // ((accum or 1) * world_size)
+    micro = micro or args.micro_batch_size
+    if accum is None and train is not None and train % (micro * world_size) == 0:
+        accum = train // (micro * world_size)
+    accum = accum or args.gradient_accumulation_steps
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = accum
-    if config.get("train_batch_size", "auto") == "auto":
-        config["train_batch_size"] = micro * accum * world_size
+    config["train_batch_size"] = train or micro * accum * world_size
+
+
+def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
+    """Replace ``"auto"`` in place, the way transformers' HfTrainerDeepSpeedConfig does (the batch keys: see
+    ``resolve_batch``)."""
+    resolve_batch(config, world_size, args)
     _fill(config, "gradient_clipping", args.max_grad_norm)
     optimizer = config.get("optimizer", {}).get("params", {})
     for key, value in {
@@ -128,6 +146,7 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
     _fill(zero, "reduce_bucket_size", args.hidden_size * args.hidden_size)
     _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * args.hidden_size * args.hidden_size))
     _fill(zero, "stage3_param_persistence_threshold", 10 * args.hidden_size)
+    _fill(zero, "stage3_gather_16bit_weights_on_model_save", False)  # by accelerate, under the Trainer: unless asked
     for precision in ("fp16", "bf16"):
         _fill(config.get(precision, {}), "enabled", False)
 
