@@ -31,6 +31,7 @@ pytestmark = [
 #: deterministic on gloo before 0.19.8 (see docs/repros.md), and this bug does not depend on them.
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from . import configs
 from .gates import Rate, Reason
 from .premises import lookup
 from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
@@ -36,19 +37,27 @@ def _fixed(fixed_in: str | None) -> str:
 
 
 def finding(
-    reason: Reason, message: str, *, fixed_in: str | None, rate: Rate | None = None, notes: tuple[str, ...] = ()
+    reason: Reason,
+    message: str,
+    *,
+    fixed_in: str | None,
+    rate: Rate | None = None,
+    notes: tuple[str, ...] = (),
+    mend: str | None = None,
 ) -> Finding:
     """The scan's verdict on one test, from the gates' judgement of its stock run with the user's config.
 
     On a release outside the bug's declared range the body still runs (the honest answer is what happened); a pass
     there is NOT AFFECTED saying the release is fixed or not yet affected, the declared error there is AFFECTED
-    saying the bug reaches further than catalogued. A race is AFFECTED as soon as one run failed as declared.
+    saying the bug reaches further than catalogued. A race is AFFECTED as soon as one run failed as declared. A bug
+    of refusals names its fix on the config's side (``mend``) where it hit.
     """
     said = message
+    fixed = _fixed(fixed_in) + (f"; the fix on the config's side: {mend}" if mend else "")
     if reason is Reason.REPRODUCED or (reason is Reason.DID_NOT_REPRODUCE and rate is not None and rate.failed):
-        word, said = ScanVerdict.AFFECTED, f"{message.removeprefix('REPRODUCED ')} ({_fixed(fixed_in)})"
+        word, said = ScanVerdict.AFFECTED, f"{message.removeprefix('REPRODUCED ')} ({fixed})"
     elif reason in (Reason.REGRESSION, Reason.BEFORE_AFFECTED):
-        word, said = ScanVerdict.AFFECTED, f"{message} ({_fixed(fixed_in)}; outside the catalogued range)"
+        word, said = ScanVerdict.AFFECTED, f"{message} ({fixed}; outside the catalogued range)"
     elif reason is Reason.DID_NOT_REPRODUCE:
         word, said = ScanVerdict.NOT_AFFECTED, "passed with this config, on a release the bug affects"
     elif reason in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED):
@@ -116,9 +125,11 @@ def refusals(run: RunRecord) -> list[str]:
         if message is None:
             continue
         line = f"DeepSpeed {run.version} refuses this config: {message}"
+        # as the test's world had it; refused before any world: as every world resolves it
+        filled_in = test.config or configs.resolve(written, "scan", run.environment.world_size or 1, "gloo").written
         for key in _autos(written):
             if re.search(rf"\b{re.escape(key.rsplit('.', 1)[-1])}\b", message):  # the key itself, not "eps" in "steps"
-                filled = lookup(test.config or {}, key)
+                filled = lookup(filled_in, key)
                 line += (f' (your "auto" at {key} is {filled!r} as Hugging Face\'s Trainer fills it by default: '
                          "give the Trainer a value that DeepSpeed accepts, or write one in the config)")  # fmt: skip
         said.append(line)
