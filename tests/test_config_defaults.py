@@ -111,3 +111,19 @@ def test_a_probe_never_read_is_stopped(tmp_path: Path) -> None:
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert probe.workdir is not None
     assert not Path(probe.workdir.name).exists()
+
+
+def test_a_refused_config_is_judged_on_what_it_writes_and_what_no_release_defaults() -> None:
+    """DeepSpeed refused it, so no release value is known: a key the release would default is not judged (benefit of
+    the doubt: the bug is CANNOT TELL, not NOT APPLICABLE), a missing scheduler is missing on every release."""
+    from pytest_dsrepro.session.scan_plugin import ConfigRead
+
+    config = written({"stage": 2, "typo": 1})
+    read = ConfigRead(config, config, refused="ValidationError: typo")
+    scheduled = parse((), {"config": {"scheduler.type": "WarmupLR"}}, WHERE)
+    assert read.premise_problems(scheduled) == ("needs scheduler.type WarmupLR; the config does not set it",)
+    defaulted = parse((), {"stage": 2, "config": {"zero_optimization.reduce_scatter": True}}, WHERE)
+    assert read.premise_problems(defaulted) == ()
+    assert parse((), {"stage": 3}, WHERE).unmet(config) == ("needs ZeRO stage 3; the config has 2",)
+    assert ds_defaults.read_by_release("zero_optimization.overlap_comm")
+    assert not ds_defaults.read_by_release("scheduler.params.warmup_num_steps")

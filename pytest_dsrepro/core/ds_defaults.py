@@ -67,6 +67,12 @@ class ReleaseReading:
         return cls(dict(data.get("keys") or {}), dict(data.get("sections") or {}), data.get("refused"))
 
 
+def read_by_release(key: str) -> bool:
+    """Does the release give ``key`` a value where a config leaves it out (``KEYS``, or a key of a section in
+    ``SECTIONS``)? Any other key left out is absent on every release (no scheduler, no such section)."""
+    return key in KEYS or key.split(".", 1)[0] in SECTIONS
+
+
 def request(written: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     """The config as the probe hands it to ``DeepSpeedConfig``: there, with no process group, the world is one rank,
     so a ``train_batch_size`` is given per data-parallel rank (the micro-batch and accumulation DeepSpeed derives

@@ -70,11 +70,15 @@ class ConfigRead:
     mend: Mend | None = None
 
     def premise_problems(self, premise: Premise) -> tuple[str, ...]:
-        """What the config lacks for ``premise``. A config DeepSpeed refuses has no defaults: only what it writes,
-        and the facts its absences decide (stage, precision, offload, an optimizer section), are judged."""
+        """What the config lacks for ``premise``. A config DeepSpeed refuses has no reading: a key it leaves out
+        that the release would give a default is not judged (that default is not known), the rest is judged as
+        written (stage, precision, offload, an optimizer section, a scheduler: their absence is the same on every
+        release)."""
         if self.refused is None:
             return premise.unmet(self.values, self.written)
-        known = tuple(r for r in premise.requirements if r.key is None or lookup(self.written, r.key) is not None)
+        known = tuple(r for r in premise.requirements
+                      if r.key is None or lookup(self.written, r.key) is not None
+                      or not ds_defaults.read_by_release(r.key))  # fmt: skip
         return Premise(known).unmet(self.written)
 
 
