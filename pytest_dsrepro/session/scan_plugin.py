@@ -35,6 +35,7 @@ from ..core.premises import Premise, lookup, put
 from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestRecord
 from ..worlds.device_nodes import gpu_device_nodes
 from . import config_defaults, markers
+from .backends import WORLD_BACKEND_KEY, SpawnedWorlds
 from .execution import PREPARED_KEY
 from .markers import MARKS_KEY
 from .parametrize import give_config
@@ -178,6 +179,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"pytest-dsrepro: --ds-scan {exc}") from None
     reading = ScanConfig(user, settings.cache_dir, gloo, settings.world_size)  # the release asked now, in the back
     config.pluginmanager.register(Scan(user, reading), REGISTERED_AS)
+    backend = config.stash.get(WORLD_BACKEND_KEY, None)
+    if gloo and isinstance(backend, SpawnedWorlds):
+        backend.runner.launch()  # the fork server's imports overlap collection and the probe, not the first world
 
 
 def _accelerator(prepared: Prepared) -> str:
