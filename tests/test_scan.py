@@ -272,6 +272,42 @@ def test_a_config_deepspeed_refuses_starts_no_world(pytester: pytest.Pytester, r
     assert "something else" not in result.stdout.str()  # no body ran
 
 
+#: A race with a deterministic form: a scan runs the form, and no series once it has told.
+RACE = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_world,
+    pytest.mark.ds_repro(id="a-race", title="a race", upstream="https://example.invalid/7"),
+    pytest.mark.ds_premise(),
+]
+
+
+@pytest.mark.ds_config("zero0")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="forced")
+def test_forced(ds_config):
+    raise AttributeError("forced")
+
+
+@pytest.mark.ds_config("zero0")
+@pytest.mark.ds_nondeterministic(runs=20)
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="forced")
+def test_natural(ds_config):
+    raise RuntimeError("the series ran")
+"""
+
+
+def test_a_race_told_by_its_deterministic_form_runs_no_series(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(test_race=RACE)
+    result = run("-rs", "--ds-scan", str(config(pytester, {"zero_optimization": {"stage": 0}})))
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines_random([
+        "*NOT APPLICABLE: told by test_forced[[]scan[]] (AFFECTED): this race's series of 20 worlds adds nothing*",
+        "AFFECTED  a-race  on deepspeed *: ranks 0-1: AttributeError: forced (unfixed upstream)",
+    ])  # fmt: skip
+    assert "the series ran" not in result.stdout.str()
+
+
 def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalogue: Path, process_tag: str) -> None:
     """The command: the table on stdout, Markdown on request, exit 1 when a bug hits, 2 for a config it refuses."""
     (pytester.path / "conftest.py").write_text("")
