@@ -86,12 +86,13 @@ class ConfigRead:
 class ScanConfig:
     """The user's config as the installed release reads it, per world size (asked once, kept)."""
 
-    def __init__(self, user: userconfig.UserConfig, cache_dir: Path, gloo: bool, size: int) -> None:
+    def __init__(self, user: userconfig.UserConfig, cache_dir: Path, gloo: bool, size: int | None) -> None:
+        """``size``: the world size to ask the release about now (None: nothing runs here, ask when asked)."""
         self.user, self.cache_dir, self.gloo = user, cache_dir, gloo
         self.menders: list[tuple[str, Premise]] = []
         self.problems: list[str] = []
         self._read: dict[int, tuple[ConfigRead, ConfigRead]] = {}
-        self._probes = {size: self._ask([self.written(size)], size)}
+        self._probes = {} if size is None else {size: self._ask([self.written(size)], size)}
 
     def written(self, size: int) -> dict[str, Any]:
         return configs.resolve(self.user.config, SCAN_ID, size, "gloo").written
@@ -177,11 +178,14 @@ def pytest_configure(config: pytest.Config) -> None:
         user = userconfig.load(settings.scan, "gloo" if gloo else None)
     except userconfig.UserConfigError as exc:
         raise pytest.UsageError(f"pytest-dsrepro: --ds-scan {exc}") from None
-    reading = ScanConfig(user, settings.cache_dir, gloo, settings.world_size)  # the release asked now, in the back
+    # Where this process runs the tests (not --collect-only, not an xdist controller), the release is asked now and
+    # the fork server started: their imports overlap collection instead of preceding the first verdicts.
+    runs_here = not (config.option.collectonly or getattr(config.option, "numprocesses", None))
+    reading = ScanConfig(user, settings.cache_dir, gloo, settings.world_size if runs_here else None)
     config.pluginmanager.register(Scan(user, reading), REGISTERED_AS)
     backend = config.stash.get(WORLD_BACKEND_KEY, None)
-    if gloo and isinstance(backend, SpawnedWorlds):
-        backend.runner.launch()  # the fork server's imports overlap collection and the probe, not the first world
+    if runs_here and gloo and isinstance(backend, SpawnedWorlds):
+        backend.runner.launch()
 
 
 def _accelerator(prepared: Prepared) -> str:
