@@ -153,9 +153,11 @@ def checked(scan: Scan) -> list[str]:
     return odd
 
 
-def untold(scans: list[Scan]) -> list[str]:
+def untold(scans: list[Scan], refused: bool | None = None) -> list[str]:
+    """The CANNOT TELL cells; ``refused``: only those of a config DeepSpeed refuses (True), or only the others."""
     return [f"{s.config} on {s.release}: {row.id}: {row.detail}" for s in scans if s.record is not None
-            for row in scan_verdicts.rows(s.record) if row.verdict is ScanVerdict.CANNOT_TELL]  # fmt: skip
+            for row in scan_verdicts.rows(s.record) if row.verdict is ScanVerdict.CANNOT_TELL
+            and (refused is None or refused == (row.detail == scan_verdicts.REFUSED_ROW))]  # fmt: skip
 
 
 def summary(scans: list[Scan], before: list[Scan] | None) -> list[str]:
@@ -171,18 +173,19 @@ def summary(scans: list[Scan], before: list[Scan] | None) -> list[str]:
         these = [s for s in scans if s.record is not None and s.release == release]
         if these:
             wall, cpu = [s.seconds for s in these], [s.cpu for s in these]
+            used = f"; CPU time median {statistics.median(cpu):.1f} s, worst {max(cpu):.1f} s" if max(cpu) else ""
             lines.append(f"time per scan on {release}: median {statistics.median(wall):.1f} s, worst {max(wall):.1f} s "
-                         f"of wall time; CPU time median {statistics.median(cpu):.1f} s, worst {max(cpu):.1f} s "
-                         f"({len(these)} scans)")  # fmt: skip
+                         f"of wall time{used} ({len(these)} scans)")  # fmt: skip
     if timed:
         worst = max((s for s in scans if s.record is not None), key=lambda s: s.seconds)
         lines.append(f"time per scan, all: median {statistics.median(timed):.1f} s, worst {worst.seconds:.1f} s "
                      f"({worst.config} on {worst.release})")  # fmt: skip
-    now = untold(scans)
-    counted = f"CANNOT TELL cells: {len(now)}"
-    if before is not None:
-        counted += f" (before: {len(untold(before))})"
-    lines += ["", counted, *(f"- {line}" for line in now)]
+    for refused, what in ((True, "of configs DeepSpeed refuses"), (False, "of configs it runs")):
+        now = untold(scans, refused)
+        counted = f"CANNOT TELL cells {what}: {len(now)}"
+        if before is not None:
+            counted += f" (before: {len(untold(before, refused))})"
+        lines += ["", counted, *(f"- {line}" for line in now if not refused)]
     odd = [line for s in scans for line in checked(s)]
     lines += ["", f"verdicts that disagree with the bug's catalogued range: {len(odd)}", *(f"- {x}" for x in odd)]
     failed = [f"{s.config} on {s.release}: {s.problem}" for s in scans if s.problem]

@@ -27,6 +27,8 @@ from .userconfig import _autos  # the one reading of where a config says "auto"
 #: How ``ds_engine`` words a config that DeepSpeed itself refuses (``inrank.engine.ConfigRejected``).
 REFUSED = "DeepSpeed rejected ds_config"
 _REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)")
+#: A bug's row where DeepSpeed refused the config: its message is said once, above the table (``refusals``).
+REFUSED_ROW = "DeepSpeed refuses this config (above)"
 
 #: A bug's verdict over its tests is the first of these that any test earned.
 SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
@@ -109,7 +111,7 @@ def rows(run: RunRecord) -> list[BugRow]:
         said, meta, test = min(tests, key=lambda t: SEVERITY.index(t[0].verdict))
         fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
         workaround = fix if said.verdict is ScanVerdict.AFFECTED else None
-        detail = "DeepSpeed refuses this config (above)" if refusal(said) else said.detail
+        detail = REFUSED_ROW if refusal(said) else said.detail
         found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, detail, workaround,
                             said.notes))  # fmt: skip
     return found
