@@ -119,7 +119,7 @@ def test_a_refused_config_is_judged_on_what_it_writes_and_what_no_release_defaul
     from pytest_dsrepro.session.scan_plugin import ConfigRead
 
     config = written({"stage": 2, "typo": 1})
-    read = ConfigRead(config, config, refused="ValidationError: typo")
+    read = ConfigRead(config, config, refused="ValidationError: typo", defaults_known=False)
     scheduled = parse((), {"config": {"scheduler.type": "WarmupLR"}}, WHERE)
     assert read.premise_problems(scheduled) == ("needs scheduler.type WarmupLR; the config does not set it",)
     defaulted = parse((), {"stage": 2, "config": {"zero_optimization.reduce_scatter": True}}, WHERE)

@@ -308,6 +308,24 @@ def test_a_race_told_by_its_deterministic_form_runs_no_series(pytester: pytest.P
     assert "the series ran" not in result.stdout.str()
 
 
+def test_defaults_that_cannot_be_read_are_said_and_the_scan_goes_on(pytester: pytest.Pytester, run: RunPytest,
+                                                                       catalogue: Path) -> None:  # fmt: skip
+    """Injected: the probe of the release's defaults cannot start. One note says so; what a default would decide is
+    not judged, the rest is, and the bodies run."""
+    pytester.makeconftest("""
+        from pytest_dsrepro.session import config_defaults
+
+        config_defaults.MODULE = "pytest_dsrepro.no_such_probe"
+    """)
+    result = run("--ds-scan", str(config(pytester, {"zero_optimization": {"stage": 3}})), "-k", "optimizer or stage0")
+    result.stdout.fnmatch_lines_random([
+        "note: reading DeepSpeed's defaults failed (exit 1): *No module named pytest_dsrepro.no_such_probe: a key the "
+        "config leaves out that DeepSpeed gives a default was not judged",
+        "AFFECTED        needs-optimizer  on deepspeed *: ranks 0-1: AttributeError: no optimizer hook (fixed in 9.0)",
+        "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
+    ])  # fmt: skip
+
+
 def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalogue: Path, process_tag: str) -> None:
     """The command: the table on stdout, Markdown on request, exit 1 when a bug hits, 2 for a config it refuses."""
     (pytester.path / "conftest.py").write_text("")

@@ -4,8 +4,8 @@ in a subprocess of this interpreter (``inrank.defaults_probe``), so the pytest p
 A probe is started as soon as its configs are known (a scan starts one at configure, so the import of torch and
 DeepSpeed overlaps collection) and read when a premise is first judged. Its answers are kept in the cache directory
 per DeepSpeed install (release, place, the time of its config module) and config: a config scanned again on a
-release costs nothing. A probe that fails or runs out of time is said in one line; the configs are then judged as
-written (``DefaultsProbe.problem``).
+release costs nothing. A probe that fails or runs out of time is said in one line (``DefaultsProbe.problem``); a
+scan then leaves unjudged what a default would have decided.
 """
 
 from __future__ import annotations

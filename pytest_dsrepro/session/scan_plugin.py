@@ -69,13 +69,14 @@ class ConfigRead:
     values: dict[str, Any]
     refused: str | None = None
     mend: Mend | None = None
+    defaults_known: bool = True  # False: DeepSpeed refused the config, or the probe failed
 
     def premise_problems(self, premise: Premise) -> tuple[str, ...]:
-        """What the config lacks for ``premise``. A config DeepSpeed refuses has no reading: a key it leaves out
-        that the release would give a default is not judged (that default is not known), the rest is judged as
-        written (stage, precision, offload, an optimizer section, a scheduler: their absence is the same on every
-        release)."""
-        if self.refused is None:
+        """What the config lacks for ``premise``. Without the release's reading (a config DeepSpeed refuses, a
+        probe that failed) a key the config leaves out that the release would give a default is not judged (that
+        default is not known), the rest is judged as written (stage, precision, offload, an optimizer section, a
+        scheduler: their absence is the same on every release)."""
+        if self.defaults_known:
             return premise.unmet(self.values, self.written)
         known = tuple(r for r in premise.requirements
                       if r.key is None or lookup(self.written, r.key) is not None
@@ -105,9 +106,9 @@ class ScanConfig:
         if reading is None:
             if probe.problem and probe.problem not in self.problems:
                 self.problems.append(probe.problem)
-            return ConfigRead(written, written, None, mend)
+            return ConfigRead(written, written, None, mend, defaults_known=False)
         if reading.refused is not None:
-            return ConfigRead(written, written, reading.refused, mend)
+            return ConfigRead(written, written, reading.refused, mend, defaults_known=False)
         return ConfigRead(written, ds_defaults.merged(written, reading), None, mend)
 
     def read(self, size: int) -> tuple[ConfigRead, ConfigRead]:
@@ -141,7 +142,8 @@ class ScanConfig:
                 said.append(f"judged with {', '.join(mend.said)}: DeepSpeed {installed_deepspeed()} refuses the config "
                             f"as written ({plain.refused}), which is the known bug {mend.bug} (its row: as written); "
                             "every other bug is judged with that bug's fix on the config's side")  # fmt: skip
-        said += [f"{problem}: keys the config leaves out were judged unset" for problem in self.problems]
+        said += [f"{problem}: a key the config leaves out that DeepSpeed gives a default was not judged"
+                 for problem in self.problems]  # fmt: skip
         return list(dict.fromkeys(said))
 
     def close(self) -> None:
