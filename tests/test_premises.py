@@ -138,6 +138,15 @@ def test_a_premise_removes_keys_and_names_the_defaults_it_changes() -> None:
     )
 
 
+def test_a_key_may_be_a_list_of_any_values() -> None:
+    premise = parse((), {"config": {"scheduler.params.cycle_min_lr": list}}, WHERE)
+    assert premise.describe() == "scheduler.params.cycle_min_lr a list"
+    assert premise.unmet({"scheduler": {"params": {"cycle_min_lr": [0.1, 0.2]}}}) == ()
+    assert premise.unmet({"scheduler": {"params": {"cycle_min_lr": 0.004}}}) == (
+        "needs scheduler.params.cycle_min_lr a list; the config has 0.004",
+    )
+
+
 def test_a_key_may_be_one_of_several_values_and_a_refusal_has_its_mend() -> None:
     premise = parse((), {"config": {"scheduler.type": ("WarmupLR", "WarmupDecayLR"),
                                     "scheduler.params.warmup_num_steps": 0},

@@ -150,13 +150,18 @@ class Requirement:
 
 
 def _same(a: object, b: object) -> bool:
-    """Equal as JSON values are (``1 == 1.0``, but ``True`` is not ``1``)."""
+    """Equal as JSON values are (``1 == 1.0``, but ``True`` is not ``1``); ``b`` the type ``list``: any list (a value
+    given per param group)."""
+    if b is list:
+        return isinstance(a, list)
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     return bool(a == b)
 
 
 def _text(value: object) -> str:
+    if value is list:
+        return "a list"
     if value is None:
         return "unset"  # a required None: the config must leave the key out (DeepSpeed's default then applies)
     if isinstance(value, bool):
@@ -312,7 +317,8 @@ def _reader(key: str) -> Callable[[Mapping[str, Any]], object]:
 
 
 def _key_requirement(key: str, value: object) -> Requirement:
-    """``config={key: value}``: a value (a tuple: one of its values) or a comparison such as ``'>0'``."""
+    """``config={key: value}``: a value (a tuple: one of its values; ``list``: any list) or a comparison such as
+    ``'>0'``."""
     comparison = Comparison.parse(value) if isinstance(value, str) else None
     values = value if isinstance(value, tuple) else (value,)
     return Requirement(key, _reader(key), values, comparison, key=key)
