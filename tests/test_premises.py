@@ -71,13 +71,17 @@ def test_a_release_reading_merges_under_what_the_config_writes() -> None:
     assert written["zero_optimization"] == {"stage": 2, "cpu_offload": True, "mine": 1}  # left as it was
 
 
-def test_the_request_gives_the_batch_per_rank() -> None:
-    """Without a process group DeepSpeed sees one rank: a train_batch_size is handed over per rank, so that the
-    accumulation it derives is the one a world of N derives."""
-    written = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
-    assert ds_defaults.request(written, 2)["train_batch_size"] == 16
-    assert ds_defaults.request({"train_batch_size": 5}, 2)["train_batch_size"] == 5  # DeepSpeed refuses it
-    assert ds_defaults.digest(written) == ds_defaults.digest(dict(reversed(written.items())))
+def test_the_batch_keys_are_derived_as_deepspeed_derives_them() -> None:
+    """Given keys are kept; the others follow train = micro x accumulation x ranks; what does not divide over the
+    world is left for DeepSpeed to refuse, in its own words."""
+    derived = configs.resolve({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 32}, "c", 2, "gloo")
+    assert derived.written["gradient_accumulation_steps"] == 8
+    only = configs.resolve({"train_batch_size": 8}, "c", 2, "gloo").written
+    assert (only["train_micro_batch_size_per_gpu"], only["gradient_accumulation_steps"]) == (4, 1)
+    odd = configs.resolve({"train_batch_size": 1, "gradient_accumulation_steps": 1}, "c", 2, "gloo").written
+    assert "train_micro_batch_size_per_gpu" not in odd
+    assert ds_defaults.request(derived.written, 2) == {"config": derived.written, "world_size": 2}
+    assert ds_defaults.digest(derived.written) == ds_defaults.digest(dict(reversed(derived.written.items())))
 
 
 def test_precision_offload_and_comparisons() -> None:

@@ -110,7 +110,9 @@ def resolve_batch(config: dict[str, Any], world_size: int, args: TrainingArgs) -
     train = _given(config, "train_batch_size")
     micro = _given(config, "train_micro_batch_size_per_gpu")
     accum = _given(config, "gradient_accumulation_steps")
-    if micro is None and train is not None and train % ((accum or 1) * world_size) == 0:
+    if train is not None and micro is None and train % ((accum or 1) * world_size):
+        return  # it does not divide over this world: DeepSpeed derives what it can and says what it refuses
+    if micro is None and train is not None:
         micro = train // ((accum or 1) * world_size)
     micro = micro or args.micro_batch_size
     if accum is None and train is not None and train % (micro * world_size) == 0:

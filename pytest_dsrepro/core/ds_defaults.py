@@ -74,18 +74,13 @@ def read_by_release(key: str) -> bool:
 
 
 def request(written: Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """The config as the probe hands it to ``DeepSpeedConfig``: there, with no process group, the world is one rank,
-    so a ``train_batch_size`` is given per data-parallel rank (the micro-batch and accumulation DeepSpeed derives
-    are then those of the scan's world); a size that does not divide is left as it is, for DeepSpeed to refuse."""
-    config = copy.deepcopy(dict(written))
-    batch = config.get("train_batch_size")
-    if isinstance(batch, int) and not isinstance(batch, bool) and world_size > 1 and batch % world_size == 0:
-        config["train_batch_size"] = batch // world_size
-    return config
+    """What the probe is asked: the config as written, and the size of the world it is read for (``DeepSpeedConfig``
+    derives the batch keys from it; the probe gives it the size, there being no process group)."""
+    return {"config": copy.deepcopy(dict(written)), "world_size": world_size}
 
 
 def digest(config: Mapping[str, Any]) -> str:
-    """A config's identity for the cache: its canonical JSON."""
+    """A request's identity for the cache: its canonical JSON."""
     text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 

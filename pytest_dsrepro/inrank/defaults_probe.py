@@ -2,10 +2,10 @@
 run by ``session.config_defaults`` with the interpreter of the release being scanned, so the pytest process itself
 never imports DeepSpeed.
 
-``REQUEST`` is a JSON list of configs (``core.ds_defaults.request``); ``ANSWER`` gets one ``ReleaseReading`` per config:
-the values ``DeepSpeedConfig`` resolved at the places ``core.ds_defaults`` names, or what DeepSpeed raised when it
-refused the config (its config classes, or the scheduler ``deepspeed.initialize`` would build from it). A file,
-not standard output: DeepSpeed logs there.
+``REQUEST`` is a JSON list of configs, each with the world size it is read for (``core.ds_defaults.request``);
+``ANSWER`` gets one ``ReleaseReading`` per config: the values ``DeepSpeedConfig`` resolved at the places
+``core.ds_defaults`` names, or what DeepSpeed raised when it refused the config (its config classes, or the scheduler
+``deepspeed.initialize`` would build from it). A file, not standard output: DeepSpeed logs there.
 """
 
 from __future__ import annotations
@@ -42,18 +42,36 @@ def _jsonable(value: object) -> object:
     return json.loads(json.dumps(value, default=str))
 
 
-def read(config: dict[str, Any]) -> ReleaseReading:
-    """``config`` through the release's ``DeepSpeedConfig`` (world of one rank: see ``ds_defaults.request``) and
-    its scheduler, the values read where ``KEYS`` and ``SECTIONS`` say."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+class _World:
+    """What ``DeepSpeedConfig`` asks ``deepspeed.comm`` (this rank, the world's size), answered for a world of
+    ``size`` ranks: there is no process group here."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_rank(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def get_world_size(self, *args: Any, **kwargs: Any) -> int:
+        return self.size
+
+
+def read(config: dict[str, Any], world_size: int) -> ReleaseReading:
+    """``config`` through the release's ``DeepSpeedConfig``, for a world of ``world_size`` ranks, and its scheduler;
+    the values read where ``KEYS`` and ``SECTIONS`` say."""
+    from deepspeed.runtime import config as config_module
 
     from .engine import build_scheduler
 
+    comm = config_module.dist
+    config_module.dist = _World(world_size)  # what the module calls for the rank and the world's size
     try:
-        made = DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed edits what it is given
+        made = config_module.DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed edits what it is given
         build_scheduler(config)
     except Exception as exc:  # noqa: BLE001 - whatever DeepSpeed raises is its refusal, said as it said it
         return ReleaseReading(refused=f"{type(exc).__name__}: {exc}")
+    finally:
+        config_module.dist = comm
     keys, sections = {}, {}
     for key, paths in KEYS.items():
         found = next((v for p in paths if (v := _attribute(made, p)) is not _MISSING), _MISSING)
@@ -68,7 +86,7 @@ def read(config: dict[str, Any]) -> ReleaseReading:
 
 def main(argv: list[str]) -> int:
     request, answer = Path(argv[0]), Path(argv[1])
-    readings = [read(config).to_json() for config in json.loads(request.read_text())]
+    readings = [read(asked["config"], asked["world_size"]).to_json() for asked in json.loads(request.read_text())]
     answer.write_text(json.dumps(readings))
     return 0
 
