@@ -1,6 +1,7 @@
-"""Faults injected for real (issues 11 and 27): how long each takes to reach its verdict, what is left after it, and
-how many worlds in a row run without a flake. Numbers to compare release to release; tests/test_faults.py holds the
-assertions on what the user reads (tests/test_matrix_command.py for ``dsrepro matrix``'s, 19 and 20).
+"""Faults injected for real (issues 11, 27, 38 and 49): how long each takes to reach its verdict, what is left after
+it, and how many worlds in a row run without a flake. Numbers to compare release to release; tests/test_faults.py
+holds the assertions on what the user reads (tests/test_matrix_command.py for ``dsrepro matrix``'s, 19 and 20;
+tests/test_shards.py, test_scaffold.py, test_packaging.py, test_install.py and test_run_end.py for issue 49's).
 
 Each fault runs pytest in a subprocess, in a directory of its own, with its own TMPDIR (world directories and
 server logs land there) and a tag in the environment that every process it starts inherits. "Leftovers" counts,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -576,12 +578,19 @@ def torchrun_rank_killed(base: Path) -> Figure:
     return Figure("21 a rank SIGKILLed under torchrun", seconds, sees, _left(tag))
 
 
-def upstream_ctrl_c(base: Path) -> Figure:
-    """Issue 38, item 3: Ctrl-C in ``dsrepro upstream`` while its second test runs; seconds to its exit."""
+def _checkout(base: Path, path: str, tests: str) -> None:
+    """A DeepSpeed-shaped checkout at ``base`` (tests/examples/upstream) with ``tests`` at ``tests/unit/<path>``,
+    committed."""
     root = Path(__file__).resolve().parents[1]
     shutil.copytree(root / "tests" / "examples" / "upstream", base)
-    (base / "tests" / "unit" / "comm" / "test_interrupted.py").write_text(
-        textwrap.dedent("""
+    (base / "tests" / "unit" / path).write_text(textwrap.dedent(tests))
+    for git in (["init", "-q"], ["add", "-A"], ["-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "t"]):
+        subprocess.run(["git", "-C", str(base), *git], check=True, capture_output=True)
+
+
+def upstream_ctrl_c(base: Path) -> Figure:
+    """Issue 38, item 3: Ctrl-C in ``dsrepro upstream`` while its second test runs; seconds to its exit."""
+    _checkout(base, "comm/test_interrupted.py", """
         import time
         from pathlib import Path
 
@@ -597,10 +606,7 @@ def upstream_ctrl_c(base: Path) -> Figure:
             def test_2_interrupted(self):
                 Path("ready").write_text("1")
                 time.sleep(600)
-    """)
-    )
-    for git in (["init", "-q"], ["add", "-A"], ["-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "t"]):
-        subprocess.run(["git", "-C", str(base), *git], check=True, capture_output=True)
+    """)  # fmt: skip
     command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "upstream", "unit/comm/test_interrupted.py",
                "--results", str(base / "results"), "--", "-p", "no:cacheprovider"]  # fmt: skip
     proc, tag = _tagged(command, base / "tests")
@@ -712,6 +718,350 @@ def matrix_cut_short(base: Path) -> Figure:
     return Figure("20 dsrepro matrix with a results file cut short", seconds, f"exit {proc.returncode}: {said[:110]}")
 
 
+# ---- issue 49: shards, authoring, the end of a run ------------------------------------------------------------
+
+
+DSREPRO = [sys.executable, "-m", "pytest_dsrepro.tools.cli"]
+
+
+def _dsrepro(base: Path, *args: str, **more: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    started = time.monotonic()
+    env = dict(os.environ, COLUMNS="200", **more)
+    proc = subprocess.run([*DSREPRO, *args], cwd=base, env=env, capture_output=True, text=True, timeout=600)
+    return time.monotonic() - started, proc
+
+
+def _said(text: str, *starts: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip().startswith(starts)), "")[:120]
+
+
+def shard_rerun_killed(base: Path) -> Figure:
+    """Item 3: a shard run, then run again into the same results directory and SIGKILLed once collected; the
+    merge's exit code (3: dead; it was 1, the run before's outcomes read as this one's) and the seconds it took."""
+    _checkout(base, "runtime/test_shard.py", """
+        import os, time
+
+        def test_a():
+            time.sleep(float(os.environ.get("SHARD_WAIT", "0")))
+
+        def test_b():
+            assert 1 == 2
+    """)  # fmt: skip
+    tests, results_dir = base / "tests", base / "results-1"
+    shard = ["upstream", "unit/runtime/test_shard.py", "--shard", "1/1", "--results", str(results_dir), "--",
+             "-p", "no:cacheprovider"]  # fmt: skip
+    _dsrepro(tests, *shard)
+    (manifest,) = results_dir.glob("*.shard")
+    before = manifest.read_text()
+    proc, tag = _tagged([*DSREPRO, *shard], tests, SHARD_WAIT="600")
+    deadline = time.monotonic() + 240
+    while manifest.read_text() == before and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    seconds, merged = _dsrepro(base, "upstream", "--merge", str(results_dir))
+    sees = f"exit {merged.returncode}: {_said(merged.stdout, 'shard 1/1')}"
+    return Figure("26 a shard re-run into its directory, killed", seconds, sees, _left(tag))
+
+
+def _shard_dir(directory: Path, index: int, outcome: str = "passed") -> None:
+    """A shard's directory as its run leaves it: its manifest and results (``core``'s writers, as a run writes)."""
+    from pytest_dsrepro.core import results, shard_manifests
+
+    nodeid = f"unit/t.py::test_{index}"
+    shard_manifests.write(shard_manifests.Manifest(index, 2, "0.19.8", (nodeid,), exitstatus=0), directory)
+    record = results.TestRecord(nodeid=nodeid, repro=None, variant=None, verdict=None, reason=None, outcome=outcome,
+                                error=None, duration=0.1, config=None)  # fmt: skip
+    env = dataclasses.replace(results.environment("gloo", 2), deepspeed="0.19.8")
+    results.write(results.RunRecord(environment=env, tests=(record,)), directory)
+
+
+def shard_artifact_twice(base: Path) -> Figure:
+    """Item 3: one shard's artifact downloaded twice: counted once (its failure too), said; exit 1 (a new failure)."""
+    _shard_dir(base / "job-1", 1, "failed")
+    _shard_dir(base / "job-2", 2)
+    shutil.copytree(base / "job-1", base / "job-1-again")
+    seconds, merged = _dsrepro(base, "upstream", "--merge", "job-1", "job-1-again", "job-2")
+    failed = _said(merged.stdout, "1 failed", "2 failed")
+    sees = f"exit {merged.returncode}: {failed}; {_said(merged.stdout, 'counted once')[:60]}..."
+    return Figure("27 a shard's artifact merged twice", seconds, sees)
+
+
+def shard_bad_manifest(base: Path) -> Figure:
+    """Item 3: a damaged manifest among good shards: named, the merge goes on, exit 3."""
+    _shard_dir(base / "job-1", 1)
+    _shard_dir(base / "job-2", 2)
+    (manifest,) = (base / "job-2").glob("*.shard")
+    manifest.write_text(manifest.read_text()[:40])
+    seconds, merged = _dsrepro(base, "upstream", "--merge", "job-1", "job-2")
+    sees = f"exit {merged.returncode}: {_said(merged.stdout, 'unreadable manifest')[-70:]}"
+    return Figure("28 a damaged shard manifest", seconds, sees)
+
+
+def scaffold_checked(base: Path) -> Figure:
+    """Item 6: ``dsrepro new``'s file run at once beside the catalogue's conftest (its device check on)."""
+    base.mkdir(parents=True)
+    _dsrepro(base, "new", "first repro")
+    shutil.copy(Path(__file__).resolve().parents[1] / "repros" / "conftest.py", base / "repros" / "conftest.py")
+    started = time.monotonic()
+    proc, tag = _tagged([*PYTEST, "repros", "-q"], base)
+    out = proc.communicate(timeout=600)[0]
+    seconds = time.monotonic() - started
+    summary = next((line.strip("= ") for line in reversed(out.splitlines()) if " in " in line), "?")
+    return Figure("29 dsrepro new's body under the catalogue's check", seconds, summary, _left(tag))
+
+
+def editable_catalogue(base: Path) -> Figure:
+    """Item 6: ``uv pip install -e`` of this checkout in a new environment (offline, this one's setuptools lent),
+    then ``import pytest_dsrepro.catalogue.prerequisites``'s spec."""
+    import setuptools
+    from uv import find_uv_bin
+
+    root = Path(__file__).resolve().parents[1]
+    venv, lent = base / "venv", base / "setuptools-lent"
+    lent.mkdir(parents=True)
+    here = Path(setuptools.__file__).parent.parent
+    for name in ("setuptools", "_distutils_hack", f"setuptools-{setuptools.__version__}.dist-info"):
+        (lent / name).symlink_to(here / name)
+    uv = find_uv_bin()
+    subprocess.run([uv, "venv", "-q", str(venv)], check=True, capture_output=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "lent.pth").write_text(f"{lent}\n")
+    started = time.monotonic()
+    install = [uv, "pip", "install", "-q", "--offline", "--python", str(venv / "bin" / "python"),
+               "--no-build-isolation", "--no-deps", "-e", str(root)]  # fmt: skip
+    installed = subprocess.run(install, capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    spec = "import importlib.util as u; print(u.find_spec('pytest_dsrepro.catalogue.prerequisites').origin)"
+    found = subprocess.run([venv / "bin" / "python", "-c", spec], cwd=base, capture_output=True, text=True)
+    said = found.stdout.strip() or (found.stderr.strip().splitlines() or ["?"])[-1]
+    return Figure("30 uv pip install -e, then the catalogue imported", seconds,
+                  f"install exit {installed.returncode}; {said[-90:]}")  # fmt: skip
+
+
+def extra_package_option(base: Path) -> Figure:
+    """Item 7: ``$DSREPRO_EXTRA_PACKAGES`` holding uv options: refused before any environment or index."""
+    base.mkdir(parents=True)
+    cache = base / "cache"
+    options = "--index-url=http://127.0.0.1:9/simple einops"
+    seconds, proc = _dsrepro(base, "bisect", "t.py::test_x", "--good", "0.16.3", "--bad", "0.16.4", "--cache-dir",
+                             str(cache), DSREPRO_EXTRA_PACKAGES=options)  # fmt: skip
+    made = [f"cache {p.relative_to(base)}" for p in cache.rglob("*")] if cache.exists() else []
+    return Figure("31 an extra package that is a uv option", seconds, f"exit {proc.returncode}: "
+                  + _said(proc.stderr, "dsrepro bisect")[:100], made)  # fmt: skip
+
+
+def sigterm_mid_world(base: Path) -> Figure:
+    """Item 7: SIGTERM to pytest while its second test's world runs: seconds to pytest's exit (as Ctrl-C's, 3: no
+    ``--ds-report``, whose diagnostics take 10-20 s on a busy machine), what was recorded."""
+    run = Run(base, """
+        import time
+        import pytest
+
+        @pytest.mark.ds_world
+        def test_1(ds_rank):
+            pass
+
+        @pytest.mark.ds_world(timeout=600)
+        def test_2(ds_rank):
+            open(f"ready-{ds_rank}", "w").write("1")
+            time.sleep(600)
+    """, "--ds-results=results")  # fmt: skip
+    run.wait_for(ready(run))
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    run.finish()
+    seconds = time.monotonic() - sent
+    recorded = _recorded(base / "results") if (base / "results").exists() else []
+    return Figure("32 SIGTERM to pytest mid-world", seconds, f"exit {run.proc.returncode}; recorded {recorded}",
+                  run.leftovers())  # fmt: skip
+
+
+def full_disk_at_end(base: Path) -> Figure:
+    """Item 7: every write fails once the tests are done (RLIMIT_FSIZE 0 from ``pytest_sessionfinish``, as a full
+    disk): what is in the results directory and the report after, and whether ``dsrepro matrix`` reads it."""
+    directory = _results_dir(base)
+    (base / "report.md").write_text("# the earlier report\n")
+    (base / "run").mkdir()
+    (base / "run" / "conftest.py").write_text(textwrap.dedent("""
+        import resource, signal
+        import pytest
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionfinish(session):
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    """))  # fmt: skip
+    run = Run(base / "run", ONE_WORLD, f"--ds-results={directory}", f"--ds-report={base / 'report.md'}")
+    seconds = run.finish()
+    empty = [p.name for p in directory.iterdir() if p.stat().st_size == 0 or p.name.startswith(".")]
+    _, matrix = _matrix(base, str(directory), "--no-write")
+    report = "kept" if (base / "report.md").read_text() == "# the earlier report\n" else "changed"
+    sees = (f"exit {run.proc.returncode}; {len(list(directory.iterdir()))} file(s) in results, empty or partial "
+            f"{empty}; report {report}; matrix exit {matrix.returncode}")  # fmt: skip
+    return Figure("33 a full disk when results and report are written", seconds, sees, run.leftovers())
+
+
+def workflow_audit(base: Path) -> Figure:
+    """Item 7: zizmor (offline) over the GitHub workflow docs/upstream.md offers."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "upstream.md").read_text()
+    start = text.index("name: DeepSpeed tests/unit on CPU worlds")
+    path = base / ".github" / "workflows" / "dsrepro-upstream.yml"
+    path.parent.mkdir(parents=True)
+    path.write_text(text[start : text.index("```", start)])
+    zizmor = shutil.which("zizmor", path=str(Path(sys.executable).parent)) or shutil.which("zizmor")
+    if zizmor is None:
+        return Figure("34 zizmor over the documented workflow", None, "zizmor not installed: not measured")
+    started = time.monotonic()
+    proc = subprocess.run([zizmor, "--offline", "--no-progress", str(path)], capture_output=True, text=True)
+    return Figure("34 zizmor over the documented workflow", time.monotonic() - started,
+                  f"exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1][:100]}")  # fmt: skip
+
+
+# ---- issue 49 items 2, 5 and 7: every op built beside the worlds, the first world's warm-up -----------------------
+
+#: Two tests of ``size`` ranks that load DeepSpeed's CPU Adagrad (its smallest CPU op); with ``fails``, rank 1 of the
+#: first fails at once, and its world is stopped while rank 0 waits for the op's first build.
+OP_TESTS = """
+import pytest
+from deepspeed.accelerator import get_accelerator
+
+@pytest.mark.ds_world(size={size})
+@pytest.mark.parametrize("first", [True, False])
+def test_op(ds_rank, first):
+    if {fails} and first and ds_rank == 1:
+        raise RuntimeError("rank 1 fails while rank 0 waits for the op")
+    get_accelerator().create_op_builder("CPUAdagradBuilder").load()
+"""
+WAITS_FOR_A_MARK = """
+import os, time
+import pytest
+
+@pytest.mark.ds_world(size=1, timeout=600)
+def test_waits(ds_rank):
+    while not os.path.exists("checked"):
+        time.sleep(0.1)
+"""
+FIRST_RUN = """
+import deepspeed
+import pytest
+
+@pytest.mark.ds_world(size=2)
+@pytest.mark.parametrize("n", range(4))
+def test_trivial(ds_rank, n):
+    pass
+"""
+#: What a build beside the worlds or a search apart is called while it goes on after its run (``worlds.server.builds``).
+APART = ("dsrepro-build", "dsrepro-scout")
+
+
+def _op_cache(base: Path, lists: bool = True) -> Path:
+    """A cache holding this environment's comm op and (``lists``) the preload lists, copied from the real cache, and
+    no other op."""
+    source = _built_op()
+    cache = base / "cache"
+    shutil.copytree(source, cache / "torch_extensions" / source.name,
+                    ignore=shutil.ignore_patterns("fused_adam", "cpu_adam", "cpu_adagrad"))  # fmt: skip
+    if lists:
+        shutil.copytree(source.parent.parent / "preload", cache / "preload")
+    return cache
+
+
+def _summary(run: Run) -> str:
+    return next((line.strip("= ") for line in reversed(run.lines) if " in " in line and "=" in line), "no summary")
+
+
+def _names(run: Run) -> list[str]:
+    """The names of the run's live processes (one may end while it is asked)."""
+    names = []
+    for p in run.processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            names.append(p.name())
+    return names
+
+
+def _compilers_gone_after(run: Run, victim: str) -> tuple[bool, float | None]:
+    """Once a compiler runs, SIGKILL the tagged process named ``victim``: (compilers seen, seconds until none is
+    left)."""
+    compiling = run.wait_for(lambda: "cc1plus" in _names(run), timeout=600)
+    for p in run.processes():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.name() == victim:
+                p.kill()
+    killed = time.monotonic()
+    gone = run.wait_for(lambda: not {"cc1plus", "ninja"} & set(_names(run)), timeout=30)
+    return compiling, (time.monotonic() - killed) if gone else None
+
+
+def _went_apart(run: Run, limit: float = 1800) -> float:
+    """Seconds that what the run let go on apart (a build, the preload search) took to end after pytest did."""
+    ended = time.monotonic()
+    while set(APART) & set(_names(run)) and time.monotonic() - ended < limit:
+        time.sleep(0.2)
+    return time.monotonic() - ended
+
+
+def op_build_world_stopped(base: Path) -> Figure:
+    """A world stopped while its rank waits for an op's first build (its other rank failed); the next test needs the
+    op, with a 10 s timeout: seconds to the run's end, the verdicts, what is left (a torch baton blocks builds)."""
+    cache = _op_cache(base / "setup")
+    run = Run(base / "run", OP_TESTS.format(size=2, fails=True), "-v", "--ds-timeout", "10", cache=cache)
+    seconds = run.finish(timeout=3600)
+    said = sum("building DeepSpeed's cpu_adagrad op" in line for line in run.lines)
+    return Figure("49.2 a world stopped mid op build", seconds, f"{_summary(run)}; build said {said}x",
+                  run.leftovers(cache))  # fmt: skip
+
+
+def op_build_killed(base: Path) -> Figure:
+    """The process compiling an op a rank asked for, SIGKILLed mid-compile: its compilers' end, and the next test's
+    build (through the baton the killed one left)."""
+    cache = _op_cache(base / "setup")
+    run = Run(base / "run", OP_TESTS.format(size=1, fails=False), "-v", "--ds-timeout", "10", cache=cache)
+    compiling, gone = _compilers_gone_after(run, "dsrepro-compile")
+    seconds = run.finish(timeout=3600)
+    sees = f"compilers running: {compiling}; none left {gone and round(gone, 2)} s after the kill; {_summary(run)}"
+    return Figure("49.2 a SIGKILLed op build", seconds, sees, run.leftovers(cache))
+
+
+def comm_op_build_killed(base: Path) -> Figure:
+    """Item 7: a first comm-op build beside the worlds, its warden SIGKILLed mid-compile: its compilers' end (they
+    raced the next build before), then the run's."""
+    cache = base / "cold-cache"
+    run = Run(base, WAITS_FOR_A_MARK, "-v", cache=cache)
+    compiling, gone = _compilers_gone_after(run, "dsrepro-build")
+    (run.dir / "checked").touch()
+    seconds = run.finish(timeout=600)
+    sees = f"compilers running: {compiling}; none left {gone and round(gone, 2)} s after the kill; {_summary(run)}"
+    return Figure("49.7 a SIGKILLed comm-op build", seconds, sees, run.leftovers(cache))
+
+
+def op_build_damaged(base: Path) -> Figure:
+    """A cached op cut short: discarded, said once, built again: seconds to the verdict."""
+    cache = _op_cache(base / "setup")
+    tests = OP_TESTS.format(size=1, fails=False)
+    with tempfile.TemporaryDirectory() as tmp:  # the op built once, in a cache of its own
+        Run(Path(tmp), tests, cache=cache).finish(timeout=3600)
+    (library,) = (cache / "torch_extensions").glob("cpu_adagrad-*/cpu_adagrad/cpu_adagrad.so")
+    library.write_bytes(library.read_bytes()[:4096])  # its headers: a third would keep the code (-g)
+    run = Run(base / "run", tests, "-v", "--ds-timeout", "10", cache=cache)
+    seconds = run.finish(timeout=3600)
+    said = sum("does not load" in line for line in run.lines)
+    return Figure("49.2 a damaged op build in the cache", seconds, f"damage said {said}x; {_summary(run)}",
+                  run.leftovers(cache))  # fmt: skip
+
+
+def first_run_short_timeout(base: Path) -> Figure:
+    """Item 5: four trivial DeepSpeed tests with --ds-timeout 5 on a cache that never found a first engine step's
+    imports: seconds to the run's end, the verdicts, how long the search went on apart afterwards."""
+    cache = _op_cache(base / "setup", lists=False)
+    run = Run(base / "run", FIRST_RUN, "-v", "--ds-timeout", "5", cache=cache)
+    seconds = run.finish(timeout=600)
+    apart = _went_apart(run)
+    listed = len(list((cache / "preload").glob("*.json"))) if (cache / "preload").exists() else 0
+    sees = f"{_summary(run)}; the search went on {apart:.0f} s after it, lists kept: {listed}"
+    return Figure("49.5 a first run with --ds-timeout 5", seconds, sees, run.leftovers(cache))
+
+
 FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "build": lambda d, a: ctrl_c_during_build(d),
     "ctrl-c": lambda d, a: ctrl_c_mid_world(d, 1),
@@ -738,6 +1088,20 @@ FAULTS: dict[str, Callable[[Path, argparse.Namespace], Figure]] = {
     "install-typo": lambda d, a: install_typo(d),
     "matrix-read-only": lambda d, a: matrix_read_only(d),
     "matrix-cut-short": lambda d, a: matrix_cut_short(d),
+    "shard-rerun-killed": lambda d, a: shard_rerun_killed(d),
+    "shard-artifact-twice": lambda d, a: shard_artifact_twice(d),
+    "shard-bad-manifest": lambda d, a: shard_bad_manifest(d),
+    "scaffold-checked": lambda d, a: scaffold_checked(d),
+    "editable-catalogue": lambda d, a: editable_catalogue(d),
+    "extra-package-option": lambda d, a: extra_package_option(d),
+    "sigterm-mid-world": lambda d, a: sigterm_mid_world(d),
+    "full-disk-at-end": lambda d, a: full_disk_at_end(d),
+    "workflow-audit": lambda d, a: workflow_audit(d),
+    "op-build-world-stopped": lambda d, a: op_build_world_stopped(d),
+    "op-build-killed": lambda d, a: op_build_killed(d),
+    "comm-op-build-killed": lambda d, a: comm_op_build_killed(d),
+    "op-build-damaged": lambda d, a: op_build_damaged(d),
+    "first-run-short-timeout": lambda d, a: first_run_short_timeout(d),
 }
 
 
@@ -748,6 +1112,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     figures = []
+    print(f"{'fault':<52} {'seconds':>8}  leftovers\n{'':<52}          what the user sees", flush=True)
     with tempfile.TemporaryDirectory(prefix="faults-bench-") as tmp:
         for i, name in enumerate(args.only or FAULTS):
             figure = FAULTS[name](Path(tmp) / f"{i}-{name}", args)

@@ -1,27 +1,33 @@
-"""``dsrepro triage`` measured on real error texts: is each catalogued bug ranked first for its own failure, and is
-no bug claimed with confidence for an error the catalogue does not hold?
+"""``dsrepro triage`` measured: on real reports as users pasted them (the corpus, both halves, before and after), and
+on the catalogue's own failures (the old benchmark, so that nothing regresses).
 
-The corpus, nothing downloaded:
+**The corpus** (``corpus/reports``: each text with its answer, a catalogued bug's id or none, and its thread). Its
+README fixes the split: a text is in the measuring half when the SHA-256 of its thread's address is odd. Each text is
+triaged as ``dsrepro triage`` triages it (``triage_command.triage_log``: the releases the text states, else the
+DeepSpeed installed here; no ``--release``), and counted:
 
-- **the catalogue's own failures**, as the matrix recorded them: ``docs/matrix-observed.md``'s "What each test
-  raised" (each repro's stock failure on each release of a run of releases, as ``ranks 0-1: Type: message``), one
-  text per bug, config and release (the run expanded over ``releases.txt``), triaged on that release and again with
-  no release known;
-- **probe outputs of real DeepSpeed issues** (``--context DIR``, e.g. the shared ``catalogue-bugs.md``): each
-  ``RESULT ds=X rank=0 Type: message  @ deepspeed/...py:N in f`` line of a section whose heading names the issue or
-  pull request a catalogued bug links;
-- **errors the catalogue does not hold**, written here as users meet them (``FOREIGN``).
+- a catalogued bug's text: **first** when that bug is the first candidate (a possible one too), **known** when it is
+  the confident one (``KNOWN BUG``, exit 0);
+- another text: **claimed** when a catalogued bug is named with confidence (the user is told a wrong known bug); one
+  named a known fix of the atlas instead is counted apart (it is no catalogued bug, and may be right).
 
-Printed: per bug, the rank its own texts got (worst and best) and the score; per foreign text, the best candidate's
-score and whether it was claimed with confidence; the time per triage (reading and ranking, in process), and the
-command's wall time on a 200 MB log (a fresh interpreter, the catalogue collected, the log's head and tail read).
+Both halves, and the texts with a GPU's wording alone (``gpu`` among their faces), with the median time per text.
+``--before REV`` (default: the base commit of issue 46) runs the same on that revision's triage and catalogue, from a
+temporary git worktree, in a child interpreter, side by side.
 
-    python benchmarks/triage.py [--context /work/shared/context] [--no-big]
+**The catalogue's own failures** (the old benchmark): every stock failure the matrix recorded
+(``docs/matrix-observed.md``), one text per bug, config and release, triaged on that release and with none; probe
+lines of real DeepSpeed issues (``--context``); errors the catalogue does not hold (``FOREIGN``); a 200 MB log.
+
+    python benchmarks/triage.py [--half tuning|measuring|both] [--show] [--before REV] [--context DIR] [--no-big]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -32,12 +38,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import Version
-
-from pytest_dsrepro.core import logread, triage
-from pytest_dsrepro.tools.triage_command import known_bugs
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "corpus" / "reports"
+#: The revision triage is compared with: the base of issue 46 (before faces).
+BEFORE = "c54eff2"
 RELEASES = [ln.split("#")[0].strip() for ln in (ROOT / "releases.txt").read_text().splitlines() if ln[:1].isdigit()]
 
 #: Errors users meet that no catalogued bug is: out of memory, a collective's timeout, user code, tokenizers, ...
@@ -116,6 +122,145 @@ to nan. It does not happen with plain DDP. I use the same learning rate and warm
 }
 
 
+# --- the corpus ----------------------------------------------------------------------------------------------------
+
+
+def thread(source: str) -> str:
+    """A text's thread: its source without the ``#...`` part and the trailing ``/`` (the README's rule)."""
+    return source.split("#", 1)[0].rstrip("/")
+
+
+def measuring(source: str) -> bool:
+    """The corpus README's fixed rule: the measuring half holds the texts whose thread's SHA-256 is odd."""
+    return int(hashlib.sha256(thread(source).encode()).hexdigest(), 16) % 2 == 1
+
+
+def corpus() -> list[dict[str, object]]:
+    reports: list[dict[str, object]] = tomllib.loads((CORPUS / "index.toml").read_text())["report"]
+    return [{**r, "measuring": measuring(str(r["source"])), "text": (CORPUS / "texts" / f"{r['id']}.txt").read_text()}
+            for r in reports]  # fmt: skip
+
+
+def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
+    """Each text of ``half`` triaged as the command does; what was first, what was known, how long it took. Only
+    ``known_bugs``, ``triage_log`` and ``LogText`` are used, which every revision compared has."""
+    import argparse as ap
+
+    from pytest_dsrepro.tools.log_input import LogText
+    from pytest_dsrepro.tools.triage_command import known_bugs, triage_log
+
+    bugs = known_bugs(repros)
+    args = ap.Namespace(release=None, config=None, world_size=None)
+    found = []
+    for report in corpus():
+        if half != "both" and report["measuring"] != (half == "measuring"):
+            continue
+        text = str(report["text"])
+        started = time.perf_counter()
+        try:
+            t = triage_log(LogText(str(report["id"]), text, len(text.encode())), bugs, args)
+        except Exception as exc:  # noqa: BLE001  # a revision that crashes on a text answers nothing for it
+            took = time.perf_counter() - started
+            found.append({"id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
+                          "gpu": "gpu" in report["faces"], "first": None, "score": 0, "known": None, "fix": None,
+                          "release": "-", "seconds": took, "crashed": repr(exc)[:200]})  # fmt: skip
+            continue
+        took = time.perf_counter() - started
+        first = t.candidates[0] if t.candidates else None
+        fixed = t.known is not None and getattr(t.known.bug, "fixed_by", None) is not None  # a fix, not catalogued
+        looks = next((r.bug.id for r in t.ruled_out if r.score >= 50), None) if t.known is None else None
+        found.append({
+            "id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
+            "gpu": "gpu" in report["faces"], "first": first.bug.id if first else None,
+            "score": first.score if first else 0, "known": t.known.bug.id if t.known and not fixed else None,
+            "fix": t.known.bug.id if fixed and t.known else None, "looks": looks,
+            "release": f"{t.release} ({t.release_from})" if t.release else "none", "seconds": took,
+        })  # fmt: skip
+    return found
+
+
+@dataclass(frozen=True)
+class Figures:
+    """A set of texts' figures: catalogued texts first / known, others claimed, the median time."""
+
+    ours: int
+    first: int
+    said: int  # first, or the bug a verdict says the log looks like (ruled out on the release judged on)
+    known: int
+    others: int
+    claimed: int
+    fixes: int  # others named a known fix of the atlas with confidence
+    crashed: int  # texts the triage ended with a traceback on
+    median_ms: float
+
+    @classmethod
+    def of(cls, rows: list[dict[str, object]]) -> Figures:
+        ours = [r for r in rows if r["answer"] != "none"]
+        others = [r for r in rows if r["answer"] == "none"]
+        seconds = [float(str(r["seconds"])) for r in rows] or [0.0]
+        first = sum(r["first"] == r["answer"] for r in ours)
+        said = sum(r["answer"] in (r["first"], r.get("looks")) for r in ours)
+        known = sum(r["known"] == r["answer"] for r in ours)
+        claimed = sum(r["known"] is not None for r in others)
+        fixes = sum(r.get("fix") is not None for r in others)
+        crashed = sum("crashed" in r for r in rows)
+        return cls(len(ours), first, said, known, len(others), claimed, fixes, crashed,
+                   statistics.median(seconds) * 1000)  # fmt: skip
+
+    def cells(self) -> list[str]:
+        def share(n: int, of: int) -> str:
+            return f"{n}/{of} ({100 * n / of:.0f}%)" if of else "-"
+
+        unclaimed = self.others - self.claimed
+        return [share(self.first, self.ours), share(self.said, self.ours), share(self.known, self.ours),
+                share(unclaimed, self.others),
+                str(self.fixes), str(self.crashed), f"{self.median_ms:.1f} ms"]  # fmt: skip
+
+
+def table(results: dict[str, list[dict[str, object]]], halves: list[str]) -> None:
+    """Side by side: per revision, per half, all texts and the GPU-worded ones."""
+    head = ["triage", "texts", "catalogued: first", "first or 'looks like'", "catalogued: KNOWN", "others: not claimed",
+            "a known fix", "crashed", "median"]  # fmt: skip
+    rows = [head]
+    for name, rows_of in results.items():
+        for half in halves:
+            chosen = [r for r in rows_of if half == "both" or r["measuring"] == (half == "measuring")]
+            for label, subset in ((half, chosen), (f"{half}, gpu", [r for r in chosen if r["gpu"]])):
+                rows.append([name, label, *Figures.of(subset).cells()])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
+
+
+def show(rows: list[dict[str, object]]) -> None:
+    """Each text's answer and what triage said (to improve triage: the tuning half only)."""
+    for r in rows:
+        right = r["first"] == r["answer"] if r["answer"] != "none" else r["known"] is None
+        print(f"{'ok ' if right else 'BAD'} {r['id']:<40} {r['answer']:<38} first={r['first']} ({r['score']}) "
+              f"known={r['known'] or r.get('fix')} release={r['release']}")  # fmt: skip
+
+
+def before(revision: str, half: str, big: bool) -> tuple[list[dict[str, object]], str]:
+    """The corpus triaged by ``revision``'s triage and catalogue: a temporary git worktree, this script's
+    ``--corpus-json`` in a child interpreter with that worktree first on its path; and that revision's command on the
+    200 MB log (``big``)."""
+    with tempfile.TemporaryDirectory(prefix="triage-before-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(tree), revision],
+                       check=True)  # fmt: skip
+        environ = {**os.environ, "PYTHONPATH": str(tree)}
+        try:
+            done = subprocess.run([sys.executable, __file__, "--corpus-json", str(tree / "repros"), "--half", half],
+                                  cwd=tmp, env=environ, capture_output=True, text=True, check=True)  # fmt: skip
+            said = measure_big(tree, environ) if big else ""
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    return list(json.loads(done.stdout)), said
+
+
+# --- the catalogue's own failures (the old benchmark) --------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Text:
     bug: str
@@ -126,6 +271,8 @@ class Text:
 
 def _expand(releases: str) -> list[str]:
     """``0.14.4-0.18.2`` or ``0.16.4, 0.18.3`` as the releases of releases.txt they cover."""
+    from packaging.version import Version
+
     found: list[str] = []
     for part in releases.split(","):
         low, _, high = part.strip().partition("-")
@@ -147,60 +294,65 @@ def matrix_texts(page: Path) -> list[Text]:
     return found
 
 
-def context_texts(directory: Path, bugs: list[triage.KnownBug]) -> list[Text]:
-    """Probe lines (``RESULT ds=X rank=0 Type: message  @ frame``) under a heading naming a catalogued bug's link."""
+def context_texts(directory: Path, ids: dict[str, str]) -> list[Text]:
+    """Probe lines (``RESULT ds=X rank=0 Type: message  @ frame``) under a heading naming a catalogued bug's link
+    (``ids``: each bug's id by its upstream link and root cause)."""
     found = []
     for page in sorted(directory.glob("*.md")):
         for section in re.split(r"^### ", page.read_text(), flags=re.MULTILINE)[1:]:
             numbers = re.findall(r"#(\d+)", section.split("\n", 1)[0])
-            links = [b for b in bugs if any(f"/{n}" in f"{b.upstream} {b.root_cause}" for n in numbers)]
+            links = [bug for bug, said in ids.items() if any(f"/{n}" in said for n in numbers)]
             for m in re.finditer(r"`RESULT ds=(?P<release>[\d.]+) rank=\d+ (?P<error>\w+: .*?)`", section):
                 if links and not m["error"].startswith("OK"):
-                    found.append(Text(links[0].id, m["release"], m["error"] + "\n", f"{page.name} probe"))
+                    found.append(Text(links[0], m["release"], m["error"] + "\n", f"{page.name} probe"))
     return found
 
 
-def _rank_of(bug: str, t: triage.Triage) -> int | None:
-    ids = [c.bug.id for c in t.candidates]
-    return ids.index(bug) + 1 if bug in ids else None
+def measure_own(texts: list[Text]) -> list[float]:
+    from packaging.version import Version
 
+    from pytest_dsrepro.core import logread, triage
+    from pytest_dsrepro.tools.triage_command import known_bugs
 
-def _triage(bugs: list[triage.KnownBug], text: str, release: str | None) -> tuple[triage.Triage, float]:
-    started = time.perf_counter()
-    reading = logread.read(text, known={s.raises for b in bugs for s in b.signatures})
-    t = triage.rank(bugs, reading, None if release is None else Version(release))
-    return t, time.perf_counter() - started
-
-
-def measure_own(bugs: list[triage.KnownBug], texts: list[Text]) -> list[float]:
+    bugs = known_bugs(ROOT / "repros")
     seconds: list[float] = []
-    per_bug: dict[str, list[tuple[int | None, int | None, int]]] = defaultdict(list)
+    per_bug: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     for item in texts:
-        on, took = _triage(bugs, item.text, item.release)
-        blind, took_blind = _triage(bugs, item.text, None)
-        seconds += [took, took_blind]
-        score = next((c.score for c in on.candidates if c.bug.id == item.bug), 0)
-        per_bug[item.bug].append((_rank_of(item.bug, on), _rank_of(item.bug, blind), score))
+        ranks, scores = [], []
+        for judged in (triage.Judged((Version(item.release),), triage.GIVEN), triage.Judged()):
+            started = time.perf_counter()
+            t = triage.rank(bugs, logread.read(item.text, known=triage.declared_types(bugs)), judged)
+            seconds.append(time.perf_counter() - started)
+            ids = [c.bug.id for c in t.candidates]
+            ranks.append(ids.index(item.bug) + 1 if item.bug in ids else 99)
+            scores.append(next((c.score for c in t.candidates if c.bug.id == item.bug), 0))
+        per_bug[item.bug].append((ranks[0], ranks[1], scores[0]))
     print(f"{'bug':<40} texts  rank on its release (worst/best)  rank, no release (worst)  score (min)")
     firsts = 0
     for bug in sorted(per_bug):
         runs = per_bug[bug]
-        on = [r if r is not None else 99 for r, _, _ in runs]
-        blind = [r if r is not None else 99 for _, r, _ in runs]
+        on, blind = [r for r, _, _ in runs], [r for _, r, _ in runs]
         firsts += max(on) == 1
-        least = min(score for *_, score in runs)
-        print(f"{bug:<40} {len(runs):5d}  {max(on):>6} / {min(on):<24} {max(blind):>6}{'':<20}{least:>5}")
+        print(f"{bug:<40} {len(runs):5d}  {max(on):>6} / {min(on):<24} {max(blind):>6}{'':<20}"
+              f"{min(s for *_, s in runs):>5}")  # fmt: skip
     print(f"ranked first for every own text on its release: {firsts} of {len(per_bug)} bugs ({len(texts)} texts)")
     return seconds
 
 
-def measure_foreign(bugs: list[triage.KnownBug]) -> list[float]:
+def measure_foreign() -> list[float]:
+    from packaging.version import Version
+
+    from pytest_dsrepro.core import logread, triage
+    from pytest_dsrepro.tools.triage_command import known_bugs
+
+    bugs = known_bugs(ROOT / "repros")
     seconds: list[float] = []
     print(f"\n{'foreign text':<20} best candidate (score)                              confident?")
     claimed = 0
     for name, text in FOREIGN.items():
-        t, took = _triage(bugs, text, "0.18.3")
-        seconds.append(took)
+        started = time.perf_counter()
+        t = triage.rank(bugs, logread.read(text), triage.Judged((Version("0.18.3"),), triage.GIVEN))
+        seconds.append(time.perf_counter() - started)
         best = t.candidates[0] if t.candidates else None
         said = f"{best.bug.id} ({best.score})" if best else "none"
         claimed += t.known is not None
@@ -209,8 +361,9 @@ def measure_foreign(bugs: list[triage.KnownBug]) -> list[float]:
     return seconds
 
 
-def measure_big(megabytes: int = 200) -> None:
-    """The command on a log of ``megabytes`` (a training log's lines, the epilogue error at its end)."""
+def measure_big(root: Path = ROOT, environ: dict[str, str] | None = None, megabytes: int = 200) -> str:
+    """The command (of the tree at ``root``) on a log of ``megabytes`` (a training log's lines, the epilogue error at
+    its end): its exit code, wall time and verdict."""
     with tempfile.TemporaryDirectory(prefix="triage-bench-") as tmp:
         log = Path(tmp) / "big.log"
         line = b"[2025-01-09 10:12:44,101] [INFO] [logging.py:128:log_dist] [Rank 0] step=1000, skipped=0, lr=[1e-05]\n"
@@ -220,29 +373,56 @@ def measure_big(megabytes: int = 200) -> None:
                 f.write(block)
             f.write(b"AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'backward'\n")
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", str(log)], cwd=ROOT,
-                              capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", str(log)], cwd=root,
+                              env=environ, capture_output=True, text=True, check=False)  # fmt: skip
         took = time.perf_counter() - started
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr.strip()
-    print(f"\n{megabytes} MB log: `dsrepro triage` exit {done.returncode} in {took:.2f} s wall: {last}")
+    return f"{megabytes} MB log: `dsrepro triage` exit {done.returncode} in {took:.2f} s wall: {last}"
+
+
+def old_benchmark(context: Path | None, big: bool) -> None:
+    from pytest_dsrepro.tools.triage_command import known_bugs
+
+    texts = matrix_texts(ROOT / "docs" / "matrix-observed.md")
+    if context is not None:
+        bugs = known_bugs(ROOT / "repros")
+        texts += context_texts(context, {b.id: f"{b.upstream} {b.root_cause}" for b in bugs})
+    seconds = measure_own(texts) + measure_foreign()
+    print(f"\nper triage (read + rank, in process): median {statistics.median(seconds) * 1000:.1f} ms, "
+          f"max {max(seconds) * 1000:.1f} ms over {len(seconds)}")  # fmt: skip
+    if big:
+        print(f"\nnow: {measure_big()}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--half", choices=("tuning", "measuring", "both"), default="both")
+    parser.add_argument("--show", action="store_true", help="each text's answer and triage's (the tuning half)")
+    parser.add_argument("--before", default=BEFORE, metavar="REV", help="the revision compared with ('' for none)")
     parser.add_argument("--context", type=Path, help="pages of real DeepSpeed issues with probe lines")
+    parser.add_argument("--no-own", action="store_true", help="skip the catalogue's own failures")
     parser.add_argument("--no-big", action="store_true", help="skip the 200 MB log")
+    parser.add_argument("--corpus-json", type=Path, metavar="REPROS", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    started = time.perf_counter()
-    bugs = known_bugs(ROOT / "repros")
-    print(f"catalogue: {len(bugs)} bugs read from their markers in {time.perf_counter() - started:.2f} s\n")
-    texts = matrix_texts(ROOT / "docs" / "matrix-observed.md")
-    if args.context:
-        texts += context_texts(args.context, bugs)
-    seconds = measure_own(bugs, texts) + measure_foreign(bugs)
-    print(f"\nper triage (read + rank, in process): median {statistics.median(seconds) * 1000:.1f} ms, "
-          f"max {max(seconds) * 1000:.1f} ms over {len(seconds)}")  # fmt: skip
-    if not args.no_big:
-        measure_big()
+    if args.corpus_json is not None:  # the child of ``before``: another revision's triage, as JSON
+        print(json.dumps(triage_corpus(args.corpus_json, args.half)))
+        return 0
+    from pytest_dsrepro.core import versions
+
+    print(f"DeepSpeed installed here: {versions.installed_text('deepspeed') or 'none'} (a text stating no release is "
+          "judged on it)\n")  # fmt: skip
+    results = {"now": triage_corpus(ROOT / "repros", args.half)}
+    if args.show:
+        show([r for r in results["now"] if not r["measuring"]])
+    big_before = ""
+    if args.before:
+        results[args.before], big_before = before(args.before, args.half, not args.no_big and not args.no_own)
+    table(results, ["tuning", "measuring"] if args.half == "both" else [args.half])
+    if not args.no_own:
+        print()
+        old_benchmark(args.context, not args.no_big)
+    if big_before:
+        print(f"{args.before}: {big_before}")
     return 0
 
 

@@ -16,6 +16,12 @@ Measured in one run, interleaved round by round so that load changes hit every c
   against the same body on kept ones.
 - ``--cold``: **the first verdict on a never-seen release**: one such test with an empty ``--ds-cache-dir`` (the comm
   op built and the preload list found again), from launching pytest to the end of the test.
+- ``--new-install``: **the first verdict of a never-seen install**: three such tests (so the fork server warms up
+  for them) with a cache that holds the comm op but never found a first engine step's imports, to the end of the
+  first test. ``--gpu-sim N``: those sessions run under the test-suite's CUDA simulation (``tests/cuda_sim``, N GPUs
+  claimed), so that the fork server takes a GPU machine's path; their worlds stay gloo. Run it with the interpreter
+  of an environment like a GPU image's (triton, transformers, accelerate, peft beside the CPU torch) to see what the
+  search costs there.
 - **floor**: the least a forked world can cost, written here: one process that imported torch and DeepSpeed forks N
   ranks, which set up a TCPStore (rank 0 hosts it on a socket bound before the fork), initialise gloo, all_reduce,
   destroy the group and exit. Also its first world, from launching it.
@@ -32,7 +38,7 @@ Prints medians, the load average, and ratios; the targets are in README.md.
 
     python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--zero3 3]
                                         [--baseline-runs 3] [--catalogue] [--catalogue-from DIR] [--cold]
-                                        [--against DIR]
+                                        [--new-install] [--gpu-sim N] [--against DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,6 +238,7 @@ class Figures:
     reused: list[float] = field(default_factory=list)  # ... in a reuse class, on kept ranks
     phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # per kind of test, per test
     cold: list[float] = field(default_factory=list)
+    first_search: list[float] = field(default_factory=list)  # a never-seen install's first verdict
     first_world: list[float] = field(default_factory=list)
     rss_kib: list[int] = field(default_factory=list)
     torch_in_pytest: bool = False
@@ -239,24 +247,30 @@ class Figures:
     catalogue_summary: list[str] = field(default_factory=list)
 
 
-def _env(plugin_root: Path) -> dict[str, str]:
-    """This interpreter, with the plugin imported from ``plugin_root`` (ahead of any installed copy)."""
+def _env(plugin_root: Path, gpus: int = 0) -> dict[str, str]:
+    """This interpreter, with the plugin imported from ``plugin_root`` (ahead of any installed copy); ``gpus``: the
+    CUDA simulation of the test-suite claims that many."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSREPRO_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(plugin_root), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.setdefault("DS_ACCELERATOR", "cpu")
+    sim = [str(ROOT / "tests" / "cuda_sim")] if gpus else []
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin_root), *sim, *filter(None, [os.environ.get("PYTHONPATH")])])
+    if gpus:
+        env.update(DSREPRO_SIM_GPUS=str(gpus), DSREPRO_SIM_UUID=f"{os.getpid() & 0xFFFFFFFF:08x}")
+    else:
+        env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 
 
 def _session(
-    plugin_root: Path, workdir: Path, source: str, *options: str, check: bool = True
+    plugin_root: Path, workdir: Path, source: str, *options: str, check: bool = True, gpus: int = 0
 ) -> tuple[dict[str, Any], float]:
     """One pytest session of ``source`` with the recorder; what it recorded, and when it was launched. ``check=False``:
-    its tests may fail (a checkout from before a feature refuses it), and only those that passed are counted."""
+    its tests may fail (a checkout from before a feature refuses it), and only those that passed are counted;
+    ``gpus``: under the CUDA simulation (``_env``)."""
     (workdir / "conftest.py").write_text(RECORDER)
     (workdir / "test_bench.py").write_text(source)
     cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py", *options]
     launched = time.time()
-    subprocess.run(cmd, cwd=workdir, check=check, stdout=subprocess.DEVNULL, env=_env(plugin_root))
+    subprocess.run(cmd, cwd=workdir, check=check, stdout=subprocess.DEVNULL, env=_env(plugin_root, gpus))
     return json.loads((workdir / "recorded.json").read_text()), launched
 
 
@@ -298,6 +312,20 @@ def cold(plugin_root: Path, workdir: Path, into: Figures) -> None:
     with tempfile.TemporaryDirectory(prefix="dsrepro-cold-") as cache:
         recorded, launched = _session(plugin_root, workdir, DEEPSPEED_WAY + PLAIN.format(n=1), "--ds-cache-dir", cache)
     into.cold.append(recorded["first_end"] - launched)
+
+
+def first_search(plugin_root: Path, workdir: Path, into: Figures, gpus: int) -> None:
+    """The first verdict of a never-seen install: three DeepSpeed worlds (the server warms up for them) with a cache
+    that holds the comm op (copied from the real one) but never found a first engine step's imports, from launching
+    pytest to the end of its first test."""
+    code = "from pytest_dsrepro.worlds.server.comm_op import op_directory; print(op_directory())"
+    found = subprocess.run([sys.executable, "-c", code], env=_env(ROOT), capture_output=True, text=True, check=True)
+    op = Path(found.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="dsrepro-first-") as cache:
+        shutil.copytree(op, Path(cache) / "torch_extensions" / op.name)
+        source = DEEPSPEED_WAY + PLAIN.format(n=3)
+        recorded, launched = _session(plugin_root, workdir, source, "--ds-cache-dir", cache, gpus=gpus)
+    into.first_search.append(recorded["first_end"] - launched)
 
 
 def floor(size: int, n: int, workdir: Path, into: Figures) -> None:
@@ -373,6 +401,7 @@ def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], si
         ("  its session's first", [f.body_first for f in figures]),
         ("ZeRO-3 DeepSpeed's way, reused", [f.reused for f in figures]),
         ("first verdict, never-seen release", [f.cold for f in figures]),
+        ("first verdict, never-seen install", [f.first_search for f in figures]),
     ]:
         if any(values):
             row(label, [_median(v) for v in values])
@@ -424,6 +453,7 @@ def side_by_side(names: list[str], a: Figures, b: Figures, sizes: list[int]) -> 
         ("ZeRO-3 DeepSpeed's way", a.body, b.body),
         ("ZeRO-3 DeepSpeed's way, reused", a.reused, b.reused),
         ("first verdict, never-seen release", a.cold, b.cold),
+        ("first verdict, never-seen install", a.first_search, b.first_search),
         ("first world, after launch", a.first_world, b.first_world),
         ("warm catalogue, wall", a.catalogue_wall, b.catalogue_wall),
         ("warm catalogue, CPU", a.catalogue_cpu, b.catalogue_cpu),
@@ -451,6 +481,8 @@ def one_round(
     for name, root in roots.items():
         if args.cold:
             cold(root, workdir, contenders[name])
+        if args.new_install:
+            first_search(root, workdir, contenders[name], args.gpu_sim)
         if args.catalogue:
             catalogue(root, args.catalogue_from, contenders[name])
 
@@ -467,6 +499,8 @@ def main() -> None:
         "--catalogue-from", type=Path, default=ROOT, help="the checkout whose repros/ the catalogue runs (this one)"
     )
     parser.add_argument("--cold", action="store_true", help="also time a first verdict with an empty cache, each round")
+    parser.add_argument("--new-install", action="store_true", help="also time a never-seen install's first verdict")
+    parser.add_argument("--gpu-sim", type=int, default=0, help="--new-install under N simulated GPUs")
     parser.add_argument("--against", type=Path, help="another checkout of the plugin, measured in the same rounds")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -38,11 +38,12 @@ def detach_flat_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     flattened on the CPU) and from 0.19.0 (fixed, the flag renamed with it).
     """
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if "flatten_on_gpu" not in inspect.getsource(DeepSpeedZeroOptimizer.__init__):
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(DeepSpeedZeroOptimizer.__init__, "flatten_on_gpu"):
         return
     flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
@@ -65,13 +66,11 @@ def wait_on_every_handle(monkeypatch: pytest.MonkeyPatch) -> None:
     """Backport of PR #8539 (entry ``zero3-persistent-allgather-race``): ZeRO-3's re-gather of its persistent
     parameters after ``step()`` waits on every launched all-gather, not only the last one (on gloo they complete in
     any order). A no-op from 0.19.8."""
-    import inspect
-
     from deepspeed.runtime.zero import partition_parameters
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "launch_handles[-1].wait()" not in inspect.getsource(partition_parameters.Init._allgather_params_coalesced):
+    if not release_has(partition_parameters.Init._allgather_params_coalesced, "launch_handles[-1].wait()"):
         return  # this release has the fix
     backport(
         monkeypatch,
@@ -94,11 +93,11 @@ def load_without_weights_only(monkeypatch: pytest.MonkeyPatch) -> None:
     ``ds_to_universal``) load full pickles. Before it they pass no ``weights_only``, which torch >= 2.6 turns on, and
     DeepSpeed's own checkpoints (optimizer state, parameter shapes) are refused. torch's own switch for calls that
     do not choose, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, gives them back the old default. A no-op from 0.16.0."""
-    import inspect
-
     from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine
 
-    if "weights_only" not in inspect.getsource(torch_checkpoint_engine):
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(torch_checkpoint_engine, "weights_only"):
         monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 
 
@@ -135,16 +134,17 @@ def flag_pipeline_backward(monkeypatch: pytest.MonkeyPatch) -> None:
     ``engine.backward`` clears it itself), which the engine's schedule finds in ``_INSTRUCTION_MAP``, not by name. A
     no-op before 0.18.3 (no such hooks) and from 0.18.5 (fixed)."""
     import functools
-    import inspect
 
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     if not hasattr(DeepSpeedEngine, "_backward_prologue_per_tensor"):
         return  # PR #7665's hooks are not in this release
     backward_pass = PipelineEngine._exec_backward_pass
-    if "_running_engine_backward" in inspect.getsource(backward_pass):
+    if release_has(backward_pass, "_running_engine_backward"):
         return
 
     @functools.wraps(backward_pass)
@@ -178,12 +178,14 @@ def report_every_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     callers with a dtype are the two calls the PR changes, so ZeRO-1/2's ``report_ipg_memory_usage`` ignoring the
     argument does what the PR does."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
-    if "param.numel(), param.dtype)" not in source:
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(
+        DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads, "param.numel(), param.dtype)"
+    ):
         return  # before 0.17.2 (one bucket, no dtype argument) or from 0.18.1 (fixed)
     report = DeepSpeedZeroOptimizer.report_ipg_memory_usage
 
@@ -209,14 +211,12 @@ def scale_pipeline_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     them itself; PR #7665 moved the scaling into output hooks that no longer ask. Here the scaling condition (in
     ``backward``, from 0.17 in ``_backward_prologue``) also holds for a pipeline; the reduction's does not change. A
     no-op before 0.16.0 (no condition) and from 0.18.3 (no such line)."""
-    import inspect
-
     from deepspeed.runtime import engine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     condition = r"if do_gradient_reduction and self\.gradient_accumulation_steps\(\) > 1 and scale_wrt_gas:"
-    if "if do_gradient_reduction and self.gradient_accumulation_steps() > 1" not in inspect.getsource(engine):
+    if not release_has(engine, "if do_gradient_reduction and self.gradient_accumulation_steps() > 1"):
         return
     backport(
         monkeypatch,

@@ -27,17 +27,29 @@ pytestmark = [
     pytest.mark.ds_premise(stage=0, precision="bf16"),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.17.6/deepspeed/runtime/engine.py#L3274",
+        raises="AttributeError",
+        match="'FP16_(?:Unfused)?Optimizer' object has no attribute '(?:dp_process_group|_restore_from_bit16_weights)'",
+        frames=("engine.py:_load_zero_checkpoint",),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.0/deepspeed/runtime/engine.py",
+        words=("load_checkpoint", "optimizer state", "bf16_zero"),
+    ),
+]
+
 
 def load_checkpoints_unrestricted(monkeypatch):
     """PR #6751 (0.16.0): DeepSpeed's checkpoint engine loads with ``weights_only=False``. Before it, torch >= 2.6
     (``weights_only`` on by default) refuses the ``BF16_Optimizer`` state those releases save for bf16."""
-    import inspect
-
     from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "weights_only" in inspect.getsource(torch_checkpoint_engine):
+    if release_has(torch_checkpoint_engine, "weights_only"):
         return
     backport(
         monkeypatch,
@@ -62,15 +74,13 @@ BF16_ZERO0 = {
 
 def optimizer_state_only_for_zero(monkeypatch):
     """Backport of PRs #7586 and #7786: only ZeRO keeps optimizer state in ZeRO files."""
-    import inspect
-
     from deepspeed.runtime import constants, engine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     if not hasattr(constants, "DDP_BFLOAT16"):
         return  # up to 0.17.5 bf16 meant BF16_Optimizer, whose state does live in (bf16_)zero files
-    if "self.zero_optimization() or self.bfloat16_enabled()" not in inspect.getsource(engine):
+    if not release_has(engine, "self.zero_optimization() or self.bfloat16_enabled()"):
         return  # this release has the fix
     backport(
         monkeypatch,

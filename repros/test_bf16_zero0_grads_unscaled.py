@@ -32,6 +32,23 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7837",
+        words=("ZeRO-0", "gradient norm"),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7839",
+        words=("FP16_UnfusedOptimizer", "cur_scale", "65536", "dynamic_loss_scale"),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/modelscope/ms-swift/issues/6815",
+        words=("ZeRO-0",),
+        gpu=True,
+    ),
+]
+
 BF16_ZERO0 = {
     "train_micro_batch_size_per_gpu": 1,
     "gradient_accumulation_steps": 1,

@@ -25,6 +25,14 @@ pytestmark = [
     pytest.mark.ds_premise(stage=1, precision="bf16", config={"data_types.grad_accum_dtype": "fp32"}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7788",
+        words=("grad_accum_dtype", "BF16_Optimizer", "DDP_BFLOAT16", "_hp_mapping", "optimizer selection"),
+    ),
+]
+
 BF16_ZERO1_FP32_ACCUM = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,

@@ -26,6 +26,14 @@ pytestmark = [
     pytest.mark.ds_premise(config={"comms_logger.enabled": True}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.0/deepspeed/utils/comms_logging.py#L93",
+        words=("stop_profiling_comms", "comms_logger", "prof_all", "log_summary"),
+    ),
+]
+
 #: A plain data-parallel engine (its gradient all-reduce goes through ``deepspeed.comm``) with the logger on.
 ZERO0_COMMS_LOGGER = {
     "zero_optimization": {"stage": 0},
@@ -38,13 +46,11 @@ ZERO0_COMMS_LOGGER = {
 
 def clear_prof_all_on_stop(monkeypatch):
     """Backport of PR #8137: ``stop_profiling_comms`` clears ``prof_all``."""
-    import inspect
-
     from deepspeed.utils.comms_logging import CommsLogger
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "self.prof_all = False" in inspect.getsource(CommsLogger.stop_profiling_comms):
+    if release_has(CommsLogger.stop_profiling_comms, "self.prof_all = False"):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -40,6 +40,23 @@ pytestmark = [
     PERSISTENT_ALLGATHER_RACE,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/8072",
+        raises="TypeError",
+        match="output tensor must have the same type as input tensor",
+        frames=("partition_parameters.py:_allgather_params_coalesced",),
+        words=("_allgather_params_coalesced", "autocast_adapter_dtype", "LoRA"),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/huggingface/trl/pull/6091",
+        words=("non-quantized PEFT", "mixed-dtype"),
+        gpu=True,
+    ),
+]
+
 ZERO3_BF16 = {
     "bf16": {"enabled": True},
     "zero_optimization": {"stage": 3},  # the default persistence threshold: every tiny parameter is persistent
@@ -54,12 +71,13 @@ def gather_each_dtype_apart(monkeypatch):
     """PR #8073's effect: every all-gather buffer has its own parameter's dtype. Here each dtype's parameters are
     gathered by their own call of the installed method (which may carry the persistent-gather prerequisite)."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.partition_parameters import Init
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     gather = Init._allgather_params_coalesced
-    if "param_list[0].ds_tensor.dtype" not in inspect.getsource(gather):
+    if not release_has(gather, "param_list[0].ds_tensor.dtype"):
         return  # this release has the fix
 
     @functools.wraps(gather)

@@ -38,6 +38,15 @@ pytestmark = [
     requires_hf,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8144",
+        frames=("parameter_offload.py:_post_backward_module_hook",),
+        words=("modules_to_save", "ModulesToSaveWrapper", "ds_grads_remaining"),
+    ),
+]
+
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "zero_force_ds_cpu_optimizer": False,
@@ -49,14 +58,11 @@ ZERO3 = {
 
 def hook_classes_per_module(monkeypatch):
     """Backport of PR #8144: a module's hook classes and counters are looked up in its own ``__dict__``."""
-    import inspect
-
     from deepspeed.runtime.zero import parameter_offload
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    source = inspect.getsource(parameter_offload)
-    if 'if not hasattr(module, "post_bwd_fn"):' not in source:
+    if not release_has(parameter_offload, 'if not hasattr(module, "post_bwd_fn"):'):
         return  # fixed, or before PR #7062, when the classes were created in the module's own forward
     backport(
         monkeypatch,

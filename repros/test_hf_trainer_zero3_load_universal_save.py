@@ -31,6 +31,14 @@ pytestmark = [
     TORCH_LOAD_WEIGHTS_ONLY,  # zero_to_fp32 reads the checkpoint
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7546",
+        words=("load_universal", "model_states", "zero_pp_rank_0_mp_rank_00_model_states"),
+    ),
+]
+
 ZERO3_LOAD_UNIVERSAL = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
@@ -44,13 +52,11 @@ ZERO3_LOAD_UNIVERSAL = {
 def name_model_states_by_rank(monkeypatch):
     """Backport of PR #7585's engine part: ZeRO-3 model states are saved under each rank's own name; only loading a
     universal checkpoint reads the first file."""
-    import inspect
-
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if 'filename = "zero_pp_rank_0"' not in inspect.getsource(DeepSpeedEngine._get_ckpt_name):
+    if not release_has(DeepSpeedEngine._get_ckpt_name, 'filename = "zero_pp_rank_0"'):
         return  # fixed (0.18.0), or before ZeRO-3 universal checkpoints (0.14.4 and older)
     backport(
         monkeypatch,

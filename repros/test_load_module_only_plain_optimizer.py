@@ -24,6 +24,17 @@ pytestmark = [
     pytest.mark.ds_premise(stage=0, precision="fp32"),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.16.4/deepspeed/runtime/engine.py#L3018",
+        raises="AttributeError",
+        match=r"'\\w+' object has no attribute 'refresh_fp32_params'",
+        frames=("engine.py:_load_checkpoint",),
+        words=("load_module_only",),
+    ),
+]
+
 FP32_ZERO0 = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -34,13 +45,11 @@ FP32_ZERO0 = {
 
 def refresh_only_if_the_optimizer_can(monkeypatch):
     """Backport of PR #7133: refresh the fp32 masters only when the optimizer has them."""
-    import inspect
-
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "hasattr(self.optimizer, 'refresh_fp32_params')" in inspect.getsource(DeepSpeedEngine._load_checkpoint):
+    if release_has(DeepSpeedEngine._load_checkpoint, "hasattr(self.optimizer, 'refresh_fp32_params')"):
         return  # this release has the fix
     backport(
         monkeypatch,

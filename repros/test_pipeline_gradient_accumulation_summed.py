@@ -36,6 +36,14 @@ pytestmark = [
     PIPELINE_GRADIENTS_SCALED_TWICE,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.16.0/deepspeed/runtime/pipe/engine.py",
+        words=("PipelineEngine", "pipeline parallel", "gradient_accumulation_steps", "micro-batches"),
+    ),
+]
+
 LR = 0.1
 TOLERANCE = 1e-6
 

@@ -39,6 +39,14 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.3/deepspeed/runtime/pipe/engine.py",
+        words=("PipelineEngine", "pipeline parallel", "gradient_accumulation_steps", "scaled twice"),
+    ),
+]
+
 LR = 0.1
 TOLERANCE = 1e-6
 

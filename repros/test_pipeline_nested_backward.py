@@ -38,6 +38,15 @@ pytestmark = [
     PIPELINE_GRADIENTS_SCALED_TWICE,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.3/deepspeed/runtime/engine.py#L2313",
+        frames=("engine.py:_backward_prologue", "engine.py:_exec_backward_pass"),
+        words=("PipelineEngine", "pipeline parallel", "train_batch"),
+    ),
+]
+
 LR = 0.1
 TOLERANCE = 1e-6
 

@@ -30,18 +30,26 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8201",
+        raises="TypeError",
+        match=r"unsupported operand type\\(s\\) for [-+*/]: '\\w+' and 'list'",
+        words=("OneCycle", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom"),
+    ),
+]
+
 
 def one_value_per_group(monkeypatch):
     """Backport of PR #8201: each of the four bounds is one value per param group (``WarmupLR._format_param``,
     which the fix moves to the module; the fix's checking of both bounds before touching the optimizer matters only
     for a list of the wrong length, which raises before any step either way)."""
-    import inspect
-
     from deepspeed.runtime.lr_schedules import OneCycle
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "[cycle_min_lr] * len" not in inspect.getsource(OneCycle._initialize_lr):
+    if not release_has(OneCycle._initialize_lr, "[cycle_min_lr] * len"):
         return  # this release has the fix
     per_group = r'WarmupLR._format_param(self, optimizer, \1, "\1")'
     backport(

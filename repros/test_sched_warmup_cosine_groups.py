@@ -26,16 +26,22 @@ pytestmark = [
     linear_warmup_premise({"scheduler.type": "WarmupCosineLR"}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7969",
+        words=("WarmupCosineLR", "param groups", "multi-group"),
+    ),
+]
+
 
 def zero_for_every_group(monkeypatch):
     """Backport of PR #7969: before the first step the ratio is 0.0 and the rates are one 0 per param group."""
-    import inspect
-
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "return [0.0]" not in inspect.getsource(WarmupCosineLR.get_lr):
+    if not release_has(WarmupCosineLR.get_lr, "return [0.0]"):
         return  # this release has the fix
     backport(
         monkeypatch,

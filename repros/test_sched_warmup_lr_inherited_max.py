@@ -26,16 +26,22 @@ pytestmark = [
     linear_warmup_premise({"scheduler.type": "WarmupLR", "scheduler.params.warmup_max_lr": None}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8171",
+        words=("WarmupLR", "warmup_max_lr", "group 0"),
+    ),
+]
+
 
 def every_groups_own_rate(monkeypatch):
     """Backport of PR #8171: without ``warmup_max_lr`` each group warms up to its own learning rate."""
-    import inspect
-
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "param_groups][0]" not in inspect.getsource(WarmupLR.__init__):
+    if not release_has(WarmupLR.__init__, "param_groups][0]"):
         return  # this release has the fix
     backport(
         monkeypatch,

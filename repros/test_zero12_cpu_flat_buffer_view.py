@@ -37,6 +37,17 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.18.7/deepspeed/runtime/zero/stage_1_and_2.py#L2087",
+        raises="RuntimeError",
+        match="is a view and is being modified inplace",
+        frames=("stage_1_and_2.py:step",),
+        words=("flat buffer", "CPU accelerator"),
+    ),
+]
+
 STEPS = 3
 
 

@@ -37,6 +37,14 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.2/deepspeed/runtime/zero/stage_1_and_2.py#L62",
+        words=("contiguous_gradients", "split_half_float_double", "buffered_reduce_fallback", "torch.cpu.FloatTensor"),
+    ),
+]
+
 LR = 1e-2
 STEPS = 2
 TOLERANCE = 1e-6
@@ -58,12 +66,12 @@ def noncontiguous(stage, reduce_scatter=False):
 
 def split_by_dtype(monkeypatch):
     """Backport of PR #8382: ``split_half_float_double`` buckets gradients by dtype, whatever their device."""
-    import inspect
-
     import torch
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if "device_name()" not in inspect.getsource(stage_1_and_2.split_half_float_double):
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(stage_1_and_2.split_half_float_double, "device_name()"):
         return  # this release has the fix
 
     def split_half_float_double(tensors):

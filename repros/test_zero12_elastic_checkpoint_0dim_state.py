@@ -27,6 +27,19 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,  # the body trains ZeRO-1/2 steps: on 0.18.7-0.18.9 (CPU) they need that fix first
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/ssbuild/chatglm_finetuning/issues/32",
+        raises="IndexError",
+        frames=("stage_1_and_2.py:_get_state_without_padding",),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/hiyouga/ChatGLM-Efficient-Tuning/issues/184",
+        words=("elastic_checkpoint",),
+    ),
+]
+
 
 def elastic(stage):
     """The ZeRO-1/2 repros' config for ``stage``, saving elastic checkpoints."""
@@ -37,13 +50,11 @@ def elastic(stage):
 
 def skip_0dim_state_when_unpadding(monkeypatch):
     """Backport of PR #7659: only tensors with a dimension carry padding."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "value.dim() > 0" in inspect.getsource(DeepSpeedZeroOptimizer._get_state_without_padding):
+    if release_has(DeepSpeedZeroOptimizer._get_state_without_padding, "value.dim() > 0"):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -45,6 +45,16 @@ pytestmark = [
     COMM_DTYPE_BUCKET,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7653",
+        frames=("stage_1_and_2.py:reduce_ipg_grads", "stage_1_and_2.py:reduce_gradients"),
+        words=("communication_data_type", "extra_large_param_to_reduce"),
+        gpu=True,
+    ),
+]
+
 STEPS = 3
 LR = 0.1
 #: bf16 reduction rounds each averaged gradient to 8 bits of mantissa; 3 SGD steps stay within 1e-3 of fp32.
@@ -69,15 +79,13 @@ def config(stage):
 def record_under_comm_dtype(monkeypatch):
     """Backport of PR #7660: the extra-large parameter is recorded under its communication dtype. A no-op before
     0.17.2 (one parameter, no dtype key) and from 0.18.2 (fixed)."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     stale = r"self\.extra_large_param_to_reduce\[param\.dtype\] = param"
-    source = inspect.getsource(DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads)
-    if "extra_large_param_to_reduce[param.dtype]" not in source:
+    bucket = DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads
+    if not release_has(bucket, "extra_large_param_to_reduce[param.dtype]"):
         return
     backport(
         monkeypatch,

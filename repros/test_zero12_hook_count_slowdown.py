@@ -44,6 +44,15 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7886",
+        words=("count_used_parameters_in_backward", "hook count", "performance regression", "s/iter"),
+        gpu=True,
+    ),
+]
+
 #: 256 parameter tensors (weights and biases of 128 layers) in the measured model; the reference trains the same
 #: tensors as 8 models of 32.
 LAYERS, SPLIT = 128, 8
@@ -64,15 +73,16 @@ def count_once_per_backward(monkeypatch):
     """Backport of PR #7886 for ZeRO-1/2: count the parameters in the backward graph at the first hook of a backward
     phase only (DeepSpeed's own predicate, inlined), the other hooks reuse the count. A no-op before 0.18.5 (the
     count was once per backward there, or the hooks had no count at all) and from 0.18.7 (fixed)."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     hooks = getattr(DeepSpeedZeroOptimizer, "create_gradient_handling_hooks", None)  # from 0.16.5 on
-    source = inspect.getsource(hooks) if hooks is not None else ""
-    if "update_hook_state_and_maybe_run_epilogue" not in source or "refresh_expected" in source:
+    if (
+        hooks is None
+        or not release_has(hooks, "update_hook_state_and_maybe_run_epilogue")
+        or release_has(hooks, "refresh_expected")
+    ):
         return
     backport(
         monkeypatch,

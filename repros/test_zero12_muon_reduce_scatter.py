@@ -39,6 +39,10 @@ pytestmark = [
         because="before 0.18.5 ZeRO takes Muon for an untested optimizer and refuses it (its support list imported "
         "Muon from a path it had left: PR #7802)",
     ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/7807",
+        words=("Muon", "reduce_scatter"),
+    ),
 ]
 
 HIDDEN, STEPS, TOLERANCE = 16, 2, 1e-2

@@ -35,6 +35,21 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/8279",
+        raises="KeyError",
+        frames=("stage_1_and_2.py:average_tensor",),
+        words=("zero-sized", "param_to_partition_ids", "trailing"),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8280",
+        words=("zero-sized parameters",),
+    ),
+]
+
 HIDDEN = 4
 STEPS = 3
 
@@ -67,12 +82,13 @@ def skip_empty_params(monkeypatch):
     ``reduce_independent_p_g_buckets_and_remove_grads``, before it is put in a gradient bucket (a wrapper does what
     the three added lines do)."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     bucket = DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads
-    if "param.numel() == 0" in inspect.getsource(bucket):
+    if release_has(bucket, "param.numel() == 0"):
         return  # fixed from 0.19.6
 
     @functools.wraps(bucket)

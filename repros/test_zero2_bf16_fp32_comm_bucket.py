@@ -35,6 +35,21 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7636",
+        raises="KeyError",
+        match=r"torch\\.bfloat16",
+        frames=(
+            "base_optimizer.py:report_ipg_memory_usage",
+            "stage_1_and_2.py:reduce_independent_p_g_buckets_and_remove_grads",
+        ),
+        words=("seq_parallel_communication_data_type", "report_ipg_memory_usage"),
+        gpu=True,
+    ),
+]
+
 #: tiny_mlp's gradients reach the bucket as 1 + 16 + 16 elements, then 256: the fourth one overflows 256. (A bucket
 #: smaller than one parameter fails differently on 0.18.1-0.18.2: "start (0) + length (256) exceeds dimension size".)
 ZERO2_BF16_FP32_COMM = {

@@ -30,6 +30,24 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7967",
+        words=(
+            "micro_step_id",
+            "offload_optimizer",
+            "gradient accumulation",
+            "async_accumulate_grad_in_cpu_via_gpu",
+            "copy_gradients_to_cpu",
+        ),
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/6550#issuecomment-2419308783",
+        words=("Z2+offload", "zero2 offload"),
+    ),
+]
+
 ACCUMULATION = 3
 LR = 0.1
 TOLERANCE = 1e-6

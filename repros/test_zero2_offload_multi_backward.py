@@ -33,6 +33,20 @@ pytestmark = [
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/7981",
+        words=(
+            "set_gradient_accumulation_boundary",
+            "offload_optimizer",
+            "copy_grads_in_partition",
+            "multiple backward",
+        ),
+        gpu=True,
+    ),
+]
+
 BACKWARDS = 2
 LR = 0.1
 TOLERANCE = 1e-6
@@ -40,15 +54,11 @@ TOLERANCE = 1e-6
 
 def accumulate_across_backwards(monkeypatch):
     """Backport of PR #7981: the CPU accumulator is used when the step had an earlier backward or expects more."""
-    import inspect
-
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "if self.gradient_accumulation_steps > 1:" not in inspect.getsource(
-        DeepSpeedZeroOptimizer.copy_grads_in_partition
-    ):
+    if not release_has(DeepSpeedZeroOptimizer.copy_grads_in_partition, "if self.gradient_accumulation_steps > 1:"):
         return  # fixed from 0.19.0
     backport(
         monkeypatch,

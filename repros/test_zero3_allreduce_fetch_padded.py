@@ -40,6 +40,14 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.3/deepspeed/runtime/zero/partitioned_param_coordinator.py#L310",
+        words=("stage3_use_all_reduce_for_fetch_params", "ds_numel_aligned", "all-reduce fetch"),
+    ),
+]
+
 ZERO3_ALL_REDUCE_FETCH = {
     "zero_optimization": {
         "stage": 3,
@@ -58,13 +66,11 @@ IN, OUT = 5, 7
 
 def advance_by_aligned_size(monkeypatch):
     """Backport of PR #8158: the all-reduce fetch places each parameter ``ds_numel_aligned`` after the last."""
-    import inspect
-
     from deepspeed.runtime.zero import partition_parameters
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "start_param += param.ds_numel\n" not in inspect.getsource(partition_parameters.Init):
+    if not release_has(partition_parameters.Init, "start_param += param.ds_numel\n"):
         return  # this release has the fix
     backport(
         monkeypatch,
@@ -77,11 +83,12 @@ def accept_wait_arguments(monkeypatch):
     """PR #7414 (0.17.3): ``AllReduceCoalescedHandle.wait`` takes the ``handle_dependency`` argument that PR #6694
     (0.16.3) passes to every fetch handle's ``wait``; without it the all-reduce fetch fails with a ``TypeError``."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.partition_parameters import AllReduceCoalescedHandle
 
-    if "def wait(self) -> None:" not in inspect.getsource(AllReduceCoalescedHandle):
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(AllReduceCoalescedHandle, "def wait(self) -> None:"):
         return  # fixed (0.17.3), or before PR #6694 (the wait takes its arguments through **kwargs from then on)
     wait = AllReduceCoalescedHandle.wait
 

@@ -33,6 +33,15 @@ pytestmark = [
     pytest.mark.ds_premise(stage=3, config={"torch_autocast.enabled": True}),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.19.2/deepspeed/runtime/zero/partition_parameters.py#L1236",
+        frames=("partition_parameters.py:_all_gather_dtype",),
+        words=("torch_autocast", "lower_precision_safe_modules"),
+    ),
+]
+
 ZERO3_AUTOCAST = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "torch_autocast": {
@@ -49,13 +58,11 @@ ZERO3_AUTOCAST = {
 
 def check_communication_dtype(monkeypatch):
     """Backport of PR #8113: a bucket's parameters must share their communication dtype, not their own dtype."""
-    import inspect
-
     from deepspeed.runtime.zero import partition_parameters
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if '"all params must have the same dtype"' not in inspect.getsource(partition_parameters.Init):
+    if not release_has(partition_parameters.Init, '"all params must have the same dtype"'):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -32,6 +32,16 @@ pytestmark = [
     pytest.mark.ds_premise(stage=3),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/3516",
+        raises="AttributeError",
+        match=r"'DeepSpeedZeRoOffload' object has no attribute '\\w+'",
+        words=("DeepSpeedZeRoOffload",),
+    ),
+]
+
 ATTRIBUTE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
 
 #: Seed 000's trigger: ZeRO-3 with the parameters offloaded to CPU (pinned memory becomes unpinned on gloo).

@@ -28,6 +28,15 @@ pytestmark = [
     ZERO3_PARTITIONED,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/6961",
+        frames=("engine.py:_forward_prologue", "engine.py:_forward_epilogue"),
+        words=("_in_forward", "torch 2.5", "OrderedDict"),
+    ),
+]
+
 #: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
 #: test_zero3_persistent_allgather_race.py), and this bug does not depend on them.
 ZERO3 = {

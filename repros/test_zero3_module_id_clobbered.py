@@ -27,6 +27,14 @@ pytestmark = [
     ZERO3_PARTITIONED,
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/issues/6772",
+        words=("module.id", "expert placement", "_register_hooks_recursively", ".id attribute"),
+    ),
+]
+
 #: ZeRO-3 with every parameter partitioned: persistent parameters take a separate all-gather path that is not
 #: deterministic on gloo before 0.19.8 (see docs/repros.md), and this bug does not depend on them.
 ZERO3 = {
@@ -39,13 +47,11 @@ ZERO3 = {
 
 def use_deepspeed_module_ids(monkeypatch):
     """Backport of PR #6847: ZeRO-3 numbers modules in ``ds_id``; every reader in the two files moves with it."""
-    import inspect
-
     from deepspeed.runtime.zero import parameter_offload
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if "module.ds_id = my_count" in inspect.getsource(parameter_offload):
+    if release_has(parameter_offload, "module.ds_id = my_count"):
         return  # this release has the fix
     backport(monkeypatch, "deepspeed.runtime.zero.parameter_offload", [(r"\b(module|sub_module)\.id\b", r"\1.ds_id")])
     backport(

@@ -41,6 +41,14 @@ pytestmark = [
     pytest.mark.ds_not_applicable("<0.15.3", reason="safe_set_local_grad appeared in 0.15.3 (PR #6590)"),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.16.3/deepspeed/runtime/zero/stage3.py#L2409",
+        words=("safe_set_local_grad", "set_local_grad_for_param", "get_global_grad_norm"),
+    ),
+]
+
 #: Below the gradient's norm before and after the clamp (0.39 and 0.13 for this model and data), so both are clipped.
 CLIP = 0.1
 #: The user's own clipping: every gradient element into [-CLAMP, CLAMP] (most elements are larger).
@@ -66,12 +74,13 @@ def store_the_new_norm(monkeypatch):
     """Backport of PR #7302: with offload, ``set_local_grad_for_param`` also stores the new gradient's norm, where
     ``step()`` reads it."""
     import functools
-    import inspect
 
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     set_local_grad = getattr(DeepSpeedZeroOptimizer_Stage3, "set_local_grad_for_param", None)
-    if set_local_grad is None or "norm_for_param_grads" in inspect.getsource(set_local_grad):
+    if set_local_grad is None or release_has(set_local_grad, "norm_for_param_grads"):
         return  # before 0.15.3 (no such API) or from 0.17.0 (fixed)
 
     @functools.wraps(set_local_grad)

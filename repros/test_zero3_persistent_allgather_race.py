@@ -55,6 +55,14 @@ pytestmark = [
     ),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8539",
+        words=("launch_handles", "persistent parameters", "_allgather_params_coalesced", "intermittently"),
+    ),
+]
+
 #: Every parameter persistent (the 16M-element first weight included), so each step ends in the coalesced re-gather.
 ZERO3_ALL_PERSISTENT = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 2 * HIDDEN * HIDDEN},

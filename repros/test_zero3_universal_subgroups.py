@@ -36,6 +36,16 @@ pytestmark = [
     TORCH_LOAD_WEIGHTS_ONLY,  # the converter reads the checkpoint
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/blob/v0.17.6/deepspeed/checkpoint/ds_to_universal.py#L152",
+        raises="RuntimeError",
+        frames=("ds_to_universal.py:extract_zero_shards_stage3",),
+        words=("ds_to_universal", "sub_group_size", "extract_zero_shards_stage3"),
+    ),
+]
+
 #: 16x16 MLP (256 + 16 + 16 + 1 elements): with sub_group_size 100, ZeRO-3 makes several sub-groups.
 ZERO3_SUBGROUPS = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 100},
@@ -50,13 +60,13 @@ def walk_every_subgroup(monkeypatch):
     """PR #7585's effect on the converter: each rank's parameters are read from the sub-group that holds them. The
     converter hands this function the parameters in partition order, so it moves to the next sub-group's flat
     tensors when the current one is used up (upstream passes the per-sub-group shapes through instead)."""
-    import inspect
-
     import torch
     from deepspeed.checkpoint import ds_to_universal as converter
 
+    from pytest_dsrepro.inrank.backport import release_has
+
     extract = getattr(converter, "extract_zero_shards_stage3", None)
-    if extract is None or "['state'][0]" not in inspect.getsource(extract):
+    if extract is None or not release_has(extract, "['state'][0]"):
         return  # fixed, or before ZeRO-3 universal checkpoints (0.14.4 and older)
 
     def extract_by_subgroup(optim_files, param_shapes, dp_degree, temp_dir, dp_index):

@@ -33,6 +33,24 @@ pytestmark = [
     zero3_partitioned_premise(gradient_accumulation=1),
 ]
 
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/huggingface/accelerate/issues/3386",
+        raises="IndexError",
+        frames=(
+            "partitioned_param_coordinator.py:record_parameters",
+            "partitioned_param_coordinator.py:reset_step",
+            "partitioned_param_coordinator.py:construct_parameter_trace_from_module_trace",
+        ),
+        gpu=True,
+    ),
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/8043",
+        words=("unwrap_model_for_generation", "reset_step", "record_parameters"),
+    ),
+]
+
 #: Every parameter partitioned: persistent parameters are gathered by a racy path before 0.19.8 (see
 #: test_zero3_persistent_allgather_race.py); losses are compared, so clipping is off on every release.
 ZERO3 = {
@@ -47,15 +65,13 @@ ZERO3 = {
 def invalidate_trace_on_reregistration(monkeypatch):
     """Backport of PR #8043: registering the root module again invalidates the coordinator's trace, and clearing the
     trace also clears the per-module fetch-step deques."""
-    import inspect
-
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
     # Before 0.16.4 (PR #6847) the method was _register_hooks_recursively.
     register = getattr(DeepSpeedZeRoOffload, "_register_deepspeed_module", None)
-    if "_invalidate_trace" in inspect.getsource(register or DeepSpeedZeRoOffload._register_hooks_recursively):
+    if release_has(register or DeepSpeedZeRoOffload._register_hooks_recursively, "_invalidate_trace"):
         return  # this release has the fix
     backport(
         monkeypatch,

@@ -67,12 +67,15 @@ def wait_for_no_processes(tag: str, timeout: float = 15.0) -> list[psutil.Proces
 
 
 def wait_for_builds_apart() -> list[psutil.Process]:
-    """For a test whose run left DeepSpeed's comm op building apart (``comm_op.Background.detach``): wait, within the
-    build's bounded life, until no process of this test (``process_tag``) still builds it; those that still do."""
-    from pytest_dsrepro.worlds.server.comm_op import BUILD_LOCK_TIMEOUT, BUILDER_NAME
+    """For a test whose run left work going on apart (a build, ``builds.BuildChild.detach``, or the search for what a
+    first engine step imports): wait, within its bounded life, until no process of this test (``process_tag``) still
+    does it; those that still do."""
+    from pytest_dsrepro.worlds.server.builds import BUILD_LOCK_TIMEOUT, BUILDER_NAME, SCOUT_NAMES
 
     deadline = time.monotonic() + BUILD_LOCK_TIMEOUT + 30
-    while (left := named(os.environ[TAG], BUILDER_NAME)) and time.monotonic() < deadline:
+    while (left := named(os.environ[TAG], BUILDER_NAME) + named(os.environ[TAG], SCOUT_NAMES[0])) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     return left
 
@@ -85,20 +88,24 @@ def hermetic_settings(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(option.env, raising=False)
 
 
+#: What ``warm_comm_op`` runs: the comm op built (or waited for) to its end, and the preload list found, in the cache.
+WARM_UP = """
+from pytest_dsrepro.worlds.server import comm_op, preload, warmup
+comm_op.warm_up()
+install = warmup.install()
+if not preload.ready(install, None):
+    preload.find(install)
+"""
+
+
 @pytest.fixture(scope="session")
 def warm_comm_op() -> None:
-    """The test environment's first world JIT-builds DeepSpeed's CPU comm op: 45-200 s, far more on a busy machine.
-    Done once, here, with no time limit of its own, so that no subprocess run's time limit has to include it."""
-    from pytest_dsrepro.core.errors import HarnessError
-    from pytest_dsrepro.worlds.client import WorldRunner
-
-    runner = WorldRunner(Path(os.environ.get(CACHE_ENV, REAL_CACHE)), startup_timeout=3600)
-    try:
-        runner.facts()
-    except HarnessError:
-        pass  # the tests that need a world say why none runs
-    finally:
-        runner.close()
+    """The test environment's first world JIT-builds DeepSpeed's CPU comm op (45-200 s, far more on a busy machine)
+    and finds what a first engine step imports (10-30 s), both beside the worlds: a first test would see the build
+    go on after its run as processes left behind, and its worlds unwarmed. Done once, here, to the end, with no time
+    limit of its own, so that no subprocess run's time limit has to include it."""
+    env = {**os.environ, CACHE_ENV: os.environ.get(CACHE_ENV, REAL_CACHE), "DS_ACCELERATOR": "cpu"}
+    subprocess.run([sys.executable, "-c", WARM_UP], env=env, capture_output=True)  # the tests that need it say why
 
 
 @pytest.fixture
@@ -149,6 +156,40 @@ def comm_op_directory() -> Path | None:
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     return Path(line) if line else None
+
+
+def cache_with_comm_op(path: Path, preload_lists: bool = True) -> Path:
+    """A cache at ``path`` that holds this environment's comm op and (``preload_lists``) the lists of a first engine
+    step's imports, copied from the real cache, and no other op: as a first run of the release finds them."""
+    source = comm_op_directory()
+    assert source is not None
+    assert (source / "deepspeed_shm_comm").is_dir(), "the suite's warm-up (warm_comm_op) builds it"
+    target = path / "torch_extensions" / source.name
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("fused_adam", "cpu_adam", "cpu_adagrad"))
+    if preload_lists:
+        shutil.copytree(Path(REAL_CACHE) / "preload", path / "preload")
+    return path
+
+
+def first_run_without_a_preload_list(
+    pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch, source: str, passed: int
+) -> pytest.RunResult:
+    """``source``'s tests, which use DeepSpeed, run with ``--ds-timeout 5`` on a cache that holds the comm op but
+    never found what a first engine step imports: every test passes, the search said to run beside the worlds (which
+    do not wait for it), and whatever goes on apart after the run has ended, before the next one."""
+    monkeypatch.setenv(CACHE_ENV, str(cache_with_comm_op(pytester.path / "cache", preload_lists=False)))
+    pytester.makepyfile(source)
+    result = run("-v", "--ds-timeout", "5")
+    result.assert_outcomes(passed=passed)
+    result.stdout.fnmatch_lines(
+        [
+            "pytest-dsrepro: finding what a first DeepSpeed engine step imports, first time only for deepspeed *, "
+            "beside the worlds: until it is found, they run without it",
+        ]
+    )
+    assert "did not start" not in result.stdout.str()
+    assert wait_for_builds_apart() == []
+    return result
 
 
 def deepspeed_version() -> str:

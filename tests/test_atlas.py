@@ -4,6 +4,7 @@ with git and ``ast`` on a small repository written here in DeepSpeed's layout; e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import checkout, results, versions
+from pytest_dsrepro.core import checkout, known_fixes, results, versions
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.tools import atlas, atlas_command, install, upstream_command, upstream_runs
 from pytest_dsrepro.tools.environments import ReleaseEnv
@@ -322,3 +323,28 @@ def test_no_torch_to_pin_is_one_line_before_any_release_is_built(
     )
     assert err.count("torch is not installed") == 1
     assert not (tmp_path / "cache").exists()
+
+
+def test_what_triage_knows_of_a_fix_comes_from_its_clean_tests(clone: Path, tmp_path: Path) -> None:
+    """Its pull request and title (the squash-merged subject), its releases, and each clean test with what it raised
+    on the release before; from the atlas's results, by ``dsrepro atlas --known-fixes``, which runs nothing."""
+    repo = Clone.open(clone)
+    fix = atlas.fixes(repo, *atlas.parse_range(repo, "v0.1.0..HEAD"))[0][0]
+    for release, outcome, error in (
+        ("0.1.0", "failed", "WorldFailed: ranks 0-1: KeyError: 7"),
+        ("0.2.0", "passed", None),
+    ):
+        env = results.Environment(**{**results.environment("gloo", 2).to_json(), "deepspeed": release})
+        records = tuple(dataclasses.replace(_test(t.nodeid, outcome), error=error) for t in fix.tests)
+        results.write(results.RunRecord(environment=env, tests=records), tmp_path / "out" / fix.commit.short)
+    known = atlas.known_fix(fix, atlas.runs_of(fix, tmp_path / "out"))
+    assert known is not None
+    assert (known.pr, known.title, known.before, known.first) == (12, "Fix the gradient norm", "0.1.0", "0.2.0")
+    assert known.tests[0] == known_fixes.FixedTest(fix.tests[0].nodeid, "ranks 0-1: KeyError: 7")
+    written = tmp_path / "known.json"
+    command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "atlas", "--repo", str(clone), "--range", "v0.1.0..HEAD",
+               "--results", str(tmp_path / "out"), "--known-fixes", str(written)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"1 of 3 fixes with a clean range, written to {written}\n"
+    assert known_fixes.load(written) == (known,)

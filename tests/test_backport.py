@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import RunPytest
-from pytest_dsrepro.inrank.backport import BackportError, backport
+from pytest_dsrepro.inrank.backport import BackportError, backport, release_has
 
 SOURCE = """
 
@@ -62,6 +62,24 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 class Module:
     pass
+
+
+def test_release_has_asks_the_installed_source(fake) -> None:
+    """Issue 49, item 6: a fix guard's question, "does this release have it?", asked of a function, a class, a module
+    or a module's dotted name; indentation and runs of spaces aside, line ends kept."""
+    assert release_has(fake.Registry.register, "module.id = len(STATE)")
+    assert release_has(fake.Registry, "return super().tag(module)", "return module.id")
+    assert not release_has(fake.Registry, "return super().tag(module)", "return module.ds_id")  # every line, or no
+    assert release_has("fake_ds", "def number(module):\nreturn module.id")  # the line end counts, the indent not
+    assert release_has(fake.number, "return   module.id")
+    assert not release_has(fake.number, "return module.id\ndef")
+    assert not release_has(fake.number, "return module.i\n")
+
+
+def test_release_has_refuses_to_answer_without_a_source() -> None:
+    with pytest.raises(BackportError, match=r"release_has\(\): the source of len cannot be read \(.*\), so whether this "
+                       r"release has the fix cannot be told"):  # fmt: skip
+        release_has(len, "anything")
 
 
 def test_every_changed_function_moves_together_and_is_undone(fake) -> None:

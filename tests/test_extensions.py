@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from conftest import RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
+from conftest import REAL_CACHE, RunPytest, comm_op_directory, deepspeed_version, named, wait_for_builds_apart
 from pytest_dsrepro.core import versions
 from pytest_dsrepro.core.options import CACHE_ENV
-from pytest_dsrepro.worlds.server.comm_op import (
+from pytest_dsrepro.worlds.server.builds import (
     BUILD_LOCK_TIMEOUT,
     BUILDER_NAME,
     build_key,
     extensions_dir,
     remove_stale_locks,
-    shared_library,
 )
+from pytest_dsrepro.worlds.server.comm_op import shared_library
 
 USES_OP = """
 import pytest
@@ -59,12 +59,15 @@ def test_one_directory_per_distinct_source(tmp_path: Path) -> None:
     assert build_key([tmp_path / "env1" / "shm.cpp"], flags, "2.14.0") != key
     (tmp_path / "env2" / "shm.cpp").write_text("int f() { return 2; }\n")
     assert build_key([tmp_path / "env2" / "shm.cpp"], flags, "2.13.0") != key
-    assert extensions_dir(tmp_path, key).parent == tmp_path / "torch_extensions"
+    assert (
+        extensions_dir(tmp_path, "deepspeed_shm_comm", key)
+        == tmp_path / "torch_extensions" / f"deepspeed_shm_comm-{key}"
+    )
 
 
 def test_stale_torch_locks_are_found_and_removed(tmp_path: Path) -> None:
-    """The comm op's baton goes (its builds run under our lock); another op's goes only once no build is that old:
-    ranks build FusedAdam there while a second fork server starts, and must not find their baton gone."""
+    """The baton of the op being built goes (its builds run under our lock); another op's goes only once no build is
+    that old: in a user's TORCH_EXTENSIONS_DIR, torch's JIT may be building FusedAdam there meanwhile, without it."""
     batons = {}
     for op in ("deepspeed_shm_comm", "fused_adam", "cpu_adam"):
         (tmp_path / op).mkdir()
@@ -72,7 +75,10 @@ def test_stale_torch_locks_are_found_and_removed(tmp_path: Path) -> None:
         batons[op].touch()
     long_ago = time.time() - BUILD_LOCK_TIMEOUT - 60
     os.utime(batons["cpu_adam"], (long_ago, long_ago))
-    assert sorted(remove_stale_locks(tmp_path)) == [batons["cpu_adam"], batons["deepspeed_shm_comm"]]
+    assert sorted(remove_stale_locks(tmp_path, "deepspeed_shm_comm")) == [
+        batons["cpu_adam"],
+        batons["deepspeed_shm_comm"],
+    ]
     assert [p for p in batons.values() if p.exists()] == [batons["fused_adam"]]
 
 
@@ -123,10 +129,10 @@ def test_another_install_of_the_same_release_loads_the_op_built_by_the_first(
 
 
 def _damage_of(library: Path) -> str:
-    """``comm_op.damage`` as the fork server calls it: in a process that has torch, which the op links against."""
+    """``builds.damage`` as the fork server calls it: in a process that has torch, which the op links against."""
     code = (
-        "import sys, torch; from pathlib import Path; from pytest_dsrepro.worlds.server.comm_op import damage; "
-        "print(damage(Path(sys.argv[1])))"
+        "import sys, torch; from pathlib import Path; from pytest_dsrepro.worlds.server.builds import damage; "
+        "print(damage(Path(sys.argv[1]), 'deepspeed_shm_comm'))"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(library)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -328,6 +334,7 @@ def test_a_first_build_holds_up_no_world(
     cache = pytester.path / "cold-cache"
     target = cache / "torch_extensions" / source.name
     target.mkdir(parents=True)
+    shutil.copytree(Path(REAL_CACHE) / "preload", cache / "preload")  # only the build is new: no search goes on apart
     mark = pytester.path / "first-world-ran"
     pytester.makepyfile(BESIDE_THE_BUILD.format(mark=str(mark)))
     monkeypatch.setenv(CACHE_ENV, str(cache))
@@ -352,11 +359,12 @@ def test_a_first_build_holds_up_no_world(
         [
             f"pytest-dsrepro: building DeepSpeed's CPU comm op for {deepspeed_version()}, first time only (*), beside "
             "the worlds: until it is built they run without it*",
-            "*test_b_needs_the_op PASSED*",
-            "worlds ran on: *; comm op building beside the worlds; *",
-            "*= 2 passed in *",  # the build ended while test_b waited for it: the run's end has none to wait for
+            "*::test_b_needs_the_op ",
             f"pytest-dsrepro: DeepSpeed's CPU comm op for {deepspeed_version()} built beside the worlds in *s; worlds "
-            "from now on use it, later runs load it",
+            "from now on use it, later runs load it",  # while test_b waited for it: the run's end has none to wait for
+            "PASSED*",
+            "worlds ran on: *; comm op building beside the worlds; *",
+            "*= 2 passed in *",
         ]
     )
     assert shared_library(target).exists()

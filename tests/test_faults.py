@@ -22,7 +22,7 @@ import pytest
 from conftest import RunPytest, deepspeed_version, leftovers, named, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.options import CACHE_ENV
-from pytest_dsrepro.worlds.server.comm_op import BUILDER_NAME
+from pytest_dsrepro.worlds.server.builds import BUILDER_NAME, COMPILER_NAME
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
 
@@ -198,6 +198,52 @@ def test_a_build_beside_the_worlds_ends_with_a_killed_fork_server(
     left = wait_for_no_processes(process_tag, timeout=30)
     assert not left, f"left running after the fork server was killed: {[p.name() for p in left]}\n{out}"
     assert list(cache.rglob("lock")) == [], "torch's build lock was left behind: the next build would wait forever"
+    assert leftovers(private_tmp) == []
+
+
+WAITS_FOR_A_MARK = """
+import os, time
+import pytest
+
+@pytest.mark.ds_world(size=1, timeout=600)
+def test_waits(ds_rank):
+    while not os.path.exists({mark!r}):
+        time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("victim", [BUILDER_NAME, COMPILER_NAME], ids=["its-warden", "the-process-that-compiles"])
+def test_a_sigkilled_comm_op_build_takes_its_compilers_along(
+    pytester: pytest.Pytester, process_tag: str, private_tmp: Path, monkeypatch: pytest.MonkeyPatch, victim: str
+) -> None:
+    """Issue 49 item 7: a comm-op build SIGKILLed beside the worlds orphaned its compilers, which raced the next build
+    in the same directory. A build is two processes now; whichever is killed, its compilers die with it at once (the
+    warden adopts and kills those of a killed worker; a killed warden's worker gets SIGTERM from the kernel, unwinds
+    and kills its own), and the run goes on to its end without the op, saying why."""
+    monkeypatch.setenv(CACHE_ENV, str(pytester.path / "cold-cache"))
+    mark = pytester.path / "compilers-checked"
+    pytester.makepyfile(WAITS_FOR_A_MARK.format(mark=str(mark)))
+    output = pytester.path / "pytest-output.txt"
+    with output.open("wb") as sink:
+        proc = subprocess.Popen([*PYTEST, "-v"], cwd=pytester.path, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: bool(named(process_tag, "cc1plus")), "a compiler started")
+        (killed,) = named(process_tag, victim)
+        killed.kill()
+        at = time.monotonic()
+        wait_until(lambda: not named(process_tag, "cc1plus") + named(process_tag, "ninja"), "compilers gone", 10)
+        gone_after = time.monotonic() - at
+        mark.touch()
+        proc.wait(timeout=120)
+    finally:
+        mark.touch()
+        proc.kill()  # only matters when an assertion above failed
+    out = output.read_text()
+    assert gone_after < 5, out
+    assert "= 1 passed in " in out, out
+    assert f"DeepSpeed's CPU comm op for {deepspeed_version()} could not be built in " in out, out
+    left = wait_for_no_processes(process_tag, timeout=15)
+    assert not left, f"left running: {[p.name() for p in left]}\n{out}"
     assert leftovers(private_tmp) == []
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REAL_CACHE, RunPytest
+from conftest import REAL_CACHE, RunPytest, first_run_without_a_preload_list
+from pytest_dsrepro.core import results
+from pytest_dsrepro.core.gates import Verdict
 from pytest_dsrepro.core.options import CACHE_ENV
 from pytest_dsrepro.worlds.client import leases
 from pytest_dsrepro.worlds.client.gpu_probe import Gpu
@@ -126,6 +128,28 @@ def test_nccl_and_gloo_worlds_with_a_deepspeed_that_guards_its_import(
     assert all(line.endswith(" ok") for line in inits), inits
 
 
+DEEPSPEED_GLOO_WORLDS = """
+import deepspeed  # the ranks use DeepSpeed: the fork server warms up for them
+import pytest
+
+
+@pytest.mark.ds_world(backend="gloo")
+@pytest.mark.parametrize("n", range(3))
+def test_gloo(ds_rank, n):
+    pass
+"""
+
+
+def test_on_a_gpu_machine_no_world_waits_for_the_preload_search(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48 item 1: on a GPU machine the fork server found what a first engine step imports itself, before its
+    first world, forking a throwaway child every few seconds for minutes (a GPU image's Python stack), and worlds with
+    a short timeout failed as if it had not started their ranks. A scout finds it beside the worlds there too, and
+    the worlds run meanwhile."""
+    first_run_without_a_preload_list(pytester, run, monkeypatch, DEEPSPEED_GLOO_WORLDS, passed=3)
+
+
 def test_a_deepspeed_that_initialises_cuda_on_import_is_left_to_the_ranks(
     pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -147,6 +171,43 @@ def test_a_deepspeed_that_initialises_cuda_on_import_is_left_to_the_ranks(
     assert len(inits) >= 4, inits
     assert all(line.endswith(" ok") for line in inits), inits
     assert len(list((tmp_path / "cache" / "fork-safety").glob("deepspeed-*-cuda.json"))) == 1  # for the next server
+
+
+CPU_ONLY = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_repro(id="cpu-only", title="a bug in the CPU accelerator's code path"),
+    pytest.mark.ds_premise(accelerator="cpu"),
+]
+
+
+@pytest.mark.ds_world(size=1, timeout=120)
+def test_cpu_only(ds_rank):
+    pass
+"""
+
+
+def test_a_cpu_only_repro_is_not_applicable_in_an_nccl_world(
+    pytester: pytest.Pytester, run: RunPytest, gpus: Simulation, tmp_path: Path
+) -> None:
+    """Its premise names the CPU accelerator, and an NCCL world's ranks run CUDA's: NOT-APPLICABLE, with why, and no
+    world; in a gloo world on the same machine it runs."""
+    pytester.makepyfile(CPU_ONLY)
+    result = run("-rs", "--ds-results", str(tmp_path / "nccl"))
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [[]1[]] test_a_cpu_only_repro_is_not_applicable_in_an_nccl_world.py:9: not applicable in a "
+            "nccl world: its bug exists only with DeepSpeed's cpu accelerator (its ds_premise), and this world's ranks "
+            "run the cuda one"
+        ]
+    )
+    assert "worlds ran on" not in result.stdout.str()  # no fork server started
+    (record,) = [t for f in results.read_all([tmp_path / "nccl"])[0] for t in f.run.tests]
+    assert record.verdict is Verdict.NOT_APPLICABLE
+    assert "cpu accelerator" in (record.error or "")
+    run("--ds-backend", "gloo").assert_outcomes(passed=1)
 
 
 HUNG = """

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from pytest_dsrepro.core import premises
 from pytest_dsrepro.core.errors import HarnessError
+from pytest_dsrepro.core.gates import Reason
 from pytest_dsrepro.core.world_spec import accelerator_for
+from pytest_dsrepro.session.verdicts import wrong_accelerator
 from pytest_dsrepro.worlds import device_nodes, workdir
 from pytest_dsrepro.worlds.client import gpu_probe, leases, nccl_diagnostics
 from pytest_dsrepro.worlds.client.gpu_probe import Gpu
@@ -67,6 +70,20 @@ def test_deepspeeds_accelerator_follows_the_backend() -> None:
     assert accelerator_for("gloo", {}) == "cpu"  # on a GPU machine too: the CPU adaptations of configs hold
     assert accelerator_for("nccl", {}) == "cuda"
     assert accelerator_for("gloo", {"DS_ACCELERATOR": "cuda"}) == "cuda"  # DeepSpeed's own variable wins
+
+
+def test_a_bug_of_one_accelerator_is_not_applicable_where_the_ranks_run_another() -> None:
+    cpu_only = premises.parse((), {"stage": 2, "accelerator": "cpu"}, "here")
+    judgement = wrong_accelerator(cpu_only, "nccl", "cuda")
+    assert judgement is not None
+    assert judgement.reason is Reason.NOT_APPLICABLE
+    assert judgement.message == (
+        "not applicable in a nccl world: its bug exists only with DeepSpeed's cpu accelerator (its ds_premise), "
+        "and this world's ranks run the cuda one"
+    )
+    assert wrong_accelerator(cpu_only, "gloo", "cpu") is None  # a gloo world on a GPU machine runs it
+    assert wrong_accelerator(premises.parse((), {"stage": 2}, "here"), "nccl", "cuda") is None  # any accelerator
+    assert wrong_accelerator(None, "nccl", "cuda") is None
 
 
 def test_what_a_poisoned_server_found_survives_its_restart() -> None:

@@ -329,3 +329,47 @@ def test_the_extras_installed_here_go_into_the_environments_made_for_other_relea
     is installed (the tests environment has it), at the versions here; extras that are not installed stay out."""
     requires = ["pytest>=8", "transformers>=5.0; extra == 'hf'", "no-such-package-here>=1; extra == 'other'"]
     assert install.extras_installed_here(requires) == [f"transformers=={metadata.version('transformers')}"]
+
+
+# ---- extra packages: requirements, never uv's options (issue 49, item 7) ----------------------------------------
+
+
+def test_extra_packages_that_are_not_requirements_are_refused_naming_where_they_came_from() -> None:
+    from pytest_dsrepro.tools import environments
+
+    env = {environments.EXTRA_PACKAGES_ENV: "einops==0.8.0, huggingface_hub[cli]>=0.20"}
+    assert environments.extra_packages(env) == ["einops==0.8.0", "huggingface_hub[cli]>=0.20"]
+    for given in ("--index-url=http://example.invalid/simple", "-e", "--editable=/tmp/x", "-r/etc/requirements.txt"):
+        with pytest.raises(environments.EnvironmentUnavailable, match=r"^\$DSREPRO_EXTRA_PACKAGES: ") as caught:
+            environments.extra_packages({environments.EXTRA_PACKAGES_ENV: f"einops {given}"})
+        assert f"{given!r} is not a package requirement" in str(caught.value)
+        assert str(caught.value).endswith("never uv's options")
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["scan", "ds_config.json", "--release", "0.16.4", "--with=--index-url=http://example.invalid/simple"],
+         "dsrepro scan: error: argument --with: '--index-url=http://example.invalid/simple' is not a package requirement"),
+        (["scan", "ds_config.json", "--release", "0.16.4"],
+         "dsrepro scan: $DSREPRO_EXTRA_PACKAGES: '-e' is not a package requirement"),
+        (["bisect", "t.py::test_x", "--good", "0.16.3", "--bad", "0.16.4"],
+         "dsrepro bisect: $DSREPRO_EXTRA_PACKAGES: '-e' is not a package requirement"),
+    ],
+    ids=["scan --with", "scan", "bisect"],
+)  # fmt: skip
+def test_an_option_given_as_a_package_stops_the_command_before_any_environment(
+    tmp_path: Path, command: list[str], said: str
+) -> None:
+    """What a user sees: one line naming the value and where it came from, exit 2, no environment made (the cache
+    stays empty) and no package index asked (the bisect stops before it lists releases)."""
+    (tmp_path / "ds_config.json").write_text('{"train_micro_batch_size_per_gpu": 1}')
+    cache = tmp_path / "cache"
+    env = {**os.environ, "DSREPRO_EXTRA_PACKAGES": "-e /tmp/elsewhere", "UV_OFFLINE": "1",
+           "UV_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "pytest_dsrepro.tools.cli", *command, "--cache-dir", str(cache)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (cache / "envs").exists() or not any((cache / "envs").iterdir())

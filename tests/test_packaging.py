@@ -5,6 +5,10 @@ docs need."""
 from __future__ import annotations
 
 import email.parser
+import importlib.metadata
+import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import LOCAL, ROOT
 
 
 @pytest.fixture
@@ -84,3 +88,50 @@ def test_license_is_the_apache_license() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.parametrize("frontend", ["pip", "uv"])
+def test_an_editable_install_imports_the_catalogue(tmp_path: Path, frontend: str) -> None:
+    """Issue 49, item 6: ``pip install -e .`` and ``uv pip install -e .`` of a checkout, in a new environment with
+    no network (no index, no build isolation: this environment's setuptools lent to it, nothing else of it), import
+    ``pytest_dsrepro.catalogue`` from the checkout's ``repros/``, as docs/writing-repros.md tells users to."""
+    from uv import find_uv_bin
+
+    tree = tmp_path / "pytest-dsrepro"
+    shutil.copytree(ROOT, tree, ignore=LOCAL)
+    venv = tmp_path / "venv"
+    uv = find_uv_bin()
+    make = [sys.executable, "-m", "venv", str(venv)] if frontend == "pip" else [uv, "venv", "-q", str(venv)]
+    subprocess.run(make, check=True, capture_output=True, timeout=120)
+    python = venv / "bin" / "python"
+    if frontend == "pip":  # ensurepip brings pip, and on Python < 3.12 a setuptools too old for PEP 639 metadata
+        subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=True, capture_output=True)
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
+    lent = tmp_path / "setuptools-lent"
+    lent.mkdir()
+    # Found, not imported: setuptools' distutils hack refuses to load where a test before this one imported distutils.
+    spec = importlib.util.find_spec("setuptools")
+    assert spec is not None
+    assert spec.origin is not None
+    here = Path(spec.origin).parent.parent
+    for name in ("setuptools", "_distutils_hack", f"setuptools-{importlib.metadata.version('setuptools')}.dist-info"):
+        (lent / name).symlink_to(here / name)
+    (site / "setuptools-lent.pth").write_text(f"{lent}\n")
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "UV_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    install = (
+        [python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", "--no-deps", "-e", str(tree)]
+        if frontend == "pip"
+        else [uv, "pip", "install", "-q", "--python", str(python), "--no-build-isolation", "--no-deps", "-e", str(tree)]
+    )
+    proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    where = ("import importlib.util, pytest_dsrepro, pytest_dsrepro.catalogue; print(pytest_dsrepro.__file__); "
+             "print(importlib.util.find_spec('pytest_dsrepro.catalogue.prerequisites').origin)")  # fmt: skip
+    found = subprocess.run([python, "-c", where], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == [
+        str(tree / "pytest_dsrepro" / "__init__.py"),
+        str(tree / "repros" / "prerequisites.py"),
+    ]

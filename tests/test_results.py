@@ -147,9 +147,9 @@ def _broken(change: Any) -> dict[str, Any]:
     [
         (lambda d: d.pop("schema"), "not a pytest-dsrepro results file (no 'schema')"),
         (lambda d: d.update(schema=1), "schema 1: written by an older pytest-dsrepro; this one reads results files "
-         "of schema 5 to 6: run those tests again to write it anew"),
+         f"of schema 5 to {results.SCHEMA}: run those tests again to write it anew"),
         (lambda d: d.update(schema="6"), "schema '6': not a pytest-dsrepro schema; this one reads results files of "
-         "schema 5 to 6"),
+         f"schema 5 to {results.SCHEMA}"),
         (lambda d: d.update(extra=1), "results file: unknown field 'extra'"),
         (lambda d: d.pop("tests"), "results file: missing field 'tests'"),
         (lambda d: d.update(tests={}), "results file: 'tests' must be a list, not an object"),

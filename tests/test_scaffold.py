@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import RunPytest
+from conftest import ROOT, RunPytest
 from pytest_dsrepro.core.configs import PRESETS
 from pytest_dsrepro.tools import catalogue, cli
 from pytest_dsrepro.tools.scaffold import Names, ScaffoldError, create, names
@@ -83,15 +84,23 @@ def test_every_preset_renders() -> None:
         compile(render("n", Path("repros/test_n.py"), None, preset), "<scaffold>", "exec")
 
 
-def test_scaffold_is_catalogued_and_passes_at_once_in_two_ranks(
+def test_scaffold_is_catalogued_and_passes_at_once_in_two_ranks_under_the_catalogues_check(
     pytester: pytest.Pytester, run: RunPytest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Issue 49, item 6: fresh ``dsrepro new`` output, beside the catalogue's own ``conftest.py`` (its device check
+    on every body), passes as written; a body beside it that makes a tensor without ``device=`` is refused, so the
+    check was there to refuse it."""
     monkeypatch.chdir(pytester.path)
     assert cli.main(["new", "my first repro", "--issue", "https://example.invalid/1"]) == 0
-    (entry,) = catalogue.collect(["repros"])
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "repros" / "conftest.py")
+    (pytester.path / "repros" / "test_unplaced.py").write_text(
+        "def test_unplaced():\n    import torch\n\n    torch.randn(2)\n"
+    )
+    (entry,) = catalogue.collect(["repros/test_my_first_repro.py"])
     assert (entry.id, entry.upstream, entry.affected, entry.fixed_in) == (
         "my-first-repro", "https://example.invalid/1", ("<0.0.1",), None,
     )  # fmt: skip
     result = run("repros", "-v")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*test_my_first_repro?zero3? PASSED*", "FIXED *test_my_first_repro[[]zero3[]]"])
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_my_first_repro?zero3? PASSED*", "*test_unplaced FAILED*"])
+    result.stdout.fnmatch_lines(["*MisplacedTensor: torch.randn() without device= at *test_unplaced.py:4*"])

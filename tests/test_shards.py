@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import deepspeed_version
+from conftest import ROOT, deepspeed_version
 from pytest_dsrepro.core import results, shard_manifests
 from pytest_dsrepro.core.shard_manifests import Manifest, ShardState
 
@@ -134,6 +137,30 @@ def test_shards_as_processes_merge_and_a_killed_one_is_named(
         f"unit/runtime/test_plain.py::test_{name}" for name in ("a", "b", "fails", "waits")
     ]
 
+    # shard 2 run again into its own directory, and killed once it has collected: dead, whatever the run before
+    # left there (its results are set aside, never read as this run's)
+    before = manifest.read_text()
+    rerun = _dsrepro("unit", "--shard", "2/3", "--results", str(tmp_path / "shard-2"), "--", "-p", "no:cacheprovider",
+                     cwd=tests, env={**os.environ, "SHARD_TEST_WAIT": "600"}, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while manifest.read_text() == before and rerun.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert json.loads(manifest.read_text())["exitstatus"] is None, rerun.communicate(timeout=60)
+    os.killpg(rerun.pid, signal.SIGKILL)
+    rerun.communicate(timeout=60)
+    killed = _merge(*(str(tmp_path / f"shard-{i}") for i in (1, 2, 3)), cwd=tmp_path)
+    assert killed.returncode == 3, killed.stdout + killed.stderr
+    (earlier,) = (tmp_path / "shard-2").glob("*.json")
+    assert (
+        f"shard 2/3 on deepspeed {results_release()}: dead: planned 1 tests, no results file: pytest never ended "
+        "(killed, or its machine lost?) (results of an earlier run in its directory are not its own)"
+    ) in killed.stdout
+    assert (
+        f"left out: {earlier}: an earlier run, replaced by the run of shard 2/3 on deepspeed {results_release()} in its "
+        "directory"
+    ) in killed.stdout
+    assert "incomplete: shard 2/3" in killed.stderr
+
     # one shard's own run sorts its failures too: known, so exit 0
     alone = _dsrepro("unit", "--shard", "3/3", "--results", str(tmp_path / "alone"), "--failures", str(failures), "--",
                      "-p", "no:cacheprovider", cwd=tests)  # fmt: skip
@@ -149,11 +176,13 @@ def results_release() -> str:
 # ---- the pieces -------------------------------------------------------------------------------------------------
 
 
-def _results(directory: Path, release: str, nodeids: list[str]) -> None:
-    tests = [results.TestRecord(nodeid=n, repro=None, variant=None, verdict=None, reason=None, outcome="passed",
-                                error=None, duration=0.1, config=None) for n in nodeids]  # fmt: skip
+def _results(directory: Path, release: str, nodeids: list[str], outcome: str = "passed", later: bool = False) -> None:
+    tests = [results.TestRecord(nodeid=n, repro=None, variant=None, verdict=None, reason=None, outcome=outcome,
+                                error=None if outcome == "passed" else "AssertionError: no", duration=0.1, config=None)
+             for n in nodeids]  # fmt: skip
     env = results.Environment(**{**results.environment("gloo", 2).to_json(), "deepspeed": release})
-    results.write(results.RunRecord(environment=env, tests=tuple(tests)), directory)
+    created = results.now() + datetime.timedelta(seconds=10 if later else 0)
+    results.write(results.RunRecord(created=created, environment=env, tests=tuple(tests)), directory)
 
 
 def test_the_merge_judges_each_shard_by_its_manifest_and_its_results(tmp_path: Path) -> None:
@@ -165,8 +194,9 @@ def test_the_merge_judges_each_shard_by_its_manifest_and_its_results(tmp_path: P
     _results(tmp_path / "1", "0.19.8", plan[1])
     _results(tmp_path / "3", "0.19.8", [])  # ended without its test
     _results(tmp_path / "3", "0.16.4", plan[3])  # another release's results in the directory: not this shard's
-    found = shard_manifests.find([tmp_path])
+    found, unreadable = shard_manifests.find([tmp_path])
     assert [m.index for _, m in found] == [1, 2, 3]
+    assert not unreadable
     files, _ = results.read_all([tmp_path])
     verdicts = shard_manifests.judge(found, files)
     assert [(s.index, s.state) for s in verdicts] == [
@@ -180,12 +210,116 @@ def test_the_merge_judges_each_shard_by_its_manifest_and_its_results(tmp_path: P
     ]
 
 
-def test_a_manifest_that_is_not_one_is_named(tmp_path: Path) -> None:
-    bad = tmp_path / f"x{shard_manifests.SUFFIX}"
-    bad.write_text(json.dumps({"schema": 1, "index": 3, "count": 2, "deepspeed": None, "planned": [],
+def test_a_manifest_that_is_not_one_is_named_and_the_others_are_read(tmp_path: Path) -> None:
+    shard_manifests.write(Manifest(1, 2, "0.19.8", ("u/t.py::a",), exitstatus=0), tmp_path / "1")
+    bad = tmp_path / "2" / f"x{shard_manifests.SUFFIX}"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({"schema": 2, "index": 3, "count": 2, "deepspeed": None, "planned": [],
                                "exitstatus": None}))  # fmt: skip
     with pytest.raises(ValueError, match=r"x.shard: 'index' and 'count' must be whole numbers, 1 <= index <= count"):
         shard_manifests.read(bad)
+    found, unreadable = shard_manifests.find([tmp_path, tmp_path / "1"])  # reached twice: read once
+    assert [m.index for _, m in found] == [1]
+    assert [str(u) for u in unreadable] == [f"{bad}: 'index' and 'count' must be whole numbers, 1 <= index <= count"]
     bad.write_text("{")
-    with pytest.raises(ValueError, match=r"x.shard: not valid JSON"):
-        shard_manifests.find([tmp_path])
+    (again,) = shard_manifests.find([tmp_path])[1]
+    assert again.path == bad
+    assert again.problem.startswith("not valid JSON")
+
+
+def test_a_schema_1_manifest_reads_as_one_whose_directory_held_nothing(tmp_path: Path) -> None:
+    path = tmp_path / f"old{shard_manifests.SUFFIX}"
+    path.write_text(json.dumps({"schema": 1, "index": 1, "count": 1, "deepspeed": "0.19.8", "planned": ["u::a"],
+                                "exitstatus": 0}))  # fmt: skip
+    assert shard_manifests.read(path) == Manifest(1, 1, "0.19.8", ("u::a",), 0, earlier=())
+
+
+def test_an_earlier_run_in_a_shards_directory_is_not_its_own(tmp_path: Path) -> None:
+    """Shard 2 ran, then ran again into the same directory and died: the first run's file is set aside (it holds
+    the shard's planned test), the shard is dead; a file of another shard in that directory is not set aside."""
+    _results(tmp_path, "0.19.8", ["u/t.py::a"])  # shard 1's, in the same directory, before shard 2 ran
+    _results(tmp_path, "0.19.8", ["u/t.py::b"])  # shard 2's first run
+    earlier = shard_manifests.results_in(tmp_path)
+    shard_manifests.write(Manifest(1, 2, "0.19.8", ("u/t.py::a",), exitstatus=0), tmp_path)
+    shard_manifests.write(Manifest(2, 2, "0.19.8", ("u/t.py::b",), earlier=earlier), tmp_path)
+    files, _ = results.read_all([tmp_path])
+    found, _ = shard_manifests.find([tmp_path])
+    replaced = shard_manifests.superseded(found, files)
+    (first_run,) = (f.path for f in files if f.run.tests[0].nodeid == "u/t.py::b")
+    assert replaced == {first_run: "shard 2/2 on deepspeed 0.19.8"}
+    verdicts = shard_manifests.judge(found, [f for f in files if f.path not in replaced])
+    assert [(s.index, s.state) for s in verdicts] == [(1, ShardState.COMPLETE), (2, ShardState.DEAD)]
+    _results(tmp_path, "0.19.8", ["u/t.py::b"])  # the re-run ends: complete, from its own file
+    files, _ = results.read_all([tmp_path])
+    verdicts = shard_manifests.judge(found, [f for f in files if f.path not in replaced])
+    assert [(s.index, s.state) for s in verdicts] == [(1, ShardState.COMPLETE), (2, ShardState.COMPLETE)]
+
+
+def test_a_test_in_two_results_files_counts_once_from_the_newer(tmp_path: Path) -> None:
+    _results(tmp_path / "a", "0.19.8", ["u/t.py::a", "u/t.py::b"], outcome="failed")
+    _results(tmp_path / "b", "0.19.8", ["u/t.py::b"], later=True)
+    _results(tmp_path / "b", "0.16.4", ["u/t.py::b"])  # another release: its own test
+    files, _ = results.read_all([tmp_path])
+    kept, repeated = shard_manifests.counted_once(files)
+    outcomes = sorted((f.run.environment.deepspeed, t.nodeid, t.outcome) for f in kept for t in f.run.tests)
+    assert outcomes == [("0.16.4", "u/t.py::b", "passed"), ("0.19.8", "u/t.py::a", "failed"),
+                        ("0.19.8", "u/t.py::b", "passed")]  # fmt: skip
+    (r,) = repeated
+    assert str(r).startswith("1 tests of deepspeed 0.19.8 are in more than one results file (")
+    assert str(r).endswith("): each counted once, the newest")
+
+
+def test_the_merge_names_a_bad_manifest_and_counts_copies_once(tmp_path: Path) -> None:
+    """What a user sees: one shard's artifact downloaded twice (its manifest and results in two directories), and a
+    manifest damaged in a third: the shard counts once, its failure once, the damaged manifest is named, exit 3."""
+    for where in ("job-1", "job-1-again"):
+        shard_manifests.write(Manifest(1, 2, "0.19.8", ("u/t.py::a",), exitstatus=1), tmp_path / where)
+    _results(tmp_path / "job-1", "0.19.8", ["u/t.py::a"], outcome="failed")
+    shutil.copy2(next((tmp_path / "job-1").glob("*.json")), tmp_path / "job-1-again")
+    (tmp_path / "job-2").mkdir()
+    damaged = tmp_path / "job-2" / Manifest(2, 2, "0.19.8", ()).filename()
+    damaged.write_text('{"schema": 2, "index": 2')
+    merged = _merge(*(str(tmp_path / d) for d in ("job-1", "job-1-again", "job-2")), cwd=tmp_path)
+    assert merged.returncode == 3, merged.stdout + merged.stderr
+    lines = merged.stdout.splitlines()
+    assert sum(line.startswith("shard 1/2 on deepspeed 0.19.8: complete") for line in lines) == 1
+    assert "shard 2/2 on deepspeed 0.19.8: missing: no manifest" in merged.stdout
+    assert any(line.startswith("unreadable manifest: ") and str(damaged) in line and "not valid JSON" in line
+               for line in lines)  # fmt: skip
+    assert "counted once: 1 tests of deepspeed 0.19.8 are in more than one results file" in merged.stdout
+    assert "1 failed: 1 new, 0 known" in lines  # not 2: the copy is the same run
+    assert sum(line.startswith("NEW      u/t.py::a") for line in lines) == 1
+    assert "incomplete: shard 2/2 on deepspeed 0.19.8 (missing), unreadable manifests" in merged.stderr
+
+
+# ---- the documented workflow ------------------------------------------------------------------------------------
+
+
+def _documented_workflow() -> str:
+    """The GitHub workflow docs/upstream.md offers, as a user copies it."""
+    text = (ROOT / "docs" / "upstream.md").read_text()
+    start = text.index("name: DeepSpeed tests/unit on CPU worlds")
+    return text[start : text.index("```", start)]
+
+
+def test_the_documented_workflow_pins_actions_reads_only_and_keeps_no_credentials(tmp_path: Path) -> None:
+    """Issue 49, item 7: every action pinned by a full commit, the token read-only, the checkout's token not left in
+    ``.git/config``; and zizmor (offline: its audits that need no GitHub API) finds nothing."""
+    yaml = pytest.importorskip("yaml")  # transformers' dependency (the hf extra), in the test environment
+    workflow = yaml.safe_load(_documented_workflow())
+    assert workflow["permissions"] == {"contents": "read"}
+    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
+    uses = [step["uses"] for step in steps if "uses" in step]
+    assert len(uses) == 4
+    assert all(re.fullmatch(r"actions/[a-z-]+@[0-9a-f]{40}", u) for u in uses), uses
+    checkouts = [step for step in steps if step.get("uses", "").startswith("actions/checkout@")]
+    assert checkouts
+    assert all(step["with"]["persist-credentials"] is False for step in checkouts)
+    path = tmp_path / ".github" / "workflows" / "dsrepro-upstream.yml"
+    path.parent.mkdir(parents=True)
+    path.write_text(_documented_workflow())
+    binary = Path(sys.executable).parent / "zizmor"  # the test extra's: a binary in the environment's bin/
+    zizmor = subprocess.run([str(binary), "--offline", "--no-progress", str(path)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert zizmor.returncode == 0, zizmor.stdout + zizmor.stderr
+    assert "No findings to report" in zizmor.stdout

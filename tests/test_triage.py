@@ -6,7 +6,9 @@ in a subprocess on the installed catalogue, with bad input of every kind, and on
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import logread, premises, triage
+from pytest_dsrepro.core import known_fixes, logread, premises, triage, versions
+from pytest_dsrepro.core.faces import Face, gate_face
 from pytest_dsrepro.core.logread import Frame
 from pytest_dsrepro.core.results import Finding, ScanVerdict
 from pytest_dsrepro.core.text import strip_ansi
@@ -119,44 +122,173 @@ def test_a_config_pasted_in_the_log_with_comments_is_read() -> None:
     assert logread.read(text).config == {"zero_optimization": {"stage": 3}, "train_batch_size": 8}
 
 
+# --- reading reports as they arrive ---------------------------------------------------------------------------------
+
+
+def test_a_space_before_the_rank_prefix_hides_no_exception() -> None:
+    """GitHub's rendering copies a space before ``[rank3]:``: the prefix is still the rank's, the traceback still read."""
+    text = "\n".join(f" [rank3]: {line}" for line in TRACEBACK.splitlines())
+    (error,) = logread.read(text).errors
+    assert error.ranks == (3,)
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+
+
+def test_a_warnings_error_before_the_traceback_is_not_the_error() -> None:
+    """An import warning's ``AttributeError`` (protobuf's, printed bare) comes first; the traceback with DeepSpeed
+    frames that follows is what the log shows and what the bug is found by."""
+    noise = ("/usr/lib/python3/site-packages/google/protobuf/internal/builder.py:42: UserWarning: something\n"
+             "AttributeError: 'MessageFactory' object has no attribute 'GetPrototype'\n"
+             "AttributeError: 'MessageFactory' object has no attribute 'GetPrototype'\n")  # fmt: skip
+    reading = logread.read(noise + "".join(f"[rank0]:{line}\n" for line in TRACEBACK.splitlines()))
+    assert reading.primary is not None
+    assert reading.primary.message == EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")
+    t = triage.rank(CATALOGUE, reading)
+    assert t.known is not None
+    assert t.known.bug.id == "epilogue"
+    assert triage.showed(reading).endswith("at deepspeed/runtime/engine.py:2300 in backward")
+
+
+def test_the_plugins_own_suffixes_are_not_the_message() -> None:
+    """``; collateral: ...`` and ``(with the prerequisite fix ...)`` are the plugin's words: ``dsrepro new --from-log``
+    prefills a ``match=`` of the exception's message alone, which its gate then matches."""
+    text = ("ranks 0: KeyError: 7; collateral: rank 1 then lost a peer (with the prerequisite fix for zero12-x: "
+            "0.18.7-0.18.9); rank 2: IndexError: list index out of range\n")  # fmt: skip
+    errors = logread.read(text).errors
+    assert [e.headline for e in errors] == ["KeyError: 7", "IndexError: list index out of range"]
+    start = scaffold.prefill(logread.read(text))
+    assert start.match == "'7'"
+
+
+def test_a_traceback_cut_before_its_exception_keeps_its_frames() -> None:
+    text = "I get this when training:\n" + "\n".join(TRACEBACK.splitlines()[:-1]) + "\n[...]\nany idea?\n"
+    reading = logread.read(text)
+    assert reading.errors == ()
+    assert Frame("deepspeed/runtime/engine.py", 2300, "backward") in reading.cut
+    assert (
+        triage.showed(reading)
+        == "a traceback cut before its exception, at deepspeed/runtime/engine.py:2300 in backward"
+    )
+
+
+@pytest.mark.parametrize(
+    ("title", "headline"),
+    [
+        ("[BUG]AttributeError: 'X' object has no attribute 'y'", "AttributeError: 'X' object has no attribute 'y'"),
+        ("`IndexError: pop from an empty deque` after 20 s", "IndexError: pop from an empty deque` after 20 s"),
+        ("训练 IndexError: slice() cannot be applied", "IndexError: slice() cannot be applied"),
+    ],
+)
+def test_an_error_named_only_in_a_title(title: str, headline: str) -> None:
+    reading = logread.read(f"{title}\n\nIt fails after a while, see the screenshot.\n")
+    assert [e.headline for e in reading.errors] == [headline]
+
+
+def test_a_type_named_without_a_message_is_noted() -> None:
+    reading = logread.read("ZeRO-1 RuntimeError when using communication_data_type bf16\n")
+    assert reading.errors == ()
+    assert reading.named == ("RuntimeError",)
+
+
+def test_a_message_written_out_without_its_type_still_names_the_bug() -> None:
+    """The paste lost the type's first letter: the declared message, long enough to name the bug, is in the text."""
+    gated = bug("slice", gate_face(None, "<1", "IndexError", r"slice\(\) cannot be applied to a 0-dim tensor"))
+    t = triage.rank([gated], logread.read("the error:\nndexError: slice() cannot be applied to a 0-dim tensor.\n"))
+    assert t.known is not None
+    assert "the text writes out its message 'slice() cannot be applied to a 0-dim tensor'" in t.known.reason
+
+
+def test_a_title_that_repeats_the_tracebacks_exception_never_hides_its_frames() -> None:
+    text = f"[BUG] AttributeError: {EPILOGUE.format('overlapping_partition_gradients_reduce_epilogue')}\n\n{TRACEBACK}"
+    reading = logread.read(text)
+    (error,) = reading.errors
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+    assert "(no DeepSpeed frame)" not in triage.showed(reading)
+
+
+def test_an_exception_chained_through_user_code_keeps_deepspeeds() -> None:
+    text = (TRACEBACK + "\nThe above exception was the direct cause of the following exception:\n\n"
+            'Traceback (most recent call last):\n  File "/home/u/loop.py", line 9, in run\n'
+            '    raise TrainingFailed("step 12") from exc\nloop.TrainingFailed: step 12\n')  # fmt: skip
+    reading = logread.read(text)
+    assert [e.name for e in reading.errors] == ["AttributeError", "TrainingFailed"]
+    assert reading.primary is reading.errors[0]
+    assert triage.rank(CATALOGUE, reading).candidates[0].bug.id == "epilogue"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        '  File "/opt/conda/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 2300, in backward',
+        '  File "/home/me/src/DeepSpeed/deepspeed/runtime/engine.py", line 2300, in backward',
+        '  File "/x/site-packages/deepspeed-0.9.2-py3.10.egg/deepspeed/runtime/engine.py", line 2300, in backward',
+        '  File "C:\\envs\\ds\\Lib\\site-packages\\deepspeed\\runtime\\engine.py", line 2300, in backward',
+        "\u2502 /usr/lib/python3/deepspeed/runtime/engine.py:2300 in backward          \u2502",
+        "File /srv/venv/lib/python3.11/site-packages/deepspeed/runtime/engine.py:2300, in DeepSpeedEngine.backward(self)",
+    ],
+)
+def test_deepspeed_frames_under_any_prefix(frame: str) -> None:
+    """site-packages, a source checkout, an egg, Windows, rich's box, IPython."""
+    text = f"Traceback (most recent call last):\n{frame}\n    self.allreduce_gradients()\nKeyError: 2\n"
+    (error,) = logread.read(text).errors
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+
+
+def test_a_traceback_indented_whole_is_read() -> None:
+    """A paste indented as a Markdown code block: the exception line is indented like the frames."""
+    (error,) = logread.read("\n".join(f"    {line}" for line in TRACEBACK.splitlines())).errors
+    assert error.name == "AttributeError"
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+
+
+def test_a_quoted_multi_node_log_is_read() -> None:
+    """A Markdown quote's ``> `` and a launcher's host before every line (DeepSpeed's pdsh runner)."""
+    text = "\n".join(f"> node-07: {line}" for line in TRACEBACK.splitlines())
+    (error,) = logread.read(text).errors
+    assert error.innermost_deepspeed == Frame("deepspeed/runtime/engine.py", 2300, "backward")
+
+
 # --- ranking --------------------------------------------------------------------------------------------------------
 
 
-def bug(id: str, *signatures: triage.Signature, premise: premises.Premise | None = None, fixed_in: str | None = None,
+def bug(id: str, *faces: Face, premise: premises.Premise | None = None, fixed_in: str | None = None,
         root_cause: str = "") -> triage.KnownBug:  # fmt: skip
-    return triage.KnownBug(id, f"title of {id}", None, fixed_in, root_cause, f"/x/repros/test_{id}.py", signatures,
-                             premise, "the_fix")  # fmt: skip
+    affected = tuple(f.affected for f in faces if f.affected)
+    return triage.KnownBug(id, f"title of {id}", None, fixed_in, root_cause, f"/x/repros/test_{id}.py", faces,
+                             premise, "the_fix", affected)  # fmt: skip
+
+
+def on(release: str, origin: str = triage.GIVEN) -> triage.Judged:
+    return triage.Judged((Version(release),), origin)
 
 
 EPILOGUE_BUG = bug(
     "epilogue",
-    triage.Signature("<0.18.3", "AttributeError", EPILOGUE.format("backward")),
-    triage.Signature(">=0.18.3", "AttributeError", EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")),
+    gate_face(None, "<0.18.3", "AttributeError", EPILOGUE.format("backward")),
+    gate_face(None, ">=0.18.3", "AttributeError", EPILOGUE.format("overlapping_partition_gradients_reduce_epilogue")),
     premise=premises.parse((), {"stage": 3}, "test"),
     root_cause="engine.backward calls allreduce_gradients on DeepSpeedZeRoOffload",
 )
-KEYERROR_BUG = bug("keyerror", triage.Signature("<0.19.6", "KeyError", r"^2$"), fixed_in="0.19.6")
+KEYERROR_BUG = bug("keyerror", gate_face(None, "<0.19.6", "KeyError", r"^2$"), fixed_in="0.19.6")
 CATALOGUE = [EPILOGUE_BUG, KEYERROR_BUG]
 
 
 def test_the_declared_message_makes_a_confident_candidate_and_says_why() -> None:
-    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), Version("0.18.3"))
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), on("0.18.3"))
     assert t.known is not None
     assert t.known.bug.id == "epilogue"
     assert t.known.reason.startswith("the message is the one it declares: AttributeError matching")
-    assert "frames backward" in t.known.reason
     assert t.known.reason.endswith("deepspeed 0.18.3 is in that range")
     assert [c.bug.id for c in t.candidates] == ["epilogue"]
 
 
 def test_another_releases_message_is_still_the_bug_and_is_said_so() -> None:
-    t = triage.rank(CATALOGUE, logread.read("AttributeError: " + EPILOGUE.format("backward")), Version("0.19.0"))
+    t = triage.rank(CATALOGUE, logread.read("AttributeError: " + EPILOGUE.format("backward")), on("0.19.0"))
     assert t.known is not None
     assert "that message is the one of deepspeed<0.18.3; on 0.19.0 it raises AttributeError matching" in t.known.reason
 
 
 def test_the_type_alone_is_weak_evidence() -> None:
-    t = triage.rank(CATALOGUE, logread.read("KeyError: 'input_ids'\n"), Version("0.18.3"))
+    t = triage.rank(CATALOGUE, logread.read("KeyError: 'input_ids'\n"), on("0.18.3"))
     assert t.known is None
     assert [c.bug.id for c in t.candidates] == ["keyerror"]
     assert t.candidates[0].score < triage.CONFIDENT
@@ -164,7 +296,7 @@ def test_the_type_alone_is_weak_evidence() -> None:
 
 
 def test_a_release_outside_the_range_rules_the_bug_out_with_the_fixed_release() -> None:
-    t = triage.rank(CATALOGUE, logread.read("KeyError: 2\n"), Version("0.19.8"))
+    t = triage.rank(CATALOGUE, logread.read("KeyError: 2\n"), on("0.19.8"))
     assert t.candidates == ()
     (ruled,) = t.ruled_out
     assert ruled.reason == "deepspeed 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
@@ -175,12 +307,40 @@ def test_a_release_outside_the_range_rules_the_bug_out_with_the_fixed_release() 
     )
 
 
+def test_a_release_only_assumed_never_rules_a_matched_bug_out() -> None:
+    """The DeepSpeed installed here is no evidence of the release that failed: the bug stays the known one, and the
+    output asks."""
+    t = triage.rank(CATALOGUE, logread.read("KeyError: 2\n"), on("0.19.8", triage.ASSUMED))
+    assert t.ruled_out == ()
+    assert t.known is not None
+    assert t.known.bug.id == "keyerror"
+    assert t.known.note == "fixed in 0.19.6; the DeepSpeed installed here is 0.19.8: was the log from an older release?"
+    assert "judged on: deepspeed 0.19.8 (installed here, assumed); config:" in "\n".join(triage.terminal(t))
+    assert triage.verdict(t).startswith("a known bug: keyerror (fixed in 0.19.6; the DeepSpeed installed here is")
+
+
+def test_the_releases_a_log_states_rule_in_when_any_is_in_range() -> None:
+    """A report that says it worked on one release and fails on another states both: the bug is ruled out only when
+    none of them is in its range."""
+    reading = logread.read("works with deepspeed==0.19.7, fails with deepspeed==0.19.5\nKeyError: 2\n")
+    assert reading.versions == ("0.19.7", "0.19.5")
+    judged = triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
+    t = triage.rank(CATALOGUE, reading, judged)
+    assert t.known is not None
+    assert t.known.reason.endswith("deepspeed 0.19.5 is in that range")
+    assert judged.describe() == "deepspeed 0.19.7 (stated in the log; it also states 0.19.5)"
+    ruled = triage.rank(CATALOGUE, reading, triage.Judged((Version("0.19.7"), Version("0.19.8")), triage.STATED))
+    assert (
+        ruled.ruled_out[0].reason == "deepspeed 0.19.7, 0.19.8 is outside its affected range <0.19.6: fixed in 0.19.6"
+    )
+
+
 def test_a_config_that_cannot_meet_the_premise_rules_the_bug_out() -> None:
-    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), None, {"zero_optimization": {"stage": 2}})
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), triage.Judged(), {"zero_optimization": {"stage": 2}})
     assert t.known is None
     (ruled,) = t.ruled_out
     assert ruled.reason == "the config cannot meet its premise: needs ZeRO stage 3; the config has 2"
-    met = triage.rank(CATALOGUE, logread.read(TRACEBACK), None, {"zero_optimization": {"stage": 3}})
+    met = triage.rank(CATALOGUE, logread.read(TRACEBACK), triage.Judged(), {"zero_optimization": {"stage": 3}})
     assert met.known is not None
     assert "the config meets its premise (ZeRO stage 3)" in met.known.reason
 
@@ -195,7 +355,7 @@ def test_a_log_with_no_exception_is_compared_by_its_words_and_never_confident() 
 
 
 def test_the_markdown_is_a_ready_comment() -> None:
-    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), Version("0.18.3"), release_from="--release")
+    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), on("0.18.3"))
     said = {"epilogue": Finding(ScanVerdict.AFFECTED, "on deepspeed 0.18.3: ranks 0-1: AttributeError")}
     text = triage.markdown(t, said, log="crash.log")
     assert text.startswith("### This looks like a known DeepSpeed bug: `epilogue`")
@@ -229,6 +389,13 @@ def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
     assert said == "the config shown in the log"
     assert shown is not None
     assert shown["zero_optimization"] == {"stage": 3}
+
+
+def test_a_pasted_config_deepspeed_would_refuse_is_judged_as_written() -> None:
+    """A section written as a bare value (``"fp16": false``) is no crash: the premise is judged on it as written."""
+    reading = logread.read('config: {"fp16": false, "zero_optimization": {"stage": 2}}\nKeyError: 2\n')
+    config, said = triage_command.config(None, reading, 2)
+    assert (config, said) == ({"fp16": False, "zero_optimization": {"stage": 2}}, "the config shown in the log")
 
 
 def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,6 +460,16 @@ def test_bad_input_is_one_line(tmp_path: Path, content: bytes, said: str) -> Non
     assert "Traceback" not in proc.stderr
 
 
+def test_a_known_fixes_file_that_is_not_one_is_one_line(tmp_path: Path) -> None:
+    log = tmp_path / "crash.log"
+    log.write_text("KeyError: 2\n")
+    (tmp_path / "fixes.json").write_text('{"schema": 99}')
+    proc = dsrepro_triage(str(log), "--known-fixes", "fixes.json", cwd=tmp_path)
+    assert proc.returncode == triage_command.USAGE
+    assert proc.stderr == ("dsrepro triage: --known-fixes fixes.json: fixes.json: not a known-fixes file of schema 1"
+                           "\n")  # fmt: skip
+
+
 def test_a_missing_log_is_one_line(tmp_path: Path) -> None:
     missing = dsrepro_triage(str(tmp_path / "nowhere.log"), cwd=tmp_path)
     assert missing.returncode == triage_command.USAGE
@@ -303,15 +480,24 @@ def test_a_missing_log_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_log_without_a_traceback_says_so(tmp_path: Path) -> None:
-    """No exception, and the release the log states is not the one installed here: both said."""
+    """No exception; the release the log states is the one judged on, and said so."""
     log = tmp_path / "train.log"
     log.write_text("DeepSpeed version 0.14.4\nstep 1 loss 2.3\nstep 2 loss 2.1\ntraining finished\n")
     proc = dsrepro_triage(str(log), cwd=tmp_path)
     assert proc.returncode == triage_command.UNKNOWN
-    assert proc.stdout.splitlines()[1].startswith("note: the log states deepspeed 0.14.4; judged on ")
-    assert proc.stdout.splitlines()[1].endswith("(installed here); --release 0.14.4 judges on the log's")
-    assert "the log shows: no exception (no traceback, no `...Error: message` line)" in proc.stdout
+    assert proc.stdout.splitlines()[1:3] == [
+        "the log shows: no exception (no traceback, no `...Error: message` line)",
+        "judged on: deepspeed 0.14.4 (stated in the log); config: none given, none in the log",
+    ]
     assert proc.stdout.rstrip().splitlines()[-2] == "no known bug matches this log"
+
+
+def test_standard_input_closed_is_one_line(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "pytest_dsrepro.tools.cli", "triage", "-"]
+    proc = subprocess.run(command, cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(0))  # fmt: skip
+    assert proc.returncode == triage_command.USAGE
+    assert proc.stderr == "dsrepro triage: standard input is closed; pipe the log into it, or give the log's file\n"
 
 
 def test_a_200_mb_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
@@ -331,13 +517,93 @@ def test_a_200_mb_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
 
 
 def test_confirm_says_honestly_that_a_fixed_bug_does_not_reproduce_here(tmp_path: Path, process_tag: str) -> None:
-    """The module-id bug's own failure text, on the DeepSpeed installed here (fixed since 0.16.4): ruled out by its
-    range, and the run says so too."""
+    """The module-id bug's own failure text, with no release stated: the DeepSpeed installed here (fixed since 0.16.4)
+    is only assumed, so the bug is still the known one, asked about; the run says it does not reproduce here."""
     log = tmp_path / "issue.txt"
     log.write_text("AssertionError: ZeRO-3 initialize replaced the user's expert ids: [100, 101] -> [3, 5]\n")
     proc = dsrepro_triage(str(log), "--confirm", cwd=tmp_path, timeout=600)
-    assert proc.returncode == triage_command.UNKNOWN, proc.stdout + proc.stderr
-    assert "ruled out zero3-module-id-clobbered: deepspeed" in proc.stdout
+    assert proc.returncode == triage_command.KNOWN, proc.stdout + proc.stderr
+    assert "note: the log states no release; deepspeed " in proc.stdout
+    assert "KNOWN BUG  zero3-module-id-clobbered" in proc.stdout
+    assert "release: fixed in 0.16.4; the DeepSpeed installed here is " in proc.stdout
     assert "confirm: not reproduced here: fixed: passes on deepspeed" in proc.stdout
     assert "FIXED  test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, above the triage
-    assert "no known bug here: the log looks like zero3-module-id-clobbered" in proc.stdout
+    assert "a known bug: zero3-module-id-clobbered (fixed in 0.16.4; the DeepSpeed installed here is" in proc.stdout
+
+
+# --- the fixes the atlas knows ---------------------------------------------------------------------------------------
+
+
+FROB = known_fixes.KnownFix(16, "Fix the frobnicator", "0" * 40, "0.1.0", "99.0", (
+    known_fixes.FixedTest("unit/test_frob.py::test_widgets_kept", "ranks 0-1: RuntimeError: the frobnicator lost its "
+                          "widgets on rank 3"),
+    known_fixes.FixedTest("unit/test_frob.py::test_count", "assert 3 == 0"),
+))  # fmt: skip
+
+
+def test_a_known_fix_is_named_by_its_tests_failure_with_its_pull_request() -> None:
+    fix = triage.fix_bug(FROB)
+    assert (fix.id, fix.title, fix.upstream, fix.fixed_in, fix.affected) == (
+        "fix-16",
+        "Fix the frobnicator",
+        "https://github.com/deepspeedai/DeepSpeed/pull/16",
+        "99.0",
+        ("<99.0",),
+    )
+    (face,) = fix.faces  # a test's own ``assert`` is no face: users never see it
+    assert face.raises == "RuntimeError"
+    t = triage.rank([*CATALOGUE, fix], logread.read("RuntimeError: the frobnicator lost its widgets on rank 0\n"))
+    assert t.known is not None
+    assert t.known.bug is fix
+    assert "the fix's own test failed so on 0.1.0 and passes from 99.0" in t.known.reason
+    assert t.known.bug.workaround == "upgrade to deepspeed 99.0 or later"
+    ruled = triage.rank([fix], logread.read("RuntimeError: the frobnicator lost its widgets\n"), on("99.1"))
+    assert ruled.ruled_out[0].reason == "deepspeed 99.1 is outside its affected range <99.0: fixed in 99.0"
+
+
+def test_a_catalogued_bug_outranks_a_known_fix_of_the_same_evidence() -> None:
+    same = dataclasses.replace(triage.fix_bug(FROB), faces=KEYERROR_BUG.faces, affected=KEYERROR_BUG.affected)
+    t = triage.rank([same, KEYERROR_BUG], logread.read("KeyError: 2\n"))
+    assert [c.bug.id for c in t.candidates] == ["keyerror", "fix-16"]
+
+
+def _fake_deepspeed_clone(root: Path) -> str:
+    """A clone in DeepSpeed's layout whose fix commit adds a test that fails on any release before 99.0."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+                              check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+    files = {"version.txt": "0.1.0\n", ".gitignore": "__pycache__/\n", "tests/conftest.py": "", "tests/pytest.ini": "[pytest]\n",
+             "tests/unit/common.py": "class DistributedTest: pass\n",
+             "tests/unit/test_frob.py": "def test_widgets_kept():\n    import deepspeed\n\n    assert deepspeed."
+             "__version__ == '99.0', 'the frobnicator lost its widgets'\n"}  # fmt: skip
+    root.mkdir()
+    git("init", "-q")
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    git("add", "-A")
+    git("commit", "-qm", "Fix the frobnicator (#16)")
+    return git("rev-parse", "HEAD")
+
+
+def test_confirm_runs_a_known_fixs_own_test_from_the_users_clone(tmp_path: Path) -> None:
+    """``--confirm --repo CLONE``: the fix's own test, at the fix's commit, run on the DeepSpeed here, where it fails
+    as it did before the fix: the bug is reproduced here."""
+    sha = _fake_deepspeed_clone(tmp_path / "DeepSpeed")
+    fixes = tmp_path / "known-fixes.json"
+    known_fixes.write(fixes, [dataclasses.replace(FROB, commit=sha, tests=FROB.tests[:1])], "a test")
+    log = tmp_path / "crash.log"
+    log.write_text("RuntimeError: the frobnicator lost its widgets on rank 0\n")
+    without = dsrepro_triage(str(log), "--known-fixes", str(fixes), "--repo", "x", cwd=tmp_path)
+    assert (without.returncode, without.stderr) == (triage_command.USAGE, "dsrepro triage: --repo is for --confirm: "
+                                                    "the clone a known fix's own test is run from\n")  # fmt: skip
+    proc = dsrepro_triage(str(log), "--known-fixes", str(fixes), "--confirm", "--top", "1", "--repo",
+                          str(tmp_path / "DeepSpeed"), cwd=tmp_path, timeout=600)  # fmt: skip
+    assert proc.returncode == triage_command.KNOWN, proc.stdout + proc.stderr
+    assert "KNOWN BUG  fix-16: Fix the frobnicator" in proc.stdout
+    assert ("confirm: REPRODUCED here: its own test unit/test_frob.py::test_widgets_kept fails on deepspeed "
+            f"{versions.installed_text('deepspeed')}, as before the fix (99.0): AssertionError: the frobnicator lost its "
+            "widgets") in proc.stdout  # fmt: skip
+    assert "a known bug, reproduced here: fix-16" in proc.stdout

@@ -33,6 +33,7 @@ from pytest_dsrepro.worlds.protocol import (
     FinishBuild,
     Hello,
     Kill,
+    OpWait,
     RankJob,
     RankReport,
     RankValue,
@@ -54,10 +55,20 @@ class ScriptedServer(ForkServer):
 
     alive = True  # type: ignore[assignment]
 
-    def __init__(self, ends: dict[int, tuple[RankReport | None, int]] | None = None, *, starts: bool = True) -> None:
-        super().__init__(Path("/nonexistent"), startup_timeout=0)
+    def __init__(
+        self,
+        ends: dict[int, tuple[RankReport | None, int]] | None = None,
+        *,
+        starts: bool = True,
+        preparing: float = 0.0,
+        startup_timeout: float = 0.0,
+        script: tuple[tuple[float, ServerMessage], ...] = (),
+    ) -> None:
+        super().__init__(Path("/nonexistent"), startup_timeout=startup_timeout)
         self.ends = ends or {}
         self.starts = starts
+        self.preparing = preparing  # how long the server prepares the ranks (a first warm-up) before Spawned
+        self.script = script  # more messages, each due so long after Spawned
         self.sent: list[ClientMessage] = []
         self.replies: list[ServerMessage] = []
         self.alive = True
@@ -67,7 +78,9 @@ class ScriptedServer(ForkServer):
         self.sent.append(message)
         if isinstance(message, Spawn) and self.starts:
             self.workdir = Path(message.workdir)
+            time.sleep(self.preparing)
             self.replies.append(Spawned(message.world, tuple(range(1000, 1000 + message.size))))
+            self.due = [(time.monotonic() + after, m) for after, m in self.script]
             for rank, (report, code) in self.ends.items():
                 if report is not None:
                     protocol.write_report(self.workdir, rank, report)
@@ -80,6 +93,8 @@ class ScriptedServer(ForkServer):
     def receive(self, timeout: float) -> ServerMessage | None:
         if self.replies:
             return self.replies.pop(0)
+        if getattr(self, "due", None) and self.due[0][0] <= time.monotonic():
+            return self.due.pop(0)[1]
         time.sleep(min(timeout, 0.01))
         return None
 
@@ -151,6 +166,35 @@ def test_a_server_that_does_not_start_the_ranks_is_a_harness_error() -> None:
     server = ScriptedServer(starts=False)
     with pytest.raises(HarnessError, match="did not start the ranks"):
         _run(server, timeout=0.1)
+
+
+def test_a_worlds_clock_starts_when_its_ranks_run(no_signals_from_here: list[tuple[int, int]]) -> None:
+    """Issue 49 item 5: the server's preparation of a world (a first warm-up) is bounded by its start-up timeout, not
+    the world's: ranks that end within the world's timeout after they were started pass, however long it took."""
+    ends = {rank: (RankReport(Status.PASSED), 0) for rank in range(2)}
+    outcome = _run(ScriptedServer(ends, preparing=0.5, startup_timeout=60), timeout=0.2)
+    assert outcome.passed, outcome
+
+
+def test_a_worlds_clock_stops_while_its_ranks_wait_for_an_op_the_server_builds(
+    no_signals_from_here: list[tuple[int, int]],
+) -> None:
+    """Issue 49 item 2: a rank waiting for an op the server builds for it (``OpWait``) is not its test's time: a 1 s
+    world whose ranks waited 2 s and ended 0.5 s later is no hang; one that runs on past its own 1 s after the wait
+    is, and only then."""
+    waited = ((0.1, OpWait(WORLD, 0.0, waiting=True)), (2.0, OpWait(WORLD, 2.0, waiting=False)))
+    script = (*waited, (2.5, Exited(WORLD, 0, 0)), (2.5, Exited(WORLD, 1, 0)))
+    outcome = _run(ScriptedServer(script=_at_spawn(script)), timeout=1.0)
+    assert Status.HUNG not in {r.status for r in outcome.ranks}  # they ended on their own (with no report: crashed)
+    hung = _run(ScriptedServer(script=_at_spawn(waited)), timeout=1.0, stack_dump_wait=0.05)
+    assert {r.status for r in hung.ranks} == {Status.HUNG}
+    assert hung.duration > 2.8  # 2 s waiting, then its own 1 s
+
+
+def _at_spawn(script: tuple[tuple[float, ServerMessage], ...]) -> tuple[tuple[float, ServerMessage], ...]:
+    """``OpWait`` times (``at``) made relative to now, as the server stamps them on the same clock."""
+    now = time.monotonic()
+    return tuple((after, OpWait(m.world, now + m.at, m.waiting) if isinstance(m, OpWait) else m) for after, m in script)
 
 
 def test_a_server_that_does_not_start_is_a_harness_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,7 +419,7 @@ def test_the_end_of_a_run_does_not_wait_on_a_server_busy_with_a_first_preload(
     told: list[str] = []
     server = ScriptedServer()
     server.progress = told.append
-    server.facts = ServerFacts(pid=1, torch="2.13.0", builds_beside=True)
+    server.facts = ServerFacts(pid=1, torch="2.13.0", deepspeed="0.19.8")
     busy = Building("... still finding what a first DeepSpeed engine step imports (20s)")
     monkeypatch.setattr(fork_server, "FINISH_WAIT", 0.3)
     monkeypatch.setattr(server, "receive", lambda timeout: time.sleep(min(timeout, 0.05)) or busy)
@@ -420,6 +464,29 @@ def test_a_world_interrupted_by_a_timeout_keeps_every_ranks_stack(runner: WorldR
     assert not world.workdir.exists()
 
 
+def test_an_interruption_before_spawned_was_read_still_names_the_running_ranks() -> None:
+    """On a loaded machine a body can interrupt pytest before pytest has read ``Spawned``: the ranks already run, so
+    the interruption waits for the server's word of them and ends them as HUNG (their stacks asked for), instead of
+    letting the bare interruption through with no story."""
+
+    class InterruptedBeforeSpawned(ScriptedServer):
+        interrupted = False
+
+        def receive(self, timeout: float) -> ServerMessage | None:
+            if not self.interrupted:
+                self.interrupted = True
+                raise Interruption("Timeout (>5.0s) from pytest-timeout.")
+            return super().receive(timeout)
+
+    server = InterruptedBeforeSpawned()
+    world = WorldRun(server, WORLD, 2, "gloo", 30.0)  # type: ignore[arg-type]
+    with pytest.raises(client.WorldInterrupted) as interrupted:
+        world.run(_job())
+    assert {r.status for r in interrupted.value.outcome.ranks} == {Status.HUNG}
+    assert any(isinstance(m, DumpStacks) for m in server.sent)
+    assert world.reaped
+
+
 def test_a_world_interrupted_before_its_ranks_were_announced_is_still_reaped(tmp_path: Path) -> None:
     """Ctrl-C between Spawn and Spawned: the server reaps ranks the client never heard of; nothing breaks."""
 
@@ -441,3 +508,31 @@ def test_a_world_interrupted_before_its_ranks_were_announced_is_still_reaped(tmp
         world.run(_job())
     assert world.reaped
     assert not world.workdir.exists()
+
+
+def test_a_world_whose_directory_pytest_discarded_is_never_forked(runner: WorldRunner, tmp_path: Path) -> None:
+    """Issue 49 item 5: pytest gave up on a world while the server was still preparing it (a first warm-up) and
+    discarded its directory; the server then crashed forking it (FileNotFoundError on the store's port file). It now
+    forks nothing for it, answers the world's Reap, and serves the next world."""
+    facts = runner.facts()
+    gone = tmp_path / "discarded-by-pytest"
+    world = _Heard(1002)
+    runner.server.send(Spawn(world.world_id, pickle.dumps(_real_job(tmp_path, "test_passes")), 2, str(gone)))
+    runner.server.send(Reap(world.world_id))
+    assert runner.server.wait_for(lambda: Reaped(world.world_id) in world.seen, time.monotonic() + 60, world)
+    assert not any(isinstance(m, Spawned) for m in world.seen), world.seen
+    assert runner.server.alive
+    assert _server_children(runner, timeout=0) == []
+    assert runner.run(_real_job(tmp_path, "test_passes"), size=2).passed
+    assert runner.facts().pid == facts.pid
+
+
+class _Heard:
+    """What a world hears from the server, kept (``fork_server.WorldListener``)."""
+
+    def __init__(self, world_id: int) -> None:
+        self.world_id = world_id
+        self.seen: list[object] = []
+
+    def take(self, message: object) -> None:
+        self.seen.append(message)

@@ -26,6 +26,7 @@ from pytest_dsrepro.worlds.protocol import (
     Finished,
     Hello,
     Kill,
+    OpWait,
     RankJob,
     RankReport,
     RankValue,
@@ -58,6 +59,8 @@ MESSAGES = [
     Reap(3, keep=True),
     FinishBuild(),
     BuildEnded("DeepSpeed's CPU comm op for 0.19.8 built beside the worlds in 70s"),
+    OpWait(2, at=14.0, waiting=True),
+    OpWait(2, at=84.0, waiting=False),
 ]
 
 

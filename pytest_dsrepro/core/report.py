@@ -248,6 +248,9 @@ def _repro(repro: ReproMeta | None) -> list[str]:
     lines.append(f"- **Fixed in:** {fixed_text}" + (f" ({repro.fix_ref})" if repro.fix_ref else ""))
     if repro.root_cause:
         lines.append(f"- **Root cause:** {' '.join(repro.root_cause.split())}")
+    if repro.faces:  # how users meet it elsewhere (GPUs, other optimizers and releases): a reader finds theirs here
+        lines.append("- **Also seen as:** " + "; ".join(f"{markdown_cell(f.describe())} ([seen]({f.where}))"
+                                                     for f in repro.faces))  # fmt: skip
     return lines
 
 

@@ -27,6 +27,7 @@ from pathlib import Path, PurePath
 from typing import Annotated, Any
 
 from . import typed_json, versions
+from .faces import Face
 from .files import write_atomically
 from .gates import Rate, Reason, Verdict
 from .outcome import Measurement, Status, WorldOutcome, group_ranks
@@ -70,7 +71,9 @@ __all__ = [
 #: 6: a scan (``--ds-scan``): the run names the config it scanned (``scan``: ``path``, ``config`` as written,
 #: ``notes``), each scanned test its finding (``scan``: ``verdict``, one of AFFECTED, NOT AFFECTED, NOT APPLICABLE,
 #: CANNOT TELL; ``detail``; ``notes``, the premise's settings put on the user's config); null outside a scan.
-SCHEMA = 6
+#: 7: a repro's metadata carries its faces (``ds_seen``: ``where``, ``raises``, ``match``, ``frames``, ``words``,
+#: ``gpu``, and ``affected`` and ``gate``, which a declared face leaves null and false).
+SCHEMA = 7
 
 
 def _from_5(data: dict[str, Any]) -> dict[str, Any]:
@@ -79,9 +82,18 @@ def _from_5(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "schema": 6, "scan": None, "tests": tests}
 
 
+def _from_6(data: dict[str, Any]) -> dict[str, Any]:
+    """Schema 7 only added a repro's faces: a schema-6 repro declared none."""
+    tests = [
+        {**t, "repro": {**t["repro"], "faces": []}} if isinstance(t, dict) and isinstance(t.get("repro"), dict) else t
+        for t in data.get("tests", [])
+    ]
+    return {**data, "schema": 7, "tests": tests}
+
+
 #: Older schemas this one reads losslessly, each by the step that makes it the next: results written before an
 #: additive change still merge into one matrix with new ones, instead of having to be run again.
-UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {5: _from_5}
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {5: _from_5, 6: _from_6}
 
 
 def upgraded(data: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +208,7 @@ class ReproMeta:
     fixed_in: str | None = None  # the first release without the bug; None: unfixed
     root_cause: str = ""
     affected: tuple[str, ...] = ()  # the test's ds_version specifiers, in marker order
+    faces: tuple[Face, ...] = ()  # its ds_seen markers: how users meet the bug, each with where it was seen
 
 
 #: ``ds_repro``'s parameters, in the order positional arguments fill them (see the marker's registered help).
@@ -218,9 +231,14 @@ def affected_specifiers(ds_versions: Iterable[MarkerArgs]) -> tuple[str, ...]:
 
 
 def repro_meta(
-    args: Sequence[object], kwargs: Mapping[str, object], path: str | PurePath, ds_versions: Iterable[MarkerArgs]
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    path: str | PurePath,
+    ds_versions: Iterable[MarkerArgs],
+    seen: Sequence[Face] = (),
 ) -> ReproMeta:
-    """A ``ds_repro`` marker (its args and kwargs) of the test in ``path``, with the test's ``ds_version`` markers.
+    """A ``ds_repro`` marker (its args and kwargs) of the test in ``path``, with the test's ``ds_version`` markers
+    and its faces (``ds_seen``, parsed by ``core.faces``).
 
     The id defaults to the module's name without ``test_``. Values are kept as text; parameters the marker does not
     declare are left out. The one reading of the marker: recording and ``dsrepro list`` both call it.
@@ -240,6 +258,7 @@ def repro_meta(
         fixed_in=text("fixed_in"),
         root_cause=text("root_cause") or "",
         affected=affected_specifiers(ds_versions),
+        faces=tuple(seen),
     )
 
 

@@ -1,18 +1,19 @@
 """Which catalogued bug is this error? The catalogue's bugs ranked against what a log shows.
 
-Every piece of evidence comes from the catalogue's own markers (``ds_repro``, ``ds_version``, ``ds_premise``), read
-into ``KnownBug``; there is no second list of patterns. What weighs what, strongest first:
+Every piece of evidence comes from the catalogue's own markers, read into ``KnownBug``: ``ds_repro`` (title, root
+cause, upstream, first fixed release), ``ds_version`` (each gate a face: what the repro raises in its range),
+``ds_seen`` (the other faces users meet it in: GPUs' messages, other optimizers and releases, cut tracebacks, the
+words of its reports) and ``ds_premise``; there is no second list of patterns. ``core.evidence`` scores one bug's
+faces against the log; here the release and the config rule candidates in or out, and the results are said.
 
-- the message matches a ``ds_version`` gate's ``match`` (70 with the declared type, 55 without): the only evidence
-  that makes a candidate confident (``CONFIDENT``);
-- a gate that declares a type with any message, and the log raised that type (35); the type alone (10);
-- the words the message shares with the bug's title, root cause and declared message (up to 20);
-- the DeepSpeed frames of the traceback that the bug's title or root cause names (up to 18);
-- the release inside the range of the gate that matched (8), or inside one of the bug's ranges (4);
-- the config meeting the bug's premise (4).
+The release judged on, and where it came from, decide what it may do:
 
-What cannot be the bug is ruled out, with the reason: a release outside every affected range, a config that cannot
-meet the premise. A log with no exception is compared by its words alone, and is never confident.
+- ``--release``, or a release the log states: a bug whose ranges hold none of them is ruled out, with the reason;
+  one whose matched gate's range holds it gains;
+- a release only assumed from the DeepSpeed installed here never rules a bug out and weighs nothing: a maintainer
+  triaging an issue, or a user pasting a cluster's log on a laptop, is not running the release that failed. A
+  candidate it would have ruled out is said so ("fixed in 0.19.2; the DeepSpeed installed here is 0.19.8: was the
+  log from an older release?").
 
 Pure: no pytest, no torch; the renderers for the terminal and for a GitHub comment live here too.
 """
@@ -21,64 +22,38 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .gates import VersionGate, oldest_first
-from .logread import Raised, Reading
+from . import evidence, logread
+from .evidence import CONFIDENT, Evidence
+from .faces import Face
+from .gates import oldest_first
+from .known_fixes import KnownFix
+from .logread import Reading
 from .premises import Premise
-from .results import Finding, RunRecord, ScanVerdict
+from .results import Finding, RunRecord, ScanVerdict, TestRecord
 from .scan_verdicts import SEVERITY, finding
 from .text import markdown_table
 
-#: A candidate at or above this score is a known bug with confidence: its declared message matched.
-CONFIDENT = 50
 #: Below this a bug is not a candidate at all.
 FLOOR = 10
 #: A ruled-out bug is named only when its evidence reached this (more than an exception type in common).
 RULED_FLOOR = 20
-#: Words too common in DeepSpeed's errors and the catalogue's titles to tell bugs apart.
-_COMMON = frozenset({
-    "with", "from", "that", "this", "have", "been", "when", "were", "will", "then", "than", "into", "only", "also",
-    "does", "each", "every", "there", "their", "other", "after", "before", "while", "which", "what", "where", "some",
-    "more", "most", "first", "last", "same", "just", "like", "none", "true", "false", "self", "error", "object",
-    "attribute", "deepspeed", "zero", "rank", "ranks", "step", "steps", "param", "params", "parameter", "parameters",
-    "model", "engine", "module", "tensor", "tensors", "call", "calls", "called", "raise", "raises", "raised", "line",
-    "file", "python", "site", "packages", "return", "value", "values", "given", "expected", "instead", "should",
-    "would", "could", "need", "needs", "used", "uses", "using", "stage", "config", "training", "train",
-})  # fmt: skip
-#: Frame functions that wrap everything (torch's module call, decorators): never evidence.
-_WRAPPERS = frozenset({"<module>", "__call__", "_call_impl", "_wrapped_call_impl", "wrapper", "wrapped_fn", "inner",
-                       "decorate_context", "forward", "main", "_fn", "fn"})  # fmt: skip
-_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
-
-
-@dataclass(frozen=True)
-class Signature:
-    """One ``ds_version`` gate as triage reads it: the range, the declared exception's name and message pattern."""
-
-    affected: str
-    raises: str
-    match: str | None = None
-
-    @classmethod
-    def of(cls, gate: VersionGate) -> Signature:
-        return cls(gate.range, gate.raises.__name__, gate.match)
-
-    def covers(self, release: Version) -> bool:
-        return SpecifierSet(self.affected).contains(release, prereleases=True)
-
-    def describe(self) -> str:
-        return self.raises + (f" matching {self.match!r}" if self.match else "")
+#: Where the release judged on came from: given, stated, or only assumed (which never rules a bug out).
+GIVEN, STATED, ASSUMED = "--release", "stated in the log", "installed here, assumed"
+#: A known fix's test failure is a face when its message is at least this long; at most this much of it is matched.
+_FAILURE_MIN, _FAILURE_CHARS = 16, 160
 
 
 @dataclass(frozen=True)
 class KnownBug:
-    """A catalogued bug, from its markers: ``signatures`` one per distinct gate, ``fix`` the repro's fix by name."""
+    """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
+    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the atlas knows (``fixed_by``: no repro,
+    its own upstream tests, ``fix_bug``)."""
 
     id: str
     title: str
@@ -86,22 +61,23 @@ class KnownBug:
     fixed_in: str | None
     root_cause: str
     path: str
-    signatures: tuple[Signature, ...]
+    faces: tuple[Face, ...]
     premise: Premise | None = None
     fix: str | None = None
+    affected: tuple[str, ...] = ()
+    fixed_by: KnownFix | None = None
 
     @property
     def ranges(self) -> str:
-        return " or ".join(oldest_first(s.affected for s in self.signatures)) or "no declared range"
+        return " or ".join(oldest_first(self.affected)) or "no declared range"
 
     def covers(self, release: Version) -> bool:
-        return any(s.covers(release) for s in self.signatures)
+        return any(Face("-", affected=a).covers(release) for a in self.affected)
 
     @property
-    def prose(self) -> str:
-        """What the bug says of itself in words: title, root cause, and the literal text of its declared messages."""
-        patterns = " ".join(re.sub(r"\\.|[^\w\s']", " ", s.match or "") for s in self.signatures)
-        return f"{self.title} {self.root_cause} {patterns}"
+    def document(self) -> str:
+        """The bug in words, as a text is compared with it."""
+        return evidence.document(self.title, self.root_cause, self.faces)
 
     @property
     def file(self) -> str:
@@ -110,6 +86,8 @@ class KnownBug:
 
     @property
     def workaround(self) -> str:
+        if self.fixed_by is not None:
+            return f"upgrade to deepspeed {self.fixed_by.first} or later"
         if self.fix:
             return f"the repro's fix `{self.fix}` in {self.file}"
         return "none catalogued"
@@ -124,6 +102,7 @@ class Candidate:
     bug: KnownBug
     score: int
     reason: str  # one line: the evidence, strongest first
+    note: str = ""  # what the release only assumed says of it ("fixed in X; ... was the log from an older release?")
 
     @property
     def confident(self) -> bool:
@@ -142,16 +121,47 @@ class RuledOut:
 
 
 @dataclass(frozen=True)
+class Judged:
+    """The releases a triage judges on and where they came from (``GIVEN``, ``STATED``, ``ASSUMED``, or "": none)."""
+
+    releases: tuple[Version, ...] = ()
+    origin: str = ""
+
+    @property
+    def firm(self) -> tuple[Version, ...]:
+        """The releases that may rule a bug in or out: given or stated, never assumed."""
+        return () if self.origin == ASSUMED else self.releases
+
+    @property
+    def release(self) -> Version | None:
+        return self.releases[0] if self.releases else None
+
+    def describe(self) -> str:
+        if not self.releases:
+            return "no release known (all ranges kept)"
+        also = f"; it also states {', '.join(map(str, self.releases[1:]))}" if len(self.releases) > 1 else ""
+        return f"deepspeed {self.releases[0]} ({self.origin}{also})"
+
+
+@dataclass(frozen=True)
 class Triage:
     """A log judged against the catalogue: candidates best first, the bugs that pointed here but cannot be it."""
 
     reading: Reading
-    release: str | None
-    release_from: str  # where the release came from: "--release", "installed here", "stated in the log", ""
+    judged: Judged
     config_from: str | None  # where the config came from, None: no config
     candidates: tuple[Candidate, ...]
     ruled_out: tuple[RuledOut, ...]
     unmatched: int  # bugs named neither as candidates nor as ruled out: little or no evidence
+
+    @property
+    def release(self) -> str | None:
+        """The release judged on, as text (None: none known)."""
+        return None if self.judged.release is None else str(self.judged.release)
+
+    @property
+    def release_from(self) -> str:
+        return self.judged.origin
 
     @property
     def known(self) -> Candidate | None:
@@ -167,138 +177,119 @@ class Triage:
         return [j.bug for j in ranked[:top]]
 
 
-# --- evidence ------------------------------------------------------------------------------------------------------
-
-
-def _words(text: str) -> dict[str, int]:
-    """Distinctive words of ``text``, lower-cased, each weighed: 2 for an identifier (``_`` or camelCase), else 1."""
-    found: dict[str, int] = {}
-    for word in _WORD.findall(text):
-        low = word.lower()
-        if low in _COMMON:
+def fix_bug(fix: KnownFix) -> KnownBug:
+    """A fix the atlas knows, as triage ranks it: its pull request's title and link, its first fixed release, each of
+    its tests' failure on the release before the fix as a face (numbers as any number; a test's own assertion or a
+    failure too short to tell anything is no face)."""
+    found = []
+    for test in fix.tests:
+        error = logread.read(test.failure).primary
+        first = error.first_line[:_FAILURE_CHARS] if error is not None else ""
+        if error is None or len(first) < _FAILURE_MIN or error.name == "Failed" or first.startswith("assert "):
             continue
-        found[low] = max(found.get(low, 0), 2 if "_" in word.strip("_") or word[1:] != word[1:].lower() else 1)
-    return found
+        found.append(Face(fix.link, error.type, re.sub(r"\d+", r"\\d+", re.escape(first))))
+    return KnownBug(f"fix-{fix.pr}", fix.title, fix.link, fix.first, "", "", tuple(dict.fromkeys(found)),
+                    affected=(f"<{fix.first}",), fixed_by=fix)  # fmt: skip
 
 
-def shared(text: str, bug: KnownBug) -> tuple[int, list[str]]:
-    """How much ``text`` and the bug's own words have in common: the summed weights and the words, heaviest first."""
-    mine, theirs = _words(text), _words(bug.prose)
-    common = sorted(set(mine) & set(theirs), key=lambda w: (-theirs[w], w))
-    return sum(theirs[w] for w in common), common
+def declared_types(bugs: Sequence[KnownBug]) -> set[str]:
+    """Every exception name the bugs' faces declare (``logread.read`` recognises bare lines of those that do not
+    end in ``Error``, such as ``Slowdown``)."""
+    return {face.raises_name for bug in bugs for face in bug.faces if face.raises_name}
 
 
-def _variants(message: str) -> tuple[str, ...]:
-    """A message as a pattern may need it: as shown, its lines joined without and with a space."""
-    return (message, message.replace("\n", ""), message.replace("\n", " "))
+# --- judging -------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Hit:
-    points: int
-    why: str
-    signature: Signature | None = None
-    matched: bool = False  # the signature's message pattern matched
+class _Context:
+    """What every bug is judged against, made once per triage."""
+
+    log: evidence.Log
+    judged: Judged
+    config: Mapping[str, Any] | None
+    bug_words: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
-def _against(error: Raised, signature: Signature, bug: KnownBug) -> _Hit:
-    typed = signature.raises in error.type_names
-    if signature.match and any(re.search(signature.match, m) for m in _variants(error.message)):
-        if typed:
-            return _Hit(70, f"the message is the one it declares: {signature.describe()}", signature, True)
-        why = f"the message matches its declared {signature.match!r} (raised as {error.name}, not {signature.raises})"
-        return _Hit(55, why, signature, True)
-    weight, words = shared(error.message, bug)
-    overlap = min(4 * weight, 20 if typed else 12)
-    also = f"; shares {', '.join(words[:3])}" if words else ""
-    if typed and signature.match is None:
-        return _Hit(35 + overlap, f"it declares {signature.raises} with any message{also}", signature)
-    if typed:
-        return _Hit(10 + overlap, f"the same exception type ({signature.raises}), another message{also}", signature)
-    return _Hit(overlap, f"its title and root cause share {', '.join(words[:3])}" if words else "", signature)
-
-
-def _best(bug: KnownBug, reading: Reading) -> _Hit:
-    """The bug's strongest evidence among the log's exceptions (those that only lost a peer count only when nothing
-    else does); the text's words when the log shows no exception."""
-    errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
-    if not errors:
-        weight, words = shared(reading.text, bug)
-        return _Hit(min(3 * weight, 25), f"no exception; the text shares {', '.join(words[:4])}" if words else "")
-    hits = [_against(e, s, bug) for e in errors for s in bug.signatures]
-    return max(hits, key=lambda h: h.points, default=_Hit(0, ""))
-
-
-def _frames(bug: KnownBug, reading: Reading) -> tuple[int, str]:
-    """DeepSpeed frames of the log that the bug names in its own words: functions 6 points, files 3, at most 18."""
-    named = set(re.findall(r"\w+", f"{bug.title} {bug.root_cause} {bug.upstream or ''}"))
-    functions = [f.function for f in reading.deepspeed_frames if f.function not in _WRAPPERS]
-    stems = [PurePath(f.path).stem for f in reading.deepspeed_frames]
-    hit_functions = [f for f in dict.fromkeys(functions) if f in named]
-    hit_files = [s for s in dict.fromkeys(stems) if s in named and s not in hit_functions]
-    points = min(6 * len(hit_functions) + 3 * len(hit_files), 18)
-    if not points:
-        return 0, ""
-    return points, f"its root cause names the log's DeepSpeed frames {', '.join(hit_functions + hit_files)}"
-
-
-def _release(bug: KnownBug, hit: _Hit, release: Version) -> tuple[int, str]:
-    if hit.matched and hit.signature is not None and not hit.signature.covers(release):
-        here = next(s for s in bug.signatures if s.covers(release))
-        return 0, (f"that message is the one of deepspeed{hit.signature.affected}; on {release} it raises "
-                   f"{here.describe()}")  # fmt: skip
-    if hit.matched:
+def _release(bug: KnownBug, found: Evidence, release: Version) -> tuple[int, str]:
+    face = found.face
+    if found.matched and face is not None and face.gate and not face.covers(release):
+        here = next((f for f in bug.faces if f.gate and f.covers(release)), None)
+        said = f"; on {release} it raises {here.describe()}" if here is not None else ""
+        return 0, f"that message is the one of deepspeed{face.affected}{said}"
+    if found.matched and face is not None and face.gate:
         return 8, f"deepspeed {release} is in that range"
     return 4, f"deepspeed {release} is in its range {bug.ranges}"
 
 
-def _rule(bug: KnownBug, release: Version | None, config: Mapping[str, Any] | None) -> str | None:
-    """Why the bug cannot be this log's, or None: a release outside every range, a config short of the premise."""
-    if release is not None and not bug.covers(release):
-        fixed = bug.fixed_in is not None and release >= Version(bug.fixed_in)
-        return f"deepspeed {release} is outside its affected range {bug.ranges}" + (
-            f": fixed in {bug.fixed_in}" if fixed else ""
-        )
+def _outside(bug: KnownBug, releases: Sequence[Version]) -> str:
+    """Why ``releases`` (none in the bug's ranges) rule it out: the range, and the fixed release where past it."""
+    said = ", ".join(map(str, releases))
+    fixed = bug.fixed_in is not None and all(r >= Version(bug.fixed_in) for r in releases)
+    return f"deepspeed {said} is outside its affected range {bug.ranges}" + (
+        f": fixed in {bug.fixed_in}" if fixed else ""
+    )
+
+
+def _assumed(bug: KnownBug, release: Version) -> str:
+    """What a release only assumed says of a bug outside its ranges: a question, never a rule."""
+    if bug.covers(release) or not bug.affected:
+        return ""
+    if bug.fixed_in is not None and release >= Version(bug.fixed_in):
+        return f"fixed in {bug.fixed_in}; the DeepSpeed installed here is {release}: was the log from an older release?"
+    return (f"affected {bug.ranges}; the DeepSpeed installed here is {release}: was the log from another "
+            "release?")  # fmt: skip
+
+
+def _premise_unmet(bug: KnownBug, config: Mapping[str, Any] | None) -> str | None:
     unmet = bug.premise.unmet(config) if config is not None and bug.premise is not None else ()
     return f"the config cannot meet its premise: {'; '.join(unmet)}" if unmet else None
 
 
-def judge(
-    bug: KnownBug, reading: Reading, release: Version | None, config: Mapping[str, Any] | None
-) -> Candidate | RuledOut:
-    """One bug against the log: a scored candidate, or ruled out (release, premise) with the reason and the score
-    its evidence had, so that only the bugs the log points to need be named as ruled out."""
-    hit = _best(bug, reading)
-    frames, framed = _frames(bug, reading)
-    points, parts = hit.points + frames, [hit.why, framed]
-    rule = _rule(bug, release, config)
-    if rule is not None:
-        return RuledOut(bug, rule, min(points, 100))
-    if release is not None:
-        more, said = _release(bug, hit, release)
+def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
+    """One bug against the log: a scored candidate, or ruled out (a firm release, the premise) with the reason and
+    the score its evidence had, so that only the bugs the log points to need be named as ruled out."""
+    words = context.bug_words.get(bug.id) or evidence.words(bug.document)
+    found = evidence.collect(bug.faces, f"{bug.title} {bug.root_cause} {bug.upstream or ''}", words, context.log)
+    points, parts = found.points, list(found.why)
+    firm = context.judged.firm
+    inside = [r for r in firm if bug.covers(r)] if bug.affected else list(firm)
+    if firm and not inside:
+        return RuledOut(bug, _outside(bug, firm), min(points, 100))
+    unmet = _premise_unmet(bug, context.config)
+    if unmet is not None:
+        return RuledOut(bug, unmet, min(points, 100))
+    if inside:
+        more, said = _release(bug, found, inside[0])
         points, parts = points + more, [*parts, said]
-    if config is not None and bug.premise is not None:
+    if context.config is not None and bug.premise is not None:
         points, parts = points + 4, [*parts, f"the config meets its premise ({bug.premise.describe()})"]
-    return Candidate(bug, min(points, 100), "; ".join(p for p in parts if p))
+    if bug.fixed_by is not None and found.matched:
+        fix = bug.fixed_by
+        parts.append(f"the fix's own test failed so on {fix.before} and passes from {fix.first}")
+    assumed = context.judged.release
+    note = _assumed(bug, assumed) if context.judged.origin == ASSUMED and assumed is not None else ""
+    return Candidate(bug, min(points, 100), "; ".join(p for p in parts if p), note)
 
 
 def rank(
     bugs: Sequence[KnownBug],
     reading: Reading,
-    release: Version | None = None,
+    judged: Judged = Judged(),
     config: Mapping[str, Any] | None = None,
     *,
-    release_from: str = "",
     config_from: str | None = None,
 ) -> Triage:
     """Every bug judged (``judge``): the candidates at or above ``FLOOR``, best first; the ruled-out bugs whose
     evidence reached ``RULED_FLOOR``; how many are left unnamed."""
-    judged = [judge(bug, reading, release, config) for bug in bugs]
-    candidates = sorted((j for j in judged if isinstance(j, Candidate) and j.score >= FLOOR),
-                        key=lambda c: (-c.score, c.bug.id))  # fmt: skip
-    ruled = tuple(j for j in judged if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
-    return Triage(reading, None if release is None else str(release), release_from, config_from, tuple(candidates),
-                  ruled, len(bugs) - len(candidates) - len(ruled))  # fmt: skip
+    documents = {bug.id: bug.document for bug in bugs}
+    log = evidence.Log.of(reading, list(documents.values()))
+    context = _Context(log, judged, config, {i: evidence.words(d) for i, d in documents.items()})
+    every = [judge(bug, context) for bug in bugs]
+    candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
+                        key=lambda c: (-c.score, c.bug.fixed_by is not None, c.bug.id))  # fmt: skip
+    ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
+    return Triage(reading, judged, config_from, tuple(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
 
 
 # --- confirmation --------------------------------------------------------------------------------------------------
@@ -324,6 +315,20 @@ def confirmations(run: RunRecord, fixed_in: Mapping[str, str | None]) -> dict[st
     return {bug: min(said, key=lambda f: SEVERITY.index(f.verdict)) for bug, said in found.items()}
 
 
+def fix_confirmation(fix: KnownFix, release: str, records: Sequence[TestRecord]) -> Finding:
+    """What a known fix's own tests said on ``release``: one failing, as before the fix, is the bug here."""
+    mine = [r for r in records if r.nodeid.split("[")[0] in {t.nodeid for t in fix.tests}]
+    failed = next((r for r in mine if r.outcome in ("failed", "error")), None)
+    if failed is not None:
+        told = (failed.error or failed.outcome).removeprefix("WorldFailed: ")
+        return Finding(ScanVerdict.AFFECTED, f"its own test {failed.nodeid} fails on deepspeed {release}, as before "
+                       f"the fix ({fix.first}): {told}")  # fmt: skip
+    if mine and all(r.outcome == "passed" for r in mine):
+        return Finding(ScanVerdict.NOT_AFFECTED, f"its own tests pass on deepspeed {release}")
+    said = ", ".join(sorted({r.outcome for r in mine})) or "no record"
+    return Finding(ScanVerdict.CANNOT_TELL, f"its own tests on deepspeed {release}: {said}")
+
+
 def confirmed_word(said: Finding) -> str:
     """A confirmation as triage says it: "looks like" becomes "reproduced here", or honestly not."""
     return {
@@ -338,19 +343,24 @@ def confirmed_word(said: Finding) -> str:
 
 
 def showed(reading: Reading) -> str:
-    """What the log showed, in one line: the exception, the innermost DeepSpeed frame, the ranks."""
+    """What the log showed, in one line: the exception, the innermost DeepSpeed frame (a cut traceback's too), the
+    ranks."""
     error = reading.primary
+    cut = [f for f in reading.cut if f.deepspeed]
     if error is None:
+        if cut:
+            return f"a traceback cut before its exception, at {cut[-1]}"
         return "no exception (no traceback, no `...Error: message` line)"
     frame = error.innermost_deepspeed
-    where = f" at {frame}" if frame else " (no DeepSpeed frame)"
+    where = f" at {frame}" if frame else f" (named; a traceback cut before it, at {cut[-1]})" if cut else (
+        " (no DeepSpeed frame)"
+    )  # fmt: skip
     ranks = f" (ranks {', '.join(map(str, error.ranks))})" if len(error.ranks) > 1 else ""
     return f"{error.headline[:300]}{where}{ranks}"
 
 
 def _judged_on(t: Triage) -> str:
-    release = f"deepspeed {t.release} ({t.release_from})" if t.release else "no release known (all ranges kept)"
-    return f"{release}; config: {t.config_from or 'none given, none in the log'}"
+    return f"{t.judged.describe()}; config: {t.config_from or 'none given, none in the log'}"
 
 
 def terminal(t: Triage, confirmed: Mapping[str, Finding] | None = None, top: int = 5) -> list[str]:
@@ -364,6 +374,8 @@ def terminal(t: Triage, confirmed: Mapping[str, Finding] | None = None, top: int
         lines.append(f"  {i}. {c.score:3d} {c.word:<9}  {b.id}: {b.title}")
         lines.append(f"       why: {c.reason}")
         lines.append(f"       {b.fixed_text}; workaround: {b.workaround}; upstream: {b.upstream or '-'}")
+        if c.note:
+            lines.append(f"       release: {c.note}")
         if b.id in confirmed:
             said = confirmed[b.id]
             lines.append(f"       confirm: {confirmed_word(said)}: {said.detail}")
@@ -384,7 +396,7 @@ def verdict(t: Triage, confirmed: Mapping[str, Finding] | None = None) -> str:
     if reproduced:
         return f"a known bug, reproduced here: {reproduced[0].bug.id}"
     if t.known is not None:
-        return f"a known bug: {t.known.bug.id} ({t.known.bug.fixed_text})"
+        return f"a known bug: {t.known.bug.id} ({t.known.note or t.known.bug.fixed_text})"
     strong = next((r for r in t.ruled_out if r.score >= CONFIDENT), None)
     if strong is not None:
         return f"no known bug here: the log looks like {strong.bug.id}, but {strong.reason}"
@@ -446,6 +458,8 @@ def _known_bug(known: Candidate, release: str | None, confirmed: Mapping[str, Fi
         f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}",
         f"- Workaround: {b.workaround}",
     ]
+    if known.note:
+        out.append(f"- Release: {known.note}")
     if b.id in confirmed:
         out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
     flag = f" --release {release}" if release else ""

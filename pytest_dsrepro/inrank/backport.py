@@ -6,6 +6,8 @@ decorators and all, through a ``pytest.MonkeyPatch``. The new code looks up its 
 every other name to the live module's objects, and its ``super()`` cell holds the live class, so DeepSpeed keeps
 seeing one consistent module. An edit that matches nothing fails loudly: a backport that silently did nothing would
 make a repro's ``[fixed]`` variant a lie.
+
+A fix runs on every release, so it first asks whether the installed one already has the fix: ``release_has``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,28 @@ import pytest
 
 class BackportError(Exception):
     """The edits do not fit the installed source (it moved, or the fix is already there)."""
+
+
+def release_has(where: Any, *lines: str) -> bool:
+    """Does the installed release have it? True when the source of ``where`` (a function, method, class or module,
+    or a module by its dotted name) holds every one of ``lines``: a fix's own lines, which a fix guard looks for
+    before it patches. Indentation and runs of spaces do not count (a line a formatter re-spaced or a refactor
+    re-indented is the same line); line ends do. ``BackportError`` when there is no source to read (compiled code,
+    a release shipped without it): the guard cannot tell, and says so, rather than patch blind."""
+    obj = importlib.import_module(where) if isinstance(where, str) else where
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError) as exc:
+        name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+        raise BackportError(f"release_has(): the source of {name} cannot be read ({exc}), so whether this release "
+                            "has the fix cannot be told") from None  # fmt: skip
+    flat = _spaced(source)
+    return all(_spaced(line) in flat for line in lines)
+
+
+def _spaced(text: str) -> str:
+    """``text`` with each line's indentation gone and its runs of spaces and tabs made one space."""
+    return "\n".join(" ".join(line.split()) for line in text.split("\n"))
 
 
 def _attribute(class_name: str, name: str) -> str:

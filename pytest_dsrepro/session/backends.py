@@ -7,8 +7,11 @@ it is. Once the run's tests are known the world backend plans them and the cache
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from types import FrameType
+from typing import Any, Protocol
 
 import pytest
 
@@ -72,6 +75,7 @@ class SpawnedWorlds:
         self.runner = WorldRunner(
             resolved.cache_dir, resolved.startup_timeout, progress=progress_line(config), gpu_wait=resolved.gpu_wait
         )
+        self.sigterm = stop_on_sigterm()
 
     def _settled(self, spec: WorldSpec) -> Prepared:
         """The backend for the CUDA devices found (a spawned probe: no CUDA here, before any fork server starts)."""
@@ -124,6 +128,24 @@ class SpawnedWorlds:
 
     def close(self, finish_builds: bool) -> None:
         self.runner.close(finish_builds=finish_builds)
+        if self.sigterm is not None:
+            signal.signal(signal.SIGTERM, self.sigterm)
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt("pytest-dsrepro: SIGTERM: the run stops as on Ctrl-C, the tests that ended recorded")
+
+
+def stop_on_sigterm() -> Any:
+    """SIGTERM (a CI job cancelled, a scheduler's time limit, ``kill``) ends this pytest process as Ctrl-C does: the
+    world running is stopped and reaped, the session ends interrupted (exit 2), and the tests that ended are in the
+    summary, ``--ds-results`` and ``--ds-report``, where SIGTERM's default would lose them all. Only where nobody set a
+    handler of their own, and from the main thread; the handler it replaced (for ``close``), else None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _terminated)
 
 
 def configure(config: pytest.Config, resolved: Settings) -> None:

@@ -1,9 +1,9 @@
 """Running a test's body in its world, in place of the test function.
 
 Setup parses the markers, refuses what gets no world (``verdicts.refuse``) and has the session's world backend
-(``backends``) prepare a world test; the ``ds_config`` fixture resolves the test's config for that world; at call
-the body runs in a world of that backend (a nondeterministic repro: a series of them, for one verdict); how it ended
-goes to the judge (``verdicts.judge``).
+(``backends``) prepare a world test, refused too where that backend's accelerator is one its premise rules out; the
+``ds_config`` fixture resolves the test's config for that world; at call the body runs in a world of that backend (a
+nondeterministic repro: a series of them, for one verdict); how it ended goes to the judge (``verdicts.judge``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def setup(item: pytest.Item) -> None:
         verdicts.fail(str(exc))
     verdicts.refuse(item, marks)
     if marks.world is not None:
-        item.stash[PREPARED_KEY] = item.config.stash[WORLD_BACKEND_KEY].prepare(item, marks.world)
+        prepared = item.stash[PREPARED_KEY] = item.config.stash[WORLD_BACKEND_KEY].prepare(item, marks.world)
+        verdicts.refuse_accelerator(item, marks, prepared.backend)
 
 
 def require_world(request: pytest.FixtureRequest, fixture: str) -> None:

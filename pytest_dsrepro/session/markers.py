@@ -11,6 +11,8 @@ import pytest
 from ..core import configs, premises
 from ..core.configs import PRESETS
 from ..core.errors import MarkerError
+from ..core.faces import Face
+from ..core.faces import parse_all as parse_faces
 from ..core.gates import (
     FIXED,
     STOCK,
@@ -86,6 +88,10 @@ MARKERS = {
     "repro's bug to be possible (ZeRO stage, precision fp32/fp16/bf16, offload devices, an optimizer section or not, "
     "gradient accumulation as a number or '>=3', other dotted keys); `sets` (with `because`) is what a scan puts on "
     "top of a user's config. Checked against the repro's own configs at setup; used by --ds-scan.",
+    "ds_seen": "ds_seen(where, raises=None, match=None, frames=(), words=(), gpu=False): one face users meet the "
+    "repro's bug in, seen at the link `where`: the exception's name as printed, a pattern of its message, DeepSpeed "
+    "functions it raises through ('function' or 'file.py:function'), phrases its reports use; gpu=True: seen on GPUs "
+    "(NCCL). Evidence for dsrepro triage, shown by dsrepro list and the report; never a gate (ds_version is).",
     "ds_origin": "ds_origin(project, revision, described=None): the test comes from another project's test-suite "
     "at that revision (`-p pytest_dsrepro.upstream` marks DeepSpeed's own tests so); results and the matrix name it.",
 }
@@ -101,6 +107,12 @@ def gates(node: pytest.Item) -> tuple[VersionGate, ...]:
     """Every ``ds_version`` marker of a test or a test function's definition, validated (``MarkerError``)."""
     marks = [(m.args, dict(m.kwargs)) for m in node.iter_markers("ds_version")]
     return parse_gates(marks, f"@pytest.mark.ds_version on {node.nodeid}")
+
+
+def faces(node: pytest.Item) -> tuple[Face, ...]:
+    """Every ``ds_seen`` marker of a test, validated (``MarkerError`` naming the marker, the test and the value)."""
+    marks = [(m.args, m.kwargs) for m in node.iter_markers("ds_seen")]
+    return parse_faces(marks, f"@pytest.mark.ds_seen on {node.nodeid}")
 
 
 def conditions(node: pytest.Item, name: str) -> tuple[Condition, ...]:
@@ -153,6 +165,7 @@ def parse(item: pytest.Item, settings: Settings) -> Marks:
     """The test's markers, validated; ``MarkerError`` names the marker, the test and the value."""
     found = gates(item)
     check_repro(item)
+    faces(item)
     origin(item)
     world = world_arguments(item)
     spec = None

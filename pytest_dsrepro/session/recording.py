@@ -47,7 +47,11 @@ def repro_meta(item: pytest.Item) -> ReproMeta | None:
     if mark is None:
         return None
     ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
-    return results.repro_meta(mark.args, mark.kwargs, item.path, ds_versions)
+    try:
+        seen = markers.faces(item)
+    except MarkerError:  # its setup failed saying so; the record keeps what the markers say soundly
+        seen = ()
+    return results.repro_meta(mark.args, mark.kwargs, item.path, ds_versions, seen)
 
 
 def _outcome_word(report: pytest.TestReport) -> str:

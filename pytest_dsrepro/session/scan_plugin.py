@@ -1,6 +1,6 @@
-"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side, as a plugin object
-of its own: this module is a pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only
-for a scan. The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
+"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side. This module is a
+pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only for a scan (as
+``dsrepro-scan-config``). The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
 (``plugin.HookSpecs``) and pytest's.
 
 At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
@@ -47,7 +47,7 @@ from .verdicts import JUDGEMENT_KEY, fail
 #: The test id of a repro's one scanned test (and the name its config has in messages).
 SCAN_ID = "scan"
 #: The name ``Scan`` registers under: not the entry point's, which pytest gives this module itself.
-REGISTERED_AS = "dsrepro-scan-run"
+REGISTERED_AS = "dsrepro-scan-config"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A test's verdict and its pytest outcome, in one module, as pytest keeps skips and xfails in ``skipping.py``.
 
 At setup a test is refused before any world: a release it declares out of its reach is NOT-APPLICABLE (a skip at the
-test), xunit-style methods fail it. After the body the gates judge how it ended (``judge``: the judgement kept on the
+test), and so is a world whose DeepSpeed accelerator is not the one its premise names (a CPU-only bug in an NCCL
+world); xunit-style methods fail it. After the body the gates judge how it ended (``judge``: the judgement kept on the
 item's stash for the record) and the verdict becomes pytest's outcome through ``pytest_dsrepro_conclude`` (a plugin
 object's conclusion first, else the plugin's own: ``conclude``). A world that failed fails the test with every rank's
 story (``WorldFailed``); a skip or xfail the body raised in a rank stands (``declare``), reported at the body's line
@@ -12,6 +13,7 @@ story (``WorldFailed``); a skip or xfail the body raised in a rank stands (``dec
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
 from dataclasses import dataclass
 from typing import NoReturn
@@ -22,6 +24,8 @@ from packaging.version import Version
 from ..core.errors import HarnessError, MarkerError
 from ..core.gates import Judgement, Reason, Verdict, holding, installed_deepspeed, judge_runs
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
+from ..core.premises import Premise
+from ..core.world_spec import accelerator_for
 from ..worlds.client import RunStops
 from .markers import MARKS_KEY, Marks
 
@@ -119,6 +123,28 @@ def not_applicable(marks: Marks, version: Version | None) -> Judgement | None:
         return None
     reasons = "; ".join(c.describe() for c in found)
     return Judgement(Reason.NOT_APPLICABLE, f"not applicable on deepspeed {version}: {reasons}")
+
+
+def wrong_accelerator(premise: Premise | None, backend: str, accelerator: str) -> Judgement | None:
+    """NOT-APPLICABLE, with why, in a world whose ranks run DeepSpeed's ``accelerator`` when the repro's premise names
+    another as the only one its bug exists with: the code path it catches is not there, so its verdict would be about
+    nothing (a ``cpu``-only bug in an NCCL world, whose ranks run ``cuda``)."""
+    if premise is None or premise.accelerator is None or premise.accelerator == accelerator:
+        return None
+    return Judgement(
+        Reason.NOT_APPLICABLE,
+        f"not applicable in a {backend} world: its bug exists only with DeepSpeed's {premise.accelerator} "
+        f"accelerator (its ds_premise), and this world's ranks run the {accelerator} one",
+    )
+
+
+def refuse_accelerator(item: pytest.Item, marks: Marks, backend: str) -> None:
+    """A world test whose settled ``backend`` gives its ranks an accelerator its premise rules out gets no world
+    (``wrong_accelerator``): reported as a skip at the test, as a release out of its reach is."""
+    judgement = wrong_accelerator(marks.premise, backend, accelerator_for(backend, os.environ))
+    if judgement is not None:
+        item.stash[JUDGEMENT_KEY] = judgement
+        skip_at_test(item, judgement.message)
 
 
 def refuse(item: pytest.Item, marks: Marks) -> None:

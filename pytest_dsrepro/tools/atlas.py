@@ -31,6 +31,7 @@ from packaging.version import Version
 from ..core import checkout, results
 from ..core.gates import Verdict
 from ..core.git import git
+from ..core.known_fixes import FixedTest, KnownFix
 from .environments import ReleaseEnv, installed_package
 from .history import Clone, Commit, HistoryError, release_of
 
@@ -325,11 +326,39 @@ def run_fix(fix: Fix, clone: Clone, releases: Sequence[Version], out: Path, runn
         with tempfile.TemporaryDirectory(prefix=f"dsrepro-atlas-{fix.commit.short}-") as tmp:
             found = sparse_checkout(clone, fix.commit, Path(tmp) / "DeepSpeed")
             runner(found, [t.nodeid for t in fix.tests], [str(v) for v in missing], where)
+    runs = runs_of(fix, out)
+    return [range_of(t.nodeid, fix, runs) for t in fix.tests]
+
+
+def runs_of(fix: Fix, out: Path) -> dict[Version, list[results.TestRecord]]:
+    """A fix's records per release, from its results directory ``out/<short>`` (installs that failed left out)."""
     runs: dict[Version, list[results.TestRecord]] = {}
-    for f in _results_in(where):
+    for f in _results_in(out / fix.commit.short):
         if f.run.unavailable is None:
             runs.setdefault(Version(f.run.version), []).extend(f.run.tests)
-    return [range_of(t.nodeid, fix, runs) for t in fix.tests]
+    return runs
+
+
+#: A squash-merged commit's subject: the pull request's title, then its number.
+_SUBJECT = re.compile(r"^(?P<title>.*?)\s*\(#(?P<pr>\d+)\)\s*$")
+
+
+def known_fix(fix: Fix, runs: dict[Version, list[results.TestRecord]]) -> KnownFix | None:
+    """What triage knows of a fix (``core.known_fixes``): its pull request and title, its releases, and each of its
+    tests with a clean range with what it raised on the release before; None when no test's range is clean or the
+    subject names no pull request."""
+    subject = _SUBJECT.match(fix.commit.subject)
+    if subject is None or fix.before is None or fix.first is None:
+        return None
+    tests = []
+    for test in fix.tests:
+        if not range_of(test.nodeid, fix, runs).clean:
+            continue
+        failed = [t.error for t in runs.get(fix.before, []) if t.nodeid.split("[")[0] == test.nodeid and t.error]
+        tests.append(FixedTest(test.nodeid, failed[0].removeprefix("WorldFailed: ") if failed else ""))
+    if not tests:
+        return None
+    return KnownFix(int(subject["pr"]), subject["title"], fix.commit.sha, str(fix.before), str(fix.first), tuple(tests))
 
 
 def _results_in(where: Path) -> list[results.ResultsFile]:

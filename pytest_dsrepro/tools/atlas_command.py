@@ -10,10 +10,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..core import checkout
+from ..core import checkout, known_fixes
 from ..core.git import GitError
 from . import environments, upstream_runs
-from .atlas import AtlasError, Range, fixes, listing, parse_range, releases_to_run, run_fix, with_release_sources
+from .atlas import (
+    AtlasError,
+    Range,
+    fixes,
+    known_fix,
+    listing,
+    parse_range,
+    releases_to_run,
+    run_fix,
+    runs_of,
+    with_release_sources,
+)
 from .environments import EnvironmentUnavailable
 from .history import Clone, HistoryError, release_of
 
@@ -39,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro upstream)")
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
+    parser.add_argument(
+        "--known-fixes", type=Path, default=None, metavar="PATH", help="run nothing: write what dsrepro triage knows "
+        "of the range's fixes (each with a clean range in --results: its PR, title, releases, failure text) to PATH"
+    )  # fmt: skip
     parser.set_defaults(pytest_args=[])
 
 
@@ -58,6 +73,14 @@ def _run(args: argparse.Namespace) -> int:
     found, fix_count = fixes(clone, older, newer)
     if args.dry_run:
         print("\n".join(listing(found, fix_count, time.monotonic() - started)))
+        return 0
+    if args.known_fixes is not None:
+        known = [k for fix in found if (k := known_fix(fix, runs_of(fix, args.results))) is not None]
+        try:
+            known_fixes.write(args.known_fixes, known, f"dsrepro atlas --range {args.range}")
+        except OSError as exc:
+            raise AtlasError(f"--known-fixes {args.known_fixes}: cannot be written ({exc.strerror or exc})") from None
+        print(f"{len(known)} of {len(found)} fixes with a clean range, written to {args.known_fixes}")
         return 0
 
     prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)

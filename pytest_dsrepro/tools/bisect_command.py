@@ -137,6 +137,8 @@ def _releases(args: argparse.Namespace) -> int:
         raise bisect.BisectError("--fresh and --env-cache apply to commits: give --repo PATH, your DeepSpeed clone")
     out = sys.stderr
     started = time.monotonic()
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)  # its input checked
     between = bisect.releases_between(releases.available_releases(), args.good, args.bad)
     print(
         f"bisecting {args.nodeid} over {len(between)} deepspeed releases {between[0]} .. {between[-1]} "
@@ -144,8 +146,6 @@ def _releases(args: argparse.Namespace) -> int:
         file=out,
         flush=True,
     )
-    log_dir = Path(args.log_dir) if args.log_dir else None
-    prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=log_dir)
     inner = bisect.Prober(
         bisect.Invocation(args.nodeid, tuple(args.pytest_args), args.chdir),
         prepare=bisect.entered(prepare),

@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core import configs, premises
+from ..core import configs, faces, premises
 from ..core.errors import MarkerError
+from ..core.faces import Face
 from ..core.gates import oldest_first
 from ..core.results import ReproMeta, repro_meta
 from ..core.text import aligned, markdown_table
@@ -48,6 +49,7 @@ class Entry:
     tests: tuple[str, ...] = field(default=())
     premise: str | None = None  # its ``ds_premise``, in words (None: it declares none)
     scan_sets: str = ""  # what a scan sets on a user's config for it, ``key=value, ...``
+    faces: tuple[Face, ...] = ()  # its ``ds_seen`` markers: how users meet the bug, each with where it was seen
 
     @property
     def affected_text(self) -> str:
@@ -120,14 +122,16 @@ class _Collector(CollectionReader):
             if mark is None:
                 continue
             ds_versions = [(m.args, m.kwargs) for m in item.iter_markers("ds_version")]
-            meta = repro_meta(mark.args, mark.kwargs, item.path, ds_versions)
             try:
+                seen = faces.parse_all([(m.args, m.kwargs) for m in item.iter_markers("ds_seen")],
+                                       f"@pytest.mark.ds_seen on {item.nodeid}")  # fmt: skip
                 premise, problem = _premise(item)
             except (MarkerError, configs.ConfigError) as exc:
                 self.errors.append(f"{item.nodeid}: {exc}")
                 continue
             if problem is not None:  # a repro that cannot show its bug with its own config: a defect, said here
                 self.errors.append(f"{item.nodeid}: @pytest.mark.ds_premise: {problem}")
+            meta = repro_meta(mark.args, mark.kwargs, item.path, ds_versions, seen)
             self.tests.append(CollectedTest(item.nodeid, str(item.path), meta, premise))
 
 
@@ -161,7 +165,8 @@ def entries_from_tests(tests: Iterable[CollectedTest], root: Path | None = None)
                 path = path.relative_to(root)
         premise = test.premise.describe() if test.premise else None
         sets = test.premise.describe_sets() if test.premise else ""
-        first = {**asdict(meta), "affected": [], "path": str(path), "tests": [], "premise": premise, "scan_sets": sets}
+        first = {**asdict(meta), "affected": [], "path": str(path), "tests": [], "premise": premise, "scan_sets": sets,
+                 "faces": meta.faces}  # fmt: skip
         entry = merged.setdefault(meta.id, first)
         entry["tests"].append(test.nodeid)
         for spec in meta.affected:
@@ -206,6 +211,8 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
                          titles[i] if inline and i < len(titles) else ""))  # fmt: skip
         below = [*([] if inline else titles), e.upstream or "upstream: -"]
         below += textwrap.wrap(f"premise: {e.premise_text}", width - 2, subsequent_indent="  ")
+        for face in e.faces:  # the link on a line of its own: never broken
+            below += [*textwrap.wrap(f"seen: {face.describe()}", width - 2, subsequent_indent="  "), f"at {face.where}"]
         rows += [(f"  {line}",) for line in below]  # a row of one cell: a line of its own, not a column
     return "\n".join(aligned(rows)) + "\n"
 
@@ -216,8 +223,9 @@ def format_markdown(entries: Sequence[Entry]) -> str:
         link = e.upstream and e.upstream.startswith("http")
         upstream = f"[{e.upstream}]({e.upstream})" if link else e.upstream or "-"
         affected = " | ".join(f"`{a}`" for a in e.affected)  # alternatives: the cell escapes the pipes
-        rows.append((f"`{e.id}`", e.title, upstream, affected, e.fixed_text, e.premise_text))
-    return "\n".join(markdown_table([head for _, head in COLUMNS], rows)) + "\n"
+        seen = "; ".join(f"{face.describe()} ([seen]({face.where}))" for face in e.faces) or "-"
+        rows.append((f"`{e.id}`", e.title, upstream, affected, e.fixed_text, e.premise_text, seen))
+    return "\n".join(markdown_table([*(head for _, head in COLUMNS), "SEEN AS"], rows)) + "\n"
 
 
 def format_json(entries: Sequence[Entry]) -> str:

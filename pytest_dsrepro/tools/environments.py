@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import Version
 
 from ..core import versions
@@ -24,13 +25,29 @@ from . import install
 EXTRA_PACKAGES_ENV = "DSREPRO_EXTRA_PACKAGES"
 
 
-def extra_packages(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The requirements ``$DSREPRO_EXTRA_PACKAGES`` asks every release environment to hold."""
-    return environ.get(EXTRA_PACKAGES_ENV, "").replace(",", " ").split()
-
-
 class EnvironmentUnavailable(Exception):
     """A release's environment could not be made (no such release, a failed build or import): the reason, one line."""
+
+
+def requirement(text: str, given: str) -> str:
+    """``text`` where it is a requirement (PEP 508: a name, extras, versions, a marker, ``name @ URL``); else
+    ``EnvironmentUnavailable`` naming it and where it was ``given``, before any environment is made: it reaches uv as
+    an argument, where ``--index-url ...`` or ``-e PATH`` would be an option, not a package."""
+    try:
+        Requirement(text)
+    except InvalidRequirement as exc:
+        raise EnvironmentUnavailable(
+            f"{given}: {text!r} is not a package requirement ({exc}); give requirements such as huggingface_hub or "
+            "einops==0.8.0, never uv's options"
+        ) from None
+    return text
+
+
+def extra_packages(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The requirements ``$DSREPRO_EXTRA_PACKAGES`` asks every release environment to hold, each checked
+    (``requirement``)."""
+    given = environ.get(EXTRA_PACKAGES_ENV, "").replace(",", " ").split()
+    return [requirement(text, f"${EXTRA_PACKAGES_ENV}") for text in given]
 
 
 @dataclass(frozen=True)
@@ -97,11 +114,12 @@ def release_environment(
     torch (pinned), that release (``install.install_deepspeed``), this plugin as installed here
     (``install.add_this_plugin``) and ``extra`` (by default ``extra_packages``) under the same pins. A ``filelock``
     per environment: two bisects (or a bisect and a benchmark) never fill one at once. ``constraints`` defaults to
-    ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here.
+    ``$DSREPRO_CONSTRAINTS`` or ``constraints.txt`` here or above, else to a pin of the torch installed here. A
+    package that is not a requirement is ``EnvironmentUnavailable`` at once, before any environment is made.
     """
+    wanted = extra_packages() if extra is None else [requirement(text, "extra packages") for text in extra]
     root = cache_dir or default_cache_dir()
     pins = constraints or install.find_constraints() or torch_pin(root)
-    wanted = extra_packages() if extra is None else list(extra)
 
     def prepare(version: Version) -> ReleaseEnv:
         directory = environment_dir(root, version)

@@ -70,8 +70,10 @@ def _binary(sample: bytes) -> bool:
 
 def read_log(source: str, stdin: BinaryIO | None = None) -> LogText:
     """The log at ``source`` (``-``: standard input), within ``HEAD_BYTES`` + ``TAIL_BYTES``; ``LogError`` names
-    the file and what is wrong with it (missing, a directory, empty, binary)."""
+    the file and what is wrong with it (missing, a directory, empty, binary; standard input closed)."""
     name = "standard input" if source == "-" else source
+    if source == "-" and stdin is None and sys.stdin is None:  # started with standard input closed (``<&-``)
+        raise LogError("standard input is closed; pipe the log into it, or give the log's file")
     try:
         if source == "-":
             head, tail, size = _windows(stdin or sys.stdin.buffer)

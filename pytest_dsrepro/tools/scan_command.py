@@ -58,8 +58,11 @@ def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
     """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
-    extra = [*environments.extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
-    prepare = prepare or environments.release_environment(args.cache_dir, args.constraints, extra=extra)
+    try:
+        extra = [*environments.extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
+        prepare = prepare or environments.release_environment(args.cache_dir, args.constraints, extra=extra)
+    except EnvironmentUnavailable as exc:
+        raise ScanError(str(exc)) from None
     runs = []
     for release in releases:
         try:
@@ -68,6 +71,13 @@ def scan_releases(
             raise ScanError(f"deepspeed {release} cannot run here: {exc}") from None
         runs.append(scan_once(env.python, dict(env.environ), args, None))
     return runs
+
+
+def _requirement(text: str) -> str:
+    try:
+        return environments.requirement(text, "--with")
+    except EnvironmentUnavailable as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--with: ")) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="extra_packages",
         action="append",
         default=[],
+        type=_requirement,
         metavar="PACKAGE",
         help="also install PACKAGE (a requirement, e.g. huggingface_hub) in each --release environment, for repros "
         "that need it (repeatable; $DSREPRO_EXTRA_PACKAGES does the same for bisect and upstream)",

@@ -3,9 +3,10 @@ then merged into one report and one matrix that name every shard that is missing
 
 A shard is ``--ds-shard I/N`` plus the manifest plugin (``pytest_dsrepro.upstream.manifest``), which writes the
 shard's plan beside its results (``core.shard_manifests``). The merge reads every results file and manifest under the
-directories given (one per CI job's artifact), judges each shard, sorts the failures against the failures file, and
-shows the matrix. Exit: 0 every shard complete and no new failure, 1 new failures, 3 a shard missing, dead or
-incomplete, or a results file that cannot be read, 2 a usage error.
+directories given (one per CI job's artifact), leaves out the earlier runs a shard's re-run replaced, counts a test
+that several files hold once, judges each shard, sorts the failures against the failures file, and shows the matrix.
+Exit: 0 every shard complete and no new failure, 1 new failures, 3 a shard missing, dead or incomplete, a manifest
+or a results file that cannot be read, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import failures, options, results, shard_manifests
@@ -65,42 +67,66 @@ def pytest_args(shard: tuple[int, int], results_dir: Path) -> list[str]:
     return ["-p", PLUGIN, f"--ds-shard={index}/{count}", f"--ds-shard-manifest={results_dir}"]
 
 
-def report(
-    verdicts: Sequence[shard_manifests.Shard],
-    sorted_failures: failures.Sorted,
-    unreadable: Sequence[results.Unreadable],
-) -> list[str]:
-    """The merged report: each shard's state, what could not be read, then the failures, new first."""
-    lines = [f"{s.name}: {s.state.value}: {s.detail}" for s in verdicts]
-    for s in verdicts:
+@dataclass(frozen=True)
+class Merged:
+    """What the merge read: each shard judged, and what it set aside or could not read, in words."""
+
+    shards: list[shard_manifests.Shard]
+    files: list[results.ResultsFile]  # those that count: no earlier run replaced, each test once
+    unreadable: list[results.Unreadable]
+    bad_manifests: list[shard_manifests.BadManifest]
+    notes: list[str]  # what was left out or counted once
+
+    @property
+    def incomplete(self) -> list[shard_manifests.Shard]:
+        return [s for s in self.shards if s.state is not shard_manifests.ShardState.COMPLETE]
+
+
+def read(paths: Sequence[Path], count: int | None) -> Merged:
+    """The shards' results under ``paths``, judged (``ShardError``: a path that does not exist)."""
+    try:
+        files, unreadable = results.read_all(paths)
+    except OSError as exc:
+        raise ShardError(str(exc)) from None
+    found, bad = shard_manifests.find(paths)
+    replaced = shard_manifests.superseded(found, files)
+    notes = [f"left out: {path}: an earlier run, replaced by the run of {by} in its directory"
+             for path, by in sorted(replaced.items())]  # fmt: skip
+    kept, repeated = shard_manifests.counted_once(f for f in files if f.path not in replaced)
+    notes += [f"counted once: {r}" for r in repeated]
+    return Merged(shard_manifests.judge(found, kept, count), kept, unreadable, bad, notes)
+
+
+def report(merged: Merged, sorted_failures: failures.Sorted) -> list[str]:
+    """The merged report: each shard's state, what was left out, counted once or could not be read, then the
+    failures, new first."""
+    lines = [f"{s.name}: {s.state.value}: {s.detail}" for s in merged.shards]
+    for s in merged.shards:
         lines += [f"    not run: {nodeid}" for nodeid in s.missing[:10]]
         if len(s.missing) > 10:
             lines.append(f"    ... and {len(s.missing) - 10} more")
-    lines += [f"unreadable: {u}" for u in unreadable]
+    lines += merged.notes
+    lines += [f"unreadable manifest: {b} (its shard is not known: run it again)" for b in merged.bad_manifests]
+    lines += [f"unreadable: {u}" for u in merged.unreadable]
     return [*lines, *failures.summary(sorted_failures)]
 
 
 def merge(args: argparse.Namespace) -> int:
     if args.targets or args.shard or args.release or args.releases:
         raise ShardError("--merge runs nothing: give it the shards' results directories alone")
-    try:
-        files, unreadable = results.read_all(args.merge)
-        found = shard_manifests.find(args.merge)
-    except (OSError, ValueError) as exc:
-        raise ShardError(str(exc)) from None
-    entries = known_failures.known(args.failures)
-    verdicts = shard_manifests.judge(found, files, args.shards)
-    sorted_failures = known_failures.sort(files, entries)
-    if files:
-        print(matrix.render_terminal(matrix.merge(files, unreadable)))
-    print("\n".join(report(verdicts, sorted_failures, unreadable)))
-    bad = [s for s in verdicts if s.state is not shard_manifests.ShardState.COMPLETE]
-    if not verdicts:
+    merged = read(args.merge, args.shards)
+    sorted_failures = known_failures.sort(merged.files, known_failures.known(args.failures))
+    if merged.files:
+        print(matrix.render_terminal(matrix.merge(merged.files, merged.unreadable)))
+    print("\n".join(report(merged, sorted_failures)))
+    if not merged.shards:
         print(
             "dsrepro upstream --merge: no shard manifest found: were the shards run with --shard I/N?", file=sys.stderr
         )
-    if bad or unreadable or not verdicts:
-        names = ", ".join(f"{s.name} ({s.state.value})" for s in bad)
-        print(f"dsrepro upstream --merge: incomplete: {names or 'unreadable results'}", file=sys.stderr)
+    if merged.incomplete or merged.unreadable or merged.bad_manifests or not merged.shards:
+        names = [f"{s.name} ({s.state.value})" for s in merged.incomplete]
+        names += ["unreadable manifests"] * bool(merged.bad_manifests)
+        names += ["unreadable results"] * bool(merged.unreadable)
+        print(f"dsrepro upstream --merge: incomplete: {', '.join(names) or 'no shard found'}", file=sys.stderr)
         return INCOMPLETE
     return known_failures.exit_code(sorted_failures)

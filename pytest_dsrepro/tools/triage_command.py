@@ -15,20 +15,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import configs, logread, premises, triage, userconfig, versions
+from ..core import configs, faces, known_fixes, logread, premises, results, triage, userconfig, versions
+from ..core.checkout import CheckoutError
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
+from ..core.git import GitError
+from ..core.known_fixes import KnownFix
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
-from . import catalogue, catalogue_run, environments, processes
+from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
 from .log_input import LogError, LogText, read_log
 
 if TYPE_CHECKING:
@@ -72,8 +77,9 @@ class _Gates:
             self.gates.setdefault(bug, []).extend(gates)
 
 
-def known_bugs(where: Path) -> list[triage.KnownBug]:
-    """The catalogue at ``where``, from its markers, as triage compares it."""
+def known_bugs(where: Path, fixes_file: Path | None = None) -> list[triage.KnownBug]:
+    """The catalogue at ``where``, from its markers, as triage compares it; then the fixes the atlas knows
+    (``fixes_file``, else the package's own) that no catalogued bug already is (by pull request)."""
     reader = _Gates()
     try:
         entries = catalogue.collect([str(where)], ["--rootdir", str(where)], plugins=[reader])
@@ -85,12 +91,18 @@ def known_bugs(where: Path) -> list[triage.KnownBug]:
     for e in entries:
         gates = reader.gates.get(e.id, [])
         fix = common_fix(gates)
-        signatures = tuple(dict.fromkeys(triage.Signature.of(g) for g in gates))
-        bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path, signatures,
-                                      reader.premises.get(e.id), getattr(fix, "__name__", None)))  # fmt: skip
+        own = (faces.gate_face(e.upstream, g.range, g.raises.__name__, g.match) for g in gates)
+        bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path,
+                                      tuple(dict.fromkeys([*own, *e.faces])), reader.premises.get(e.id),
+                                      getattr(fix, "__name__", None), e.affected))  # fmt: skip
     if not bugs:
         raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
-    return bugs
+    try:
+        fixes = known_fixes.load(fixes_file)
+    except (OSError, ValueError) as exc:
+        raise TriageError(f"--known-fixes {fixes_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    links = " ".join(f"{e.upstream} {e.fix_ref}" for e in entries)
+    return bugs + [triage.fix_bug(f) for f in fixes if not re.search(rf"/pull/{f.pr}\b", links)]
 
 
 def _catalogue(args: argparse.Namespace) -> Path:
@@ -105,19 +117,20 @@ def _catalogue(args: argparse.Namespace) -> Path:
 # --- what the triage is judged on ----------------------------------------------------------------------------------
 
 
-def release(given: str | None, reading: logread.Reading) -> tuple[Version | None, str]:
-    """``--release``, else the DeepSpeed installed here, else the release the log states; and where it came from."""
+def release(given: str | None, reading: logread.Reading) -> triage.Judged:
+    """``--release``, else the releases the log states, else the DeepSpeed installed here (only assumed: it rules no
+    bug out); and where they came from."""
     if given is not None:
         try:
-            return Version(given), "--release"
+            return triage.Judged((Version(given),), triage.GIVEN)
         except InvalidVersion:
             raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
+    if reading.versions:
+        return triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
     installed = versions.installed("deepspeed")
     if installed is not None:
-        return installed, "installed here"
-    if reading.versions:
-        return Version(reading.versions[0]), "stated in the log"
-    return None, ""
+        return triage.Judged((installed,), triage.ASSUMED)
+    return triage.Judged()
 
 
 def config(path: Path | None, reading: logread.Reading, world_size: int) -> tuple[dict[str, Any] | None, str | None]:
@@ -134,16 +147,15 @@ def config(path: Path | None, reading: logread.Reading, world_size: int) -> tupl
         return None, None
     try:
         return configs.resolve(given, "triage", world_size, "gloo").written, said
-    except (configs.ConfigError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse: judged as written
+    except (configs.ConfigError, AttributeError, TypeError, ValueError):  # a pasted config DeepSpeed would refuse
+        # (a section written as a bare value: ``"fp16": false``) is judged as written
         return given, said
 
 
 def triage_log(log: LogText, bugs: Sequence[triage.KnownBug], args: argparse.Namespace) -> triage.Triage:
-    declared = {s.raises for b in bugs for s in b.signatures}
-    reading = logread.read(log.text, known=declared)
-    judged_on, release_from = release(args.release, reading)
+    reading = logread.read(log.text, known=triage.declared_types(bugs))
     given, config_from = config(args.config, reading, args.world_size or 2)
-    return triage.rank(bugs, reading, judged_on, given, release_from=release_from, config_from=config_from)
+    return triage.rank(bugs, reading, release(args.release, reading), given, config_from=config_from)
 
 
 # --- --confirm -----------------------------------------------------------------------------------------------------
@@ -175,14 +187,22 @@ def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, b
 
 
 def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str, Finding]:
-    """The best candidates' repros (``Triage.to_confirm``) run here: with ``--config`` as a scan, else on their own
-    configs."""
+    """The best candidates (``Triage.to_confirm``) run here: a catalogued bug's repro (with ``--config`` as a scan,
+    else on its own configs), a known fix's own upstream tests (from ``--repo``)."""
     chosen = t.to_confirm(args.top)
     if not chosen:
         return {}
     names = ", ".join(b.id for b in chosen)
     print(f"dsrepro triage: confirming {names} on deepspeed {t.release or 'installed here'} ...", file=sys.stderr,
           flush=True)  # fmt: skip
+    fixes = [b for b in chosen if b.fixed_by is not None]
+    repros = [b for b in chosen if b.fixed_by is None]
+    found = {b.id: confirm_fix(args, b.fixed_by, t.release) for b in fixes if b.fixed_by is not None}
+    return {**found, **(_confirm_repros(args, t, repros, where) if repros else {})}
+
+
+def _confirm_repros(args: argparse.Namespace, t: triage.Triage, chosen: list[triage.KnownBug],
+                    where: Path) -> dict[str, Finding]:  # fmt: skip
     python, environ = _environment(args, t.release)
     if args.config is not None:
         select = ["-k", " or ".join(PurePath(b.path).stem for b in chosen)]
@@ -194,6 +214,34 @@ def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str
     else:
         run = _stock_run(python, environ, args, chosen, where)
     return triage.confirmations(run, {b.id: b.fixed_in for b in chosen})
+
+
+def confirm_fix(args: argparse.Namespace, fix: KnownFix, release: str | None) -> Finding:
+    """A known fix's own tests, at its commit (a sparse checkout of ``--repo``, as the atlas runs them), on the
+    release judged on (the installed one, else its environment): failing as before the fix is REPRODUCED here."""
+    on = release or versions.installed_text("deepspeed")
+    if args.repo is None or on is None:
+        why = "give --repo CLONE (a DeepSpeed clone) to run its test" if args.repo is None else "no DeepSpeed here"
+        return Finding(ScanVerdict.CANNOT_TELL, f"its own test {fix.tests[0].nodeid} was not run: {why}")
+    try:
+        clone = history.Clone.open(args.repo)
+        with tempfile.TemporaryDirectory(prefix=f"dsrepro-triage-{fix.pr}-") as tmp:
+            tests = atlas.sparse_checkout(clone, clone.commit(fix.commit), Path(tmp) / "DeepSpeed")
+            out = Path(tmp) / "results"
+            run_args = argparse.Namespace(results=out, pytest_args=["-m", ""])
+            prepare = atlas.with_release_sources(tests.root, _release_env(args, on))
+            upstream_runs.run_releases(run_args, tests, [t.nodeid for t in fix.tests], [on], prepare)
+            records = [t for f in results.read_all([out])[0] if f.run.unavailable is None for t in f.run.tests]
+    except (history.HistoryError, GitError, CheckoutError, upstream_runs.UpstreamError) as exc:
+        raise TriageError(f"--repo {args.repo}: {exc}") from None
+    return triage.fix_confirmation(fix, on, records)
+
+
+def _release_env(args: argparse.Namespace, release: str) -> Callable[[Version], environments.ReleaseEnv]:
+    """The release's environment: this interpreter where it is the release installed here, else its own."""
+    if release == versions.installed_text("deepspeed"):
+        return lambda _: environments.ReleaseEnv(sys.executable, dict(os.environ))
+    return environments.release_environment(args.cache_dir, args.constraints)
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
@@ -209,8 +257,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
     parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
     parser.add_argument(
-        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the one "
-        "installed here, else the one the log states)"
+        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the ones the "
+        "log states, else the one installed here, only assumed: it rules no bug out)"
     )  # fmt: skip
     parser.add_argument("--markdown", type=Path, metavar="PATH", help="write a ready GitHub comment to PATH")
     parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
@@ -221,6 +269,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--catalogue", type=Path, default=None, metavar="DIR", help="repros to triage against")
     parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro scan)")
     parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+    parser.add_argument(
+        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known "
+        "fix's own test is taken from (at the fix's commit) to run on the release judged on"
+    )  # fmt: skip
+    parser.add_argument(
+        "--known-fixes", type=Path, default=None, metavar="PATH", help="the fixes triage knows besides the catalogue "
+        "(default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes one)"
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,14 +291,15 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.top < 1 or (args.world_size is not None and args.world_size < 1):
         raise TriageError("--top and --world-size must be whole numbers >= 1")
+    if args.repo is not None and not args.confirm:
+        raise TriageError("--repo is for --confirm: the clone a known fix's own test is run from")
     log = read_log(args.log)
     where = _catalogue(args)
-    t = triage_log(log, known_bugs(where), args)
+    t = triage_log(log, known_bugs(where, args.known_fixes), args)
     print(f"dsrepro triage: {log.described}, {t.reading.lines} lines")
-    stated = t.reading.versions
-    if stated and t.release is not None and stated[0] != t.release:
-        print(f"note: the log states deepspeed {stated[0]}; judged on {t.release} ({t.release_from}); "
-              f"--release {stated[0]} judges on the log's")  # fmt: skip
+    if t.release_from == triage.ASSUMED:
+        print(f"note: the log states no release; deepspeed {t.release} is the one installed here, assumed: it rules "
+              "no bug out (--release VERSION judges on the release that failed)")  # fmt: skip
     confirmed = confirm(args, t, where) if args.confirm else {}
     for line in triage.terminal(t, confirmed):
         print(line)

@@ -1,6 +1,8 @@
 """``-p pytest_dsrepro.upstream.manifest --ds-shard-manifest DIR``: this pytest run writes its shard's manifest
 (``core.shard_manifests``) into DIR once its tests are collected, and again with pytest's exit status when it ends, so
-that the merge of K shards names one that died. ``dsrepro upstream --shard I/N`` loads it; the shard is ``--ds-shard``'s
+that the merge of K shards names one that died. The results files DIR already holds then are named in it as an
+earlier run's: a shard re-run into its directory and killed is dead, not complete with the outcomes of the run
+before. ``dsrepro upstream --shard I/N`` loads it; the shard is ``--ds-shard``'s
 (1/1 without it)."""
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     given = session.config.getoption("ds_shard", None)
     index, count = shard(given) if given else (1, 1)
     planned = tuple(item.nodeid for item in session.items)
-    manifest = shard_manifests.Manifest(index, count, versions.installed_text("deepspeed"), planned)
+    earlier = shard_manifests.results_in(directory)
+    manifest = shard_manifests.Manifest(index, count, versions.installed_text("deepspeed"), planned, earlier=earlier)
     session.config.stash[MANIFEST_KEY] = manifest
     shard_manifests.write(manifest, directory)
 

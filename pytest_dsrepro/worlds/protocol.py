@@ -8,11 +8,12 @@ it forks (``worlds.rank``). Three channels join them:
   ``multiprocessing.connection`` framing; each side dispatches on the message's class, never on a position, in one
   loop (``client.fork_server.ForkServer.wait_for``, ``server.serving.serve``):
 
-      server -> pytest   Building(what): a first comm-op build (or a first preload) runs, in words for the user,
-                         before Hello or while a Spawn waits; Hello(facts) once preloaded;
+      server -> pytest   Building(what): an op builds (or a first preload runs), in words for the user, before
+                         Hello, while a Spawn waits or beside the worlds; Hello(facts) once preloaded;
                          Spawned(world, pids, ...); Exited(world, rank, returncode, at);
                          Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
-                         Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
+                         OpWait(world, at, waiting) when a world's ranks begin or end waiting for an op the server
+                         builds; Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
       pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
                          Reap(world, keep); FinishBuild()
 
@@ -109,8 +110,9 @@ class Hello:
 
 @dataclass(frozen=True)
 class Building:
-    """The server is building (or waiting for another process to build) DeepSpeed's comm op, which takes minutes the
-    first time: before ``Hello``, or beside the worlds (``comm_op.start``); ``what`` says so in words for the user."""
+    """The server is building (or waiting for another process to build) one of DeepSpeed's ops, which takes minutes
+    the first time: the comm op before ``Hello`` or beside the worlds (``comm_op.start``), another op beside them when
+    a rank asks for it (``op_builds``); ``what`` says so, or how it ended, in words for the user."""
 
     what: str
 
@@ -164,8 +166,19 @@ class Reaped:
     world: int
 
 
-ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped | BuildEnded
-SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped, BuildEnded)
+@dataclass(frozen=True)
+class OpWait:
+    """A rank of ``world`` began (``waiting``) waiting for an op that the server builds for it (``server.op_builds``),
+    or the last of its ranks that waited got it (not ``waiting``), at ``at`` (``time.monotonic()``): the world's
+    clock stops meanwhile, since the build is not its test's time."""
+
+    world: int
+    at: float
+    waiting: bool
+
+
+ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped | BuildEnded | OpWait
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped, BuildEnded, OpWait)
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 
@@ -215,8 +228,8 @@ class Reap:
 
 @dataclass(frozen=True)
 class FinishBuild:
-    """The run's tests are over, and it was not interrupted: let a comm-op build that runs beside the worlds go on
-    after the server, so that later runs load the op (``comm_op.Background.detach``), and say ``BuildEnded``."""
+    """The run's tests are over, and it was not interrupted: let the op builds that run beside the worlds go on after
+    the server, so that later runs load the ops (``op_builds.OpBuilds.leave``), and say ``BuildEnded``."""
 
 
 ClientMessage = Spawn | DumpStacks | Kill | Reap | FinishBuild

@@ -2,7 +2,7 @@
 
 Every message of ``protocol`` that the server sends is received in one place (``ForkServer.wait_for``) and dispatched
 by its class in one other (``ForkServer.dispatch``): the server's own news (``Building``, ``Hello``, ``BuildEnded``)
-is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``Reaped``) goes to the world that waits
+is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``OpWait``, ``Reaped``) goes to the world that waits
 (``world_run.WorldRun.take``). Whoever waits says for what (``until``) and until when.
 """
 
@@ -25,6 +25,7 @@ from ..protocol import (
     FinishBuild,
     Finished,
     Hello,
+    OpWait,
     Reaped,
     ServerFacts,
     ServerMessage,
@@ -50,7 +51,8 @@ class CacheUnusable(RunStops):
 #: While DeepSpeed's comm op builds, how often the user is told it still does.
 PROGRESS_EVERY = 30.0
 #: How long the end of a run waits for the server's answer to ``FinishBuild``. It answers at once, unless it is busy
-#: with a first preload for a world that was given up on (minutes on a GPU image): it is then stopped as after Ctrl-C.
+#: preparing a world that was given up on (importing a list it found: seconds): past that it is stopped as after
+#: Ctrl-C.
 FINISH_WAIT = 15.0
 
 
@@ -61,7 +63,7 @@ def _silent(text: str) -> None:
     pass
 
 
-WorldMessage = Spawned | Exited | Finished | Reaped
+WorldMessage = Spawned | Exited | Finished | Reaped | OpWait
 
 
 class WorldListener(Protocol):
@@ -216,7 +218,7 @@ class ForkServer:
         if message is not None:
             self.heard = time.monotonic()
         match message:
-            case Spawned() | Exited() | Finished() | Reaped():
+            case Spawned() | Exited() | Finished() | Reaped() | OpWait():
                 if world is not None and message.world == world.world_id:
                     world.take(message)
             case _:
@@ -229,11 +231,12 @@ class ForkServer:
         return self.process.alive
 
     def finish_build(self) -> None:
-        """The run is over, uninterrupted: a comm-op build still running beside the worlds goes on apart for later
-        runs, which then load the op, instead of being thrown away with the server; the server says so (or how a
-        build that ended did) at once, and nothing waits for the build. Ctrl-C meanwhile, or a server that does not
-        answer within ``FINISH_WAIT``: ``close`` stops it, and the build with it."""
-        if not self.alive or self.facts is None or not self.facts.builds_beside:
+        """The run is over, uninterrupted: op builds still running beside the worlds (the comm op's first, or one a
+        rank asked for) go on apart for later runs, which then load the ops, instead of being thrown away with the
+        server; the server says so (or how a build that ended did) at once, and nothing waits for the builds. Ctrl-C
+        meanwhile, or a server that does not answer within ``FINISH_WAIT``: ``close`` stops it, and the builds with
+        it."""
+        if not self.alive or self.facts is None or self.facts.deepspeed is None:
             return
         self.news.build_ended = False
         try:

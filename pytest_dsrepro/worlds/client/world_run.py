@@ -7,6 +7,10 @@ It talks to the fork server only in ``protocol`` messages, which reach it throug
 (``ForkServer.wait_for``, into ``WorldRun.take``), and never signals a rank itself: the server forked the ranks and
 reaps them, so only it knows a pid still names that rank. To stop ranks it asks the server (``DumpStacks``, then
 ``Kill``), and ``Reap`` when the world's directory has been read.
+
+Its clock is its test's only: it starts when the server says the ranks run (``Spawned``), not while the server
+prepares them (a first preload, a found list imported: the server's start-up work, bounded as its start is), and it
+stops while its ranks wait for an op the server builds for them (``OpWait``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..protocol import (
     Exited,
     Finished,
     Kill,
+    OpWait,
     RankJob,
     RankReport,
     Reap,
@@ -54,6 +59,10 @@ REAP_WAIT = 15.0
 
 #: The same for a world whose ranks were never announced (Ctrl-C while the server prepared them).
 UNANNOUNCED_REAP_WAIT = 1.0
+
+#: How long an interruption waits for the server's word of ranks already running (a loaded machine can run a body
+#: before pytest has read ``Spawned``), so that their stacks are still taken.
+ANNOUNCE_WAIT = 5.0
 
 
 class WorldInterrupted(BaseException):
@@ -106,6 +115,9 @@ class WorldRun:
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # the server answered Reap: nothing of the world is left
     kept: bool = False  # asked the server to keep its ranks for the next test of its scope (``_keep``)
+    clock: float = math.inf  # when its clock started: its ranks were said to run (``Spawned``)
+    paused: float = 0.0  # how long its ranks waited for ops the server built (``OpWait``), once they got them
+    paused_since: float | None = None  # since when they wait, while they do (its timeout cannot expire meanwhile)
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks if r.returncode is None]
@@ -117,6 +129,13 @@ class WorldRun:
                 self.ranks = [_Rank(rank, pid) for rank, pid in enumerate(message.pids)]
                 self.preloaded, self.fork_hazard = message.preloaded, message.fork_hazard
                 self.reused = message.reused
+                self.clock = time.monotonic()
+            case OpWait(waiting=True):
+                self.paused_since = message.at
+            case OpWait():
+                if self.paused_since is not None:
+                    self.paused += message.at - self.paused_since
+                self.paused_since = None
             case Reaped():
                 self.reaped = True
             case Exited() | Finished():
@@ -154,11 +173,14 @@ class WorldRun:
         started = time.monotonic()
         try:
             self.server.send(Spawn(self.world_id, pickle.dumps(job), self.size, str(self.workdir), self.reuse))
-            # The server may be silent for the world's timeout at most (a first preload says Building as it goes).
-            if not self.server.wait_for(lambda: bool(self.ranks), math.inf, self, silence=self.timeout):
+            # Preparing the ranks is the server's start-up work (a first preload), bounded as its start is.
+            wait = max(self.timeout, self.server.startup_timeout)
+            if not self.server.wait_for(lambda: bool(self.ranks), math.inf, self, silence=wait):
                 log = self.server.process.log_tail()
-                raise HarnessError(f"the pytest-dsrepro fork server did not start the ranks; {told_log(log)}")
-            self._wait(started + self.timeout)
+                raise HarnessError(
+                    f"the pytest-dsrepro fork server did not start the ranks within {wait:g}s; {told_log(log)}"
+                )
+            self._wait()
             return self._outcome(started)
         except ServerGone as exc:
             raise HarnessError(
@@ -177,6 +199,11 @@ class WorldRun:
 
     def _interrupted(self, exc: BaseException, started: float) -> WorldOutcome | None:
         """Something else interrupted the wait (pytest-timeout's failure): the live ranks' stacks, then the world."""
+        if not self.ranks:
+            try:
+                self.server.wait_for(lambda: bool(self.ranks), time.monotonic() + ANNOUNCE_WAIT, self)
+            except ServerGone:
+                return None
         live = self._live()
         if not live:
             return None
@@ -188,10 +215,11 @@ class WorldRun:
             return None
         return self._outcome(started)
 
-    def _wait(self, deadline: float) -> None:
+    def _wait(self) -> None:
         first_failure: float | None = None
         while live := self._live():
             now = time.monotonic()
+            deadline = math.inf if self.paused_since is not None else self.clock + self.timeout + self.paused
             if first_failure is None and any(r.failed for r in self.ranks):
                 first_failure = now
             if first_failure is not None and now > first_failure + self.failure_grace:
@@ -205,13 +233,16 @@ class WorldRun:
                 self._force_end(live, Status.HUNG, f"still running when the {self.timeout:g}s world timeout expired")
             else:
                 wake = deadline if first_failure is None else min(deadline, first_failure + self.failure_grace)
-                self.server.wait_for(functools.partial(self._turned, first_failure is not None), wake, self)
+                turned = functools.partial(self._turned, first_failure is not None, self.paused_since is not None)
+                self.server.wait_for(turned, wake, self)
                 continue
             self._collect_exits(live)
 
-    def _turned(self, failing: bool) -> bool:
-        """Has the wait something new to decide: every rank ended, or (not ``failing`` yet) a first rank failed?"""
-        return not self._live() or (not failing and any(r.failed for r in self.ranks))
+    def _turned(self, failing: bool, paused: bool) -> bool:
+        """Has the wait something new to decide: every rank ended, (not ``failing`` yet) a first rank failed, or the
+        clock stopped or went on (not ``paused``, or ``paused``: its deadline moved)?"""
+        moved = (self.paused_since is not None) != paused
+        return not self._live() or moved or (not failing and any(r.failed for r in self.ranks))
 
     def _collect_exits(self, ranks: list[_Rank]) -> None:
         """The ``Exited`` of ranks the server was asked to kill (it answers at once; ``REAP_WAIT`` bounds a wedged

@@ -1,14 +1,19 @@
 """Runs in the fork server: its answer to each of pytest's messages, and the worlds it started for pytest.
 
 ``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
-ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` lets a comm-op build that runs
-beside the worlds go on after the run. What all ranks of a world share is done once, before the fork: the job
-unpickled, the test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test that uses
-it.
+ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` lets the op builds that run
+beside the worlds go on after the run (``op_builds``). What all ranks of a world share is done once, before the fork:
+the job unpickled, the test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test
+that uses it, once the list of what it imports is found (by a scout beside the worlds: no world waits for it).
+
+A world whose directory pytest has already discarded (it gave up on it while the server prepared it) is not
+forked: pytest's ``Reap`` follows, and is answered as for any world.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import marshal
 import os
 import pickle
@@ -17,6 +22,7 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ...core.options import default_cache_dir
 from .. import workdir
 from ..protocol import (
     BuildEnded,
@@ -35,12 +41,14 @@ from ..protocol import (
     Spawned,
 )
 from ..rank.spawned_rank import STACK_SIGNAL
-from . import comm_op, preload
+from . import builds, comm_op, op_builds, preload, warmup
 from .kept import KeptWorld
 from .reaping import RankTable
 from .spawning import ForkedWorld, TestModules, freeze, start_world
 from .store import Store
-from .warmup import warm_for_deepspeed
+
+#: What ``Spawned.preloaded`` says while the list of a first engine step's imports is being found beside the worlds.
+SEARCHING = "nothing yet: what a first DeepSpeed engine step imports is being found beside the worlds"
 
 
 class OpenWorlds:
@@ -51,8 +59,9 @@ class OpenWorlds:
         conn: Connection,
         directories: dict[int, Path],
         store: Store,
-        scouted: preload.Child | None = None,
+        scouted: builds.BuildChild | None = None,
         building: comm_op.Background | None = None,
+        user_dir: str | None = None,
     ) -> None:
         self.conn = conn
         self.directories = directories  # world -> directory; what is left here when pytest dies is discarded
@@ -60,9 +69,15 @@ class OpenWorlds:
         self.worlds: dict[int, ForkedWorld] = {}
         self.ranks = RankTable(conn)
         self.modules = TestModules()
-        self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed
-        self.scouted = scouted  # the child finding what that first Spawn imports, started before the comm-op build
-        self.building = building  # DeepSpeed's comm op building beside the worlds, until adopted
+        self.preloaded: str | None = None  # set by the first Spawn of a test that uses DeepSpeed once a list is found
+        self.scouted = scouted  # the child finding what such a Spawn imports, beside the worlds
+        self.searching = False  # the user was told that it is being found
+        asking = functools.partial(world_of, self.worlds)
+        self.ops = op_builds.OpBuilds(conn, asking, default_cache_dir(), user_dir)  # every op built beside the worlds
+        if "deepspeed" in sys.modules:  # else each rank imports DeepSpeed, and builds as DeepSpeed does
+            op_builds.install(self.ops.address, os.getpid())
+        if building is not None:
+            self.ops.beside(comm_op.OP_NAME, building.build, building.adopt, building.detach)
         self.kept = KeptWorld(self.end, store)  # a reusable world's ranks, alive between two tests of its scope
         self._finished: dict[int, set[int]] = {}  # world -> its ranks that said Finished
 
@@ -70,12 +85,9 @@ class OpenWorlds:
         match message:
             case Spawn(world=world, job=job, size=size, workdir=directory, reuse=reuse):
                 self.directories[world] = Path(directory)
-                if self.building is not None and self.building.done():
-                    self.conn.send(Building(self.adopt_build()))
                 rank_job = pickle.loads(job)
                 if rank_job.warm and self.preloaded is None and "deepspeed" in sys.modules:
-                    self.preloaded = warm_for_deepspeed(self.scouted, lambda what: self.conn.send(Building(what)))
-                    self.scouted = None
+                    self.warm()
                 self.spawn(world, rank_job, size, Path(directory), reuse)
             case DumpStacks(world=world, ranks=ranks):
                 self.ranks.signal(world, ranks, STACK_SIGNAL)
@@ -84,25 +96,53 @@ class OpenWorlds:
             case Reap(world=world, keep=keep):
                 self.reap_world(world, keep)
             case FinishBuild():
-                self.conn.send(BuildEnded(self.leave_build()))
+                self.conn.send(BuildEnded(self.leave()))
             case _:
                 print(f"pytest-dsrepro fork server: ignored an unknown message {message!r}", file=sys.stderr)
 
-    def leave_build(self) -> str:
-        """The run is over: a build beside the worlds that ended is adopted (and said), one still running goes on
-        apart, for later runs, holding nothing up (``comm_op.Background.detach``); what to tell the user."""
-        if self.building is None:
-            return ""
-        if self.building.done():
-            return self.adopt_build()
-        said, self.building = self.building.detach(), None
-        return said
+    def warm(self) -> None:
+        """Before a world whose test uses DeepSpeed: its first use done here (``warmup.warm_for_deepspeed``) once the
+        list of what it imports is at hand; until then (a first run of the install) the list is found by a scout
+        beside the worlds, started now if pytest did not ask for one at start-up, and the world runs without it."""
+        install = warmup.install()
+        if preload.ready(install, self.scouted):
+            self.preloaded = warmup.warm_for_deepspeed(install, self.scouted, self.ops.user_dir)
+            self.scouted = None
+            return
+        if self.scouted is None:
+            self.scouted = preload.scout(install, warmup.scout_apart)
+        if not self.searching:
+            self.searching = True
+            self.conn.send(
+                Building(
+                    f"finding what a first DeepSpeed engine step imports, first time only for deepspeed "
+                    f"{install.deepspeed_version} ({preload.expected_discovery(install.cache_dir)}), beside the "
+                    "worlds: until it is found, they run without it"
+                )
+            )
 
-    def adopt_build(self) -> str:
-        """The comm op built beside the worlds, loaded here for the worlds forked from now on; what to tell the user."""
-        assert self.building is not None
-        said, self.building = self.building.adopt(), None
-        return said
+    def leave(self) -> str:
+        """The run's tests are over, uninterrupted (``FinishBuild``): what still works beside the worlds goes on apart
+        for later runs, op builds (``op_builds.OpBuilds.leave``) and the search for a first engine step's imports
+        alike; what to tell the user."""
+        said = [self.ops.leave()]
+        if self.scouted is not None and not self.scouted.done():
+            self.scouted.detach()
+            said.append(
+                f"what a first DeepSpeed engine step imports goes on being found apart (process "
+                f"{self.scouted.child.pid}): later runs preload it"
+            )
+        return "; ".join(filter(None, said))
+
+    def stop(self) -> set[int]:
+        """At the server's end: what works beside the worlds is stopped, unless it was let go on (``leave``): those
+        pids, which go on."""
+        going_on = self.ops.stop()
+        if self.scouted is not None:
+            self.scouted.stop()
+            if self.scouted.detached:
+                going_on.add(self.scouted.child.pid)
+        return going_on
 
     def spawn(self, world: int, job: RankJob, size: int, directory: Path, reuse: str | None = None) -> None:
         """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
@@ -110,7 +150,11 @@ class OpenWorlds:
         world kept for this ``reuse`` scope and size runs the test instead, on its live ranks."""
         if self.store.pid is None:
             self.store.start(self.conn, os.getpid())
-        workdir.write_port(directory, self.store.port)
+        try:
+            workdir.write_port(directory, self.store.port)
+        except OSError as exc:  # pytest gave up on it while it was prepared here: its Reap follows
+            print(f"pytest-dsrepro fork server: world {world} not started, its directory gone ({exc})", file=sys.stderr)
+            return
         meeting = Meeting(self.store.port, world)
         code = self.modules.compiled(job.test)
         marshalled = None if code is None else marshal.dumps(code)
@@ -126,7 +170,8 @@ class OpenWorlds:
         self.worlds[world] = started
         self._finished[world] = set()
         self.ranks.add(world, started.pids)
-        self.conn.send(Spawned(world, started.pids, self.preloaded, hazard, reused=started.reused))
+        preloaded = self.preloaded or (SEARCHING if self.scouted is not None else None)
+        self.conn.send(Spawned(world, started.pids, preloaded, hazard, reused=started.reused))
 
     def links(self) -> dict[Connection, tuple[int, int]]:
         """The links of ranks in open reusable worlds that have not said Finished: link -> (world, rank)."""
@@ -180,8 +225,8 @@ class OpenWorlds:
 
     def end(self, world: ForkedWorld) -> None:
         """Kill every process of ``world`` (``RankTable.end``), sparing the server's own children and other worlds."""
-        own = (self.store.pid, *(c.pid for c in (self.scouted, self.building and self.building.child) if c))
-        self.ranks.end(world, set(own), {w.group for w in self.worlds.values()})
+        own = {self.store.pid, *(c.child.pid for c in (self.scouted,) if c), *self.ops.spared()}
+        self.ranks.end(world, own, {w.group for w in self.worlds.values()})
 
     def reap(self) -> None:
         """Tell the ends of ranks that exited (rank 0 of an open world without reaping it: it holds its group's id
@@ -193,3 +238,13 @@ class OpenWorlds:
             if done:
                 self.store.ended()
         self.kept.check()
+
+
+def world_of(worlds: dict[int, ForkedWorld], pid: int) -> int | None:
+    """The open world whose rank ``pid`` is, or descends from (a process a rank forked)."""
+    import psutil
+
+    lineage = {pid}
+    with contextlib.suppress(psutil.Error):
+        lineage |= {p.pid for p in psutil.Process(pid).parents()}
+    return next((world for world, forked in worlds.items() if lineage & set(forked.pids)), None)

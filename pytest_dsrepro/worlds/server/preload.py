@@ -5,7 +5,10 @@ A first ZeRO step imports ~1,400 modules that ``import torch, deepspeed`` does n
 inductor, ...): about 2 s in every rank of every test. The fork server imports them once, before it forks. Which
 modules is found, not hand-listed: a throwaway child forked from the server runs one training step of each ZeRO
 stage in a 1-rank gloo world and reports what it imported, in order; the list is kept per DeepSpeed install (and
-torch, and Python) in the cache directory, so only the first run of a release pays for finding it.
+torch, and Python) in the cache directory, so only the first run of a release pays for finding it. No world waits
+for that: a scout child of the server finds the list (``scout``, seconds on a CPU machine, minutes on a GPU image's
+Python stack) while the first worlds run without it, and the server imports it before the first world after it is
+found (``ready``, ``warm``).
 
 Fork safety: the server must hold no thread when it forks (a forked child has only the forking thread, and a lock
 another thread held stays locked in it forever), no CUDA context and no process group. Before the list is kept,
@@ -31,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ...core.files import write_atomically
 from ...core.outcome import describe_exit
@@ -43,12 +46,10 @@ DISCOVERY_TIMEOUT = 300.0
 #: The list file's format (in its name): lists of another one are found again, and left to the version that reads them.
 LIST_FORMAT = 2
 PR_SET_PDEATHSIG = 1
+#: How long collecting a scout's result may take once it said it is done (its pipe readable: milliseconds).
+LOAD_TIMEOUT = 60.0
 #: At most this many fork-unsafe modules are looked for (one throwaway child each); more, and nothing is preloaded.
 VET_ROUNDS = 20
-#: While a first list is found, the server says so this often: a world waiting for it counts the server's silence
-#: against its timeout, and on a machine with a large Python stack (a GPU image's Triton and transformers) finding
-#: and vetting the list takes minutes, not the 10-30 s of a CPU machine.
-TICK_EVERY = 10.0
 
 
 @dataclass(frozen=True)
@@ -151,13 +152,12 @@ class Child:
         """Has it ended (its result can be read at once)?"""
         return bool(select.select([self.read], [], [], 0)[0])
 
-    def result(self, timeout: float, tick: Callable[[], None] | None = None) -> Any:
+    def result(self, timeout: float) -> Any:
         """Its result; ``RuntimeError`` saying why when it failed (its traceback went to this process's stderr) or
-        took longer than ``timeout``, when it is killed. ``tick`` is called every ``TICK_EVERY`` seconds of the
-        wait."""
+        took longer than ``timeout``, when it is killed."""
         data: bytes | None = None
         try:
-            data = _read_all(self.read, time.monotonic() + timeout, tick)
+            data = _read_all(self.read, time.monotonic() + timeout)
         finally:
             os.close(self.read)
             if data is None:
@@ -179,20 +179,18 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def in_child(work: Callable[[], Any], timeout: float, tick: Callable[[], None] | None = None) -> Any:
+def in_child(work: Callable[[], Any], timeout: float) -> Any:
     """``work()`` in a throwaway child forked from this process; its JSON-able result. Nothing it imports or starts
     stays here. ``RuntimeError`` saying why when it fails (its traceback goes to this process's stderr) or takes
     longer than ``timeout``."""
-    return Child.start(work).result(timeout, tick)
+    return Child.start(work).result(timeout)
 
 
-def _read_all(fd: int, deadline: float, tick: Callable[[], None] | None = None) -> bytes | None:
+def _read_all(fd: int, deadline: float) -> bytes | None:
     chunks: list[bytes] = []
     while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([fd], [], [], min(left, TICK_EVERY) if tick else left)
+        ready, _, _ = select.select([fd], [], [], left)
         if not ready:
-            if tick:
-                tick()
             continue
         chunk = os.read(fd, 1 << 20)
         if not chunk:
@@ -229,7 +227,7 @@ def _engine_steps() -> None:
         shm.remove_world_buffers("127.0.0.1", os.getpid())
 
 
-def discover(timeout: float = DISCOVERY_TIMEOUT, tick: Callable[[], None] | None = None) -> list[str]:
+def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
     """The modules a throwaway child imports for one step of each ZeRO stage, in import order.
 
     Raises ``RuntimeError`` with the reason when the child fails or takes longer than ``timeout``.
@@ -241,7 +239,7 @@ def discover(timeout: float = DISCOVERY_TIMEOUT, tick: Callable[[], None] | None
         return [name for name in sys.modules if name not in before]
 
     try:
-        return [str(name) for name in in_child(steps, timeout, tick)]
+        return [str(name) for name in in_child(steps, timeout)]
     except RuntimeError as exc:
         raise RuntimeError(f"the engine step failed or hung: {exc}") from None
 
@@ -269,16 +267,14 @@ def import_ahead(names: list[str]) -> tuple[int, str | None, str | None]:
     return imported, None, None
 
 
-def vet(
-    names: list[str], timeout: float = DISCOVERY_TIMEOUT, tick: Callable[[], None] | None = None
-) -> tuple[list[str], list[str]]:
+def vet(names: list[str], timeout: float = DISCOVERY_TIMEOUT) -> tuple[list[str], list[str]]:
     """``(safe, unsafe)``: ``names`` split by what importing them, in order, does to a copy of this process. Each
     throwaway child imports the list without the modules found unsafe so far, up to the next one that leaves a
     hazard; an unsafe module's dependants are found in a later round, where they bring it in themselves."""
     unsafe: list[str] = []
     for _ in range(VET_ROUNDS):
         candidates = [n for n in names if n not in unsafe]
-        _, stopped, _ = in_child(functools.partial(import_ahead, candidates), timeout, tick)
+        _, stopped, _ = in_child(functools.partial(import_ahead, candidates), timeout)
         if stopped is None:
             return candidates, unsafe
         unsafe.append(str(stopped))
@@ -308,11 +304,14 @@ def _listed(listing: Path) -> list[str] | None:
         return None
 
 
-def _found(tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """The list found and vetted (in a child of the server: ``scout``, or the server itself), and how long it took."""
+def find(install: Install) -> dict[str, Any]:
+    """The list found and vetted (in a scout, ``scout``), kept in the cache for every later server of ``install``;
+    how long it took, and what became of it (``kept``)."""
     started = time.monotonic()
-    names, unsafe = vet(discover(tick=tick), tick=tick)
-    return {"names": names, "unsafe": unsafe, "seconds": round(time.monotonic() - started, 1)}
+    names, unsafe = vet(discover())
+    seconds = round(time.monotonic() - started, 1)
+    kept = _keep(list_file(install), names, unsafe, seconds)
+    return {"names": names, "unsafe": unsafe, "seconds": seconds, "kept": kept}
 
 
 def expected_discovery(cache_dir: Path) -> str:
@@ -344,53 +343,54 @@ def _without_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def scout(install: Install) -> Child | None:
-    """Start finding the list in a throwaway child of the server, so that it is found while the server builds the
-    comm op (a first run of a release waits for both, one after the other, otherwise); None when it is cached.
-    ``warm`` collects it."""
+class Scout(Protocol):
+    """A child of the server that finds the list (``scout``): ``builds.BuildChild``, which goes on apart after a run
+    that ended uninterrupted, as a build does, and is stopped with the server otherwise."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float) -> Any: ...
+
+
+S = TypeVar("S", bound=Scout)
+
+
+def scout(install: Install, start: Callable[[Callable[[], Any]], S]) -> S | None:
+    """Start finding the list in a child of the server (``start``, running ``find``), while worlds run without it;
+    None when it is cached. ``warm`` imports it once it is ``ready``; it is kept in the cache as soon as it is found,
+    for later runs, even when this one has ended."""
     if _listed(list_file(install)) is not None:
         return None
 
     def work() -> dict[str, Any]:
         _without_comm_op()
-        return _found()
+        return find(install)
 
-    return Child.start(work, die_with=os.getpid())
+    return start(work)
 
 
-def warm(
-    install: Install,
-    scouted: Child | None = None,
-    announce: Callable[[str], None] = lambda _: None,
-) -> Preloaded:
-    """Import, in this (the fork server's) process, what a rank would import for its first engine step; ``scouted``:
-    the ``scout`` finding the list, started earlier. ``announce`` is told, in words for the user, when the list is
-    still to be found (the first time for an install), how long that usually takes, and every ``TICK_EVERY``
-    seconds that it still is."""
+def ready(install: Install, scouted: Scout | None) -> bool:
+    """Can ``warm`` import a list now, without waiting: cached, or found by the scout (or failed there: said once)."""
+    return _listed(list_file(install)) is not None or (scouted is not None and scouted.done())
+
+
+def warm(install: Install, scouted: Scout | None = None) -> Preloaded:
+    """Import, in this (the fork server's) process, what a rank would import for its first engine step, once the list
+    is ``ready``: cached, or found by ``scouted`` (``scout``)."""
     started = time.monotonic()
     listing = list_file(install)
     cached = _listed(listing)
-    if cached is not None:
+    if scouted is None and cached is not None:
         names, note = cached, "list cached"
     else:
-        beside = ", begun beside the comm-op build" if scouted else ""
-        announce(
-            f"finding what a first DeepSpeed engine step imports, first time only for deepspeed "
-            f"{install.deepspeed_version} ({expected_discovery(install.cache_dir)}{beside})"
-        )
-
-        def tick() -> None:
-            announce(
-                f"... still finding what a first DeepSpeed engine step imports ({time.monotonic() - started:.0f}s)"
-            )
-
         try:
-            found = scouted.result(2 * DISCOVERY_TIMEOUT, tick) if scouted is not None else _found(tick)
+            found = scouted.result(LOAD_TIMEOUT) if scouted is not None else None
         except RuntimeError as exc:
-            return Preloaded(0, time.monotonic() - started, f"not preloaded: {exc}")
+            return Preloaded(0, time.monotonic() - started, f"not preloaded: finding the list failed: {exc}")
+        if found is None:
+            return Preloaded(0, time.monotonic() - started, "not preloaded: no list was found")
         names, unsafe = [str(n) for n in found["names"]], [str(n) for n in found["unsafe"]]
-        how = "while the comm op was built" if scouted is not None else "by a throwaway engine step"
-        note = f"list found {how}, " + _keep(listing, names, unsafe, float(found["seconds"]))
+        note = f"list found beside the worlds in {found['seconds']:.0f}s, {found['kept']}"
         if unsafe:
             note += f"; left to the ranks: {', '.join(unsafe)} (fork-unsafe)"
     imported, stopped, left = import_ahead(names)
@@ -415,7 +415,7 @@ def _learn_unsafe(listing: Path, module: str) -> str:
     return "the next server leaves it to the ranks" if said == "now cached" else f"the corrected list is {said}"
 
 
-def first_use(accelerator: str) -> str:
+def first_use(accelerator: str, load_built: Callable[[], str | None] | None = None) -> str:
     """After the imports, what a fresh rank's first DeepSpeed use still costs, done here once so that no rank pays it
     again; says what was done. Each step runs subprocesses at most (no thread, no CUDA), and ``hazard`` is checked
     after each: the server never goes on from a step that left one.
@@ -424,16 +424,17 @@ def first_use(accelerator: str) -> str:
       twice per op load: ``cpu_arch``, ``simd_width``; CPU Adam and Lion once more): asked once here, its answer is
       what every later call returns (a copy: callers may change theirs). The CPU does not change under a fork.
     - On the CPU accelerator: DeepSpeed's op-compatibility probe (``deepspeed.ops.__compatible_ops__``, run lazily
-      since 0.19.8 on first use: a compiler subprocess per op), and every op already JIT-built in this install's
-      extensions directory, loaded through DeepSpeed's own ``load()`` (ranks would load it at their first use, a
-      ninja check and the probes above each time). Ops not built yet are left to their first user to build: a build
-      takes minutes. Not on CUDA: the probe asks the GPUs, which would poison this server's forks.
+      since 0.19.8 on first use: a compiler subprocess per op), and ``load_built``: every op already built for this
+      install in the cache, loaded (``op_builds.load_built``). Not on CUDA: the probe asks the GPUs, which would
+      poison this server's forks.
     """
     before = threads()
     done: list[str] = []
     steps: list[tuple[str, Callable[[], str | None]]] = [("cpuinfo", _remember_cpu_info)]
     if accelerator == "cpu":
-        steps += [("op probe", _probe_ops), ("ops", _load_built_ops)]
+        steps.append(("op probe", _probe_ops))
+        if load_built is not None:
+            steps.append(("ops", load_built))
     for name, step in steps:
         try:
             said = step()
@@ -470,35 +471,3 @@ def _probe_ops() -> str:
 
     compatible = deepspeed.ops.__compatible_ops__
     return f"op probe ({sum(bool(v) for v in compatible.values())} compatible)"
-
-
-def _load_built_ops() -> str | None:
-    """Every op of this accelerator built from this install's sources in ``TORCH_EXTENSIONS_DIR`` (the comm op's keyed
-    directory, ``comm_op``), loaded with DeepSpeed's ``builder.load()``."""
-    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not chosen:
-        return None
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.all_ops import ALL_OPS
-
-    loaded = []
-    for name, builder in sorted(ALL_OPS.items()):
-        switched_off = deepspeed.ops.__compatible_ops__.get(name) is False  # the comm op, while it builds (comm_op)
-        if not switched_off and name not in builder._loaded_ops and built_from(builder, Path(chosen) / name):
-            builder.load(verbose=False)
-            loaded.append(name)
-    return f"ops loaded: {', '.join(loaded)}" if loaded else None
-
-
-def built_from(builder: Any, directory: Path) -> bool:
-    """Is the op in ``directory`` (torch's JIT build of it) built from this install's sources, and since they last
-    changed? Another install with the same comm op shares the directory: its build would be rebuilt (minutes), here
-    and not by the ranks that need it, so it is left to them."""
-    try:
-        recipe = (directory / "build.ninja").read_text()
-        built = (directory / f"{builder.name}.so").stat().st_mtime
-        listed = builder.strip_empty_entries(builder.sources())
-        sources = [os.path.abspath(builder.deepspeed_src_path(s)) for s in listed]
-        return bool(sources) and all(f"compile {s}\n" in recipe and os.stat(s).st_mtime <= built for s in sources)
-    except OSError:
-        return False

@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -47,9 +47,9 @@ def children() -> list[int]:
     return found
 
 
-def kill_descendants(rounds: int = 5, spared: int | None = None) -> list[tuple[int, int | None]]:
+def kill_descendants(rounds: int = 5, spared: Collection[int] = ()) -> list[tuple[int, int | None]]:
     """SIGKILL every process below the server and wait for them; ``(pid, returncode)`` of those it reaped. ``spared``:
-    a child left to go on after the server with its own children (a comm-op build, ``comm_op.Background.detach``).
+    children left to go on after the server with their own children (builds, ``builds.BuildChild.detach``).
 
     Several rounds: a process killed in one round may have started another (a compiler driver its next stage), and
     the grandchildren of a killed process are re-parented to the server (a child subreaper) only as it dies.
@@ -58,7 +58,7 @@ def kill_descendants(rounds: int = 5, spared: int | None = None) -> list[tuple[i
 
     reaped: list[tuple[int, int | None]] = []
     for _ in range(rounds):
-        procs = [p for p in psutil.Process().children() if p.pid != spared]
+        procs = [p for p in psutil.Process().children() if p.pid not in spared]
         procs += [d for p in procs for d in _descendants(p)]
         if not procs:
             break

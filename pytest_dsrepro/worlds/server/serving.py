@@ -6,8 +6,8 @@ world still gets brand-new rank processes, so nothing a test does leaks into the
 messages of ``protocol`` over one socket; it forks every rank and is the only process that signals one.
 
 End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
-the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit; only a
-comm-op build that a run ended uninterrupted let go on (``FinishBuild``) outlives it. Ranks and
+the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit; only the
+op builds that a run ended uninterrupted let go on (``FinishBuild``) outlive it. Ranks and
 the store die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
 start are its children and get killed. Ctrl-C is pytest's to handle: the server ignores SIGINT.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from .. import shm, workdir
 from ..prctl import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ..protocol import SCOUT_ARGUMENT, Building, Hello, ServerFacts
-from . import comm_op, preload
+from . import builds, comm_op, preload
 from .dispatch import OpenWorlds
 from .reaping import kill_descendants
 from .spawning import freeze
@@ -48,24 +48,19 @@ def _child_exit_wakeups() -> int:
     return r
 
 
-def serve(
-    conn: Connection,
-    open_worlds: dict[int, Path],
-    store: Store,
-    scouted: preload.Child | None = None,
-    building: comm_op.Background | None = None,
-) -> None:
-    """Answer pytest until it goes away. ``open_worlds`` (world -> directory) is left holding worlds never reaped."""
-    worlds = OpenWorlds(conn, open_worlds, store, scouted, building)
+def serve(conn: Connection, worlds: OpenWorlds) -> None:
+    """Answer pytest until it goes away; ``worlds.directories`` is left holding worlds never reaped."""
     wakeups = _child_exit_wakeups()
     while True:
         links = worlds.links()
-        ready = wait([conn, wakeups, *links], timeout=1.0)
+        ops = worlds.ops.waitables()
+        ready = wait([conn, wakeups, *links, *ops], timeout=1.0)
         if wakeups in ready:
             os.read(wakeups, 4096)
         for link in ready:
             if isinstance(link, Connection) and link in links:
                 worlds.finished(link, *links[link])
+        worlds.ops.take([r for r in ready if r in ops])  # requests for ops, and builds that ended
         if conn in ready:
             try:
                 message = conn.recv()
@@ -105,10 +100,11 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's to handle; it then tears the world down
     conn = Connection(fd)
+    user_dir = os.environ.get("TORCH_EXTENSIONS_DIR")  # the user's own, before the comm op's sets it
     open_worlds: dict[int, Path] = {}
     store = Store()
-    scouted: preload.Child | None = None
     building: comm_op.Background | None = None
+    worlds: OpenWorlds | None = None
     try:
         try:
             try:
@@ -117,7 +113,7 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
                     freeze()
                     store.start(conn, os.getpid())  # the first fork: OpenBLAS ends its threads before any fork
                     facts = dataclasses.replace(facts, store_pid=store.pid, fork_hazard=preload.hazard())
-            except comm_op.Unusable as exc:  # the cache cannot serve any world: the run stops, saying what to do
+            except builds.Unusable as exc:  # the cache cannot serve any world: the run stops, saying what to do
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=str(exc), stops_run=True)
             except Exception as exc:  # noqa: BLE001 - told to pytest, which fails with the server's log
                 # Not SystemExit: pytest's SIGTERM while the comm op builds must unwind the build (torch then
@@ -125,25 +121,32 @@ def run(fd: int, parent: int, log: Path, scout: bool = False) -> None:
                 facts = ServerFacts(pid=os.getpid(), torch="", fatal=f"{type(exc).__name__}: {exc}")
             conn.send(Hello(facts))
             if facts.fatal is None:
-                serve(conn, open_worlds, store, scouted, building)
+                worlds = OpenWorlds(conn, open_worlds, store, scouted, building, user_dir)
+                serve(conn, worlds)
         finally:
             # When pytest dies, end of file and the parent-death SIGTERM come one right after the other: the signal
             # may still land here, before it is ignored, and only the outer block is sure to run to the end.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _clean_up(building, open_worlds, store)
+        _clean_up(worlds, building, open_worlds, store)
         if os.getppid() != parent:  # nobody is left to read the log
             log.unlink(missing_ok=True)
 
 
-def _clean_up(building: comm_op.Background | None, open_worlds: dict[int, Path], store: Store) -> None:
-    """At the server's end, however it came: every process it started killed (a build let go on spared), the worlds
+def _clean_up(
+    worlds: OpenWorlds | None, building: comm_op.Background | None, open_worlds: dict[int, Path], store: Store
+) -> None:
+    """At the server's end, however it came: every process it started killed (builds let go on spared), the worlds
     never reaped discarded, a kept world's buffers removed."""
-    if building is not None:  # unwound, the build's torch removes its build lock; its compilers die next
-        building.stop()  # unless it was let go on for later runs: then it and its compilers are spared
-    kill_descendants(spared=building.child.pid if building is not None and building.detached else None)
-    shutil.rmtree(comm_op.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
+    if worlds is not None:  # unwound, a build's torch removes its baton; its compilers die next
+        going_on = worlds.stop()  # but those let go on for later runs are spared, with their compilers
+    else:  # the server ended before its first world: the comm op's build beside them too
+        going_on = set()
+        if building is not None:
+            building.build.stop()
+    kill_descendants(spared=going_on)
+    shutil.rmtree(builds.scratch(os.getpid()), ignore_errors=True)  # a build cut short: its compilers' files
     for directory in open_worlds.values():  # pytest died mid-world: nothing of it may stay behind
         workdir.discard(directory)
     if store.port:  # a kept world's buffers, which no directory names any more

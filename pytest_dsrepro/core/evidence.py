@@ -1,0 +1,308 @@
+"""What a log shows of one known bug: its faces (``core.faces``) looked for in a ``core.logread`` reading, in points.
+
+The evidence, strongest first:
+
+- a face's message pattern finds an exception's message: 70 with the face's type (or a face that names none: 65),
+  55 with another type (a wrapper), and up to 5 more the more of the message it covers; a face's message written out
+  in the text without its type (a title, prose, a type whose first letter the paste lost) 50; these are the only
+  evidence that makes a candidate confident;
+- a face with a type and frames but no message: that type raised through one of those frames, 60;
+- a message cut short that is the start of a face's message: 45 with the type, 35 without;
+- the type alone: 35 for a face that declares no message nor frames (plus shared words), 10 otherwise;
+- the face's frames among the log's (any path: a cut traceback's, rich's, a source checkout's): 10 each, at most 30,
+  and the functions the bug's title and root cause name: 6 each, files 3;
+- the face's words in the text: 8 each, at most 24;
+- the words the text shares with the bug's own (title, root cause, faces' words and messages), each weighed by how
+  few bugs use it: at most 20 (5 beside a matched message, whose words it would count again); an exception type the
+  text only names (a title's "RuntimeError when ..."): 5.
+
+Without a matched message, the evidence stays below ``CONFIDENT``. Pure: no pytest, no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+from types import MappingProxyType
+
+from .faces import LITERAL_MIN, Face
+from .logread import Raised, Reading
+
+#: A candidate at or above this score is a known bug with confidence: a face's message matched.
+CONFIDENT = 50
+#: The most that shared words add to a matched message (they rank candidates that have no message).
+_MATCHED_OVERLAP = 5
+#: How much of a long text the words are read from (its start: the title and the prose; its end: the error).
+_TEXT_HEAD, _TEXT_TAIL = 64 * 1024, 64 * 1024
+#: Words too common in DeepSpeed's errors and reports to tell bugs apart.
+_COMMON = frozenset({
+    "with", "from", "that", "this", "have", "been", "when", "were", "will", "then", "than", "into", "only", "also",
+    "does", "each", "every", "there", "their", "other", "after", "before", "while", "which", "what", "where", "some",
+    "more", "most", "first", "last", "same", "just", "like", "none", "true", "false", "self", "error", "object",
+    "attribute", "deepspeed", "zero", "rank", "ranks", "step", "steps", "param", "params", "parameter", "parameters",
+    "model", "engine", "module", "tensor", "tensors", "call", "calls", "called", "raise", "raises", "raised", "line",
+    "file", "python", "site", "packages", "return", "value", "values", "given", "expected", "instead", "should",
+    "would", "could", "need", "needs", "used", "uses", "using", "stage", "config", "training", "train", "the", "and",
+    "for", "not", "but", "are", "its", "was", "can", "has", "all", "any", "one", "two", "out", "set", "get", "new",
+    "bug", "fix", "fixes", "issue", "run", "runs", "use", "code", "import", "torch", "data", "https",
+    "github", "com", "main", "def", "len", "lib", "home", "user", "users", "src", "init", "version",
+})  # fmt: skip
+#: Frame functions that wrap everything (torch's module call, decorators): never evidence.
+_WRAPPERS = frozenset({"<module>", "__call__", "_call_impl", "_wrapped_call_impl", "wrapper", "wrapped_fn", "inner",
+                       "decorate_context", "forward", "main", "_fn", "fn", "backward", "step", "train", "__init__",
+                       "initialize"})  # fmt: skip
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_]")
+#: One spelling for what reports write several ways: ``ZeRO-3``, ``zero3``, ``Z3``, ``stage 3`` -> ``zero3``;
+#: ``ZeRO-1/2`` -> ``zero1 zero2``; ``grad_norm``, ``gradient norm`` -> ``gradnorm``; ``bfloat16`` -> ``bf16``.
+_SPELLINGS = (
+    (re.compile(r"\b(?:zero|z)[-_ ]?(?:stage[-_ ]?)?([0-3])/([0-3])\b", re.I), r"zero\1 zero\2"),
+    (re.compile(r"\b(?:zero|z)[-_ ]?(?:stage[-_ ]?)?([0-3])\b", re.I), r"zero\1"),
+    (re.compile(r"\bstage[-_ ]?([0-3])\b", re.I), r"zero\1"),
+    (re.compile(r"\bgrad(?:ient)?[-_ ]?norms?\b", re.I), "gradnorm"),
+    (re.compile(r"\bb(?:float|f)[-_ ]?16\b", re.I), "bf16"),
+    (re.compile(r"\bf(?:loat|p)[-_ ]?32\b", re.I), "fp32"),
+    (re.compile(r"\bf(?:loat|p)[-_ ]?16\b", re.I), "fp16"),
+)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One bug's evidence in a log: its points, why (strongest first), the face whose message matched (if any)."""
+
+    points: int
+    why: tuple[str, ...]
+    face: Face | None = None
+    matched: bool = False  # a face's message (or type and frame) matched: the evidence that may make it confident
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(w for w in self.why if w)
+
+
+@dataclass(frozen=True)
+class _Hit:
+    points: int
+    why: str
+    face: Face | None = None
+    matched: bool = False
+
+
+# --- words ---------------------------------------------------------------------------------------------------------
+
+
+def spelled(text: str) -> str:
+    """``text`` with the spellings reports vary in made one (``_SPELLINGS``)."""
+    for pattern, one in _SPELLINGS:
+        text = pattern.sub(one, text)
+    return text
+
+
+@functools.lru_cache(maxsize=512)
+def words(text: str) -> Mapping[str, int]:
+    """Distinctive words of ``text``, lower-cased, each weighed: 2 for an identifier (``_``, a dot or camelCase), else
+    1; a dotted or underscored identifier counts its parts too."""
+    found: dict[str, int] = {}
+    for word in _WORD.findall(spelled(text)):
+        parts = [word, *re.split(r"[._]", word)] if ("_" in word.strip("_") or "." in word) else [word]
+        for part in parts:
+            low = part.lower()
+            if len(low) < 3 or low in _COMMON or low.isdigit():
+                continue
+            identifier = "_" in word.strip("_") or "." in word or word[1:] != word[1:].lower()
+            found[low] = max(found.get(low, 0), 2 if part is word and identifier else 1)
+    return MappingProxyType(found)  # kept by the cache: read-only
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The catalogue's words: how many bugs use each (a word every bug uses tells none apart)."""
+
+    bugs: int
+    used_by: Mapping[str, int]
+
+    @classmethod
+    @functools.lru_cache(maxsize=8)  # one catalogue, triaged many times
+    def of(cls, documents: tuple[str, ...]) -> Vocabulary:
+        counts: dict[str, int] = {}
+        for document in documents:
+            for word in words(document):
+                counts[word] = counts.get(word, 0) + 1
+        return cls(len(documents), counts)
+
+    def weight(self, word: str) -> float:
+        """How much a shared word tells: 1 for a word one bug uses, nothing for one every bug uses (however many bugs
+        the catalogue holds)."""
+        rarest = math.log((self.bugs + 1) / 1.5)
+        return max(0.0, math.log((self.bugs + 1) / (self.used_by.get(word, 0) + 0.5)) / rarest) if rarest > 0 else 0.0
+
+
+def text_of(reading: Reading) -> str:
+    """The text words are read from: all of a short one, the start and end of a long one."""
+    text = reading.text
+    if len(text) <= _TEXT_HEAD + _TEXT_TAIL:
+        return text
+    return text[:_TEXT_HEAD] + "\n" + text[-_TEXT_TAIL:]
+
+
+def shared(theirs: Mapping[str, int], mine: Mapping[str, int], vocabulary: Vocabulary) -> tuple[float, list[str]]:
+    """How much ``mine`` (a text's words) and ``theirs`` (a bug's) have in common, the rarest words weighing most."""
+    common = sorted(set(mine) & set(theirs), key=lambda w: (-vocabulary.weight(w) * theirs[w], w))
+    return sum(vocabulary.weight(w) * theirs[w] for w in common), common
+
+
+@functools.lru_cache(maxsize=1024)
+def _phrase(phrase: str) -> re.Pattern[str]:
+    """A face's words as found in a text: case aside, whole words, any run of spaces, spellings made one."""
+    parts = [re.escape(p) for p in spelled(phrase).split()]
+    return re.compile(r"(?<![\w])" + r"\s+".join(parts) + r"(?![\w])", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=1024)
+def _one(phrase: str) -> str:
+    return spelled(phrase).lower()
+
+
+def phrases(faces: Iterable[Face], text: str, lower: str) -> list[str]:
+    """The faces' words found in ``text`` (already ``spelled``; ``lower``: the same lower-cased), each once
+    (``grad_norm`` and ``gradient norm`` are one)."""
+    found: dict[str, str] = {}
+    for face in faces:
+        for phrase in face.words:
+            one = _one(phrase)
+            if one not in found and one.split()[0] in lower and _phrase(phrase).search(text):
+                found[one] = phrase
+    return list(found.values())
+
+
+# --- messages and frames -------------------------------------------------------------------------------------------
+
+
+def _variants(message: str) -> tuple[str, ...]:
+    """A message as a pattern may need it: as shown, its lines joined without and with a space."""
+    return (message, message.replace("\n", ""), message.replace("\n", " "))
+
+
+def _search(pattern: str, message: str) -> re.Match[str] | None:
+    """Where ``pattern`` finds ``message`` as shown or with its lines joined (``_variants``)."""
+    return next((m for m in (re.search(pattern, v) for v in _variants(message)) if m), None)
+
+
+def _typed(face: Face, error: Raised) -> bool | None:
+    """Whether ``error`` is of the face's type (None: the face names none)."""
+    return None if face.raises_name is None else face.raises_name in error.type_names
+
+
+def against(face: Face, error: Raised) -> _Hit:
+    """One face against one exception: the message, a message cut short, or the type."""
+    typed = _typed(face, error)
+    found = _search(face.match, error.message) if face.match else None
+    if found is not None:
+        covered = round(5 * min(len(found.group()) / max(len(error.first_line), 1), 1.0))  # the more it says, the more
+        if typed is None:
+            return _Hit(65 + covered, f"the message is one it is seen with: {face.describe()}", face, True)
+        if typed:
+            return _Hit(70 + covered, f"the message is the one it declares: {face.describe()}", face, True)
+        why = f"the message matches its {face.match!r} (raised as {error.name}, not {face.raises})"
+        return _Hit(55 + covered, why, face, True)
+    cut = error.first_line.rstrip()
+    if face.match and len(cut) >= LITERAL_MIN and face.literal.startswith(cut) and cut != face.literal:
+        return _Hit(45 if typed is not False else 35, f"the message is cut short of {face.match!r}", face)
+    if typed and face.match is None and not face.frames:  # a face with frames needs one of them (``typed_through``)
+        return _Hit(35, f"it declares {face.raises} with any message", face)
+    if typed:
+        return _Hit(10, f"the same exception type ({face.raises}), another message", face)
+    return _Hit(0, "")
+
+
+def written_out(face: Face, text: str) -> _Hit:
+    """A face's message written in the text (``text``: lower-cased) without its type (a title, prose, a type the paste
+    cut)."""
+    literal = face.literal
+    if face.match and len(literal) >= LITERAL_MIN and _one(literal) in text:
+        return _Hit(50, f"the text writes out its message {literal!r}", face, True)
+    return _Hit(0, "")
+
+
+def typed_through(face: Face, reading: Reading, hits: Sequence[str]) -> _Hit:
+    """A face with a type and frames but no message: that type raised (or named) and one of its frames shown."""
+    if face.match or not face.raises_name or not hits:
+        return _Hit(0, "")
+    raised = any(face.raises_name in e.type_names for e in reading.errors) or face.raises_name in reading.named
+    if not raised:
+        return _Hit(0, "")
+    return _Hit(60, f"{face.raises} through {', '.join(hits)}, as it is seen", face, True)
+
+
+def named_frames(named: str, log: Log) -> tuple[list[str], list[str]]:
+    """The log's DeepSpeed functions and files that ``named`` (a bug's title and root cause) names in its words."""
+    said = set(re.findall(r"\w+", named))
+    hit_functions = [f for f in log.deepspeed_functions if f in said]
+    return hit_functions, [s for s in log.deepspeed_files if s in said and s not in hit_functions]
+
+
+# --- one bug -------------------------------------------------------------------------------------------------------
+
+
+def document(title: str, root_cause: str, faces: Sequence[Face]) -> str:
+    """A bug in words, as a text is compared with it: title, root cause, its faces' words, messages and frames."""
+    said = [f"{' '.join(f.words)} {f.literal} {' '.join(f.frames)}" for f in faces]
+    return " ".join([title, root_cause, *said])
+
+
+@dataclass(frozen=True)
+class Log:
+    """A reading with what every bug is compared against, made once per triage: its text (words read from it:
+    ``text_of``), that text's words, the catalogue's ``Vocabulary``."""
+
+    reading: Reading
+    text: str
+    words: Mapping[str, int]
+    vocabulary: Vocabulary
+    frames: tuple[tuple[str, str], ...] = ()  # every frame as faces name them: the file's own name, the function
+    deepspeed_functions: tuple[str, ...] = ()  # DeepSpeed frames' functions (not wrappers), each once
+    deepspeed_files: tuple[str, ...] = ()  # DeepSpeed frames' files, without ``.py``, each once
+    lower: str = ""  # the text lower-cased
+
+    @classmethod
+    def of(cls, reading: Reading, documents: Sequence[str]) -> Log:
+        text = spelled(text_of(reading))
+        ds = reading.deepspeed_frames
+        return cls(reading, text, words(text), Vocabulary.of(tuple(documents)),
+                   tuple((f.file, f.function) for f in reading.frames),
+                   tuple(dict.fromkeys(f.function for f in ds if f.function not in _WRAPPERS)),
+                   tuple(dict.fromkeys(PurePath(f.path).stem for f in ds)), text.lower())  # fmt: skip
+
+
+def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log: Log) -> Evidence:
+    """A bug's evidence in a log: the best face's message (or type), then its frames, its words, the words it shares
+    with the text and a type the text only names. ``named``: the bug's title and root cause (frames they name)."""
+    reading = log.reading
+    errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
+    hit_frames = {face: face.frame_hits(log.frames) for face in faces}
+    hits = [against(face, e) for face in faces for e in errors]
+    hits += [written_out(face, log.lower) for face in faces]
+    hits += [typed_through(face, reading, hit_frames[face]) for face in faces]
+    best = max(hits, key=lambda h: h.points, default=_Hit(0, ""))
+    declared = list(dict.fromkeys(h for face in faces for h in hit_frames[face]))
+    functions, files = named_frames(named, log)
+    framed = min(10 * len(declared) + 6 * len(functions) + 3 * len(files), 30)
+    said = phrases(faces, log.text, log.lower)
+    weight, common = shared(bug_words, log.words, log.vocabulary)
+    overlap = round(20 * (1 - math.exp(-weight / 6)))
+    if best.matched:  # the message's own words already counted in the match: what else the text says, a little
+        overlap = min(overlap, _MATCHED_OVERLAP)
+    types = {face.raises_name for face in faces if face.raises_name}
+    only_named = 5 if best.points < 10 and types & set(reading.named) else 0
+    why = (
+        best.why,
+        f"the log's frames {', '.join(declared + functions + files)} are where it is seen" if framed else "",
+        f"the text says {', '.join(repr(w) for w in said)}" if said else "",
+        f"shares {', '.join(common[:4])}" if overlap >= 3 else "",
+        f"the text names {', '.join(sorted(types & set(reading.named)))}" if only_named else "",
+    )
+    total = best.points + framed + min(8 * len(said), 24) + overlap + only_named
+    return Evidence(total if best.matched else min(total, CONFIDENT - 1), why, best.face, best.matched)
