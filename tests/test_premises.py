@@ -96,6 +96,26 @@ def test_precision_offload_and_comparisons() -> None:
     )
 
 
+def test_a_section_written_as_a_bare_value_is_read() -> None:
+    """``"fp16": false`` (DeepSpeed refuses it; triage met it in the corpus) is read, "auto" resolved around it, not an
+    AttributeError from inside the reading: precision from the sections that are objects, no offload."""
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "fp16": False,
+        "bf16": {"enabled": "auto"},
+        "scheduler": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"offload_param": True},
+    }
+    resolved = configs.resolve(config, "c", 2, "gloo")
+    assert resolved.written["fp16"] is False
+    assert resolved.written["bf16"] == {"enabled": False}
+    assert resolved.written["optimizer"]["params"]["lr"] == configs.TrainingArgs().learning_rate
+    premise = parse((), {"precision": "fp16", "offload_param": "cpu"}, WHERE)
+    assert premise.unmet(resolved.written) == ("needs precision fp16; the config has fp32",
+                                               "needs offload_param device cpu; the config has none")  # fmt: skip
+
+
 def test_scheduler_type_and_a_key_left_unset() -> None:
     """A key required to be None must be absent: what a bug in a scheduler's fallback for that key needs."""
     premise = parse((), {"config": {"scheduler.type": "WarmupLR", "scheduler.params.warmup_max_lr": None}}, WHERE)

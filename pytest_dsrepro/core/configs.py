@@ -92,6 +92,15 @@ class ConfigError(Exception):
     pass
 
 
+def _section(config: Mapping[str, Any], *path: str) -> dict[str, Any]:
+    """The object at ``path`` in ``config``; a fresh empty one where it is absent or written as something else
+    (``"fp16": false``, which DeepSpeed refuses: a scan refuses it first, naming it; triage reads it as written)."""
+    node: object = config
+    for part in path:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node if isinstance(node, dict) else {}
+
+
 def _fill(section: dict[str, Any], key: str, value: object) -> None:
     if section.get(key) == "auto":
         section[key] = value
@@ -128,7 +137,7 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
     ``resolve_batch``)."""
     resolve_batch(config, world_size, args)
     _fill(config, "gradient_clipping", args.max_grad_norm)
-    optimizer = config.get("optimizer", {}).get("params", {})
+    optimizer = _section(config, "optimizer", "params")
     for key, value in {
         "lr": args.learning_rate,
         "weight_decay": args.weight_decay,
@@ -136,7 +145,7 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
         "eps": args.adam_epsilon,
     }.items():
         _fill(optimizer, key, value)
-    scheduler = config.get("scheduler", {}).get("params", {})
+    scheduler = _section(config, "scheduler", "params")
     for key, value in {
         "warmup_min_lr": 0,
         "warmup_max_lr": args.learning_rate,
@@ -144,13 +153,13 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
         "total_num_steps": args.max_steps,
     }.items():
         _fill(scheduler, key, value)
-    zero = config.get("zero_optimization", {})
+    zero = _section(config, "zero_optimization")
     _fill(zero, "reduce_bucket_size", args.hidden_size * args.hidden_size)
     _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * args.hidden_size * args.hidden_size))
     _fill(zero, "stage3_param_persistence_threshold", 10 * args.hidden_size)
     _fill(zero, "stage3_gather_16bit_weights_on_model_save", False)  # by accelerate, under the Trainer: unless asked
     for precision in ("fp16", "bf16"):
-        _fill(config.get(precision, {}), "enabled", False)
+        _fill(_section(config, precision), "enabled", False)
 
 
 #: Optimizers DeepSpeed runs only as CUDA kernels of its own (``optimizer.type``, lower case), and why.
@@ -183,11 +192,11 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
     """Make a config runnable on the world's devices; return what was changed, in words."""
     notes = []
     if backend == "gloo":
-        if config.get("fp16", {}).get("enabled"):
+        if _section(config, "fp16").get("enabled"):
             config["fp16"] = {"enabled": False}
             notes.append("fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world")
         for kind in ("offload_optimizer", "offload_param"):
-            section = config.get("zero_optimization", {}).get(kind, {})
+            section = _section(config, "zero_optimization", kind)
             if section.get("device") == "nvme":
                 section["device"] = "cpu"
                 notes.append(f"{kind}.device nvme -> cpu: NVMe offload needs DeepSpeed's async I/O op (libaio), "
@@ -195,13 +204,15 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
             if section.get("pin_memory"):
                 section["pin_memory"] = False
                 notes.append(f"{kind}.pin_memory -> false: pinned memory needs CUDA")
-        optimizer = config.get("optimizer", {})
-        if optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in optimizer.get("params", {}):
+        optimizer = _section(config, "optimizer")
+        if str(optimizer.get("type", "")).lower() in ("adam", "adamw") and "torch_adam" not in _section(
+            optimizer, "params"
+        ):
             optimizer.setdefault("params", {})["torch_adam"] = True
             if optimizer["type"].lower() == "adam":
                 optimizer["params"].setdefault("adam_w_mode", False)
             notes.append(f"optimizer {optimizer['type']} -> torch implementation: DeepSpeed's CPU Adam is a JIT build")
-        offloaded = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+        offloaded = _section(config, "zero_optimization", "offload_optimizer").get("device") == "cpu"
         if offloaded and "optimizer" not in config and "zero_force_ds_cpu_optimizer" not in config:
             config["zero_force_ds_cpu_optimizer"] = False
             notes.append(

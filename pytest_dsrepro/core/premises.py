@@ -67,9 +67,9 @@ def stage(config: Mapping[str, Any]) -> object:
 
 def precision(config: Mapping[str, Any]) -> str:
     """``fp16``, ``bf16`` (DeepSpeed also reads the section as ``bfloat16``) or ``fp32``."""
-    if (config.get("fp16") or {}).get("enabled") is True:
+    if lookup(config, "fp16.enabled") is True:
         return "fp16"
-    if any((config.get(name) or {}).get("enabled") is True for name in ("bf16", "bfloat16")):
+    if any(lookup(config, f"{name}.enabled") is True for name in ("bf16", "bfloat16")):
         return "bf16"
     return "fp32"
 
@@ -77,11 +77,10 @@ def precision(config: Mapping[str, Any]) -> str:
 def offload_device(config: Mapping[str, Any], kind: str) -> str:
     """Where ``offload_optimizer`` or ``offload_param`` puts its tensors (``none`` when the section is absent); the
     deprecated ``cpu_offload``/``cpu_offload_params`` flags count as ``cpu``."""
-    zero = config.get("zero_optimization") or {}
-    device = (zero.get(kind) or {}).get("device")
+    device = lookup(config, f"zero_optimization.{kind}.device")
     if device is None:
         legacy = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_params"}[kind]
-        return "cpu" if zero.get(legacy) is True else "none"
+        return "cpu" if lookup(config, f"zero_optimization.{legacy}") is True else "none"
     return str(device)
 
 
