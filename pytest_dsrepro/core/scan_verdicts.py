@@ -26,9 +26,10 @@ from .userconfig import _autos  # the one reading of where a config says "auto"
 
 #: How ``ds_engine`` words a config that DeepSpeed itself refuses (``inrank.engine.ConfigRejected``).
 REFUSED = "DeepSpeed rejected ds_config"
-_REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)")
+_REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)", re.DOTALL)
 #: A bug's row where DeepSpeed refused the config: its message is said once, above the table (``refusals``).
 REFUSED_ROW = "DeepSpeed refuses this config (above)"
+_PYDANTIC_LINK = "For further information visit"
 
 #: A bug's verdict over its tests is the first of these that any test earned.
 SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
@@ -94,9 +95,12 @@ class BugRow:
 
 
 def refusal(finding: Finding) -> str | None:
-    """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None."""
+    """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None: on one
+    line, whole (pydantic names the refused key on the second), less pydantic's pointer to its own docs."""
     found = _REFUSAL.search(finding.detail) if finding.verdict is ScanVerdict.CANNOT_TELL else None
-    return found[1] if found else None
+    if not found:
+        return None
+    return " ".join(line.strip() for line in found[1].splitlines() if not line.strip().startswith(_PYDANTIC_LINK))
 
 
 def rows(run: RunRecord) -> list[BugRow]:
@@ -154,7 +158,7 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
     """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
     settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
     found = rows(run)
-    lines = [cut(line, width) for line in refusals(run)]
+    lines = refusals(run)  # whole: DeepSpeed's message names what to change
     lines += [cut(f"note: {note}", width) for note in notes(run)]
     if not found:
         return [*lines, "no catalogued bug was scanned"]
