@@ -15,12 +15,14 @@ STAGES = 2
 PIPELINE_WORLD = pytest.mark.ds_world(size=STAGES)
 
 #: A pipeline config without ZeRO. ``steps_per_print``: the pipeline engine's ``train_batch`` of 0.15-0.16 takes the
-#: step modulo ``steps_per_print``, whose default there is None. fp32, written out: what ``pipeline_premise`` sets.
+#: step modulo ``steps_per_print``, whose default there is None. fp32, no timers, written out: what
+#: ``pipeline_premise`` sets.
 PIPELINE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
     "steps_per_print": 100,
+    "wall_clock_breakdown": False,
     "zero_allow_untested_optimizer": True,
     "bf16": {"enabled": False},
     "fp16": {"enabled": False},
@@ -35,11 +37,13 @@ def pipeline_premise(**requirements: Any) -> pytest.MarkDecorator:
     return pytest.mark.ds_premise(
         **requirements,
         sets={"gradient_clipping": 0.0, "steps_per_print": 100, "zero_allow_untested_optimizer": True,
-              "bf16.enabled": False, "fp16.enabled": False},
+              "bf16.enabled": False, "fp16.enabled": False, "wall_clock_breakdown": False},
         removes=("scheduler",),
         because="the body compares the weights with plain, unclipped fp32 SGD at its own rate, to 1e-6 (which ZeRO-1 "
         "must be allowed to wrap, and which a config's scheduler or half precision would change); and the pipeline "
-        "engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None",
+        "engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None; from "
+        "0.18.3 a stage's backward under wall_clock_breakdown starts the bwd_microstep timer twice (the pipeline's own "
+        "and the backward hook's: AssertionError, not yet catalogued), before the compared step",
     )  # fmt: skip
 
 
