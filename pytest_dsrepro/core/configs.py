@@ -175,13 +175,13 @@ def cuda_only(config: Mapping[str, Any]) -> list[str]:
     """What in ``config`` needs CUDA and has no CPU form, each naming its key and why: a gloo world cannot run it
     (what has a CPU form, ``adapt_to_backend`` adapts instead)."""
     found = []
-    optimizer = config.get("optimizer") or {}
+    optimizer = _section(config, "optimizer")
     kind = str(optimizer.get("type", "")).lower()
     if kind in CUDA_OPTIMIZERS:
         found.append(f"optimizer.type {optimizer['type']!r} needs CUDA: {CUDA_OPTIMIZERS[kind]}")
-    if (config.get("amp") or {}).get("enabled") is True:
+    if _section(config, "amp").get("enabled") is True:
         found.append("amp.enabled needs CUDA: it is NVIDIA apex's mixed precision")
-    zero = config.get("zero_optimization") or {}
+    zero = _section(config, "zero_optimization")
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if zero.get(key) is True:
             found.append(f"zero_optimization.{key} needs CUDA: ZeRO++'s quantizer is a CUDA kernel")
