@@ -15,23 +15,42 @@ STAGES = 2
 PIPELINE_WORLD = pytest.mark.ds_world(size=STAGES)
 
 #: A pipeline config without ZeRO. ``steps_per_print``: the pipeline engine's ``train_batch`` of 0.15-0.16 takes the
-#: step modulo ``steps_per_print``, whose default there is None.
+#: step modulo ``steps_per_print``, whose default there is None. fp32, no timers, written out: what
+#: ``pipeline_premise`` sets.
 PIPELINE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
     "steps_per_print": 100,
+    "wall_clock_breakdown": False,
+    "flops_profiler": {"enabled": False},
     "zero_allow_untested_optimizer": True,
+    "bf16": {"enabled": False},
+    "fp16": {"enabled": False},
 }
 #: ... with gradient accumulation: what the accumulation repros need, stated once.
 PIPELINE_ACCUMULATION = {**PIPELINE, "gradient_accumulation_steps": 2}
-ACCUMULATION_PREMISE = pytest.mark.ds_premise(
-    stage=(0, 1),
-    gradient_accumulation=">=2",
-    sets={"gradient_clipping": 0.0, "steps_per_print": 100, "zero_allow_untested_optimizer": True},
-    because="the body compares the weights with plain, unclipped SGD (which ZeRO-1 must be allowed to wrap); and "
-    "the pipeline engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None",
-)
+
+
+def pipeline_premise(**requirements: Any) -> pytest.MarkDecorator:
+    """The ``ds_premise`` of a pipeline repro (its ``requirements``), and what a scan changes in a user's config for
+    a body that compares one ``train_batch`` with plain fp32 SGD, and why."""
+    return pytest.mark.ds_premise(
+        **requirements,
+        sets={"gradient_clipping": 0.0, "steps_per_print": 100, "zero_allow_untested_optimizer": True,
+              "bf16.enabled": False, "fp16.enabled": False, "wall_clock_breakdown": False,
+              "flops_profiler.enabled": False},
+        removes=("scheduler",),
+        because="the body compares the weights with plain, unclipped fp32 SGD at its own rate, to 1e-6 (which ZeRO-1 "
+        "must be allowed to wrap, and which a config's scheduler or half precision would change); and the pipeline "
+        "engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None; from "
+        "0.18.3 a stage's backward under wall_clock_breakdown (which the flops profiler turns on too) starts the "
+        "bwd_microstep timer twice (the pipeline's own and the backward hook's: AssertionError, not yet catalogued), "
+        "before the compared step",
+    )  # fmt: skip
+
+
+ACCUMULATION_PREMISE = pipeline_premise(stage=(0, 1), gradient_accumulation=">=2")
 
 
 def layers(seed: int) -> list[Any]:

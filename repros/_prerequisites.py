@@ -109,14 +109,22 @@ TORCH_LOAD_WEIGHTS_ONLY = pytest.mark.ds_prerequisite(
 )
 
 
+def zero3_partitioned_premise(**requirements: Any) -> pytest.MarkDecorator:
+    """The ``ds_premise`` of a ZeRO-3 repro whose tiny model must be partitioned as the repro runs it:
+    ``requirements`` of its own on top of ZeRO-3, and what a scan sets for it, and why."""
+    return pytest.mark.ds_premise(
+        stage=3,
+        **requirements,
+        sets={"zero_optimization.stage3_param_persistence_threshold": 0, "zero_force_ds_cpu_optimizer": False},
+        because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
+        "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
+        "(zero3-persistent-allgather-race); and where the config names no optimizer the body trains with torch's "
+        "Adam, which DeepSpeed refuses beside an offloaded optimizer unless told",
+    )
+
+
 #: The premise of ZeRO-3 repros whose tiny model must be partitioned as the repro runs it (``ds_premise``).
-ZERO3_PARTITIONED = pytest.mark.ds_premise(
-    stage=3,
-    sets={"zero_optimization.stage3_param_persistence_threshold": 0},
-    because="every parameter partitioned, as the repro runs: under a user's threshold the tiny model's "
-    "parameters would all be persistent, gathered by a path that races on gloo before 0.19.8 "
-    "(zero3-persistent-allgather-race)",
-)
+ZERO3_PARTITIONED = zero3_partitioned_premise()
 
 
 def flag_pipeline_backward(monkeypatch: pytest.MonkeyPatch) -> None:

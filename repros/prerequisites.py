@@ -26,11 +26,12 @@ from pytest_dsrepro.catalogue._prerequisites import (
     scale_on_last_stage_only,
     scale_pipeline_loss,
     wait_on_every_handle,
+    zero3_partitioned_premise,
 )
 
 __all__ = [
     "COMM_DTYPE_BUCKET", "PERSISTENT_ALLGATHER_RACE", "PIPELINE_GRADIENTS_SCALED_TWICE", "PIPELINE_GRADIENTS_SUMMED",
     "PIPELINE_NESTED_BACKWARD", "TORCH_LOAD_WEIGHTS_ONLY", "ZERO3_PARTITIONED", "ZERO12_CPU_FLAT_BUFFER",
     "detach_flat_buffer", "flag_pipeline_backward", "load_without_weights_only", "report_every_bucket",
-    "scale_on_last_stage_only", "scale_pipeline_loss", "wait_on_every_handle",
+    "scale_on_last_stage_only", "scale_pipeline_loss", "wait_on_every_handle", "zero3_partitioned_premise",
 ]  # fmt: skip

@@ -28,7 +28,9 @@ pytestmark = [
         stage=0,
         precision="bf16",
         sets={"gradient_clipping": 0.0},
-        because="the body compares the weights with plain torch training, which does not clip gradients",
+        removes=("scheduler",),
+        because="the body compares the weights with plain torch SGD at a fixed rate, which does not clip gradients, "
+        "where a scheduler's warm-up from 0 would give the compared steps a rate of about 0",
     ),
 ]
 

@@ -83,7 +83,7 @@ def test_load_module_only_with_torch_optimizer(ds_engine, ds_config, ds_rank, tm
 
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=10, rank=ds_rank)
     trained = adamw_engine(ds_engine, seed=11)
-    for _ in range(2):
+    for _ in range(2 * trained.gradient_accumulation_steps()):  # two optimizer steps of the config's micro-steps
         trained.backward(torch.nn.functional.mse_loss(trained(x), y))
         trained.step()
     trained.save_checkpoint(str(tmp_path), tag="module")
@@ -97,6 +97,7 @@ def test_load_module_only_with_torch_optimizer(ds_engine, ds_config, ds_rank, tm
     for (name, saved), loaded in zip(trained.module.named_parameters(), fresh.module.parameters(), strict=True):
         torch.testing.assert_close(loaded, saved, rtol=0, atol=0, msg=name)
     assert not fresh.optimizer.state, "load_module_only loaded optimizer state"
-    fresh.backward(torch.nn.functional.mse_loss(fresh(x), y))
-    fresh.step()
+    for _ in range(fresh.gradient_accumulation_steps()):  # one optimizer step
+        fresh.backward(torch.nn.functional.mse_loss(fresh(x), y))
+        fresh.step()
     assert len(fresh.optimizer.state) == len(list(fresh.module.parameters()))

@@ -41,6 +41,7 @@ pytestmark += [
 #: test_zero3_persistent_allgather_race.py), and this bug does not depend on them.
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,

@@ -11,7 +11,7 @@ import math
 import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
-from pytest_dsrepro.inrank.devices import precision_dtype
+from pytest_dsrepro.inrank.devices import precision_dtype, rank_device
 from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
 pytestmark = [
@@ -39,6 +39,7 @@ pytestmark += [
 #: deterministic on gloo before 0.19.8 (see docs/repros.md), and this bug does not depend on them.
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
 }
@@ -88,10 +89,15 @@ def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_w
         ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank, dtype=precision_dtype(ds_config)
     )
     losses = []
-    for _ in range(5):
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+    for _ in range(5):  # optimizer steps, each over the config's accumulation of micro-steps
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses), losses
-    assert losses[-1] < losses[0], f"ZeRO-3 did not train: {losses}"
+    # It trained: the loss over every rank's batch fell (a rank's own can rise: the steps follow the mean), unless a
+    # config's warm-up kept every step at a rate of 0.
+    total = torch.tensor([losses[0], losses[-1]], device=rank_device())
+    torch.distributed.all_reduce(total)
+    assert total[1] < total[0] or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: {losses} (this rank's)"

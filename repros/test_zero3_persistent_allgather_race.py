@@ -130,10 +130,11 @@ def test_persistent_parameters_complete_after_step(ds_engine, ds_config, ds_rank
     assert torch.nn.functional.mse_loss(engine(x), y) < first or lr == 0, "ZeRO-3 did not train"
 
 
-#: The natural form: small layers, every parameter persistent under DeepSpeed's default threshold (1e5 elements).
+#: The natural form: small layers, every parameter persistent under DeepSpeed's default threshold (1e5 elements in
+#: every release 0.14-0.19.8; written out, since the premise reads it and a repro's own config writes what it reads).
 LAYERS, WIDTH, STEPS = 8, 32, 10
 ZERO3_DEFAULT_PERSISTENCE = {
-    "zero_optimization": {"stage": 3},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100000},
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,

@@ -12,9 +12,9 @@ released in 0.19.2).
 """
 
 import pytest
-from _prerequisites import ZERO3_PARTITIONED
+from _prerequisites import zero3_partitioned_premise
 
-from pytest_dsrepro.inrank.devices import precision_dtype
+from pytest_dsrepro.inrank.devices import precision_dtype, rank_device
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -27,7 +27,10 @@ pytestmark = [
         root_cause="Re-registering ZeRO-3 hooks after unwrap_model_for_generation gives every module a new ds_id, but "
         "the parameter coordinator's recorded trace stays keyed by the old ids.",
     ),
-    ZERO3_PARTITIONED,
+    # Accumulation 1: with more micro-steps per optimizer step, the step after leaving the context at its boundary
+    # trains as it should on 0.16.4 and 0.18.3 (seen with 2 and 8); leaving it in the middle of an accumulation
+    # fails otherwise there (GatheredParameters' exit finds a parameter still in use), which PR #8043 does not end.
+    zero3_partitioned_premise(gradient_accumulation=1),
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
@@ -52,6 +55,7 @@ pytestmark += [
 #: test_zero3_persistent_allgather_race.py); losses are compared, so clipping is off on every release.
 ZERO3 = {
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_force_ds_cpu_optimizer": False,
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
@@ -94,18 +98,29 @@ def invalidate_trace_on_reregistration(monkeypatch):
     )
 
 
+def world_mean(value):
+    """``value`` averaged over the world's ranks."""
+    import torch
+
+    total = torch.tensor([float(value)], device=rank_device())
+    torch.distributed.all_reduce(total)
+    return total.item() / torch.distributed.get_world_size()
+
+
 def train(engine, x, y, generate_between_steps):
     """Three ZeRO-3 optimizer steps (each over the config's accumulation of micro-steps); with
-    ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each micro-step, where TRL generates."""
+    ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each optimizer step, where TRL
+    generates (in the middle of an accumulation ZeRO-3 still holds the step's parameters: 0.16.4 asserts there)."""
     import torch
     from deepspeed.runtime.zero import unwrap_model_for_generation
 
     losses = []
-    for _ in range(3 * engine.gradient_accumulation_steps()):
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    for _ in range(3):
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
         if generate_between_steps:
             with unwrap_model_for_generation(engine):
                 pass  # entering and leaving is enough (a forward in here happens to hide the bug, see the docs)
@@ -131,6 +146,8 @@ def test_training_after_unwrap_model_for_generation(ds_engine, ds_config, ds_ran
     engine = ds_engine(model=tiny_mlp(seed=8))
     losses = train(engine, x, y, generate_between_steps=True)
     assert losses == pytest.approx(expected, rel=1e-6), "unwrapping for generation changed training"
-    # It trained: a loss after the steps is lower (unless a config's warm-up kept every step at a rate of 0).
+    # It trained: the loss over every rank's batch is lower after the steps (a rank's own can rise: the steps follow
+    # the mean), unless a config's warm-up kept every step at a rate of 0.
     after = torch.nn.functional.mse_loss(engine(x), y).item()
-    assert after < losses[0] or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: {losses} then {after}"
+    first, last = world_mean(losses[0]), world_mean(after)
+    assert last < first or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: mean loss {first} then {last}"

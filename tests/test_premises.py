@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import RunPytest
-from pytest_dsrepro.core import configs
+from pytest_dsrepro.core import configs, ds_defaults
+from pytest_dsrepro.core.ds_defaults import ReleaseReading
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.core.premises import own_config_problem, parse
 from pytest_dsrepro.tools import catalogue
@@ -32,15 +33,55 @@ def test_stage_and_optimizer_on_presets() -> None:
     assert premise.describe() == "ZeRO stage 3, no optimizer section"
 
 
-def test_absent_keys_take_deepspeeds_defaults() -> None:
-    """No zero_optimization section is stage 0; no precision section is fp32; no offload section is 'none'."""
-    premise = parse((), {"stage": 0, "precision": "fp32", "offload_param": "none", "gradient_accumulation": 1}, WHERE)
+def test_absent_sections_are_facts_of_every_release_and_other_keys_the_releases() -> None:
+    """No zero_optimization section is stage 0; no precision section is fp32; no offload section is 'none', on every
+    release. Any other key a config leaves out is the scanned release's own default: judged as written it is unset,
+    judged as a release reads it (``ds_defaults.merged``) it is that release's value, named as its default."""
+    premise = parse((), {"stage": 0, "precision": "fp32", "offload_param": "none"}, WHERE)
     assert premise.unmet({"train_micro_batch_size_per_gpu": 1}) == ()
     threshold = parse((), {"config": {"zero_optimization.stage3_param_persistence_threshold": ">0"}}, WHERE)
-    assert threshold.unmet({"zero_optimization": {"stage": 3}}) == ()  # DeepSpeed's default, 1e5
-    assert threshold.unmet({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}) == (
-        "needs zero_optimization.stage3_param_persistence_threshold >0; the config has 0",
+    written = {"zero_optimization": {"stage": 3}}
+    assert threshold.unmet(written) == (
+        "needs zero_optimization.stage3_param_persistence_threshold >0; the config does not set it",
     )
+    read = ds_defaults.merged(written, ReleaseReading(sections={"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 100000}}))  # fmt: skip
+    assert threshold.unmet(read, written) == ()
+    zero = parse((), {"config": {"zero_optimization.stage3_param_persistence_threshold": 0}}, WHERE)
+    assert zero.unmet(read, written) == (
+        "needs zero_optimization.stage3_param_persistence_threshold 0; the config leaves it to DeepSpeed's default, "
+        "100000",
+    )
+
+
+def test_a_release_reading_merges_under_what_the_config_writes() -> None:
+    """Sections as the release resolves them (its defaults, its renames of deprecated keys), keys the release does
+    not know kept as written; a scalar key from the release only where the config leaves it out."""
+    written = {"gradient_clipping": 0.5, "zero_optimization": {"stage": 2, "cpu_offload": True, "mine": 1}}
+    reading = ReleaseReading(
+        keys={"gradient_clipping": 1.0, "gradient_accumulation_steps": 4},
+        sections={"zero_optimization": {"stage": 2, "overlap_comm": False, "offload_optimizer": {"device": "cpu"}}},
+    )
+    assert ds_defaults.merged(written, reading) == {
+        "gradient_clipping": 0.5,
+        "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 2, "cpu_offload": True, "mine": 1, "overlap_comm": False,
+                              "offload_optimizer": {"device": "cpu"}},
+    }  # fmt: skip
+    assert written["zero_optimization"] == {"stage": 2, "cpu_offload": True, "mine": 1}  # left as it was
+
+
+def test_the_batch_keys_are_derived_as_deepspeed_derives_them() -> None:
+    """Given keys are kept; the others follow train = micro x accumulation x ranks; what does not divide over the
+    world is left for DeepSpeed to refuse, in its own words."""
+    derived = configs.resolve({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 32}, "c", 2, "gloo")
+    assert derived.written["gradient_accumulation_steps"] == 8
+    only = configs.resolve({"train_batch_size": 8}, "c", 2, "gloo").written
+    assert (only["train_micro_batch_size_per_gpu"], only["gradient_accumulation_steps"]) == (4, 1)
+    odd = configs.resolve({"train_batch_size": 1, "gradient_accumulation_steps": 1}, "c", 2, "gloo").written
+    assert "train_micro_batch_size_per_gpu" not in odd
+    assert ds_defaults.request(derived.written, 2) == {"config": derived.written, "world_size": 2}
+    assert ds_defaults.digest(derived.written) == ds_defaults.digest(dict(reversed(derived.written.items())))
 
 
 def test_precision_offload_and_comparisons() -> None:
@@ -53,6 +94,26 @@ def test_precision_offload_and_comparisons() -> None:
     assert premise.describe() == (
         "precision fp16 or bf16, offload_optimizer device cpu, gradient_accumulation_steps >=3"
     )
+
+
+def test_a_section_written_as_a_bare_value_is_read() -> None:
+    """``"fp16": false`` (DeepSpeed refuses it; triage met it in the corpus) is read, "auto" resolved around it, not an
+    AttributeError from inside the reading: precision from the sections that are objects, no offload."""
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "fp16": False,
+        "bf16": {"enabled": "auto"},
+        "scheduler": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"offload_param": True},
+    }
+    resolved = configs.resolve(config, "c", 2, "gloo")
+    assert resolved.written["fp16"] is False
+    assert resolved.written["bf16"] == {"enabled": False}
+    assert resolved.written["optimizer"]["params"]["lr"] == configs.TrainingArgs().learning_rate
+    premise = parse((), {"precision": "fp16", "offload_param": "cpu"}, WHERE)
+    assert premise.unmet(resolved.written) == ("needs precision fp16; the config has fp32",
+                                               "needs offload_param device cpu; the config has none")  # fmt: skip
 
 
 def test_scheduler_type_and_a_key_left_unset() -> None:
@@ -75,10 +136,50 @@ def test_sets_are_applied_with_notes() -> None:
     assert config["gradient_clipping"] == 0.0
     assert config["zero_optimization"]["reduce_bucket_size"] == 256
     assert notes == [
-        "gradient_clipping 1 -> 0: the body compares with plain SGD",
-        "zero_optimization.reduce_bucket_size 200000000 -> 256: the body compares with plain SGD",
+        "gradient_clipping 1 -> 0, zero_optimization.reduce_bucket_size 200000000 -> 256: the body compares with "
+        "plain SGD"
     ]
     assert premise.apply(config) == []  # already there: nothing said
+
+
+def test_a_premise_removes_keys_and_names_the_defaults_it_changes() -> None:
+    """``removes`` takes a section out (said with its type); a value that was the release's default is named so;
+    a repro's own config holding a removed key is a defect."""
+    premise = parse((), {"stage": 2, "removes": ("scheduler",), "sets": {"gradient_clipping": 0.0},
+                         "because": "one step at SGD's rate"}, WHERE)  # fmt: skip
+    user = {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}
+    read = {**user, "gradient_clipping": 1.0}  # as 0.19.8 reads it
+    assert premise.apply(user, read, user) == [
+        "no scheduler (WarmupLR), gradient_clipping 1 (DeepSpeed's default) -> 0: one step at SGD's rate"
+    ]
+    assert "scheduler" not in user
+    assert premise.describe_sets() == "gradient_clipping=0, no scheduler"
+    own = configs.resolve({"scheduler": {"type": "WarmupLR"}, "gradient_clipping": 0.0,
+                           "zero_optimization": {"stage": 2}}, "c", 2, "gloo")  # fmt: skip
+    assert own_config_problem(premise, "c", own.written, own.config) == (
+        "sets no scheduler (its config has one) differs from the test's own config [c]; a scan would run users' "
+        "configs with settings the repro never runs with"
+    )
+
+
+def test_a_key_may_be_a_list_of_any_values() -> None:
+    premise = parse((), {"config": {"scheduler.params.cycle_min_lr": list}}, WHERE)
+    assert premise.describe() == "scheduler.params.cycle_min_lr a list"
+    assert premise.unmet({"scheduler": {"params": {"cycle_min_lr": [0.1, 0.2]}}}) == ()
+    assert premise.unmet({"scheduler": {"params": {"cycle_min_lr": 0.004}}}) == (
+        "needs scheduler.params.cycle_min_lr a list; the config has 0.004",
+    )
+
+
+def test_a_key_may_be_one_of_several_values_and_a_refusal_has_its_mend() -> None:
+    premise = parse((), {"config": {"scheduler.type": ("WarmupLR", "WarmupDecayLR"),
+                                    "scheduler.params.warmup_num_steps": 0},
+                         "mend": {"scheduler.params.warmup_num_steps": 1}}, WHERE)  # fmt: skip
+    assert premise.describe() == "scheduler.type WarmupLR or WarmupDecayLR, scheduler.params.warmup_num_steps 0"
+    config = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 0}}}
+    assert premise.unmet(config) == ()
+    assert premise.mended(config) == ["scheduler.params.warmup_num_steps 0 -> 1"]
+    assert premise.unmet(config) == ("needs scheduler.params.warmup_num_steps 0; the config has 1",)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +195,11 @@ def test_sets_are_applied_with_notes() -> None:
             "gradient_accumulation='at least 3' must be a number or a comparison",
         ),
         ({"config": ["zero_optimization.stage"]}, "config= must be a dict of dotted config keys"),
-        ({"sets": {"gradient_clipping": 0.0}}, "sets= needs because=: why a scan changes a user's config"),
-        ({"because": "why"}, "because= explains sets=, which is not given"),
+        ({"sets": {"gradient_clipping": 0.0}}, "sets= and removes= need because=: why a scan changes a user's config"),
+        ({"removes": ("scheduler",)}, "sets= and removes= need because="),
+        ({"removes": "scheduler", "because": "x"}, "removes= must be a tuple of dotted config keys"),
+        ({"because": "why"}, "because= explains sets= or removes=, neither of which is given"),
+        ({"mend": [("a", 1)]}, "mend= must be a dict of dotted config keys"),
         ({"stages": 3}, "unexpected argument(s) stages; takes stage=, precision="),
         ({"accelerator": "tpu"}, "accelerator='tpu' must be one of cpu, cuda"),
     ],
@@ -108,8 +212,13 @@ def test_bad_arguments_name_marker_and_test(kwargs: dict[str, object], message: 
 
 def test_own_config_problems() -> None:
     premise = parse((), {"stage": 3, "sets": {"gradient_clipping": 0.0}, "because": "no clipping"}, WHERE)
-    own = configs.resolve("zero3", "zero3", 2, "gloo")
+    own = configs.resolve({**configs.PRESETS["zero3"], "gradient_clipping": 0.0}, "zero3", 2, "gloo")
     assert own_config_problem(premise, "zero3", own.written, own.config) is None
+    bare = configs.resolve("zero3", "zero3", 2, "gloo")  # clipping left to the release: 0 before 0.19.3, 1 after
+    assert own_config_problem(premise, "zero3", bare.written, bare.config) == (
+        "sets gradient_clipping=0 (its config has unset) differs from the test's own config [zero3]; a scan would run "
+        "users' configs with settings the repro never runs with"
+    )
     two = configs.resolve("zero2", "zero2", 2, "gloo")
     assert own_config_problem(premise, "zero2", two.written, two.config) == (
         "the test's own config [zero2] does not meet the premise: needs ZeRO stage 3; the config has 2"

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from conftest import ROOT, RunPytest
 from pytest_dsrepro.core import results
+from pytest_dsrepro.core.gates import installed_deepspeed
 from pytest_dsrepro.core.results import ScanVerdict
 from pytest_dsrepro.tools import catalogue_run, scan_command
 
@@ -189,6 +191,143 @@ def test_the_seed_analysis_configs(pytester: pytest.Pytester, run: RunPytest, ep
     if verdict == "AFFECTED":
         result.stdout.fnmatch_lines(["*AttributeError: 'DeepSpeedZeRoOffload' object has no attribute*(unfixed upstream)",
                                      "*workaround: the repro's fix, guard_optimizer_hooks (*)"])  # fmt: skip
+
+
+#: Two repros beside the catalogue's bug of refusals: one keeps the config's scheduler, one takes it out.
+BESIDE_THE_REFUSAL = """
+import pytest
+
+pytestmark = [pytest.mark.ds_world]
+
+
+@pytest.mark.ds_repro(id="keeps-the-scheduler", title="builds the engine", upstream="https://example.invalid/5")
+@pytest.mark.ds_premise(stage=2)
+@pytest.mark.ds_config({"zero_optimization": {"stage": 2}})
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_keeps(ds_engine, ds_config):
+    ds_engine()  # what DeepSpeed accepts, it builds
+
+
+@pytest.mark.ds_repro(id="no-scheduler", title="judges one step", upstream="https://example.invalid/6")
+@pytest.mark.ds_premise(stage=2, removes=("scheduler",), because="the body judges one step at its own rate")
+@pytest.mark.ds_config({"zero_optimization": {"stage": 2}})
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_removes(ds_engine, ds_config):
+    assert "scheduler" not in ds_config
+    ds_engine()
+"""
+
+#: Hugging Face's ZeRO-2 template as users start from it: the scheduler's warm-up left to the Trainer.
+HF_ZERO2 = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2},
+}  # fmt: skip
+
+
+def test_a_refused_warmup_is_the_bug_and_the_rest_is_judged_with_its_fix(pytester: pytest.Pytester,
+                                                                        run: RunPytest) -> None:  # fmt: skip
+    """On a release that refuses the Trainer's warm-up of 0, the catalogued bug says so (AFFECTED, as written) and
+    every other bug is judged with ``warmup_num_steps`` 1, said once above the table; before 0.19.3 nothing is
+    refused and the config runs as written. A premise's ``removes`` is said with the bug it is for."""
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
+    shutil.copy(ROOT / "repros" / "test_sched_warmup_zero_refused.py", pytester.path)
+    pytester.makepyfile(test_beside=BESIDE_THE_REFUSAL)
+    result = run("--ds-scan", str(config(pytester, HF_ZERO2)))
+    removed = "  *with no scheduler (WarmupLR): the body judges one step at its own rate"
+    if installed_deepspeed() >= Version("0.19.3"):
+        result.stdout.fnmatch_lines_random([
+            "note: judged with scheduler.params.warmup_num_steps 0 -> 1: DeepSpeed * refuses the config as written "
+            "(ValueError: warmup_num_steps must be a positive integer, got 0), which is the known bug "
+            "sched-warmup-zero-refused (its row: as written); every other bug is judged with that bug's fix on the "
+            "config's side",
+            "AFFECTED      sched-warmup-zero-refused  on deepspeed *: ranks 0-1: ConfigRejected: DeepSpeed rejected "
+            "ds_config [[]scan[]]: ValueError: warmup_num_steps must be a positive integer, got 0 (unfixed upstream; "
+            "the fix on the config's side: scheduler.params.warmup_num_steps 1)",
+            "NOT AFFECTED  keeps-the-scheduler        passed with this config, on a release the bug affects",
+            "NOT AFFECTED  no-scheduler               passed with this config, on a release the bug affects",
+            removed,
+        ])  # fmt: skip
+        assert "refuses this config" not in result.stdout.str()  # no bug of the table is left untold by it
+    else:
+        result.stdout.fnmatch_lines_random(["NOT AFFECTED  sched-warmup-zero-refused  not yet affected*", removed])
+        assert "judged with scheduler.params.warmup_num_steps" not in result.stdout.str()
+
+
+def test_a_config_deepspeed_refuses_starts_no_world(pytester: pytest.Pytester, run: RunPytest,
+                                                    catalogue: Path) -> None:  # fmt: skip
+    """DeepSpeed's config classes refuse a key they do not know: said once, above the table, from the release's own
+    reading before any world; each bug the config can meet is CANNOT TELL, the others NOT APPLICABLE."""
+    user = config(pytester, {"zero_optimization": {"stage": 3, "stage3_param_persitance_threshold": 1e5}})
+    result = run("--ds-scan", str(user), "-k", "not no_premise")
+    result.stdout.fnmatch_lines_random([
+        "DeepSpeed * refuses this config: ValidationError: 1 validation error for DeepSpeedZeroConfig "
+        "stage3_param_persitance_threshold Extra inputs are not permitted [[]type=extra_forbidden*]",
+        "CANNOT TELL     needs-optimizer  DeepSpeed refuses this config (above)",
+        "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
+        "CANNOT TELL     other-error      DeepSpeed refuses this config (above)",
+    ])  # fmt: skip
+    assert "pytest-dsrepro: building" not in result.stdout.str()
+    assert "something else" not in result.stdout.str()  # no body ran
+    assert "For further information" not in result.stdout.str()
+
+
+#: A race with a deterministic form: a scan runs the form, and no series once it has told.
+RACE = """
+import pytest
+
+pytestmark = [
+    pytest.mark.ds_world,
+    pytest.mark.ds_repro(id="a-race", title="a race", upstream="https://example.invalid/7"),
+    pytest.mark.ds_premise(),
+]
+
+
+@pytest.mark.ds_config("zero0")
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="forced")
+def test_forced(ds_config):
+    raise AttributeError("forced")
+
+
+@pytest.mark.ds_config("zero0")
+@pytest.mark.ds_nondeterministic(runs=20)
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="forced")
+def test_natural(ds_config):
+    raise RuntimeError("the series ran")
+"""
+
+
+def test_a_race_told_by_its_deterministic_form_runs_no_series(pytester: pytest.Pytester, run: RunPytest) -> None:
+    pytester.makepyfile(test_race=RACE)
+    result = run("-rs", "--ds-scan", str(config(pytester, {"zero_optimization": {"stage": 0}})))
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines_random([
+        "*NOT APPLICABLE: told by test_forced[[]scan[]] (AFFECTED): this race's series of 20 worlds adds nothing*",
+        "AFFECTED  a-race  on deepspeed *: ranks 0-1: AttributeError: forced (unfixed upstream)",
+    ])  # fmt: skip
+    assert "the series ran" not in result.stdout.str()
+
+
+def test_defaults_that_cannot_be_read_are_said_and_the_scan_goes_on(pytester: pytest.Pytester, run: RunPytest,
+                                                                       catalogue: Path) -> None:  # fmt: skip
+    """Injected: the probe of the release's defaults cannot start. One note says so; what a default would decide is
+    not judged, the rest is, and the bodies run."""
+    pytester.makeconftest("""
+        from pytest_dsrepro.session import config_defaults
+
+        config_defaults.MODULE = "pytest_dsrepro.no_such_probe"
+    """)
+    # a config of this test's own: another test's real probe of the same config leaves its reading in the cache
+    user = config(pytester, {"zero_optimization": {"stage": 3}, "steps_per_print": 4271})
+    result = run("--ds-scan", str(user), "-k", "optimizer or stage0")
+    result.stdout.fnmatch_lines_random([
+        "note: reading DeepSpeed's defaults failed (exit 1): *No module named pytest_dsrepro.no_such_probe: a key the "
+        "config leaves out that DeepSpeed gives a default was not judged",
+        "AFFECTED        needs-optimizer  on deepspeed *: ranks 0-1: AttributeError: no optimizer hook (fixed in 9.0)",
+        "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
+    ])  # fmt: skip
 
 
 def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalogue: Path, process_tag: str) -> None:

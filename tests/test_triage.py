@@ -392,10 +392,13 @@ def test_a_users_config_is_judged_as_a_scan_judges_it(tmp_path: Path) -> None:
 
 
 def test_a_pasted_config_deepspeed_would_refuse_is_judged_as_written() -> None:
-    """A section written as a bare value (``"fp16": false``) is no crash: the premise is judged on it as written."""
+    """A section written as a bare value (``"fp16": false``) is no crash: the config is read as any other (its batch
+    keys derived for the world), the bare value kept, and the premise judged on it."""
     reading = logread.read('config: {"fp16": false, "zero_optimization": {"stage": 2}}\nKeyError: 2\n')
     config, said = triage_command.config(None, reading, 2)
-    assert (config, said) == ({"fp16": False, "zero_optimization": {"stage": 2}}, "the config shown in the log")
+    assert said == "the config shown in the log"
+    assert config == {"fp16": False, "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2,
+                      "gradient_accumulation_steps": 1, "train_batch_size": 4}  # fmt: skip
 
 
 def test_standard_input_is_read_by_its_head_and_tail(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,23 +92,52 @@ class ConfigError(Exception):
     pass
 
 
+def _section(config: Mapping[str, Any], *path: str) -> dict[str, Any]:
+    """The object at ``path`` in ``config``; a fresh empty one where it is absent or written as something else
+    (``"fp16": false``, which DeepSpeed refuses: a scan refuses it first, naming it; triage reads it as written)."""
+    node: object = config
+    for part in path:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node if isinstance(node, dict) else {}
+
+
 def _fill(section: dict[str, Any], key: str, value: object) -> None:
     if section.get(key) == "auto":
         section[key] = value
 
 
-def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
-    """Replace ``"auto"`` in place, the way transformers' HfTrainerDeepSpeedConfig does."""
-    micro = config.get("train_micro_batch_size_per_gpu")
-    micro = args.micro_batch_size if micro in (None, "auto") else micro
-    accum = config.get("gradient_accumulation_steps")
-    accum = args.gradient_accumulation_steps if accum in (None, "auto") else accum
+def _given(config: Mapping[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def resolve_batch(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
+    """Write all three batch keys (in place), so that a body can read each: an ``"auto"`` or absent one filled as
+    Hugging Face's Trainer fills it, except where DeepSpeed derives it from the others (``train_batch_size`` = micro
+    batch x accumulation x ranks: a config of 512 with micro-batches of 32 accumulates 8 steps on 2 ranks). What does
+    not divide is left for DeepSpeed to refuse."""
+    train = _given(config, "train_batch_size")
+    micro = _given(config, "train_micro_batch_size_per_gpu")
+    accum = _given(config, "gradient_accumulation_steps")
+    if train is not None and micro is None and train % ((accum or 1) * world_size):
+        return  # it does not divide over this world: DeepSpeed derives what it can and says what it refuses
+    if micro is None and train is not None:
+        micro = train // ((accum or 1) * world_size)
+    micro = micro or args.micro_batch_size
+    if accum is None and train is not None and train % (micro * world_size) == 0:
+        accum = train // (micro * world_size)
+    accum = accum or args.gradient_accumulation_steps
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = accum
-    if config.get("train_batch_size", "auto") == "auto":
-        config["train_batch_size"] = micro * accum * world_size
+    config["train_batch_size"] = train or micro * accum * world_size
+
+
+def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) -> None:
+    """Replace ``"auto"`` in place, the way transformers' HfTrainerDeepSpeedConfig does (the batch keys: see
+    ``resolve_batch``)."""
+    resolve_batch(config, world_size, args)
     _fill(config, "gradient_clipping", args.max_grad_norm)
-    optimizer = config.get("optimizer", {}).get("params", {})
+    optimizer = _section(config, "optimizer", "params")
     for key, value in {
         "lr": args.learning_rate,
         "weight_decay": args.weight_decay,
@@ -116,7 +145,7 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
         "eps": args.adam_epsilon,
     }.items():
         _fill(optimizer, key, value)
-    scheduler = config.get("scheduler", {}).get("params", {})
+    scheduler = _section(config, "scheduler", "params")
     for key, value in {
         "warmup_min_lr": 0,
         "warmup_max_lr": args.learning_rate,
@@ -124,12 +153,13 @@ def resolve_auto(config: dict[str, Any], world_size: int, args: TrainingArgs) ->
         "total_num_steps": args.max_steps,
     }.items():
         _fill(scheduler, key, value)
-    zero = config.get("zero_optimization", {})
+    zero = _section(config, "zero_optimization")
     _fill(zero, "reduce_bucket_size", args.hidden_size * args.hidden_size)
     _fill(zero, "stage3_prefetch_bucket_size", int(0.9 * args.hidden_size * args.hidden_size))
     _fill(zero, "stage3_param_persistence_threshold", 10 * args.hidden_size)
+    _fill(zero, "stage3_gather_16bit_weights_on_model_save", False)  # by accelerate, under the Trainer: unless asked
     for precision in ("fp16", "bf16"):
-        _fill(config.get(precision, {}), "enabled", False)
+        _fill(_section(config, precision), "enabled", False)
 
 
 #: Optimizers DeepSpeed runs only as CUDA kernels of its own (``optimizer.type``, lower case), and why.
@@ -145,13 +175,13 @@ def cuda_only(config: Mapping[str, Any]) -> list[str]:
     """What in ``config`` needs CUDA and has no CPU form, each naming its key and why: a gloo world cannot run it
     (what has a CPU form, ``adapt_to_backend`` adapts instead)."""
     found = []
-    optimizer = config.get("optimizer") or {}
+    optimizer = _section(config, "optimizer")
     kind = str(optimizer.get("type", "")).lower()
     if kind in CUDA_OPTIMIZERS:
         found.append(f"optimizer.type {optimizer['type']!r} needs CUDA: {CUDA_OPTIMIZERS[kind]}")
-    if (config.get("amp") or {}).get("enabled") is True:
+    if _section(config, "amp").get("enabled") is True:
         found.append("amp.enabled needs CUDA: it is NVIDIA apex's mixed precision")
-    zero = config.get("zero_optimization") or {}
+    zero = _section(config, "zero_optimization")
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         if zero.get(key) is True:
             found.append(f"zero_optimization.{key} needs CUDA: ZeRO++'s quantizer is a CUDA kernel")
@@ -162,11 +192,11 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
     """Make a config runnable on the world's devices; return what was changed, in words."""
     notes = []
     if backend == "gloo":
-        if config.get("fp16", {}).get("enabled"):
+        if _section(config, "fp16").get("enabled"):
             config["fp16"] = {"enabled": False}
             notes.append("fp16 -> fp32: fp16 training needs CUDA; this is a gloo/CPU world")
         for kind in ("offload_optimizer", "offload_param"):
-            section = config.get("zero_optimization", {}).get(kind, {})
+            section = _section(config, "zero_optimization", kind)
             if section.get("device") == "nvme":
                 section["device"] = "cpu"
                 notes.append(f"{kind}.device nvme -> cpu: NVMe offload needs DeepSpeed's async I/O op (libaio), "
@@ -174,13 +204,15 @@ def adapt_to_backend(config: dict[str, Any], backend: str) -> list[str]:
             if section.get("pin_memory"):
                 section["pin_memory"] = False
                 notes.append(f"{kind}.pin_memory -> false: pinned memory needs CUDA")
-        optimizer = config.get("optimizer", {})
-        if optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in optimizer.get("params", {}):
+        optimizer = _section(config, "optimizer")
+        if str(optimizer.get("type", "")).lower() in ("adam", "adamw") and "torch_adam" not in _section(
+            optimizer, "params"
+        ):
             optimizer.setdefault("params", {})["torch_adam"] = True
             if optimizer["type"].lower() == "adam":
                 optimizer["params"].setdefault("adam_w_mode", False)
             notes.append(f"optimizer {optimizer['type']} -> torch implementation: DeepSpeed's CPU Adam is a JIT build")
-        offloaded = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
+        offloaded = _section(config, "zero_optimization", "offload_optimizer").get("device") == "cpu"
         if offloaded and "optimizer" not in config and "zero_force_ds_cpu_optimizer" not in config:
             config["zero_force_ds_cpu_optimizer"] = False
             notes.append(

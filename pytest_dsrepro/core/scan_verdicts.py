@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from . import configs
 from .gates import Rate, Reason
 from .premises import lookup
 from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
@@ -25,7 +26,10 @@ from .userconfig import _autos  # the one reading of where a config says "auto"
 
 #: How ``ds_engine`` words a config that DeepSpeed itself refuses (``inrank.engine.ConfigRejected``).
 REFUSED = "DeepSpeed rejected ds_config"
-_REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)")
+_REFUSAL = re.compile(re.escape(REFUSED) + r" \[[^\]]*\]: (.*)", re.DOTALL)
+#: A bug's row where DeepSpeed refused the config: its message is said once, above the table (``refusals``).
+REFUSED_ROW = "DeepSpeed refuses this config (above)"
+_PYDANTIC_LINK = "For further information visit"
 
 #: A bug's verdict over its tests is the first of these that any test earned.
 SEVERITY = (ScanVerdict.AFFECTED, ScanVerdict.CANNOT_TELL, ScanVerdict.NOT_AFFECTED, ScanVerdict.NOT_APPLICABLE)
@@ -36,19 +40,27 @@ def _fixed(fixed_in: str | None) -> str:
 
 
 def finding(
-    reason: Reason, message: str, *, fixed_in: str | None, rate: Rate | None = None, notes: tuple[str, ...] = ()
+    reason: Reason,
+    message: str,
+    *,
+    fixed_in: str | None,
+    rate: Rate | None = None,
+    notes: tuple[str, ...] = (),
+    mend: str | None = None,
 ) -> Finding:
     """The scan's verdict on one test, from the gates' judgement of its stock run with the user's config.
 
     On a release outside the bug's declared range the body still runs (the honest answer is what happened); a pass
     there is NOT AFFECTED saying the release is fixed or not yet affected, the declared error there is AFFECTED
-    saying the bug reaches further than catalogued. A race is AFFECTED as soon as one run failed as declared.
+    saying the bug reaches further than catalogued. A race is AFFECTED as soon as one run failed as declared. A bug
+    of refusals names its fix on the config's side (``mend``) where it hit.
     """
     said = message
+    fixed = _fixed(fixed_in) + (f"; the fix on the config's side: {mend}" if mend else "")
     if reason is Reason.REPRODUCED or (reason is Reason.DID_NOT_REPRODUCE and rate is not None and rate.failed):
-        word, said = ScanVerdict.AFFECTED, f"{message.removeprefix('REPRODUCED ')} ({_fixed(fixed_in)})"
+        word, said = ScanVerdict.AFFECTED, f"{message.removeprefix('REPRODUCED ')} ({fixed})"
     elif reason in (Reason.REGRESSION, Reason.BEFORE_AFFECTED):
-        word, said = ScanVerdict.AFFECTED, f"{message} ({_fixed(fixed_in)}; outside the catalogued range)"
+        word, said = ScanVerdict.AFFECTED, f"{message} ({fixed}; outside the catalogued range)"
     elif reason is Reason.DID_NOT_REPRODUCE:
         word, said = ScanVerdict.NOT_AFFECTED, "passed with this config, on a release the bug affects"
     elif reason in (Reason.NOT_AFFECTED, Reason.NOT_YET_AFFECTED):
@@ -83,9 +95,12 @@ class BugRow:
 
 
 def refusal(finding: Finding) -> str | None:
-    """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None."""
+    """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None: on one
+    line, whole (pydantic names the refused key on the second), less pydantic's pointer to its own docs."""
     found = _REFUSAL.search(finding.detail) if finding.verdict is ScanVerdict.CANNOT_TELL else None
-    return found[1] if found else None
+    if not found:
+        return None
+    return " ".join(line.strip() for line in found[1].splitlines() if not line.strip().startswith(_PYDANTIC_LINK))
 
 
 def rows(run: RunRecord) -> list[BugRow]:
@@ -100,7 +115,7 @@ def rows(run: RunRecord) -> list[BugRow]:
         said, meta, test = min(tests, key=lambda t: SEVERITY.index(t[0].verdict))
         fix = f"{test.source.fix} ({test.source.path})" if test.source and test.source.fix else None
         workaround = fix if said.verdict is ScanVerdict.AFFECTED else None
-        detail = "DeepSpeed refuses this config (above)" if refusal(said) else said.detail
+        detail = REFUSED_ROW if refusal(said) else said.detail
         found.append(BugRow(bug, meta.title, meta.upstream, meta.fixed_in, said.verdict, detail, workaround,
                             said.notes))  # fmt: skip
     return found
@@ -116,9 +131,11 @@ def refusals(run: RunRecord) -> list[str]:
         if message is None:
             continue
         line = f"DeepSpeed {run.version} refuses this config: {message}"
+        # as the test's world had it; refused before any world: as every world resolves it
+        filled_in = test.config or configs.resolve(written, "scan", run.environment.world_size or 1, "gloo").written
         for key in _autos(written):
             if re.search(rf"\b{re.escape(key.rsplit('.', 1)[-1])}\b", message):  # the key itself, not "eps" in "steps"
-                filled = lookup(test.config or {}, key)
+                filled = lookup(filled_in, key)
                 line += (f' (your "auto" at {key} is {filled!r} as Hugging Face\'s Trainer fills it by default: '
                          "give the Trainer a value that DeepSpeed accepts, or write one in the config)")  # fmt: skip
         said.append(line)
@@ -141,7 +158,7 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
     """The scan's table as the terminal shows it: the notes on the config, then a line per bug, under it the
     settings its premise put on the config and, where the bug hit, the repro's fix to apply."""
     found = rows(run)
-    lines = [cut(line, width) for line in refusals(run)]
+    lines = refusals(run)  # whole: DeepSpeed's message names what to change
     lines += [cut(f"note: {note}", width) for note in notes(run)]
     if not found:
         return [*lines, "no catalogued bug was scanned"]

@@ -174,8 +174,8 @@ def check(config: dict[str, Any], path: str, backend: str | None) -> None:
     if left:
         raise UserConfigError(
             f'{path}: "auto" at {", ".join(left)}: Hugging Face\'s Trainer fills only the batch sizes, gradient '
-            "accumulation and clipping, the optimizer's and scheduler's hyper-parameters, the ZeRO-3 bucket sizes and "
-            "fp16/bf16; give a value"
+            "accumulation and clipping, the optimizer's and scheduler's hyper-parameters, the ZeRO-3 bucket sizes, "
+            "fp16/bf16 and (through accelerate) stage3_gather_16bit_weights_on_model_save; give a value"
         )
     refused = configs.cuda_only(resolved) if backend == "gloo" else []
     if refused:

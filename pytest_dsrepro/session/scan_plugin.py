@@ -6,9 +6,12 @@ pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``S
 At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
 before anything starts). At collection each catalogued repro (a test with ``ds_repro``) gets one test id, ``[scan]``,
 whose ``ds_config`` is the user's config; its own config ids and its ``[fixed]`` variant are not made, and tests
-that are no repro are deselected. At setup the repro's ``ds_premise`` is judged on the config as written (``"auto"``
-resolved for the world, before the CPU adaptations): a config that cannot meet it is NOT APPLICABLE with the
-premise's words and no world; else the premise's ``sets`` go on top of the config, each said. After the body the
+that are no repro are deselected. At setup the repro's ``ds_premise`` is judged on the config as the installed
+release reads it (``ScanConfig``: ``"auto"`` resolved for the world, before the CPU adaptations, each key it leaves
+out at that release's default, asked of the release through ``session.config_defaults`` by a probe started at
+configure, so that it overlaps collection): a config that cannot meet it is NOT APPLICABLE with the premise's words and
+no world, and a config DeepSpeed refuses is CANNOT TELL (said once, above the table) with no world; else the
+premise's ``removes`` and ``sets`` change the config, each said. After the body the
 gates' judgement becomes the scan's verdict (``core.scan_verdicts.finding``), which decides the pytest outcome:
 AFFECTED and CANNOT TELL fail, NOT AFFECTED passes, NOT APPLICABLE skips. Each test's record carries its finding; the
 run's record names the config, and its terminal summary and ``--ds-report`` are the scan's table.
@@ -16,17 +19,23 @@ run's record names the config, and its terminal summary and ``--ds-report`` are 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
-from ..core import configs, results, scan_verdicts, userconfig
+from ..core import configs, ds_defaults, results, scan_verdicts, userconfig
+from ..core.errors import MarkerError
 from ..core.gates import Judgement, Reason, installed_deepspeed
+from ..core.premises import Premise, lookup, put
 from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestRecord
 from ..worlds.device_nodes import gpu_device_nodes
+from . import config_defaults, markers
+from .backends import WORLD_BACKEND_KEY, SpawnedWorlds
 from .execution import PREPARED_KEY
 from .markers import MARKS_KEY
 from .parametrize import give_config
@@ -35,8 +44,113 @@ from .recording import RecordedTests, Summary
 from .settings import SETTINGS_KEY
 from .verdicts import JUDGEMENT_KEY, fail
 
-#: The test id of a repro's one scanned test.
+#: The test id of a repro's one scanned test (and the name its config has in messages).
 SCAN_ID = "scan"
+#: The name ``Scan`` registers under: not the entry point's, which pytest gives this module itself.
+REGISTERED_AS = "dsrepro-scan-config"
+
+
+@dataclass(frozen=True)
+class Mend:
+    """A bug of refusals that holds the config, and the change to the config that avoids it."""
+
+    bug: str
+    changes: tuple[tuple[str, object], ...]
+    said: tuple[str, ...]  # each change in words: ``scheduler.params.warmup_num_steps 0 -> 1``
+
+
+@dataclass(frozen=True)
+class ConfigRead:
+    """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; mended where
+    ``mend`` says), as the release reads it (``values``: each key left out at its default), and DeepSpeed's refusal
+    of it, if any (``Type: message``)."""
+
+    written: dict[str, Any]
+    values: dict[str, Any]
+    refused: str | None = None
+    mend: Mend | None = None
+    defaults_known: bool = True  # False: DeepSpeed refused the config, or the probe failed
+
+    def premise_problems(self, premise: Premise) -> tuple[str, ...]:
+        """What the config lacks for ``premise``. Without the release's reading (a config DeepSpeed refuses, a
+        probe that failed) a key the config leaves out that the release would give a default is not judged (that
+        default is not known), the rest is judged as written (stage, precision, offload, an optimizer section, a
+        scheduler: their absence is the same on every release)."""
+        if self.defaults_known:
+            return premise.unmet(self.values, self.written)
+        known = tuple(r for r in premise.requirements
+                      if r.key is None or lookup(self.written, r.key) is not None
+                      or not ds_defaults.read_by_release(r.key))  # fmt: skip
+        return Premise(known).unmet(self.written)
+
+
+class ScanConfig:
+    """The user's config as the installed release reads it, per world size (asked once, kept)."""
+
+    def __init__(self, user: userconfig.UserConfig, cache_dir: Path, gloo: bool, size: int | None) -> None:
+        """``size``: the world size to ask the release about now (None: nothing runs here, ask when asked)."""
+        self.user, self.cache_dir, self.gloo = user, cache_dir, gloo
+        self.menders: list[tuple[str, Premise]] = []
+        self.problems: list[str] = []
+        self._read: dict[int, tuple[ConfigRead, ConfigRead]] = {}
+        self._probes = {} if size is None else {size: self._ask([self.written(size)], size)}
+
+    def written(self, size: int) -> dict[str, Any]:
+        return configs.resolve(self.user.config, SCAN_ID, size, "gloo").written
+
+    def _ask(self, written: list[dict[str, Any]], size: int) -> config_defaults.DefaultsProbe:
+        return config_defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
+
+    def _answer(self, probe: config_defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
+        reading = probe.wait()[0]
+        if reading is None:
+            if probe.problem and probe.problem not in self.problems:
+                self.problems.append(probe.problem)
+            return ConfigRead(written, written, None, mend, defaults_known=False)
+        if reading.refused is not None:
+            return ConfigRead(written, written, reading.refused, mend, defaults_known=False)
+        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend)
+
+    def read(self, size: int) -> tuple[ConfigRead, ConfigRead]:
+        """The config for a world of ``size`` as written, and as the scan judges every bug but a mending one with
+        (the same, unless DeepSpeed refuses the config as written and a bug of refusals mends it)."""
+        if size not in self._read:
+            written = self.written(size)
+            probe = self._probes.pop(size, None) or self._ask([written], size)
+            plain = self._answer(probe, written, None)
+            self._read[size] = (plain, self._mended(plain, size) or plain)
+        return self._read[size]
+
+    def _mended(self, plain: ConfigRead, size: int) -> ConfigRead | None:
+        if plain.refused is None:
+            return None
+        for bug, premise in self.menders:
+            if plain.premise_problems(premise):
+                continue
+            mended = copy.deepcopy(plain.written)
+            said = premise.mended(mended)
+            return self._answer(self._ask([mended], size), mended, Mend(bug, premise.mend, tuple(said)))
+        return None
+
+    def notes(self) -> list[str]:
+        """What the scan did to the config as a whole, for the notes above its table: a mend, in words with why;
+        defaults that could not be read."""
+        said = []
+        for plain, effective in self._read.values():
+            mend = effective.mend
+            if mend is not None:
+                said.append(f"judged with {', '.join(mend.said)}: DeepSpeed {installed_deepspeed()} refuses the config "
+                            f"as written ({plain.refused}), which is the known bug {mend.bug} (its row: as written); "
+                            "every other bug is judged with that bug's fix on the config's side")  # fmt: skip
+        said += [f"{problem}: a key the config leaves out that DeepSpeed gives a default was not judged"
+                 for problem in self.problems]  # fmt: skip
+        return list(dict.fromkeys(said))
+
+    def close(self) -> None:
+        """End a probe never read (the run ended first)."""
+        for probe in self._probes.values():
+            probe.close()
+        self._probes.clear()
 
 
 @dataclass(frozen=True)
@@ -66,11 +180,24 @@ def pytest_configure(config: pytest.Config) -> None:
         user = userconfig.load(settings.scan, "gloo" if gloo else None)
     except userconfig.UserConfigError as exc:
         raise pytest.UsageError(f"pytest-dsrepro: --ds-scan {exc}") from None
-    config.pluginmanager.register(Scan(user), "dsrepro-scan-config")
+    # Where this process runs the tests (not --collect-only, not an xdist controller), the release is asked now and
+    # the fork server started: their imports overlap collection instead of preceding the first verdicts.
+    runs_here = not (config.option.collectonly or getattr(config.option, "numprocesses", None))
+    reading = ScanConfig(user, settings.cache_dir, gloo, settings.world_size if runs_here else None)
+    config.pluginmanager.register(Scan(user, reading), REGISTERED_AS)
+    backend = config.stash.get(WORLD_BACKEND_KEY, None)
+    if runs_here and gloo and isinstance(backend, SpawnedWorlds):
+        backend.runner.launch()
 
 
 def _accelerator(prepared: Prepared) -> str:
     return "cuda" if prepared.backend == "nccl" else "cpu"
+
+
+def _repro_id(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("ds_repro")
+    value = (mark.kwargs.get("id") or (mark.args[0] if mark.args else None)) if mark is not None else None
+    return str(value or item.name)
 
 
 def _fixed_in(item: pytest.Item) -> str | None:
@@ -84,21 +211,55 @@ def _decided(item: pytest.Item, found: Finding) -> NoReturn:
     raise pytest.skip.Exception(f"{found.verdict.value}: {found.detail}")
 
 
+def _scans(node: pytest.Item) -> bool:
+    """Is ``node`` (a test or a test function's definition) a repro, which a scan runs?"""
+    return node.get_closest_marker("ds_repro") is not None
+
+
+def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: dict[str, str]) -> ScanPlan:
+    """A scanned test's plan, or its verdict decided now (``_decided``, no world): its premise judged on the config
+    as the release reads it; a race's series skipped where a deterministic test of the same bug has told (``told``:
+    which test, and what); the user's config, mended unless this repro is the bug of refusals that mends it, then
+    the premise's ``removes`` and ``sets``, each said."""
+    if "ds_config" not in getattr(item, "fixturenames", ()):
+        _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro builds its own config (no ds_config): a user's "
+                                                        "config cannot be run through it"))  # fmt: skip
+    marks, prepared = item.stash[MARKS_KEY], item.stash.get(PREPARED_KEY, None)
+    premise = marks.premise
+    if premise is None:
+        _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro declares no ds_premise: what a config needs "
+                                                        "for its bug is not known"))  # fmt: skip
+    plain, effective = reading.read(marks.world.size if marks.world is not None else 1)
+    read = plain if premise.mend else effective
+    unmet = list(read.premise_problems(premise))
+    if premise.accelerator and prepared is not None and premise.accelerator != _accelerator(prepared):
+        unmet.append(f"needs the {premise.accelerator} accelerator; these worlds use {_accelerator(prepared)}")
+    if unmet:
+        _decided(item, scan_verdicts.not_applicable(unmet))
+    series = marks.nondeterministic
+    if series is not None and _repro_id(item) in told:
+        said = f"told by {told[_repro_id(item)]}: this race's series of {series.runs} worlds adds nothing"
+        _decided(item, Finding(ScanVerdict.NOT_APPLICABLE, said))
+    if read.refused is not None and not premise.mend:
+        _decided(item, Finding(ScanVerdict.CANNOT_TELL, f"{scan_verdicts.REFUSED} [{SCAN_ID}]: {read.refused}"))
+    config = copy.deepcopy(user)
+    for key, value in () if read.mend is None else read.mend.changes:
+        put(config, key, value)
+    return ScanPlan(config, tuple(premise.apply(config, read.values, read.written)))
+
+
 class Scan:
     """This run's scan of one user config, registered for its hooks."""
 
-    def __init__(self, user: userconfig.UserConfig) -> None:
+    def __init__(self, user: userconfig.UserConfig, reading: ScanConfig) -> None:
         self.user = user
-
-    @staticmethod
-    def scans(node: pytest.Item) -> bool:
-        """Is ``node`` (a test or a test function's definition) a repro, which a scan runs?"""
-        return node.get_closest_marker("ds_repro") is not None
+        self.reading = reading
+        self.told: dict[str, str] = {}  # per bug, the deterministic test that told it and what it said
 
     def finding(self, item: pytest.Item, judgement: Judgement | None, error: str | None) -> Finding | None:
         """A scanned test's verdict for its record: decided at setup, else from the gates' judgement; a test that was
         never judged (a skip in the body, a missing extra, a marker error) is CANNOT TELL, with what it said."""
-        if not self.scans(item):
+        if not _scans(item):
             return None
         decided = item.stash.get(FINDING_KEY, None)
         if decided is not None:
@@ -107,9 +268,10 @@ class Scan:
         notes = plan.notes if plan is not None else ()
         if judgement is None:
             return Finding(ScanVerdict.CANNOT_TELL, error or "it did not run", notes)
-        return scan_verdicts.finding(
-            judgement.reason, judgement.message, fixed_in=_fixed_in(item), rate=judgement.rate, notes=notes
-        )
+        marks = item.stash.get(MARKS_KEY, None)
+        mend = marks.premise.describe_mend() if marks and marks.premise and marks.premise.mend else None
+        return scan_verdicts.finding(judgement.reason, judgement.message, fixed_in=_fixed_in(item),
+                                     rate=judgement.rate, notes=notes, mend=mend)  # fmt: skip
 
     # ---- pytest's hooks -----------------------------------------------------------------------------------------
 
@@ -117,40 +279,33 @@ class Scan:
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         """One ``[scan]`` test id whose ``ds_config`` is the user's config, in place of the repro's own configs and
         variants."""
-        if self.scans(metafunc.definition):
+        if _scans(metafunc.definition):
             give_config(metafunc, SCAN_ID, self.user.config)
 
     @pytest.hookimpl(tryfirst=True)  # before --ds-shard picks its share
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        """A scan runs the catalogue's repros only: other tests collected beside them are deselected."""
-        other = [item for item in items if not self.scans(item)]
+        """A scan runs the catalogue's repros only: other tests collected beside them are deselected. The bugs of
+        refusals among them (a premise with ``mend``) are noted, for a config DeepSpeed refuses."""
+        other = [item for item in items if not _scans(item)]
         if other:
             config.hook.pytest_deselected(items=other)
-            items[:] = [item for item in items if self.scans(item)]
+            items[:] = [item for item in items if _scans(item)]
+        for item in items:
+            with contextlib.suppress(MarkerError):  # said at that test's setup
+                premise = markers.premise(item)
+                if premise is not None and premise.mend:
+                    self.reading.menders.append((_repro_id(item), premise))
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """Judge the premise on the user's config; no world for a config that cannot meet it. After the plugin's
         own setup (tryfirst: the markers, the world's backend), before the fixtures (``ds_config`` reads the plan):
         this object registers after pytest's own plugins, whose hooks run after those registered later."""
-        if not self.scans(item):
-            return
-        if "ds_config" not in getattr(item, "fixturenames", ()):
-            _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro builds its own config (no ds_config): a user's "
-                                                            "config cannot be run through it"))  # fmt: skip
-        premise = item.stash[MARKS_KEY].premise
-        if premise is None:
-            _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro declares no ds_premise: what a config needs "
-                                                            "for its bug is not known"))  # fmt: skip
-        marks, prepared = item.stash[MARKS_KEY], item.stash.get(PREPARED_KEY, None)
-        size = marks.world.size if marks.world is not None else 1
-        written = configs.resolve(self.user.config, SCAN_ID, size, prepared.backend if prepared else "gloo").written
-        unmet = list(premise.unmet(written))
-        if premise.accelerator and prepared is not None and premise.accelerator != _accelerator(prepared):
-            unmet.append(f"needs the {premise.accelerator} accelerator; these worlds use {_accelerator(prepared)}")
-        if unmet:
-            _decided(item, scan_verdicts.not_applicable(unmet))
-        config = copy.deepcopy(self.user.config)
-        item.stash[PLAN_KEY] = ScanPlan(config, tuple(premise.apply(config)))
+        if _scans(item):
+            item.stash[PLAN_KEY] = _plan(item, self.user.config, self.reading, self.told)
+
+    def pytest_unconfigure(self) -> None:
+        """A probe of DeepSpeed's defaults that was never read (the run ended first) is stopped."""
+        self.reading.close()
 
     # ---- the plugin's own hooks ---------------------------------------------------------------------------------
 
@@ -177,11 +332,17 @@ class Scan:
     def pytest_dsrepro_test_record(self, item: pytest.Item, record: TestRecord) -> TestRecord | None:
         """A scanned test's record carries its finding."""
         found = self.finding(item, item.stash.get(JUDGEMENT_KEY, None), record.error)
-        return None if found is None else dataclasses.replace(record, scan=found)
+        if found is None:
+            return None
+        marks = item.stash.get(MARKS_KEY, None)
+        if found.verdict in (ScanVerdict.AFFECTED, ScanVerdict.NOT_AFFECTED) and marks and not marks.nondeterministic:
+            self.told.setdefault(_repro_id(item), f"{item.name} ({found.verdict.value})")
+        return dataclasses.replace(record, scan=found)
 
     def pytest_dsrepro_run_record(self, record: RunRecord) -> RunRecord:
         """The run's record names the config it scanned."""
-        return dataclasses.replace(record, scan=ScanSource(self.user.path, self.user.config, self.user.notes))
+        notes = (*self.user.notes, *self.reading.notes())
+        return dataclasses.replace(record, scan=ScanSource(self.user.path, self.user.config, notes))
 
     def pytest_dsrepro_summary(self, config: pytest.Config, recorded: RecordedTests) -> Summary:
         """The scan's table, per bug; the worlds it ran on are said with ``-v`` only."""

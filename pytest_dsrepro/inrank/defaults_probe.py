@@ -1,0 +1,95 @@
+"""Each config as one DeepSpeed release reads it: ``python -m pytest_dsrepro.inrank.defaults_probe REQUEST ANSWER``,
+run by ``session.config_defaults`` with the interpreter of the release being scanned, so the pytest process itself
+never imports DeepSpeed.
+
+``REQUEST`` is a JSON list of configs, each with the world size it is read for (``core.ds_defaults.request``);
+``ANSWER`` gets one ``ReleaseReading`` per config: the values ``DeepSpeedConfig`` resolved at the places
+``core.ds_defaults`` names, or what DeepSpeed raised when it refused the config (its config classes, or the scheduler
+``deepspeed.initialize`` would build from it). A file, not standard output: DeepSpeed logs there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..core.ds_defaults import KEYS, SECTIONS, ReleaseReading
+
+_MISSING = object()
+
+
+def _attribute(root: object, path: str) -> object:
+    node = root
+    for part in path.split("."):
+        node = getattr(node, part, _MISSING)
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _jsonable(value: object) -> object:
+    """A value as a config writes it: a torch dtype by DeepSpeed's name for it, a pydantic model dumped."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if isinstance(value, torch.dtype):
+        return names.get(value, str(value))
+    dump = getattr(value, "model_dump", None)
+    if dump is not None:
+        return dump(mode="json", by_alias=True)
+    return json.loads(json.dumps(value, default=str))
+
+
+class _World:
+    """What ``DeepSpeedConfig`` asks ``deepspeed.comm`` (this rank, the world's size), answered for a world of
+    ``size`` ranks: there is no process group here."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_rank(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def get_world_size(self, *args: Any, **kwargs: Any) -> int:
+        return self.size
+
+
+def read(config: dict[str, Any], world_size: int) -> ReleaseReading:
+    """``config`` through the release's ``DeepSpeedConfig``, for a world of ``world_size`` ranks, and its scheduler;
+    the values read where ``KEYS`` and ``SECTIONS`` say."""
+    from deepspeed.runtime import config as config_module
+
+    from .engine import build_scheduler
+
+    comm = config_module.dist
+    config_module.dist = _World(world_size)  # what the module calls for the rank and the world's size
+    try:
+        made = config_module.DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed edits what it is given
+        build_scheduler(config)
+    except Exception as exc:  # noqa: BLE001 - whatever DeepSpeed raises is its refusal, said as it said it
+        return ReleaseReading(refused=f"{type(exc).__name__}: {exc}")
+    finally:
+        config_module.dist = comm
+    keys, sections = {}, {}
+    for key, paths in KEYS.items():
+        found = next((v for p in paths if (v := _attribute(made, p)) is not _MISSING), _MISSING)
+        if found is not _MISSING:
+            keys[key] = _jsonable(found)
+    for name, paths in SECTIONS.items():
+        found = next((v for p in paths if (v := _attribute(made, p)) is not _MISSING), _MISSING)
+        if found is not _MISSING and found is not None:
+            sections[name] = _jsonable(found)
+    return ReleaseReading(keys, sections)
+
+
+def main(argv: list[str]) -> int:
+    request, answer = Path(argv[0]), Path(argv[1])
+    readings = [read(asked["config"], asked["world_size"]).to_json() for asked in json.loads(request.read_text())]
+    answer.write_text(json.dumps(readings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
