@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core import ds_defaults
 from ..core.ds_defaults import ReleaseReading
+from ..core.files import write_atomically
 from ..core.gates import installed_deepspeed
 from ..core.versions import installed_text
 from .diagnostics import rank_environment
@@ -62,9 +63,8 @@ class DefaultsProbe:
             return self.readings
         answers = self._answers()
         for i, place in self.places.items():
-            if answers is not None:
-                place.parent.mkdir(parents=True, exist_ok=True)
-                place.write_text(json.dumps(answers[i].to_json()))
+            if answers is not None:  # whole or not at all: xdist workers and other runs share the cache
+                write_atomically(place, json.dumps(answers[i].to_json()))
         found: list[ReleaseReading | None] = []
         for i in range(len(self.configs)):
             found.append(self.cached.get(i) or (answers[i] if answers is not None else None))
