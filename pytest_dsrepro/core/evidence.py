@@ -30,14 +30,12 @@ from pathlib import PurePath
 from types import MappingProxyType
 
 from .faces import LITERAL_MIN, Face
-from .logread import Raised, Reading
+from .logread import Raised, Reading, ends
 
 #: A candidate at or above this score is a known bug with confidence: a face's message matched.
 CONFIDENT = 50
 #: The most that shared words add to a matched message (they rank candidates that have no message).
 _MATCHED_OVERLAP = 5
-#: How much of a long text the words are read from (its start: the title and the prose; its end: the error).
-_TEXT_HEAD, _TEXT_TAIL = 64 * 1024, 64 * 1024
 #: Words too common in DeepSpeed's errors and reports to tell bugs apart.
 _COMMON = frozenset({
     "with", "from", "that", "this", "have", "been", "when", "were", "will", "then", "than", "into", "only", "also",
@@ -77,10 +75,6 @@ class Evidence:
     why: tuple[str, ...]
     face: Face | None = None
     matched: bool = False  # a face's message (or type and frame) matched: the evidence that may make it confident
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(w for w in self.why if w)
 
 
 @dataclass(frozen=True)
@@ -138,14 +132,6 @@ class Vocabulary:
         the catalogue holds)."""
         rarest = math.log((self.bugs + 1) / 1.5)
         return max(0.0, math.log((self.bugs + 1) / (self.used_by.get(word, 0) + 0.5)) / rarest) if rarest > 0 else 0.0
-
-
-def text_of(reading: Reading) -> str:
-    """The text words are read from: all of a short one, the start and end of a long one."""
-    text = reading.text
-    if len(text) <= _TEXT_HEAD + _TEXT_TAIL:
-        return text
-    return text[:_TEXT_HEAD] + "\n" + text[-_TEXT_TAIL:]
 
 
 def shared(theirs: Mapping[str, int], mine: Mapping[str, int], vocabulary: Vocabulary) -> tuple[float, list[str]]:
@@ -256,7 +242,7 @@ def document(title: str, root_cause: str, faces: Sequence[Face]) -> str:
 @dataclass(frozen=True)
 class Log:
     """A reading with what every bug is compared against, made once per triage: its text (words read from it:
-    ``text_of``), that text's words, the catalogue's ``Vocabulary``."""
+    ``logread.ends``), that text's words, the catalogue's ``Vocabulary``."""
 
     reading: Reading
     text: str
@@ -269,7 +255,7 @@ class Log:
 
     @classmethod
     def of(cls, reading: Reading, documents: Sequence[str]) -> Log:
-        text = spelled(text_of(reading))
+        text = spelled(ends(reading.text))
         ds = reading.deepspeed_frames
         return cls(reading, text, words(text), Vocabulary.of(tuple(documents)),
                    tuple((f.file, f.function) for f in reading.frames),
@@ -296,13 +282,14 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     if best.matched:  # the message's own words already counted in the match: what else the text says, a little
         overlap = min(overlap, _MATCHED_OVERLAP)
     types = {face.raises_name for face in faces if face.raises_name}
-    only_named = 5 if best.points < 10 and types & set(reading.named) else 0
+    named_types = sorted(types & set(reading.named))
+    only_named = 5 if best.points < 10 and named_types else 0
     why = (
         best.why,
         f"the log's frames {', '.join(declared + functions + files)} are where it is seen" if framed else "",
         f"the text says {', '.join(repr(w) for w in said)}" if said else "",
         f"shares {', '.join(common[:4])}" if overlap >= 3 else "",
-        f"the text names {', '.join(sorted(types & set(reading.named)))}" if only_named else "",
+        f"the text names {', '.join(named_types)}" if only_named else "",
     )
     total = best.points + framed + min(8 * len(said), 24) + overlap + only_named
     return Evidence(total if best.matched else min(total, CONFIDENT - 1), why, best.face, best.matched)

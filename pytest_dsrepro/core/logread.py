@@ -92,8 +92,8 @@ CONFIG_KEYS = frozenset({
 _ISSUE_URL = re.compile(r"https://github\.com/(?:deepspeedai|microsoft)/DeepSpeed/(?:issues|pull)/\d+")
 #: How many ``{`` a log may make ``read`` try as JSON, and how much text each try may span.
 _CONFIG_TRIES, _CONFIG_SPAN = 200, 64 * 1024
-#: How much of a long text's start and end is read for types it only names.
-_NAMED_SPAN = 64 * 1024
+#: How much of a long text's start and end is read for types it only names, and for its words (``ends``).
+_ENDS_SPAN = 64 * 1024
 #: Lines a message may span; characters kept of it.
 _MESSAGE_LINES, _MESSAGE_CHARS = 30, 4000
 #: A hard wrap is recognised at this width or wider, when at least this many lines end exactly there.
@@ -470,9 +470,10 @@ def _size(node: object) -> int:
     return sum(1 + _size(v) for v in node.values()) if isinstance(node, Mapping) else 0
 
 
-def _ends(text: str) -> str:
-    """The start and end of a long text (a title and its prose; the error), where types are only named."""
-    return text if len(text) <= 2 * _NAMED_SPAN else f"{text[:_NAMED_SPAN]}\n{text[-_NAMED_SPAN:]}"
+def ends(text: str) -> str:
+    """All of a short text, the start and end of a long one (a title and its prose; the error): where types are only
+    named, and where triage reads words."""
+    return text if len(text) <= 2 * _ENDS_SPAN else f"{text[:_ENDS_SPAN]}\n{text[-_ENDS_SPAN:]}"
 
 
 def read(text: str, known: Iterable[str] = ()) -> Reading:
@@ -494,5 +495,5 @@ def read(text: str, known: Iterable[str] = ()) -> Reading:
         text=clean,
         lines=len(lines),
         cut=tuple(dict.fromkeys(cut)),
-        named=tuple(dict.fromkeys(m["type"] for m in _NAMED.finditer(_ends(clean)))),
+        named=tuple(dict.fromkeys(m["type"] for m in _NAMED.finditer(ends(clean)))),
     )

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import evidence, logread
@@ -72,7 +73,7 @@ class KnownBug:
         return " or ".join(oldest_first(self.affected)) or "no declared range"
 
     def covers(self, release: Version) -> bool:
-        return any(Face("-", affected=a).covers(release) for a in self.affected)
+        return any(SpecifierSet(a).contains(release, prereleases=True) for a in self.affected)
 
     @property
     def document(self) -> str:
@@ -208,7 +209,7 @@ class _Context:
     log: evidence.Log
     judged: Judged
     config: Mapping[str, Any] | None
-    bug_words: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    bug_words: Mapping[str, Mapping[str, int]]  # each bug's words, from its document
 
 
 def _release(bug: KnownBug, found: Evidence, release: Version) -> tuple[int, str]:
@@ -249,7 +250,7 @@ def _premise_unmet(bug: KnownBug, config: Mapping[str, Any] | None) -> str | Non
 def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
     """One bug against the log: a scored candidate, or ruled out (a firm release, the premise) with the reason and
     the score its evidence had, so that only the bugs the log points to need be named as ruled out."""
-    words = context.bug_words.get(bug.id) or evidence.words(bug.document)
+    words = context.bug_words[bug.id]
     found = evidence.collect(bug.faces, f"{bug.title} {bug.root_cause} {bug.upstream or ''}", words, context.log)
     points, parts = found.points, list(found.why)
     firm = context.judged.firm

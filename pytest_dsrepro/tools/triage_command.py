@@ -195,9 +195,8 @@ def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str
     names = ", ".join(b.id for b in chosen)
     print(f"dsrepro triage: confirming {names} on deepspeed {t.release or 'installed here'} ...", file=sys.stderr,
           flush=True)  # fmt: skip
-    fixes = [b for b in chosen if b.fixed_by is not None]
     repros = [b for b in chosen if b.fixed_by is None]
-    found = {b.id: confirm_fix(args, b.fixed_by, t.release) for b in fixes if b.fixed_by is not None}
+    found = {b.id: confirm_fix(args, b.fixed_by, t.release) for b in chosen if b.fixed_by is not None}
     return {**found, **(_confirm_repros(args, t, repros, where) if repros else {})}
 
 
