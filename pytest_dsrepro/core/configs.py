@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .premises import lookup
+
 _BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
@@ -95,9 +97,7 @@ class ConfigError(Exception):
 def _section(config: Mapping[str, Any], *path: str) -> dict[str, Any]:
     """The object at ``path`` in ``config``; a fresh empty one where it is absent or written as something else
     (``"fp16": false``, which DeepSpeed refuses: a scan refuses it first, naming it; triage reads it as written)."""
-    node: object = config
-    for part in path:
-        node = node.get(part) if isinstance(node, Mapping) else None
+    node = lookup(config, ".".join(path))
     return node if isinstance(node, dict) else {}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -126,14 +127,19 @@ def refusals(run: RunRecord) -> list[str]:
     message, and where an ``"auto"`` of the config names the refused key, what Hugging Face's Trainer filled in."""
     said: list[str] = []
     written = run.scan.config if run.scan is not None else {}
+    autos = _autos(written)
+    every_world: dict[str, Any] | None = None  # refused before any world: as every world resolves it, once
     for test in run.tests:
         message = refusal(test.scan) if test.scan is not None else None
         if message is None:
             continue
         line = f"DeepSpeed {run.version} refuses this config: {message}"
-        # as the test's world had it; refused before any world: as every world resolves it
-        filled_in = test.config or configs.resolve(written, "scan", run.environment.world_size or 1, "gloo").written
-        for key in _autos(written):
+        filled_in = test.config  # as the test's world had it
+        if not filled_in:
+            if every_world is None:
+                every_world = configs.resolve(written, "scan", run.environment.world_size or 1, "gloo").written
+            filled_in = every_world
+        for key in autos:
             if re.search(rf"\b{re.escape(key.rsplit('.', 1)[-1])}\b", message):  # the key itself, not "eps" in "steps"
                 filled = lookup(filled_in, key)
                 line += (f' (your "auto" at {key} is {filled!r} as Hugging Face\'s Trainer fills it by default: '

@@ -36,10 +36,8 @@ from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestReco
 from ..worlds.device_nodes import gpu_device_nodes
 from . import config_defaults, markers
 from .backends import WORLD_BACKEND_KEY, SpawnedWorlds
-from .execution import PREPARED_KEY
 from .markers import MARKS_KEY
 from .parametrize import give_config
-from .rank_job import Prepared
 from .recording import RecordedTests, Summary
 from .settings import SETTINGS_KEY
 from .verdicts import JUDGEMENT_KEY, fail
@@ -190,20 +188,12 @@ def pytest_configure(config: pytest.Config) -> None:
         backend.runner.launch()
 
 
-def _accelerator(prepared: Prepared) -> str:
-    return "cuda" if prepared.backend == "nccl" else "cpu"
-
-
-def _repro_id(item: pytest.Item) -> str:
+def _repro(item: pytest.Item) -> results.ReproMeta:
+    """The ``ds_repro`` marker of a scanned test (``_scans``), read as every report reads it (``repro_meta``): the
+    bug's id is the one its rows carry."""
     mark = item.get_closest_marker("ds_repro")
-    value = (mark.kwargs.get("id") or (mark.args[0] if mark.args else None)) if mark is not None else None
-    return str(value or item.name)
-
-
-def _fixed_in(item: pytest.Item) -> str | None:
-    mark = item.get_closest_marker("ds_repro")
-    value = mark.kwargs.get("fixed_in") if mark is not None else None
-    return None if value is None else str(value)
+    assert mark is not None
+    return results.repro_meta(mark.args, mark.kwargs, item.path, ())
 
 
 def _decided(item: pytest.Item, found: Finding) -> NoReturn:
@@ -224,21 +214,19 @@ def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: di
     if "ds_config" not in getattr(item, "fixturenames", ()):
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro builds its own config (no ds_config): a user's "
                                                         "config cannot be run through it"))  # fmt: skip
-    marks, prepared = item.stash[MARKS_KEY], item.stash.get(PREPARED_KEY, None)
+    marks = item.stash[MARKS_KEY]
     premise = marks.premise
     if premise is None:
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro declares no ds_premise: what a config needs "
                                                         "for its bug is not known"))  # fmt: skip
     plain, effective = reading.read(marks.world.size if marks.world is not None else 1)
     read = plain if premise.mend else effective
-    unmet = list(read.premise_problems(premise))
-    if premise.accelerator and prepared is not None and premise.accelerator != _accelerator(prepared):
-        unmet.append(f"needs the {premise.accelerator} accelerator; these worlds use {_accelerator(prepared)}")
+    unmet = read.premise_problems(premise)  # the accelerator's premise: judged before, at the plugin's own setup
     if unmet:
         _decided(item, scan_verdicts.not_applicable(unmet))
     series = marks.nondeterministic
-    if series is not None and _repro_id(item) in told:
-        said = f"told by {told[_repro_id(item)]}: this race's series of {series.runs} worlds adds nothing"
+    if series is not None and (bug := _repro(item).id) in told:
+        said = f"told by {told[bug]}: this race's series of {series.runs} worlds adds nothing"
         _decided(item, Finding(ScanVerdict.NOT_APPLICABLE, said))
     if read.refused is not None and not premise.mend:
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, f"{scan_verdicts.REFUSED} [{SCAN_ID}]: {read.refused}"))
@@ -270,7 +258,7 @@ class Scan:
             return Finding(ScanVerdict.CANNOT_TELL, error or "it did not run", notes)
         marks = item.stash.get(MARKS_KEY, None)
         mend = marks.premise.describe_mend() if marks and marks.premise and marks.premise.mend else None
-        return scan_verdicts.finding(judgement.reason, judgement.message, fixed_in=_fixed_in(item),
+        return scan_verdicts.finding(judgement.reason, judgement.message, fixed_in=_repro(item).fixed_in,
                                      rate=judgement.rate, notes=notes, mend=mend)  # fmt: skip
 
     # ---- pytest's hooks -----------------------------------------------------------------------------------------
@@ -294,7 +282,7 @@ class Scan:
             with contextlib.suppress(MarkerError):  # said at that test's setup
                 premise = markers.premise(item)
                 if premise is not None and premise.mend:
-                    self.reading.menders.append((_repro_id(item), premise))
+                    self.reading.menders.append((_repro(item).id, premise))
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """Judge the premise on the user's config; no world for a config that cannot meet it. After the plugin's
@@ -336,7 +324,7 @@ class Scan:
             return None
         marks = item.stash.get(MARKS_KEY, None)
         if found.verdict in (ScanVerdict.AFFECTED, ScanVerdict.NOT_AFFECTED) and marks and not marks.nondeterministic:
-            self.told.setdefault(_repro_id(item), f"{item.name} ({found.verdict.value})")
+            self.told.setdefault(_repro(item).id, f"{item.name} ({found.verdict.value})")
         return dataclasses.replace(record, scan=found)
 
     def pytest_dsrepro_run_record(self, record: RunRecord) -> RunRecord:
