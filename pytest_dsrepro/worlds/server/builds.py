@@ -103,6 +103,11 @@ def shared_library(directory: Path, name: str) -> Path:
     return directory / name / f"{name}.so"
 
 
+def holds_builds(cache_dir: Path, name: str) -> bool:
+    """Does the cache hold a build of op ``name``, for any release (``extensions_dir``, ``shared_library``)?"""
+    return any((cache_dir / "torch_extensions").glob(f"{name}-*/{name}/{name}.so"))
+
+
 def remove_stale_locks(directory: Path, ours: str) -> list[Path]:
     """Torch's build baton files in ``directory`` that no live build owns; call only while holding the build lock.
 
@@ -231,6 +236,13 @@ def timed(directory: Path) -> Iterator[None]:
         (directory / BUILD_SECONDS).write_text(f"{time.monotonic() - started:.0f}")
 
 
+def note_failure(directory: Path, why: str) -> None:
+    """Keep why a build beside the worlds failed in its op's ``directory``, for the next run to tell (``said_failure``:
+    nobody may be left to read the server's log when the build went on apart)."""
+    with contextlib.suppress(OSError):
+        (directory / BUILD_FAILED).write_text(why)
+
+
 def said_failure(directory: Path) -> str | None:
     """Why the last build beside the worlds in ``directory`` failed, once: the file is removed as it is read."""
     failed = directory / BUILD_FAILED
@@ -256,14 +268,11 @@ class BuildChild:
     detached: bool = False  # the build goes on after the server (``detach``)
 
     @classmethod
-    def start(
-        cls, work: Callable[[], Any], failed: Path | None = None, names: tuple[str, str] = (BUILDER_NAME, COMPILER_NAME)
-    ) -> BuildChild:
-        """Start ``work()`` (JSON-able result) in a worker under a warden (``names``: theirs); ``failed``: where a
-        failure is kept for the next run to tell (nobody may be left to read the server's log), when the build goes on
-        apart."""
+    def start(cls, work: Callable[[], Any], names: tuple[str, str] = (BUILDER_NAME, COMPILER_NAME)) -> BuildChild:
+        """Start ``work()`` (JSON-able result) in a worker under a warden (``names``: theirs); a work that fails notes
+        why itself (``note_failure``)."""
         read, lifeline = os.pipe()
-        child = preload.Child.start(lambda: _warden(read, lifeline, work, failed, names))
+        child = preload.Child.start(lambda: _warden(read, lifeline, work, names))
         os.close(read)
         return cls(child, lifeline, time.monotonic())
 
@@ -279,10 +288,7 @@ class BuildChild:
                 raise RuntimeError(f"its worker {got['failed'].removeprefix('it ')}")  # "its worker failed (...)"
             return got["returned"]
         finally:
-            self.ended = True
-            with contextlib.suppress(OSError):
-                os.close(self.lifeline)
-            shutil.rmtree(scratch(self.child.pid), ignore_errors=True)  # a warden killed before it could remove them
+            self._ended()
 
     def detach(self) -> None:
         """The run's tests are over, and it was not cut short: the build goes on after the server, for later runs,
@@ -305,18 +311,22 @@ class BuildChild:
                 os.waitpid(self.child.pid, 0)
                 break
             time.sleep(0.05)
+        os.close(self.child.read)
+        self._ended()
+
+    def _ended(self) -> None:
+        """The warden reaped: its lifeline closed, the files of a warden killed before it could remove them gone."""
         self.ended = True
         with contextlib.suppress(OSError):
             os.close(self.lifeline)
-        os.close(self.child.read)
-        shutil.rmtree(scratch(self.child.pid), ignore_errors=True)  # a warden killed before it could remove them
+        shutil.rmtree(scratch(self.child.pid), ignore_errors=True)
 
 
 def _unwind(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _warden(read: int, lifeline: int, work: Callable[[], Any], failed: Path | None, names: tuple[str, str]) -> Any:
+def _warden(read: int, lifeline: int, work: Callable[[], Any], names: tuple[str, str]) -> Any:
     """The build's first process, under the fork server: in a session of its own (a terminal's signals, and the
     server's process group killed by pytest, miss it), named ``names[0]``, and a child subreaper, so that what its
     builder starts stays its own to kill. The builder (``_builder``) runs ``work``; the warden waits for it and for
@@ -331,7 +341,7 @@ def _warden(read: int, lifeline: int, work: Callable[[], Any], failed: Path | No
     for signum in (signal.SIGTERM, signal.SIGALRM):
         signal.signal(signum, _unwind)
     warden = os.getpid()
-    builder = preload.Child.start(lambda: _builder(warden, work, failed, names[1]))
+    builder = preload.Child.start(lambda: _builder(warden, work, names[1]))
     try:
         return {"returned": _watch(read, builder)}
     except RuntimeError as exc:  # the builder failed, or was killed (its compilers die below)
@@ -366,7 +376,7 @@ def _stop(pid: int) -> None:
             time.sleep(0.05)
 
 
-def _builder(warden: int, work: Callable[[], Any], failed: Path | None, name: str) -> Any:
+def _builder(warden: int, work: Callable[[], Any], name: str) -> Any:
     """The process that builds, under the warden: SIGTERM (from the warden, or from the kernel when the warden dies)
     unwinds it, so that torch removes its baton; a child subreaper too, so that it kills its own compilers as it
     ends. Its compilers' temporary files are in the warden's ``scratch``, which the warden removes."""
@@ -379,11 +389,6 @@ def _builder(warden: int, work: Callable[[], Any], failed: Path | None, name: st
     _warden_pid = warden
     try:
         return work()
-    except Unusable as exc:
-        if failed is not None:
-            with contextlib.suppress(OSError):
-                failed.write_text(str(exc))
-        raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         kill_descendants()

@@ -42,7 +42,7 @@ USUALLY = "usually 50-135 s"
 
 def holds_builds(cache_dir: Path) -> bool:
     """Does the cache hold a comm-op build of any release (what a read-only cache can still serve)?"""
-    return any((cache_dir / "torch_extensions").glob(f"{OP_NAME}-*/{OP_NAME}/{OP_NAME}.so"))
+    return builds.holds_builds(cache_dir, OP_NAME)
 
 
 def shared_library(directory: Path) -> Path:
@@ -82,6 +82,15 @@ def _discarded(directory: Path, library: Path, announce: Callable[[str], None], 
             return not builds.sound(library, OP_NAME, announce, release)
     except Timeout:
         return False  # built elsewhere now: warm_up waits for that build
+
+
+def _build_noting_failure(directory: Path) -> str:
+    """``warm_up`` in a build beside the worlds: a build that leaves the cache unusable notes why for the next run."""
+    try:
+        return warm_up(lambda what: print(what, file=sys.stderr))
+    except Unusable as exc:
+        builds.note_failure(directory, str(exc))
+        raise
 
 
 def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
@@ -199,9 +208,7 @@ class Background:
             "where it cannot build it, and a test that calls inference_all_reduce waits for it there"
         )
         os.environ["TORCH_EXTENSIONS_DIR"] = str(directory)  # as after a load
-        build = BuildChild.start(
-            lambda: warm_up(lambda what: print(what, file=sys.stderr)), directory / builds.BUILD_FAILED
-        )
+        build = BuildChild.start(functools.partial(_build_noting_failure, directory))
         library = shared_library(directory)
         switch = deepspeed.ops.__compatible_ops__.get(builder.NAME, True)
         background = cls(build, builder, library, release, switch)

@@ -92,7 +92,8 @@ class OpenWorlds:
             case DumpStacks(world=world, ranks=ranks):
                 self.ranks.signal(world, ranks, STACK_SIGNAL)
             case Kill(world=world, ranks=ranks):
-                self.ranks.signal(world, ranks, signal.SIGKILL)
+                opened = self.worlds.get(world)
+                self.ranks.signal(world, ranks, signal.SIGKILL, opened.group if opened is not None else None)
             case Reap(world=world, keep=keep):
                 self.reap_world(world, keep)
             case FinishBuild():

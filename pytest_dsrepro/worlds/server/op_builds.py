@@ -129,6 +129,8 @@ def load_built(cache_dir: Path, user_dir: str | None) -> str | None:
     for name, builder in sorted(ALL_OPS.items()):
         if builder is None or deepspeed.ops.__compatible_ops__.get(name) is False or name in builder._loaded_ops:
             continue  # switched off: the comm op while it builds beside the worlds
+        if not builds.holds_builds(cache_dir, builder.name):
+            continue  # never built here: its key (every source and header hashed) is not worth computing
         try:
             library = builds.shared_library(builds.keyed_directory(cache_dir, builder), name)
             if library.exists() and builds.damage(library, name) is None:
@@ -175,8 +177,7 @@ def ensure(wanted: Wanted, cache_dir: str, user_dir: str | None) -> dict[str, An
                 _jit(builder)
     except Exception as exc:  # noqa: BLE001 - every rank that waits fails with it, as with DeepSpeed's own JIT
         error = f"{what} could not be built in {directory} ({type(exc).__name__}: {exc})"
-        with contextlib.suppress(OSError):
-            (directory / builds.BUILD_FAILED).write_text(error)
+        builds.note_failure(directory, error)
         return {"error": f"pytest-dsrepro: {error}; the fork server's log has the compiler's output", "said": said}
     return {"library": str(library), "said": said, "built": True}
 

@@ -45,7 +45,6 @@ PRESETS = ("zero1", "zero2", "zero3")
 DISCOVERY_TIMEOUT = 300.0
 #: The list file's format (in its name): lists of another one are found again, and left to the version that reads them.
 LIST_FORMAT = 2
-PR_SET_PDEATHSIG = 1
 #: How long collecting a scout's result may take once it said it is done (its pipe readable: milliseconds).
 LOAD_TIMEOUT = 60.0
 #: At most this many fork-unsafe modules are looked for (one throwaway child each); more, and nothing is preloaded.
@@ -120,9 +119,9 @@ class Child:
     read: int  # the pipe its JSON-able result comes through
 
     @classmethod
-    def start(cls, work: Callable[[], Any], die_with: int | None = None) -> Child:
-        """Fork a child that runs ``work()``; ``die_with``: a pid whose end kills it (a long-running child of the
-        fork server must not outlive it, even when the server is killed)."""
+    def start(cls, work: Callable[[], Any]) -> Child:
+        """Fork a child that runs ``work()``. One that may outlive a world goes through ``builds.BuildChild``, whose
+        lifeline stops it when the server ends."""
         sys.stdout.flush()
         sys.stderr.flush()
         read, write = os.pipe()
@@ -131,8 +130,6 @@ class Child:
             code = 1
             try:
                 os.close(read)
-                if die_with is not None:
-                    _die_with(die_with)
                 result = work()
                 with os.fdopen(write, "w") as out:
                     json.dump(result, out)
@@ -168,15 +165,6 @@ class Child:
         if os.waitstatus_to_exitcode(status) != 0:
             raise RuntimeError(f"it failed ({describe_exit(os.waitstatus_to_exitcode(status))})")
         return json.loads(data)
-
-
-def _die_with(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def in_child(work: Callable[[], Any], timeout: float) -> Any:

@@ -36,19 +36,25 @@ def _exit_code(result: os.waitid_result) -> int:
     return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
 
 
+def _children_of(pid: int | str) -> list[int]:
+    """The children of process ``pid`` (``"self"``), from the kernel's list of each of its threads; ``OSError`` where
+    there is no such list (the process is gone, or CONFIG_PROC_CHILDREN is off)."""
+    found: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            found += [int(child) for child in f.read().split()]
+    return found
+
+
 def children() -> list[int]:
     """This process's children (the server's own ranks, its store, and orphans adopted as a child subreaper), from
     the kernel's list for this process alone: no scan of every process on the machine."""
-    found: list[int] = []
     try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as f:
-                found += [int(pid) for pid in f.read().split()]
-    except OSError:  # no such list (CONFIG_PROC_CHILDREN is off): every process is scanned
+        return _children_of("self")
+    except OSError:  # no such list: every process is scanned
         import psutil
 
         return [p.pid for p in psutil.Process().children()]
-    return found
 
 
 def kill_descendants(rounds: int = 5, spared: Collection[int] = ()) -> list[tuple[int, int | None]]:
@@ -86,9 +92,7 @@ def _tree(pids: Iterable[int]) -> list[int]:
         pid = todo.pop()
         found.append(pid)
         with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    todo += [int(child) for child in f.read().split() if int(child) not in found]
+            todo += [child for child in _children_of(pid) if child not in found]
     return found
 
 
@@ -107,19 +111,18 @@ class RankTable:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.pids: dict[int, tuple[int, int]] = {}
-        self.groups: dict[int, int] = {}  # world -> its process group (rank 0's pid)
         self.buffers: dict[int, set[Path]] = {}  # process group -> DeepSpeed buffers its killed processes mapped
 
     def add(self, world: int, pids: Sequence[int]) -> None:
         self.pids.update({pid: (world, rank) for rank, pid in enumerate(pids)})
-        self.groups[world] = pids[0]
 
-    def signal(self, world: int, ranks: tuple[int, ...], sig: int) -> None:
+    def signal(self, world: int, ranks: tuple[int, ...], sig: int, group: int | None = None) -> None:
         """Only ranks whose exit was not told yet: their pids cannot have been recycled for another process. Before
-        a SIGKILL, the DeepSpeed buffers the ranks (and what they started) map are noted for the world's end."""
+        a SIGKILL, the DeepSpeed buffers the ranks (and what they started) map are noted for the end of the world
+        whose process group is ``group`` (None: a world no longer open)."""
         pids = [pid for pid, (w, r) in self.pids.items() if w == world and r in ranks]
-        if sig == signal.SIGKILL and world in self.groups:
-            self.buffers.setdefault(self.groups[world], set()).update(shm.mapped_by(_tree(pids)))
+        if sig == signal.SIGKILL and group is not None:
+            self.buffers.setdefault(group, set()).update(shm.mapped_by(_tree(pids)))
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -158,7 +161,6 @@ class RankTable:
         ranks = [pid for pid in world.pids if pid in self.pids]  # not told yet, so not reaped: safe to signal
         ours = set(children())  # a kept world's ranks too, which no one waits for: none was reaped, none recycled
         buffers = self.buffers.pop(leader, set()) | shm.mapped_by(_tree(p for p in world.pids if p in ours))
-        self.groups = {w: g for w, g in self.groups.items() if g != leader}
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader, signal.SIGKILL)
         for pid in ranks:  # one that left the group (setsid in a body) too
