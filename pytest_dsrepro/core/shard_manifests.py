@@ -127,9 +127,9 @@ def find(paths: Sequence[Path]) -> tuple[list[tuple[Path, Manifest]], list[BadMa
     for given in paths:
         candidates = sorted(given.rglob(f"*{SUFFIX}")) if given.is_dir() else [given] if given.suffix == SUFFIX else []
         for path in candidates:
-            if path.resolve() in seen:
+            if (real := path.resolve()) in seen:
                 continue
-            seen.add(path.resolve())
+            seen.add(real)
             try:
                 found.append((path, read(path)))
             except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -168,12 +168,15 @@ class Shard:
         return shard_name(self.index, self.count, self.deepspeed)
 
 
-def _own(path: Path, m: Manifest, files: Sequence[ResultsFile]) -> list[ResultsFile]:
-    """The results files of the shard ``m`` (its manifest at ``path``): in its directory, on its release, written
-    after it collected."""
+def _beside(path: Path, m: Manifest, files: Sequence[ResultsFile]) -> list[ResultsFile]:
+    """The results files in the directory of the shard ``m`` (its manifest at ``path``), on its release."""
     where = path.parent.resolve()
-    return [f for f in files if f.path.parent.resolve() == where and f.run.environment.deepspeed == m.deepspeed
-            and f.path.name not in m.earlier]  # fmt: skip
+    return [f for f in files if f.path.parent.resolve() == where and f.run.environment.deepspeed == m.deepspeed]
+
+
+def _own(path: Path, m: Manifest, files: Sequence[ResultsFile]) -> list[ResultsFile]:
+    """The results files of the shard ``m`` (its manifest at ``path``): beside it, written after it collected."""
+    return [f for f in _beside(path, m, files) if f.path.name not in m.earlier]
 
 
 def superseded(manifests: Sequence[tuple[Path, Manifest]], files: Sequence[ResultsFile]) -> dict[Path, str]:
@@ -182,15 +185,10 @@ def superseded(manifests: Sequence[tuple[Path, Manifest]], files: Sequence[Resul
     replaced it: its outcomes are not the re-run's, alive or dead."""
     replaced: dict[Path, str] = {}
     for path, m in manifests:
-        where, planned = path.parent.resolve(), set(m.planned)
-        for f in files:
-            if (
-                f.path.parent.resolve() == where
-                and f.path.name in m.earlier
-                and f.run.environment.deepspeed == m.deepspeed
-                and planned & {t.nodeid for t in f.run.tests}
-            ):
-                replaced[f.path] = m.name  # fmt: skip
+        planned = set(m.planned)
+        for f in _beside(path, m, files):
+            if f.path.name in m.earlier and planned & {t.nodeid for t in f.run.tests}:
+                replaced[f.path] = m.name
     return replaced
 
 

@@ -18,6 +18,7 @@ is also where a stopped atlas resumes: a fix's release that already has results 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import re
@@ -32,6 +33,7 @@ from ..core import checkout, results
 from ..core.gates import Verdict
 from ..core.git import git
 from ..core.known_fixes import FixedTest, KnownFix
+from . import upstream_runs
 from .environments import ReleaseEnv, installed_package
 from .history import Clone, Commit, HistoryError, release_of
 
@@ -311,6 +313,21 @@ def with_release_sources(tree: Path, prepare: Prepare) -> Prepare:
         return env
 
     return prepared
+
+
+def run_fix_tests(
+    tests: checkout.Checkout,
+    targets: list[str],
+    releases: list[str],
+    where: Path,
+    prepare: Prepare,
+    pytest_args: Sequence[str] = (),
+) -> None:
+    """Fixes' own tests (``targets``, node ids) on ``releases``, each in its environment with the release's sources
+    (``with_release_sources``), results into ``where``. Every test named runs, also those DeepSpeed's pytest.ini
+    deselects by default (sequential, nightly: markers that schedule its CI, not what a test means)."""
+    run_args = argparse.Namespace(results=where, pytest_args=["-m", "", *pytest_args])
+    upstream_runs.run_releases(run_args, tests, targets, releases, with_release_sources(tests.root, prepare))
 
 
 Runner = Callable[[checkout.Checkout, list[str], list[str], Path], None]

@@ -22,8 +22,8 @@ from .atlas import (
     parse_range,
     releases_to_run,
     run_fix,
+    run_fix_tests,
     runs_of,
-    with_release_sources,
 )
 from .environments import EnvironmentUnavailable
 from .history import Clone, HistoryError, release_of
@@ -86,10 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     prepare = environments.release_environment(args.cache_dir, args.constraints, log_dir=args.log_dir)
 
     def runner(tests: checkout.Checkout, targets: list[str], releases: list[str], where: Path) -> None:
-        # Every test a fix carries, also those DeepSpeed's pytest.ini deselects by default (sequential, nightly:
-        # markers that schedule its CI, not what a test means): named by node id, each must run.
-        run_args = argparse.Namespace(**{**vars(args), "results": where, "pytest_args": ["-m", "", *args.pytest_args]})
-        upstream_runs.run_releases(run_args, tests, targets, releases, with_release_sources(tests.root, prepare))
+        run_fix_tests(tests, targets, releases, where, prepare, args.pytest_args)
 
     start = release_of(args.range.partition("..")[0])
     available = sorted(clone.releases())

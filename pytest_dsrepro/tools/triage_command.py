@@ -227,9 +227,7 @@ def confirm_fix(args: argparse.Namespace, fix: KnownFix, release: str | None) ->
         with tempfile.TemporaryDirectory(prefix=f"dsrepro-triage-{fix.pr}-") as tmp:
             tests = atlas.sparse_checkout(clone, clone.commit(fix.commit), Path(tmp) / "DeepSpeed")
             out = Path(tmp) / "results"
-            run_args = argparse.Namespace(results=out, pytest_args=["-m", ""])
-            prepare = atlas.with_release_sources(tests.root, _release_env(args, on))
-            upstream_runs.run_releases(run_args, tests, [t.nodeid for t in fix.tests], [on], prepare)
+            atlas.run_fix_tests(tests, [t.nodeid for t in fix.tests], [on], out, _release_env(args, on))
             records = [t for f in results.read_all([out])[0] if f.run.unavailable is None for t in f.run.tests]
     except (history.HistoryError, GitError, CheckoutError, upstream_runs.UpstreamError) as exc:
         raise TriageError(f"--repo {args.repo}: {exc}") from None
