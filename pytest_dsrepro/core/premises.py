@@ -28,7 +28,6 @@ configs are judged as written: a key its premise reads, it writes (its default d
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -293,15 +292,15 @@ def _choices(name: str, value: object, allowed: tuple[object, ...], where: str) 
     return tuple(sorted(set(values), key=allowed.index))
 
 
-def _number_requirement(what: str, read: Callable[[Mapping[str, Any]], object], value: object, where: str,
-                        name: str) -> Requirement:  # fmt: skip
+def _number_requirement(key: str, value: object, where: str, name: str) -> Requirement:
+    """The config's ``key`` (as written) must be the number ``value``, or meet it where it is a comparison."""
     if isinstance(value, str):
         comparison = Comparison.parse(value)
         if comparison is None:
             raise MarkerError(f"{where}: {name}={value!r} must be a number or a comparison such as '>=3' or '>0,<8'")
-        return Requirement(what, read, comparison=comparison)
+        return Requirement(key, _reader(key), comparison=comparison, key=key)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return Requirement(what, read, (value,))
+        return Requirement(key, _reader(key), (value,), key=key)
     raise MarkerError(f"{where}: {name}={value!r} must be a number or a comparison such as '>=3'")
 
 
@@ -345,10 +344,8 @@ def _requirements(kwargs: Mapping[str, object], where: str) -> list[Requirement]
                               "section) or False (it has none)")  # fmt: skip
         found.append(Requirement("optimizer section", lambda c: "optimizer" in c, (kwargs["optimizer"],)))
     if "gradient_accumulation" in kwargs:
-        reader = _reader("gradient_accumulation_steps")
         value = kwargs["gradient_accumulation"]
-        needs = _number_requirement("gradient_accumulation_steps", reader, value, where, "gradient_accumulation")
-        found.append(dataclasses.replace(needs, key="gradient_accumulation_steps"))
+        found.append(_number_requirement("gradient_accumulation_steps", value, where, "gradient_accumulation"))
     found += [_key_requirement(key, value) for key, value in _keys("config", kwargs.get("config", {}), where).items()]
     return found
 

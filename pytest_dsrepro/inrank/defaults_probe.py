@@ -29,6 +29,11 @@ def _attribute(root: object, path: str) -> object:
     return node
 
 
+def _first(root: object, paths: tuple[str, ...]) -> object:
+    """The value at the first of ``paths`` the release has (releases moved some)."""
+    return next((v for p in paths if (v := _attribute(root, p)) is not _MISSING), _MISSING)
+
+
 def _jsonable(value: object) -> object:
     """A value as a config writes it: a torch dtype by DeepSpeed's name for it, a pydantic model dumped."""
     import torch
@@ -74,11 +79,11 @@ def read(config: dict[str, Any], world_size: int) -> ReleaseReading:
         config_module.dist = comm
     keys, sections = {}, {}
     for key, paths in KEYS.items():
-        found = next((v for p in paths if (v := _attribute(made, p)) is not _MISSING), _MISSING)
+        found = _first(made, paths)
         if found is not _MISSING:
             keys[key] = _jsonable(found)
     for name, paths in SECTIONS.items():
-        found = next((v for p in paths if (v := _attribute(made, p)) is not _MISSING), _MISSING)
+        found = _first(made, paths)
         if found is not _MISSING and found is not None:
             sections[name] = _jsonable(found)
     return ReleaseReading(keys, sections)
