@@ -311,8 +311,9 @@ def context_texts(directory: Path, ids: dict[str, str]) -> list[Text]:
 def measure_own(texts: list[Text]) -> list[float]:
     from packaging.version import Version
 
-    from pytest_dsrepro.core import logread, triage
     from pytest_dsrepro.tools.triage_command import known_bugs
+    from pytest_dsrepro.triage import logread
+    from pytest_dsrepro.triage import ranking as triage
 
     bugs = known_bugs(ROOT / "repros")
     seconds: list[float] = []
@@ -342,8 +343,9 @@ def measure_own(texts: list[Text]) -> list[float]:
 def measure_foreign() -> list[float]:
     from packaging.version import Version
 
-    from pytest_dsrepro.core import logread, triage
     from pytest_dsrepro.tools.triage_command import known_bugs
+    from pytest_dsrepro.triage import logread
+    from pytest_dsrepro.triage import ranking as triage
 
     bugs = known_bugs(ROOT / "repros")
     seconds: list[float] = []

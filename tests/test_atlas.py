@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import checkout, known_fixes, results, versions
+from pytest_dsrepro.core import checkout, results, versions
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.tools import atlas, atlas_command, install, upstream_command, upstream_runs
 from pytest_dsrepro.tools.environments import ReleaseEnv
 from pytest_dsrepro.tools.history import Clone, Commit
+from pytest_dsrepro.triage import known_fixes
 
 BEFORE = """\
 import pytest

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from conftest import RunPytest
-from pytest_dsrepro.core import faces, logread, report, results, triage
+from pytest_dsrepro.core import faces, report, results
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.tools import catalogue, cli
 from pytest_dsrepro.tools.triage_command import known_bugs
+from pytest_dsrepro.triage import logread
+from pytest_dsrepro.triage import ranking as triage
 
 WHERE = "@pytest.mark.ds_seen on repros/test_x.py::test_x"
 LINK = "https://github.com/deepspeedai/DeepSpeed/issues/8072"

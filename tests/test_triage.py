@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from pytest_dsrepro.core import known_fixes, logread, premises, triage, versions
+from pytest_dsrepro.core import premises, versions
 from pytest_dsrepro.core.faces import Face, gate_face
-from pytest_dsrepro.core.logread import Frame
 from pytest_dsrepro.core.results import Finding, ScanVerdict
 from pytest_dsrepro.core.text import strip_ansi
 from pytest_dsrepro.tools import log_input, scaffold, triage_command
+from pytest_dsrepro.triage import known_fixes, logread
+from pytest_dsrepro.triage import ranking as triage
+from pytest_dsrepro.triage.logread import Frame
 
 EPILOGUE = "'DeepSpeedZeRoOffload' object has no attribute '{}'"
 TRACEBACK = """Traceback (most recent call last):

@@ -32,7 +32,7 @@ from packaging.version import Version
 from ..core import checkout, results
 from ..core.gates import Verdict
 from ..core.git import git
-from ..core.known_fixes import FixedTest, KnownFix
+from ..triage.known_fixes import FixedTest, KnownFix
 from . import upstream_runs
 from .environments import ReleaseEnv, installed_package
 from .history import Clone, Commit, HistoryError, release_of
@@ -361,7 +361,7 @@ _SUBJECT = re.compile(r"^(?P<title>.*?)\s*\(#(?P<pr>\d+)\)\s*$")
 
 
 def known_fix(fix: Fix, runs: dict[Version, list[results.TestRecord]]) -> KnownFix | None:
-    """What triage knows of a fix (``core.known_fixes``): its pull request and title, its releases, and each of its
+    """What triage knows of a fix (``triage.known_fixes``): its pull request and title, its releases, and each of its
     tests with a clean range with what it raised on the release before; None when no test's range is clean or the
     subject names no pull request."""
     subject = _SUBJECT.match(fix.commit.subject)

@@ -10,8 +10,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from ..core import checkout, known_fixes
+from ..core import checkout
 from ..core.git import GitError
+from ..triage import known_fixes
 from . import environments, upstream_runs
 from .atlas import (
     AtlasError,

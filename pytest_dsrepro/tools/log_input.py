@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..core import logread
+from ..triage import logread
 
 #: The parts of a log that are read: its start (where versions and configs are printed) and its end (the error).
 HEAD_BYTES, TAIL_BYTES = 1 << 20, 4 << 20

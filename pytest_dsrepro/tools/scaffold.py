@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..core.configs import PRESETS
-from ..core.logread import Reading
+from ..triage.logread import Reading
 
 DEFAULT_PRESET = "zero3"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]*")
@@ -53,7 +53,7 @@ class Prefill:
 
 
 def prefill(reading: Reading) -> Prefill:
-    """A repro's start from a log's error (``core.logread``): its type where it is a built-in exception (else
+    """A repro's start from a log's error (``triage.logread``): its type where it is a built-in exception (else
     ``Exception``: the gate then judges by the message), its first line escaped as ``match``, the first DeepSpeed issue
     the text links. ``ScaffoldError`` when the log shows no exception."""
     error = reading.primary

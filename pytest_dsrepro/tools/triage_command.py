@@ -3,7 +3,7 @@
 The log is read within limits (``log_input``: its head and tail only, so a 200 MB log answers as fast as a short
 one); an empty or binary file is a usage error in one line. The catalogue is read from its markers by pytest's
 collection (``catalogue.collect``, with ``_Gates`` reading the ``ds_version`` gates and ``ds_premise`` of the same
-items); ``core.triage`` ranks it against ``core.logread``'s reading of the log.
+items); ``triage.ranking`` ranks it against ``triage.logread``'s reading of the log.
 
 ``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them (``catalogue_run``): with the
 user's config (a scan, ``--ds-scan``) or with the repros' own configs, on the release judged on (its environment built
@@ -26,13 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
-from ..core import configs, faces, known_fixes, logread, premises, results, triage, userconfig, versions
+from ..core import configs, faces, premises, results, userconfig, versions
 from ..core.checkout import CheckoutError
 from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.git import GitError
-from ..core.known_fixes import KnownFix
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
+from ..triage import known_fixes, logread
+from ..triage import ranking as triage
+from ..triage.known_fixes import KnownFix
 from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
 from .log_input import LogError, LogText, read_log
 

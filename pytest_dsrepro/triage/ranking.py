@@ -3,7 +3,7 @@
 Every piece of evidence comes from the catalogue's own markers, read into ``KnownBug``: ``ds_repro`` (title, root
 cause, upstream, first fixed release), ``ds_version`` (each gate a face: what the repro raises in its range),
 ``ds_seen`` (the other faces users meet it in: GPUs' messages, other optimizers and releases, cut tracebacks, the
-words of its reports) and ``ds_premise``; there is no second list of patterns. ``core.evidence`` scores one bug's
+words of its reports) and ``ds_premise``; there is no second list of patterns. ``triage.evidence`` scores one bug's
 faces against the log; here the release and the config rule candidates in or out, and the results are said.
 
 The release judged on, and where it came from, decide what it may do:
@@ -29,16 +29,16 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..core.faces import Face
+from ..core.gates import oldest_first
+from ..core.premises import Premise
+from ..core.results import Finding, RunRecord, ScanVerdict, TestRecord
+from ..core.scan_verdicts import SEVERITY, finding
+from ..core.text import markdown_table
 from . import evidence, logread
 from .evidence import CONFIDENT, Evidence
-from .faces import Face
-from .gates import oldest_first
 from .known_fixes import KnownFix
 from .logread import Reading
-from .premises import Premise
-from .results import Finding, RunRecord, ScanVerdict, TestRecord
-from .scan_verdicts import SEVERITY, finding
-from .text import markdown_table
 
 #: Below this a bug is not a candidate at all.
 FLOOR = 10

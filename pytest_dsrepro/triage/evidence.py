@@ -1,4 +1,4 @@
-"""What a log shows of one known bug: its faces (``core.faces``) looked for in a ``core.logread`` reading, in points.
+"""What a log shows of one known bug: its faces (``core.faces``) looked for in a ``triage.logread`` reading, in points.
 
 The evidence, strongest first:
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from types import MappingProxyType
 
-from .faces import LITERAL_MIN, Face
+from ..core.faces import LITERAL_MIN, Face
 from .logread import Raised, Reading, ends
 
 #: A candidate at or above this score is a known bug with confidence: a face's message matched.

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
-from .outcome import PEER_LOST
-from .text import strip_ansi
-from .userconfig import strip_comments
+from ..core.outcome import PEER_LOST
+from ..core.text import strip_ansi
+from ..core.userconfig import strip_comments
 
 #: Per-line rank prefixes: torch's ``[rank3]:``, torchrun's ``--tee`` ``[default3]:``, mpirun's ``[1,3]<stderr>:``,
 #: each possibly after spaces (GitHub's rendering copies one), a launcher's ``host: `` (DeepSpeed's pdsh runner) or

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import typed_json
-from .files import write_atomically
+from ..core import typed_json
+from ..core.files import write_atomically
 
 #: The one schema version of the file.
 SCHEMA = 1
@@ -82,5 +82,5 @@ def load(path: Path | None = None) -> tuple[KnownFix, ...]:
     """The known fixes of ``path``, else the package's own."""
     if path is not None:
         return from_json(path.read_text(), str(path))
-    packaged = resources.files("pytest_dsrepro").joinpath(PACKAGED)
+    packaged = resources.files(__package__).joinpath(PACKAGED)
     return from_json(packaged.read_text(), PACKAGED) if packaged.is_file() else ()
