@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, deepspeed_version
+from conftest import deepspeed_version
 from pytest_dsrepro.core import results, shard_manifests
 from pytest_dsrepro.core.shard_manifests import Manifest, ShardState
 
@@ -290,36 +289,3 @@ def test_the_merge_names_a_bad_manifest_and_counts_copies_once(tmp_path: Path) -
     assert "1 failed: 1 new, 0 known" in lines  # not 2: the copy is the same run
     assert sum(line.startswith("NEW      u/t.py::a") for line in lines) == 1
     assert "incomplete: shard 2/2 on deepspeed 0.19.8 (missing), unreadable manifests" in merged.stderr
-
-
-# ---- the documented workflow ------------------------------------------------------------------------------------
-
-
-def _documented_workflow() -> str:
-    """The GitHub workflow docs/upstream.md offers, as a user copies it."""
-    text = (ROOT / "docs" / "upstream.md").read_text()
-    start = text.index("name: DeepSpeed tests/unit on CPU worlds")
-    return text[start : text.index("```", start)]
-
-
-def test_the_documented_workflow_pins_actions_reads_only_and_keeps_no_credentials(tmp_path: Path) -> None:
-    """Issue 49, item 7: every action pinned by a full commit, the token read-only, the checkout's token not left in
-    ``.git/config``; and zizmor (offline: its audits that need no GitHub API) finds nothing."""
-    yaml = pytest.importorskip("yaml")  # transformers' dependency (the hf extra), in the test environment
-    workflow = yaml.safe_load(_documented_workflow())
-    assert workflow["permissions"] == {"contents": "read"}
-    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
-    uses = [step["uses"] for step in steps if "uses" in step]
-    assert len(uses) == 4
-    assert all(re.fullmatch(r"actions/[a-z-]+@[0-9a-f]{40}", u) for u in uses), uses
-    checkouts = [step for step in steps if step.get("uses", "").startswith("actions/checkout@")]
-    assert checkouts
-    assert all(step["with"]["persist-credentials"] is False for step in checkouts)
-    path = tmp_path / ".github" / "workflows" / "dsrepro-upstream.yml"
-    path.parent.mkdir(parents=True)
-    path.write_text(_documented_workflow())
-    binary = Path(sys.executable).parent / "zizmor"  # the test extra's: a binary in the environment's bin/
-    zizmor = subprocess.run([str(binary), "--offline", "--no-progress", str(path)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
-    assert zizmor.returncode == 0, zizmor.stdout + zizmor.stderr
-    assert "No findings to report" in zizmor.stdout
