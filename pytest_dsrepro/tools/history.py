@@ -1,5 +1,6 @@
-"""The user's DeepSpeed clone, read and never written (``dsrepro bisect --repo``): its releases (tags), the commits
-between two of them, a commit's pull request, and a commit's tree written out into a directory of ours.
+"""The user's DeepSpeed clone, read and never written (``dsrepro bisect --repo``, ``dsrepro ledger --check``): its
+releases (tags), the commits between two of them (with their messages and files: ``changes``), a commit's pull
+request, and a commit's tree written out into a directory of ours.
 
 Only git commands that read run against the clone (``rev-parse``, ``for-each-ref``, ``log``, ``ls-tree``,
 ``cat-file``, ``config --get``), through ``core.git`` (optional locks off): nothing of its working tree, index, refs or
@@ -61,6 +62,15 @@ class Commit:
 
     def __str__(self) -> str:
         return self.short
+
+
+@dataclass(frozen=True)
+class Change:
+    """A commit with the rest of its message (``body``) and the files it changes (``Clone.changes``)."""
+
+    commit: Commit
+    body: str
+    files: tuple[str, ...]
 
 
 def release_of(tag: str) -> Version | None:
@@ -161,6 +171,18 @@ class Clone:
         if not between or between[-1].sha != newer.sha:
             raise HistoryError(f"{newer.label} is not on its own first-parent line from {older.label}")
         return [older, *between]
+
+    def changes(self, older: str, newer: str) -> list[Change]:
+        """Every commit of ``older..newer`` (reachable from ``newer``, not from ``older``: a merged branch's commits
+        too), oldest first, with its message and the files it changes (a merge's: none)."""
+        ends = [self.commit(older), self.commit(newer)]
+        log = self.git("log", "--reverse", "--format=%x00%H%x01%s%x01%b%x01", "--name-only",
+                       f"{ends[0].sha}..{ends[1].sha}", "--")  # fmt: skip
+        found = []
+        for record in log.split("\0")[1:]:
+            sha, subject, body, files = record.split("\1")
+            found.append(Change(Commit(sha, subject.strip()), body, tuple(f for f in files.splitlines() if f)))
+        return found
 
     # --- links ---------------------------------------------------------------------------------------------------
 
