@@ -66,7 +66,7 @@ class Commit:
 
 @dataclass(frozen=True)
 class Change:
-    """A commit with the rest of its message (``body``) and the files it changes (``Clone.changes``)."""
+    """A commit with the rest of its message (``body``) and the files it changes (``changes``)."""
 
     commit: Commit
     body: str
@@ -172,18 +172,6 @@ class Clone:
             raise HistoryError(f"{newer.label} is not on its own first-parent line from {older.label}")
         return [older, *between]
 
-    def changes(self, older: str, newer: str) -> list[Change]:
-        """Every commit of ``older..newer`` (reachable from ``newer``, not from ``older``: a merged branch's commits
-        too), oldest first, with its message and the files it changes (a merge's: none)."""
-        ends = [self.commit(older), self.commit(newer)]
-        log = self.git("log", "--reverse", "--format=%x00%H%x01%s%x01%b%x01", "--name-only",
-                       f"{ends[0].sha}..{ends[1].sha}", "--")  # fmt: skip
-        found = []
-        for record in log.split("\0")[1:]:
-            sha, subject, body, files = record.split("\1")
-            found.append(Change(Commit(sha, subject.strip()), body, tuple(f for f in files.splitlines() if f)))
-        return found
-
     # --- links ---------------------------------------------------------------------------------------------------
 
     def web(self) -> str:
@@ -225,6 +213,19 @@ class Clone:
             _write(destination, path, mode, contents[end + 1 : end + 1 + size])
             at = end + 1 + size + 1
         return left_out
+
+
+def changes(clone: Clone, older: str, newer: str) -> list[Change]:
+    """Every commit of ``older..newer`` in ``clone`` (reachable from ``newer``, not from ``older``: a merged branch's
+    commits too), oldest first, with its message and the files it changes (a merge's: none)."""
+    ends = [clone.commit(older), clone.commit(newer)]
+    log = clone.git("log", "--reverse", "--format=%x00%H%x01%s%x01%b%x01", "--name-only",
+                    f"{ends[0].sha}..{ends[1].sha}", "--")  # fmt: skip
+    found = []
+    for record in log.split("\0")[1:]:
+        sha, subject, body, files = record.split("\1")
+        found.append(Change(Commit(sha, subject.strip()), body, tuple(f for f in files.splitlines() if f)))
+    return found
 
 
 def _write(root: Path, path: str, mode: str, data: bytes) -> None:

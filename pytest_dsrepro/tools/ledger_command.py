@@ -22,7 +22,7 @@ from packaging.version import InvalidVersion, Version
 from ..core.text import aligned
 from ..triage import known_fixes
 from ..triage import ledger as ledger_file
-from ..triage.ledger import Fix
+from ..triage.ledger import FixRow
 from . import catalogue, catalogue_run, history
 
 #: Exit codes: 0 listed, or every selected commit has a row; 1 a commit without a row (or a row the rule does not
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--by", choices=BY, default="release", help="group by first release (default), disposition "
                         "or area")  # fmt: skip
     parser.add_argument("--release", metavar="VERSION", help="only the fixes first shipped in this release")
-    parser.add_argument("--disposition", metavar="WHAT", help=f"only rows of one: {', '.join(ledger_file.DISPOSITIONS)}")
+    parser.add_argument("--disposition", metavar="WHAT", help="only rows of one disposition: "
+                        f"{', '.join(ledger_file.DISPOSITIONS)}")  # fmt: skip
     parser.add_argument("--area", metavar="AREA", help="only rows of one area (zero3, offload, checkpoint, ...)")
     parser.add_argument("--cpu", action="store_true", help="only known fixes a CPU world could show: the repro queue")
     parser.add_argument("--check", action="store_true", help="run the rule on --repo's history: a row for every fix?")
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 # --- the list ------------------------------------------------------------------------------------------------------
 
 
-def chosen_rows(fixes: Sequence[Fix], args: argparse.Namespace) -> list[Fix]:
+def chosen_rows(fixes: Sequence[FixRow], args: argparse.Namespace) -> list[FixRow]:
     """The rows the filters keep: first shipped in ``--release``, of ``--disposition``, of ``--area``; ``--cpu``: the
     known fixes a CPU world could show."""
     if args.disposition is not None and args.disposition not in ledger_file.DISPOSITIONS:
@@ -89,7 +90,7 @@ def chosen_rows(fixes: Sequence[Fix], args: argparse.Namespace) -> list[Fix]:
         release = None if args.release is None else Version(args.release)
     except InvalidVersion:
         raise LedgerUsage(f"--release {args.release!r} is not a version such as 0.18.3") from None
-    keep: list[Callable[[Fix], bool]] = [
+    keep: list[Callable[[FixRow], bool]] = [
         lambda f: release is None or Version(f.first) == release,
         lambda f: args.disposition is None or f.disposition == args.disposition,
         lambda f: args.area is None or f.area == args.area,
@@ -98,7 +99,7 @@ def chosen_rows(fixes: Sequence[Fix], args: argparse.Namespace) -> list[Fix]:
     return [f for f in fixes if all(k(f) for k in keep)]
 
 
-def group(fix: Fix, by: str) -> str:
+def group(fix: FixRow, by: str) -> str:
     return {"release": fix.first, "disposition": fix.disposition, "area": fix.area}[by]
 
 
@@ -110,7 +111,7 @@ def _order(by: str) -> Callable[[str], tuple[object, ...]]:
     return lambda key: (known.index(key) if key in known else len(known), key)
 
 
-def said(fix: Fix) -> str:
+def said(fix: FixRow) -> str:
     """A row's disposition in a few words: ``repro zero3-foo``, ``known, a CPU world can show it``."""
     if fix.disposition == ledger_file.REPRO:
         return f"repro {fix.repro}"
@@ -119,7 +120,7 @@ def said(fix: Fix) -> str:
     return fix.disposition
 
 
-def listing(fixes: Sequence[Fix], by: str, width: int | None = None) -> list[str]:
+def listing(fixes: Sequence[FixRow], by: str, width: int | None = None) -> list[str]:
     """Each group (a header with its count), then a line per row: commit, pull request, disposition, area, title."""
     if not fixes:
         return ["no row of the ledger is chosen"]
@@ -132,24 +133,24 @@ def listing(fixes: Sequence[Fix], by: str, width: int | None = None) -> list[str
     return lines
 
 
-def counts(fixes: Sequence[Fix], by: str) -> list[str]:
+def counts(fixes: Sequence[FixRow], by: str) -> list[str]:
     """The counts table: per group, each disposition (and the known fixes a CPU world could show), and the total."""
     columns = [*ledger_file.DISPOSITIONS, "known on CPU", "total"]
     keys = sorted({group(f, by) for f in fixes}, key=_order(by))
 
-    def row(name: str, mine: Sequence[Fix]) -> tuple[str, ...]:
+    def row(name: str, mine: Sequence[FixRow]) -> tuple[str, ...]:
         tally = Counter(f.disposition for f in mine)
         cpu = sum(1 for f in mine if f.disposition == ledger_file.KNOWN and f.cpu)
         return (name, *(str(tally[d]) for d in ledger_file.DISPOSITIONS), str(cpu), str(len(mine)))
 
     table = [(by, *columns), *(row(k, [f for f in fixes if group(f, by) == k]) for k in keys), row("total", fixes)]
-    return aligned([(cells[0], *(c.rjust(len(name)) for c, name in zip(cells[1:], columns))) for cells in table])
+    return aligned([(cells[0], *(c.rjust(len(n)) for c, n in zip(cells[1:], columns, strict=True))) for cells in table])
 
 
 # --- --check -------------------------------------------------------------------------------------------------------
 
 
-def _named(args: argparse.Namespace, fixes: Sequence[Fix]) -> set[int]:
+def _named(args: argparse.Namespace, fixes: Sequence[FixRow]) -> set[int]:
     """The pull requests the catalogue's markers and the known fixes name as fixes (the rule's third clause), the
     ledger's repro rows checked against the same markers."""
     where = args.catalogue.resolve() if args.catalogue is not None else catalogue_run.installed()
@@ -161,7 +162,7 @@ def _named(args: argparse.Namespace, fixes: Sequence[Fix]) -> set[int]:
     return {e.fix_pr for e in entries if e.fix_pr is not None} | {f.pr for f in known_fixes.load()}
 
 
-def check(args: argparse.Namespace, fixes: Sequence[Fix]) -> int:
+def check(args: argparse.Namespace, fixes: Sequence[FixRow]) -> int:
     """The rule on ``--repo``'s ``--range``: every selected commit without a row, every row of the range the rule no
     longer selects; exit 1 when there is either."""
     if args.repo is None:
@@ -170,7 +171,7 @@ def check(args: argparse.Namespace, fixes: Sequence[Fix]) -> int:
     if not dots or not older or not newer:
         raise LedgerUsage(f"--range {args.range!r} must be two revisions, A..B (such as {RANGE})")
     named = _named(args, fixes)
-    changes = history.Clone.open(args.repo).changes(older, newer)
+    changes = history.changes(history.Clone.open(args.repo), older, newer)
     rows = {f.commit: f for f in fixes}
     selected = {c.commit.sha: ledger_file.selects(c.commit.subject, c.body, c.files, c.commit.pr, named)
                 for c in changes}  # fmt: skip

@@ -118,7 +118,7 @@ class Seen:
 
 
 @dataclass(frozen=True)
-class Fix:
+class FixRow:
     """One row of the ledger: a commit, its pull request and title, the first release with it, the issues it closes,
     its area and disposition with the reason; a ``repro`` row's repro id; a ``known`` row's faces, whether a CPU world
     could show it (``cpu``), the first affected release where known (``since``) and a ``workaround``."""
@@ -177,7 +177,7 @@ class _Reader:
     text: str
     problems: list[str] = field(default_factory=list)
 
-    def rows(self) -> list[Fix]:
+    def rows(self) -> list[FixRow]:
         try:
             data: dict[str, Any] = tomllib.loads(self.text)
         except tomllib.TOMLDecodeError as exc:
@@ -192,7 +192,7 @@ class _Reader:
                 for i, entry in enumerate(entries))  # fmt: skip
         return [row for row in read if row is not None]
 
-    def row(self, entry: Mapping[str, Any], place: str, n: int) -> Fix | None:
+    def row(self, entry: Mapping[str, Any], place: str, n: int) -> FixRow | None:
         pr = f"#{entry['pr']} " if "pr" in entry else ""
         said = f"{place}: row {n} ({pr}{str(entry.get('commit'))[:9]})"
         before = len(self.problems)
@@ -201,7 +201,7 @@ class _Reader:
         self.problems += [f"{said}: {p}" for p in problems]
         if len(self.problems) > before:
             return None
-        return Fix(entry["commit"], entry.get("pr"), entry["title"], entry["first"], tuple(entry["issues"]),
+        return FixRow(entry["commit"], entry.get("pr"), entry["title"], entry["first"], tuple(entry["issues"]),
                    entry["area"], entry["disposition"], entry["reason"], entry.get("repro"), entry.get("cpu"),
                    entry.get("since"), entry.get("workaround"), seen, place)  # fmt: skip
 
@@ -272,15 +272,15 @@ def _disposition(entry: Mapping[str, Any]) -> list[str]:
     if disposition == KNOWN and not entry.get("face"):
         problems.append("a known row needs a face: [[fix.face]] with what users see and where")
     since, first = entry.get("since"), entry.get("first")
-    if since is not None and (not _version(since) or (_version(first) and Version(since) >= Version(first))):
+    if since is not None and (not _version(since) or (_version(first) and Version(since) >= Version(str(first)))):
         problems.append(f"since {since!r} must be a release before first {first!r}")
     if "workaround" in entry and not isinstance(entry["workaround"], str):
         problems.append("workaround must be a sentence")
     return problems
 
 
-def _duplicates(fixes: Iterable[Fix]) -> list[str]:
-    first: dict[str, Fix] = {}
+def _duplicates(fixes: Iterable[FixRow]) -> list[str]:
+    first: dict[str, FixRow] = {}
     problems = []
     for fix in fixes:
         if fix.commit in first:
@@ -289,7 +289,7 @@ def _duplicates(fixes: Iterable[Fix]) -> list[str]:
     return problems
 
 
-def parse(files: Iterable[tuple[str, str]]) -> tuple[Fix, ...]:
+def parse(files: Iterable[tuple[str, str]]) -> tuple[FixRow, ...]:
     """The rows of ledger files (each a name and its text), oldest release first; ``LedgerError`` names every
     problem."""
     readers = [_Reader(name, text) for name, text in files]
@@ -300,7 +300,7 @@ def parse(files: Iterable[tuple[str, str]]) -> tuple[Fix, ...]:
     return tuple(sorted(fixes, key=lambda f: Version(f.first)))
 
 
-def load(directory: Path | None = None) -> tuple[Fix, ...]:
+def load(directory: Path | None = None) -> tuple[FixRow, ...]:
     """The ledger of ``directory`` (its ``*.toml`` files), else the package's own."""
     folder: Traversable = directory if directory is not None else resources.files(__package__).joinpath(PACKAGED)
     if not folder.is_dir():
@@ -309,7 +309,7 @@ def load(directory: Path | None = None) -> tuple[Fix, ...]:
     return parse((f.name, f.read_text(encoding="utf-8")) for f in files)
 
 
-def check_catalogue(fixes: Iterable[Fix], repros: Mapping[str, int | None]) -> None:
+def check_catalogue(fixes: Iterable[FixRow], repros: Mapping[str, int | None]) -> None:
     """The rows against the catalogue (each repro's id and the pull request its markers name as the fix): a repro row
     names a catalogued bug, and a catalogued bug's fix in the ledger is its repro row. ``LedgerError`` otherwise."""
     catalogued = {pr: bug for bug, pr in repros.items() if pr is not None}
