@@ -56,6 +56,11 @@ class Commit:
         return int(found.group(1) or found.group(2)) if found else None
 
     @property
+    def title(self) -> str:
+        """The subject without the pull request's number a squash merge ends it with."""
+        return re.sub(r"\s*\(#\d+\)\s*$", "", self.subject)
+
+    @property
     def label(self) -> str:
         """``v0.16.4 e2dc3eeb1``, or the short hash."""
         return f"v{self.release} {self.short}" if self.release else self.short

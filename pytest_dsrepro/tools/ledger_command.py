@@ -23,7 +23,7 @@ from ..core.text import aligned
 from ..triage import known_fixes
 from ..triage import ledger as ledger_file
 from ..triage.ledger import FixRow
-from . import catalogue, catalogue_run, history
+from . import atlas, catalogue, catalogue_run, history
 
 #: Exit codes: 0 listed, or every selected commit has a row; 1 a commit without a row (or a row the rule does not
 #: select); 2 bad input.
@@ -167,20 +167,22 @@ def check(args: argparse.Namespace, fixes: Sequence[FixRow]) -> int:
     longer selects; exit 1 when there is either."""
     if args.repo is None:
         raise LedgerUsage("--check needs --repo CLONE: the DeepSpeed clone whose history the rule reads")
-    older, dots, newer = (args.range or RANGE).partition("..")
-    if not dots or not older or not newer:
-        raise LedgerUsage(f"--range {args.range!r} must be two revisions, A..B (such as {RANGE})")
+    clone = history.Clone.open(args.repo)
+    try:
+        older, newer = atlas.parse_range(clone, args.range or RANGE)
+    except atlas.AtlasError as exc:
+        raise LedgerUsage(str(exc)) from None
     named = _named(args, fixes)
-    changes = history.changes(history.Clone.open(args.repo), older, newer)
+    changes = history.changes(clone, older.sha, newer.sha)
     rows = {f.commit: f for f in fixes}
     selected = {c.commit.sha: ledger_file.selects(c.commit.subject, c.body, c.files, c.commit.pr, named)
                 for c in changes}  # fmt: skip
     missing = [c for c in changes if selected[c.commit.sha] and c.commit.sha not in rows]
     dropped = [rows[c.commit.sha] for c in changes if c.commit.sha in rows and not selected[c.commit.sha]]
-    print(f"dsrepro ledger: {older}..{newer} of {args.repo}: {len(changes)} commits, "
+    print(f"dsrepro ledger: {older.label}..{newer.label} of {args.repo}: {len(changes)} commits, "
           f"{sum(1 for s in selected.values() if s)} selected by the rule, {len(fixes)} rows")  # fmt: skip
     for c in missing:
-        print(f"no row: {c.commit.short} #{c.commit.pr or '-'} {c.commit.subject} ({selected[c.commit.sha]})")
+        print(f"no row: {c.commit.short} #{c.commit.pr or '-'} {c.commit.title} ({selected[c.commit.sha]})")
     for f in dropped:
         print(f"the rule no longer selects: {f.label} {f.title} (its row: {f.place})")
     if missing or dropped:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
@@ -68,6 +68,8 @@ CLOSES = re.compile(
 _KEYS = frozenset({"commit", "pr", "title", "first", "issues", "area", "disposition", "repro", "cpu", "reason",
                    "since", "workaround", "face"})  # fmt: skip
 _FACE_KEYS = frozenset({*faces.PARAMETERS, "seen"})
+#: A face's message pattern says at least this many letters of its own (besides its type): ``\d+`` matches anything.
+_SAYS = 3
 _WEB = "https://github.com/deepspeedai/DeepSpeed"
 
 
@@ -163,7 +165,18 @@ class FixRow:
 
     @property
     def faces(self) -> tuple[Face, ...]:
-        return tuple(s.face for s in self.seen)
+        """The faces as triage matches them (``as_message``)."""
+        return tuple(as_message(s.face) for s in self.seen)
+
+
+def as_message(face: Face) -> Face:
+    """A face as a log's exception is matched: its pattern without the type it may start with (``KeyError: 'x'`` is
+    the message ``'x'`` of a ``KeyError``)."""
+    for name in dict.fromkeys(n for n in (face.raises, face.raises_name) if n):
+        for prefix in (f"{name}: ", f"{re.escape(name)}: ", f"{name}:", f"{re.escape(name)}:"):
+            if face.match and face.match.startswith(prefix) and len(face.match) > len(prefix):
+                return replace(face, match=face.match[len(prefix) :])
+    return face
 
 
 # --- reading -------------------------------------------------------------------------------------------------------
@@ -216,12 +229,26 @@ class _Reader:
         except MarkerError as exc:
             self.problems.append(str(exc))
             return None
-        if isinstance(seen, str) and parsed.match and not re.search(parsed.match, seen):
-            problems.append(f"match {parsed.match!r} does not match its seen {seen!r}")
-        if isinstance(seen, str) and not parsed.match and not any(w.lower() in seen.lower() for w in parsed.words):
-            problems.append(f"a face without match needs words its seen {seen!r} says")
+        problems += _face_problems(parsed, seen)
         self.problems += [f"{where}: {p}" for p in problems]
         return Seen(parsed, seen) if not problems and isinstance(seen, str) else None
+
+
+def _face_problems(face: Face, seen: object) -> list[str]:
+    """What is wrong with a face beside its seen line: a pattern that says nothing (``\\d+``) or does not find the
+    line, a face with nothing to match, words alone that the line does not say."""
+    problems = []
+    message = as_message(face).match
+    if message and len(re.findall(r"[A-Za-z]", re.sub(r"\\[A-Za-z]", "", message))) < _SAYS:
+        problems.append(f"match {face.match!r} is too broad: a message's words, not only numbers or wildcards")
+    if isinstance(seen, str) and face.match and not re.search(face.match, seen):
+        problems.append(f"match {face.match!r} does not match its seen {seen!r}")
+    if not face.match and not face.words and not (face.raises and face.frames):
+        problems.append("a face without match needs words, or raises with frames")
+    silent = isinstance(seen, str) and not face.match and face.words  # words alone: the seen line says them
+    if silent and not any(w.lower() in str(seen).lower() for w in face.words):
+        problems.append(f"a face without match needs words its seen {seen!r} says")
+    return problems
 
 
 def _unknown(entry: Mapping[str, Any], keys: frozenset[str]) -> list[str]:

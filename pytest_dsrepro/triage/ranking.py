@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
@@ -218,21 +218,11 @@ def fix_bug(fix: KnownFix) -> KnownBug:
                     affected=(f"<{fix.first}",), fixed_by=fix)  # fmt: skip
 
 
-def _message_face(face: Face) -> Face:
-    """A ledger face as a log's exception is matched: its message pattern without the type it may start with
-    (``KeyError: 'x'`` is the message ``'x'`` of a ``KeyError``)."""
-    for name in dict.fromkeys(n for n in (face.raises, face.raises_name) if n):
-        for prefix in (f"{name}: ", f"{re.escape(name)}: ", f"{name}:", f"{re.escape(name)}:"):
-            if face.match and face.match.startswith(prefix) and len(face.match) > len(prefix):
-                return replace(face, match=face.match[len(prefix) :])
-    return face
-
-
 def ledger_bug(fix: FixRow, atlas: KnownFix | None = None) -> KnownBug:
     """A known fix of the ledger, as triage ranks it: its faces (what users see, GPUs' wording too) and, where the
     atlas has the same pull request, its own tests' failures (``test_faces``) as more faces; its range (from
     ``since`` where the row knows it, up to the first release with the fix); the issue it closes as upstream."""
-    found = [_message_face(f) for f in fix.faces] + list(test_faces(atlas) if atlas is not None else ())
+    found = [*fix.faces, *(test_faces(atlas) if atlas is not None else ())]
     upstream = (*fix.issue_links, fix.link)[0]
     return KnownBug(f"fix-{fix.pr or fix.short}", fix.title, upstream, fix.first, fix.reason, "",
                     tuple(dict.fromkeys(found)), affected=(fix.affected,), fixed_by=atlas, ledger=fix)  # fmt: skip
