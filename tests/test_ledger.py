@@ -5,12 +5,12 @@ on a real DeepSpeed clone where ``DSREPRO_DEEPSPEED_CLONE`` names one), ``dsrepr
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
+from conftest import commit_files, git_in
 from pytest_dsrepro.core.text import strip_ansi
 from pytest_dsrepro.tools import catalogue, cli, ledger_command, triage_command
 from pytest_dsrepro.triage import ledger, logread
@@ -173,36 +173,20 @@ def test_the_rule(subject: str, body: str, files: list[str], pr: int | None, why
     assert ledger.selects(subject, body, files, pr, named={18}) == why
 
 
-def _git(root: Path, *args: str) -> str:
-    command = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _commit(root: Path, message: str, files: dict[str, str], tag: str | None = None) -> str:
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", message)
-    if tag:
-        _git(root, "tag", tag)
-    return _git(root, "rev-parse", "HEAD")
-
-
 @pytest.fixture
 def clone(tmp_path: Path) -> dict[str, str]:
     """A repository in DeepSpeed's layout: v0.14.0, a fix, a docs-only fix, a refactor that closes an issue, a
     refactor, v0.2.0. Its commits by name."""
     root = tmp_path / "DeepSpeed"
     root.mkdir()
-    _git(root, "init", "-q")
+    git_in(root, "init", "-q")
     return {
         "root": str(root),
-        "start": _commit(root, "Initial", {"deepspeed/__init__.py": "", "version.txt": "0.14.0\n"}, tag="v0.14.0"),
-        "fix": _commit(root, "Fix the frobnicator (#16)", {"deepspeed/runtime/frob.py": "widgets = 1\n"}),
-        "docs": _commit(root, "Fix a typo in the docs (#17)", {"docs/index.md": "typo fixed\n"}),
-        "closes": _commit(root, "Keep the widgets (#18)\n\nFixes #15", {"deepspeed/runtime/frob.py": "widgets = 2\n"}),
-        "refactor": _commit(root, "Refactor the frobnicator (#19)", {"deepspeed/runtime/frob.py": "widgets = 3\n"},
+        "start": commit_files(root, "Initial", {"deepspeed/__init__.py": "", "version.txt": "0.14.0\n"}, tag="v0.14.0"),
+        "fix": commit_files(root, "Fix the frobnicator (#16)", {"deepspeed/runtime/frob.py": "widgets = 1\n"}),
+        "docs": commit_files(root, "Fix a typo in the docs (#17)", {"docs/index.md": "typo fixed\n"}),
+        "closes": commit_files(root, "Keep the widgets (#18)\n\nFixes #15", {"deepspeed/runtime/frob.py": "widgets = 2\n"}),
+        "refactor": commit_files(root, "Refactor the frobnicator (#19)", {"deepspeed/runtime/frob.py": "widgets = 3\n"},
                             tag="v0.14.1"),
     }  # fmt: skip
 
