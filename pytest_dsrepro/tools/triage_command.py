@@ -106,7 +106,7 @@ def known_bugs(where: Path, fixes_file: Path | None = None, ledger_dir: Path | N
     try:
         rows = ledger.load(ledger_dir)
         ledger.check_catalogue(rows, {e.id: e.fix_pr for e in entries})
-    except (OSError, ledger.LedgerError) as exc:
+    except ledger.LedgerError as exc:
         raise TriageError(f"the fix ledger cannot be read: {exc}") from None
     return bugs + triage.fix_bugs(rows, fixes, {e.fix_pr for e in entries if e.fix_pr is not None})
 

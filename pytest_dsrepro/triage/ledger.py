@@ -333,7 +333,11 @@ def load(directory: Path | None = None) -> tuple[FixRow, ...]:
     if not folder.is_dir():
         raise LedgerError(f"{folder}: no such directory of ledger files")
     files = sorted((f for f in folder.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
-    return parse((f.name, f.read_text(encoding="utf-8")) for f in files)
+    try:
+        texts = [(f.name, f.read_text(encoding="utf-8")) for f in files]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LedgerError(f"{folder}: a ledger file cannot be read ({exc})") from None
+    return parse(texts)
 
 
 def check_catalogue(fixes: Iterable[FixRow], repros: Mapping[str, int | None]) -> None:
