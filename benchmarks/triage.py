@@ -141,6 +141,12 @@ def corpus() -> list[dict[str, object]]:
             for r in reports]  # fmt: skip
 
 
+def _catalogued(bug: object) -> bool:
+    """A catalogued bug, not a known fix: said by the bug where its revision knows the ledger, else by its atlas fix."""
+    said = getattr(bug, "catalogued", None)
+    return bool(said) if said is not None else getattr(bug, "fixed_by", None) is None
+
+
 def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
     """Each text of ``half`` triaged as the command does; what was first, what was known, how long it took. Only
     ``known_bugs``, ``triage_log`` and ``LogText`` are used, which every revision compared has."""
@@ -167,7 +173,7 @@ def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
             continue
         took = time.perf_counter() - started
         first = t.candidates[0] if t.candidates else None
-        fixed = t.known is not None and getattr(t.known.bug, "fixed_by", None) is not None  # a fix, not catalogued
+        fixed = t.known is not None and not _catalogued(t.known.bug)  # a fix (the ledger's, the atlas's), no repro
         looks = next((r.bug.id for r in t.ruled_out if r.score >= 50), None) if t.known is None else None
         found.append({
             "id": report["id"], "answer": report["answer"], "measuring": report["measuring"],

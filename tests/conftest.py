@@ -262,3 +262,21 @@ def read_only() -> Iterator[Callable[[Path], None]]:
             for p in [path, *path.rglob("*")]:
                 if not p.is_symlink():
                     p.chmod(p.stat().st_mode | 0o200)
+
+
+def git_in(root: Path, *args: str) -> str:
+    """git in ``root`` as a test's own author, its output stripped: for the small repositories tests write."""
+    command = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def commit_files(root: Path, message: str, files: dict[str, str], tag: str | None = None) -> str:
+    """``files`` written into ``root`` and committed with ``message`` (tagged ``tag``); the commit's hash."""
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    git_in(root, "add", "-A")
+    git_in(root, "commit", "-qm", message)
+    if tag:
+        git_in(root, "tag", tag)
+    return git_in(root, "rev-parse", "HEAD")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from conftest import commit_files, git_in
 from pytest_dsrepro.core import checkout, results, versions
 from pytest_dsrepro.core.gates import Reason, Verdict
 from pytest_dsrepro.tools import atlas, atlas_command, install, upstream_command, upstream_runs
@@ -89,38 +90,24 @@ def test_the_tests_a_change_adds_or_edits_by_ast() -> None:
     assert atlas.tests_in("def test_(:\n") == {}
 
 
-def _git(root: Path, *args: str) -> str:
-    command = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _commit(root: Path, message: str, files: dict[str, str], tag: str | None = None) -> str:
-    for path, text in files.items():
-        (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text)
-    _git(root, "add", "-A")
-    _git(root, "commit", "-qm", message)
-    if tag:
-        _git(root, "tag", tag)
-    return _git(root, "rev-parse", "HEAD")
-
-
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
     """A repository in DeepSpeed's layout: v0.1.0, a fix with tests, a feature with tests, a fix without tests,
     an issue closed by a refactor, v0.2.0, then a fix no release has yet."""
     root = tmp_path / "DeepSpeed"
     root.mkdir()
-    _git(root, "init", "-q")
+    git_in(root, "init", "-q")
     base = {"version.txt": "0.1.0\n", "tests/conftest.py": "", "tests/unit/common.py": "class DistributedTest: pass\n",
             "tests/unit/runtime/test_zero.py": BEFORE}  # fmt: skip
-    _commit(root, "Initial", base, tag="v0.1.0")
-    _commit(root, "Fix the gradient norm (#12)", {"tests/unit/runtime/test_zero.py": AFTER, "deepspeed/x.py": "1\n"})
-    _commit(root, "Add a feature (#13)", {"tests/unit/comm/test_feature.py": "def test_feature():\n    pass\n"})
-    _commit(root, "Fix a typo in the docs (#14)", {"docs/a.md": "typo fixed\n"})
-    _commit(root, "Refactor the launcher (#15)\n\nCloses #7", {"tests/unit/launcher/test_run.py": "def test_run():\n    pass\n",
+    commit_files(root, "Initial", base, tag="v0.1.0")
+    commit_files(
+        root, "Fix the gradient norm (#12)", {"tests/unit/runtime/test_zero.py": AFTER, "deepspeed/x.py": "1\n"}
+    )
+    commit_files(root, "Add a feature (#13)", {"tests/unit/comm/test_feature.py": "def test_feature():\n    pass\n"})
+    commit_files(root, "Fix a typo in the docs (#14)", {"docs/a.md": "typo fixed\n"})
+    commit_files(root, "Refactor the launcher (#15)\n\nCloses #7", {"tests/unit/launcher/test_run.py": "def test_run():\n    pass\n",
             "tests/unit/launcher/util.py": "def test_in_no_test_file(): pass\n"}, tag="v0.2.0")  # fmt: skip
-    _commit(root, "Fix later (#16)", {"tests/unit/comm/test_later.py": "def test_later():\n    pass\n"})
+    commit_files(root, "Fix later (#16)", {"tests/unit/comm/test_later.py": "def test_later():\n    pass\n"})
     return root
 
 
@@ -239,8 +226,8 @@ def test_the_trees_source_directories_are_the_releases_it_runs_on(tmp_path: Path
     (root / "deepspeed" / "ops" / "op_builder").symlink_to("../../op_builder")
     (root / "deepspeed" / "accelerator").symlink_to("../accelerator/")
     (root / "deepspeed" / "ops" / "kernels.h").symlink_to("../../../outside.h")  # not a source directory here
-    _git(root, "init", "-q")
-    fix = _commit(root, "Fix the builder (#3)", {"op_builder/builder.py": "the fix commit's\n", "version.txt": "0.2.0\n",
+    git_in(root, "init", "-q")
+    fix = commit_files(root, "Fix the builder (#3)", {"op_builder/builder.py": "the fix commit's\n", "version.txt": "0.2.0\n",
                   "accelerator/__init__.py": "", "tests/conftest.py": "", "tests/unit/common.py": "",
                   "tests/unit/ops/test_op_builder.py": "def test(): pass\n"})  # fmt: skip
     tree = atlas.sparse_checkout(Clone.open(root), Commit(fix, "Fix the builder (#3)"), tmp_path / "tree").root

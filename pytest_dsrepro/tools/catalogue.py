@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,13 @@ class Entry:
     @property
     def fixed_text(self) -> str:
         return self.fixed_in or "unfixed"
+
+    @property
+    def fix_pr(self) -> int | None:
+        """The pull request that fixes the bug, as its markers name it (``fix_ref``, else ``upstream``): what the fix
+        ledger's repro row for it is, and what triage knows no second time."""
+        found = re.search(r"/pull/(\d+)\b", self.fix_ref or "") or re.search(r"/pull/(\d+)\b", self.upstream or "")
+        return int(found[1]) if found else None
 
     @property
     def premise_text(self) -> str:

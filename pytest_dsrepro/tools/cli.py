@@ -73,6 +73,10 @@ COMMANDS = (
         "triage",
         "which known bug is this error? the catalogue ranked against a log (with --confirm: reproduced here)",
     ),
+    Command(
+        "ledger",
+        "every DeepSpeed fix since v0.14.0 and what it is (repro, known, not for users, not a fix); --check a clone",
+    ),
     Command("export", "write one test as a standalone script for torchrun (torch and DeepSpeed only)"),
 )
 

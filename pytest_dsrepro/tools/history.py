@@ -1,5 +1,6 @@
-"""The user's DeepSpeed clone, read and never written (``dsrepro bisect --repo``): its releases (tags), the commits
-between two of them, a commit's pull request, and a commit's tree written out into a directory of ours.
+"""The user's DeepSpeed clone, read and never written (``dsrepro bisect --repo``, ``dsrepro ledger --check``): its
+releases (tags), the commits between two of them (with their messages and files: ``changes``), a commit's pull
+request, and a commit's tree written out into a directory of ours.
 
 Only git commands that read run against the clone (``rev-parse``, ``for-each-ref``, ``log``, ``ls-tree``,
 ``cat-file``, ``config --get``), through ``core.git`` (optional locks off): nothing of its working tree, index, refs or
@@ -55,12 +56,26 @@ class Commit:
         return int(found.group(1) or found.group(2)) if found else None
 
     @property
+    def title(self) -> str:
+        """The subject without the pull request's number a squash merge ends it with."""
+        return re.sub(r"\s*\(#\d+\)\s*$", "", self.subject)
+
+    @property
     def label(self) -> str:
         """``v0.16.4 e2dc3eeb1``, or the short hash."""
         return f"v{self.release} {self.short}" if self.release else self.short
 
     def __str__(self) -> str:
         return self.short
+
+
+@dataclass(frozen=True)
+class Change:
+    """A commit with the rest of its message (``body``) and the files it changes (``changes``)."""
+
+    commit: Commit
+    body: str
+    files: tuple[str, ...]
 
 
 def release_of(tag: str) -> Version | None:
@@ -203,6 +218,19 @@ class Clone:
             _write(destination, path, mode, contents[end + 1 : end + 1 + size])
             at = end + 1 + size + 1
         return left_out
+
+
+def changes(clone: Clone, older: str, newer: str) -> list[Change]:
+    """Every commit of ``older..newer`` in ``clone`` (reachable from ``newer``, not from ``older``: a merged branch's
+    commits too), oldest first, with its message and the files it changes (a merge's: none)."""
+    ends = [clone.commit(older), clone.commit(newer)]
+    log = clone.git("log", "--reverse", "--format=%x00%H%x01%s%x01%b%x01", "--name-only",
+                    f"{ends[0].sha}..{ends[1].sha}", "--")  # fmt: skip
+    found = []
+    for record in log.split("\0")[1:]:
+        sha, subject, body, files = record.split("\1")
+        found.append(Change(Commit(sha, subject.strip()), body, tuple(f for f in files.splitlines() if f)))
+    return found
 
 
 def _write(root: Path, path: str, mode: str, data: bytes) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from ..core.errors import MarkerError
 from ..core.gates import VersionGate, common_fix, parse_gates
 from ..core.git import GitError
 from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
-from ..triage import known_fixes, logread
+from ..triage import known_fixes, ledger, logread
 from ..triage import ranking as triage
 from ..triage.known_fixes import KnownFix
 from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
@@ -79,9 +78,10 @@ class _Gates:
             self.gates.setdefault(bug, []).extend(gates)
 
 
-def known_bugs(where: Path, fixes_file: Path | None = None) -> list[triage.KnownBug]:
-    """The catalogue at ``where``, from its markers, as triage compares it; then the fixes the atlas knows
-    (``fixes_file``, else the package's own) that no catalogued bug already is (by pull request)."""
+def known_bugs(where: Path, fixes_file: Path | None = None, ledger_dir: Path | None = None) -> list[triage.KnownBug]:
+    """The catalogue at ``where``, from its markers, as triage compares it; then the fix ledger's known fixes
+    (``ledger_dir``, else the package's own; checked against the catalogue), each with the atlas's tests of the same
+    pull request (``fixes_file``, else the package's own), and the atlas's fixes the ledger has no row for."""
     reader = _Gates()
     try:
         entries = catalogue.collect([str(where)], ["--rootdir", str(where)], plugins=[reader])
@@ -103,8 +103,12 @@ def known_bugs(where: Path, fixes_file: Path | None = None) -> list[triage.Known
         fixes = known_fixes.load(fixes_file)
     except (OSError, ValueError) as exc:
         raise TriageError(f"--known-fixes {fixes_file}: {getattr(exc, 'strerror', None) or exc}") from None
-    links = " ".join(f"{e.upstream} {e.fix_ref}" for e in entries)
-    return bugs + [triage.fix_bug(f) for f in fixes if not re.search(rf"/pull/{f.pr}\b", links)]
+    try:
+        rows = ledger.load(ledger_dir)
+        ledger.check_catalogue(rows, {e.id: e.fix_pr for e in entries})
+    except ledger.LedgerError as exc:
+        raise TriageError(f"the fix ledger cannot be read: {exc}") from None
+    return bugs + triage.fix_bugs(rows, fixes, {e.fix_pr for e in entries if e.fix_pr is not None})
 
 
 def _catalogue(args: argparse.Namespace) -> Path:
@@ -197,9 +201,16 @@ def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str
     names = ", ".join(b.id for b in chosen)
     print(f"dsrepro triage: confirming {names} on deepspeed {t.release or 'installed here'} ...", file=sys.stderr,
           flush=True)  # fmt: skip
-    repros = [b for b in chosen if b.fixed_by is None]
+    repros = [b for b in chosen if b.catalogued]
     found = {b.id: confirm_fix(args, b.fixed_by, t.release) for b in chosen if b.fixed_by is not None}
+    found.update({b.id: _untested(b) for b in chosen if not b.catalogued and b.fixed_by is None})
     return {**found, **(_confirm_repros(args, t, repros, where) if repros else {})}
+
+
+def _untested(bug: triage.KnownBug) -> Finding:
+    """A known fix with no test of its own in the atlas: nothing here can run it."""
+    return Finding(ScanVerdict.CANNOT_TELL, f"no repro and no test of its own to run: known from the ledger (fixed by "
+                   f"{bug.fix_link})")  # fmt: skip
 
 
 def _confirm_repros(args: argparse.Namespace, t: triage.Triage, chosen: list[triage.KnownBug],
@@ -272,6 +283,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known "
         "fix's own test is taken from (at the fix's commit) to run on the release judged on"
     )  # fmt: skip
+    parser.add_argument("--ledger", type=Path, default=None, metavar="DIR", help="the fix ledger's files (default: "
+                        "the package's own; dsrepro ledger lists them)")  # fmt: skip
     parser.add_argument(
         "--known-fixes", type=Path, default=None, metavar="PATH", help="the fixes triage knows besides the catalogue "
         "(default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes one)"
@@ -294,7 +307,7 @@ def _run(args: argparse.Namespace) -> int:
         raise TriageError("--repo is for --confirm: the clone a known fix's own test is run from")
     log = read_log(args.log)
     where = _catalogue(args)
-    t = triage_log(log, known_bugs(where, args.known_fixes), args)
+    t = triage_log(log, known_bugs(where, args.known_fixes, args.ledger), args)
     print(f"dsrepro triage: {log.described}, {t.reading.lines} lines")
     if t.release_from == triage.ASSUMED:
         print(f"note: the log states no release; deepspeed {t.release} is the one installed here, assumed: it rules "

@@ -20,8 +20,9 @@ Pure: no pytest, no torch; the renderers for the terminal and for a GitHub comme
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
@@ -38,6 +39,7 @@ from ..core.text import markdown_table
 from . import evidence, logread
 from .evidence import CONFIDENT, Evidence
 from .known_fixes import KnownFix
+from .ledger import KNOWN, FixRow
 from .logread import Reading
 
 #: Below this a bug is not a candidate at all.
@@ -53,8 +55,9 @@ _FAILURE_MIN, _FAILURE_CHARS = 16, 160
 @dataclass(frozen=True)
 class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
-    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the atlas knows (``fixed_by``: no repro,
-    its own upstream tests, ``fix_bug``)."""
+    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the ledger knows (``ledger``: its row,
+    ``ledger_bug``), with its own upstream tests where the atlas has them (``fixed_by``), or a fix only the atlas
+    knows (``fix_bug``): no repro."""
 
     id: str
     title: str
@@ -67,6 +70,17 @@ class KnownBug:
     fix: str | None = None
     affected: tuple[str, ...] = ()
     fixed_by: KnownFix | None = None
+    ledger: FixRow | None = None
+
+    @property
+    def catalogued(self) -> bool:
+        """A catalogued bug (a repro), not a fix known from the ledger or the atlas."""
+        return self.fixed_by is None and self.ledger is None
+
+    @property
+    def fix_link(self) -> str | None:
+        """The pull request that fixed a known fix (a catalogued bug's is its upstream link)."""
+        return self.ledger.link if self.ledger is not None else self.fixed_by.link if self.fixed_by else None
 
     @property
     def ranges(self) -> str:
@@ -87,15 +101,20 @@ class KnownBug:
 
     @property
     def workaround(self) -> str:
-        if self.fixed_by is not None:
-            return f"upgrade to deepspeed {self.fixed_by.first} or later"
+        """What to do: the repro's fix; for a known fix, the release with it, and the ledger's workaround before it."""
+        if not self.catalogued:
+            before = self.ledger.workaround if self.ledger is not None else None
+            upgrade = f"upgrade to deepspeed {self.fixed_in} or later"
+            return f"{upgrade}; before that: {before.rstrip('.')}" if before else upgrade
         if self.fix:
             return f"the repro's fix `{self.fix}` in {self.file}"
         return "none catalogued"
 
     @property
     def fixed_text(self) -> str:
-        return f"fixed in {self.fixed_in}" if self.fixed_in else "unfixed upstream"
+        pr = self.ledger.pr if self.ledger is not None else self.fixed_by.pr if self.fixed_by else None
+        by = f" by pull request #{pr}" if pr is not None else ""
+        return f"fixed in {self.fixed_in}{by}" if self.fixed_in else "unfixed upstream"
 
 
 @dataclass(frozen=True)
@@ -178,10 +197,10 @@ class Triage:
         return [j.bug for j in ranked[:top]]
 
 
-def fix_bug(fix: KnownFix) -> KnownBug:
-    """A fix the atlas knows, as triage ranks it: its pull request's title and link, its first fixed release, each of
-    its tests' failure on the release before the fix as a face (numbers as any number; a test's own assertion or a
-    failure too short to tell anything is no face)."""
+@functools.lru_cache(maxsize=256)
+def test_faces(fix: KnownFix) -> tuple[Face, ...]:
+    """Each of an atlas fix's tests' failure on the release before the fix as a face (numbers as any number; a
+    test's own assertion or a failure too short to tell anything is no face)."""
     found = []
     for test in fix.tests:
         error = logread.read(test.failure).primary
@@ -189,8 +208,35 @@ def fix_bug(fix: KnownFix) -> KnownBug:
         if error is None or len(first) < _FAILURE_MIN or error.name == "Failed" or first.startswith("assert "):
             continue
         found.append(Face(fix.link, error.type, re.sub(r"\d+", r"\\d+", re.escape(first))))
-    return KnownBug(f"fix-{fix.pr}", fix.title, fix.link, fix.first, "", "", tuple(dict.fromkeys(found)),
+    return tuple(dict.fromkeys(found))
+
+
+def fix_bug(fix: KnownFix) -> KnownBug:
+    """A fix only the atlas knows, as triage ranks it: its pull request's title and link, its first fixed release,
+    its tests' failures (``test_faces``)."""
+    return KnownBug(f"fix-{fix.pr}", fix.title, fix.link, fix.first, "", "", test_faces(fix),
                     affected=(f"<{fix.first}",), fixed_by=fix)  # fmt: skip
+
+
+def ledger_bug(fix: FixRow, atlas: KnownFix | None = None) -> KnownBug:
+    """A known fix of the ledger, as triage ranks it: its faces (what users see, GPUs' wording too) and, where the
+    atlas has the same pull request, its own tests' failures (``test_faces``) as more faces; its range (from
+    ``since`` where the row knows it, up to the first release with the fix); the issue it closes as upstream."""
+    found = [*fix.faces, *(test_faces(atlas) if atlas is not None else ())]
+    upstream = (*fix.issue_links, fix.link)[0]
+    return KnownBug(f"fix-{fix.pr or fix.short}", fix.title, upstream, fix.first, fix.reason, "",
+                    tuple(dict.fromkeys(found)), affected=(fix.affected,), fixed_by=atlas, ledger=fix)  # fmt: skip
+
+
+def fix_bugs(rows: Sequence[FixRow], atlas: Sequence[KnownFix], catalogued: Collection[int]) -> list[KnownBug]:
+    """One candidate per fix triage knows beside the catalogue: every ``known`` row of the ledger (with the atlas's
+    tests of the same pull request), and every atlas fix the ledger has no row for (a change outside DeepSpeed's
+    Python runtime: op builders, accelerators, kernels). A repro row is its catalogued bug already (``catalogued``:
+    the pull requests the repros name), and a row not for users or not a fix is no bug users meet."""
+    tested = {f.pr: f for f in atlas}
+    rowed = {row.pr for row in rows}
+    known = [ledger_bug(r, tested.get(r.pr or -1)) for r in rows if r.disposition == KNOWN and r.pr not in catalogued]
+    return known + [fix_bug(f) for f in atlas if f.pr not in rowed and f.pr not in catalogued]
 
 
 def declared_types(bugs: Sequence[KnownBug]) -> set[str]:
@@ -265,7 +311,7 @@ def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
         points, parts = points + more, [*parts, said]
     if context.config is not None and bug.premise is not None:
         points, parts = points + 4, [*parts, f"the config meets its premise ({bug.premise.describe()})"]
-    if bug.fixed_by is not None and found.matched:
+    if bug.fixed_by is not None and found.matched and found.face in test_faces(bug.fixed_by):
         fix = bug.fixed_by
         parts.append(f"the fix's own test failed so on {fix.before} and passes from {fix.first}")
     assumed = context.judged.release
@@ -288,7 +334,7 @@ def rank(
     context = _Context(log, judged, config, {i: evidence.words(d) for i, d in documents.items()})
     every = [judge(bug, context) for bug in bugs]
     candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
-                        key=lambda c: (-c.score, c.bug.fixed_by is not None, c.bug.id))  # fmt: skip
+                        key=lambda c: (-c.score, not c.bug.catalogued, c.bug.id))  # fmt: skip
     ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
     return Triage(reading, judged, config_from, tuple(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
 
@@ -384,7 +430,7 @@ def terminal(t: Triage, confirmed: Mapping[str, Finding] | None = None, top: int
         lines.append(f"  ruled out {r.bug.id}: {r.reason}")
         if r.bug.id in confirmed:
             lines.append(f"       confirm: {confirmed_word(confirmed[r.bug.id])}: {confirmed[r.bug.id].detail}")
-    lines.append(f"  ({t.unmatched} other catalogued bugs: little or nothing in the log points to them)")
+    lines.append(f"  ({t.unmatched} other known bugs and fixes: little or nothing in the log points to them)")
     lines.append(verdict(t, confirmed))
     return lines
 
@@ -432,7 +478,7 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
             said = confirmed.get(r.bug.id)
             also = f"; {confirmed_word(said)}: {said.detail}" if said else ""
             out.append(f"- `{r.bug.id}`: {r.reason}{also}")
-    out += ["", "_Found by `dsrepro triage` (pytest-dsrepro), from the catalogue's own markers._"]
+    out += ["", "_Found by `dsrepro triage` (pytest-dsrepro), from the catalogue's own markers and the fix ledger._"]
     return "\n".join(out) + "\n"
 
 
@@ -454,16 +500,29 @@ def _known_bug(known: Candidate, release: str | None, confirmed: Mapping[str, Fi
     b = known.bug
     out = [
         f"- Evidence ({known.score}/100): {known.reason}",
-        f"- Root cause: {b.root_cause}",
-        f"- Upstream: {b.upstream or 'not recorded'}",
+        *([f"- Root cause: {b.root_cause}"] if b.root_cause else []),
+        *([f"- Upstream: {b.upstream or 'not recorded'}"] if b.upstream != b.fix_link else []),
         f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}",
+        *([f"- Fixed by: {b.fix_link} ({b.title})"] if b.fix_link else []),
         f"- Workaround: {b.workaround}",
     ]
     if known.note:
         out.append(f"- Release: {known.note}")
     if b.id in confirmed:
         out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
-    flag = f" --release {release}" if release else ""
-    return [*out, "", "Reproduce it (`pip install pytest-dsrepro`):", "", "```bash",
-            f"dsrepro triage {log}{flag} --confirm", f"pytest {b.file} -rx   # in a pytest-dsrepro checkout",
-            "```"]  # fmt: skip
+    return [*out, "", *_reproduce(b, f" --release {release}" if release else "", log)]
+
+
+def _reproduce(b: KnownBug, flag: str, log: str) -> list[str]:
+    """How to see it here: the repro; a known fix's own test from a DeepSpeed clone; or that no repro exists yet."""
+    if b.catalogued:
+        return ["Reproduce it (`pip install pytest-dsrepro`):", "", "```bash", f"dsrepro triage {log}{flag} --confirm",
+                f"pytest {b.file} -rx   # in a pytest-dsrepro checkout", "```"]  # fmt: skip
+    said = []
+    if b.fixed_by is not None:
+        said = ["Confirm it with the fix's own test (`pip install pytest-dsrepro`, a DeepSpeed clone):", "", "```bash",
+                f"dsrepro triage {log}{flag} --confirm --repo ~/DeepSpeed", "```", ""]  # fmt: skip
+    if b.ledger is not None and b.ledger.cpu:
+        return [*said, f"No repro is catalogued for it yet; a CPU world could show it: `dsrepro new NAME --issue "
+                f"{b.upstream}` starts one."]  # fmt: skip
+    return said or ["No repro is catalogued for it: it is known from DeepSpeed's fix and the reports of it."]
