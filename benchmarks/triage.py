@@ -275,7 +275,8 @@ def sampled_table(results: dict[str, list[dict[str, object]]], names: list[str])
             other = [r for r in chosen if r["class"] != "defect"]
             unfixed = [r for r in chosen if r["class"] == "defect" and r["answer"] == "none"]
             seconds = [float(str(r["seconds"])) for r in chosen] or [0.0]
-            rows.append([name, f"{half} ({len(chosen)})", share(sum(r["known"] == r["answer"] for r in fixed), len(fixed)),
+            rows.append([name, f"{half} ({len(chosen)})",
+                         share(sum(r["known"] == r["answer"] for r in fixed), len(fixed)),
                          share(sum(r["first"] == r["answer"] for r in fixed), len(fixed)),
                          share(sum(r["known"] is not None for r in other), len(other)),
                          share(sum(r["known"] is not None for r in unfixed), len(unfixed)),
