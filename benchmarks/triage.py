@@ -338,16 +338,18 @@ def _expand(releases: str) -> list[str]:
 
 
 def matrix_texts(page: Path) -> list[Text]:
-    """Each recorded stock failure, as ``ranks 0-1: Type: message`` lines, per release of its run."""
-    section = page.read_text().partition("## What each test raised")[2]
+    """Each recorded stock failure (``read_raised``: the page's "What each test raised"), as ``ranks 0-1: Type:
+    message`` lines, per release of its run."""
+    from pytest_dsrepro.tools.matrix.markdown import read_raised
+
     found = []
-    for m in re.finditer(r"^- (?P<bug>[\w-]+) \[(?P<config>.+?)\] on (?P<releases>[\d., -]+): `(?P<text>.*)`$", section,
-                         re.MULTILINE):  # fmt: skip
-        lines = re.split(r"; (?=ranks? \d)", m["text"])
+    for name, text, releases in read_raised(page.read_text()):
+        lines = re.split(r"; (?=ranks? \d)", text)
         if all(": skipped:" in line for line in lines):
             continue
-        for release in _expand(m["releases"]):
-            found.append(Text(m["bug"], release, "\n".join(lines) + "\n", f"matrix [{m['config']}]"))
+        bug, _, config = name.partition(" [")
+        for release in _expand(releases):
+            found.append(Text(bug, release, "\n".join(lines) + "\n", f"matrix [{config.rstrip(']')}]"))
     return found
 
 

@@ -288,7 +288,8 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
     hit_frames = {face: face.frame_hits(log.frames) for face in faces}
     hits = [against(face, e) for face in faces for e in errors]
-    hits += [written_out(face, log.lower) for face in faces]
+    raised_elsewhere = {h.face for h in hits if h.contradicted}  # its message written out is that exception's too
+    hits += [written_out(face, log.lower) for face in faces if face not in raised_elsewhere]
     hits += [typed_through(face, reading, hit_frames[face]) for face in faces]
     contradicted = max((h for h in hits if h.contradicted), key=lambda h: h.points, default=None)
     best = max((h for h in hits if not h.contradicted), key=lambda h: h.points, default=_Hit(0, ""))
