@@ -348,6 +348,8 @@ def matrix_texts(page: Path) -> list[Text]:
         if all(": skipped:" in line for line in lines):
             continue
         bug, _, config = name.partition(" [")
+        if not re.fullmatch(r"[\w-]+", bug):  # an upstream test's line (an atlas run's), no catalogued bug's
+            continue
         for release in _expand(releases):
             found.append(Text(bug, release, "\n".join(lines) + "\n", f"matrix [{config.rstrip(']')}]"))
     return found
