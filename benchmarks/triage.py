@@ -263,10 +263,11 @@ def table(results: dict[str, list[dict[str, object]]], names: list[str]) -> None
 
 def sampled_table(results: dict[str, list[dict[str, object]]], names: list[str]) -> None:
     """corpus/sampled side by side: per revision, per half: the DeepSpeed defects whose fix triage knows (a catalogued
-    bug, a ledger fix), named with confidence and first; reports of other causes (the user's setup, unclear) and
-    defects of no known fix named something with confidence (the target: none)."""
+    bug, a ledger fix), named with confidence and first, and how many of them were named another bug with confidence;
+    reports of other causes (the user's setup, unclear) and defects of no known fix named something with confidence
+    (the target: none)."""
     head = ["triage", "texts", "defect, known fix: KNOWN", "first", "setup/unclear: claimed",
-            "defect, no known fix: claimed", "median"]  # fmt: skip
+            "defect, no known fix: claimed", "a wrong bug named", "median"]  # fmt: skip
     rows = [head]
     for name, rows_of in results.items():
         for half in names:
@@ -280,6 +281,7 @@ def sampled_table(results: dict[str, list[dict[str, object]]], names: list[str])
                          share(sum(r["first"] == r["answer"] for r in fixed), len(fixed)),
                          share(sum(r["known"] is not None for r in other), len(other)),
                          share(sum(r["known"] is not None for r in unfixed), len(unfixed)),
+                         str(sum(r["known"] not in (None, r["answer"]) for r in fixed)),
                          f"{statistics.median(seconds) * 1000:.1f} ms"])  # fmt: skip
     print_table(rows)
 
