@@ -11,7 +11,14 @@ DeepSpeed installed here; no ``--release``), and counted:
 - another text: **claimed** when a catalogued bug is named with confidence (the user is told a wrong known bug); one
   named a known fix of the atlas instead is counted apart (it is no catalogued bug, and may be right).
 
-Both halves, and the texts with a GPU's wording alone (``gpu`` among their faces), with the median time per text.
+Both halves, and the texts with a GPU's wording alone (``gpu`` among their faces), and the catalogued texts from
+their bug's own threads (its upstream link, a face's link: the faces were written from them) apart from the
+independent ones, with the median time per text.
+
+**The sampled corpus** (``corpus/sampled``: DeepSpeed's failure reports taken without regard to the bug, each with
+its class, a DeepSpeed defect, the user's setup or unclear, and its answer: a catalogued bug, ``ledger:PR``, none),
+split by the same rule: the defects whose fix triage knows named with confidence (a ledger fix is the candidate
+``fix-PR``: counted once the ledger's fixes are candidates), and the reports of other causes named anything.
 ``--before REV`` (default: the base commit of issue 46) runs the same on that revision's triage and catalogue, from a
 temporary git worktree, in a child interpreter, side by side.
 
