@@ -307,10 +307,10 @@ def rank(
     log = evidence.Log.of(reading, list(documents.values()))
     context = _Context(log, judged, config, {i: evidence.words(d) for i, d in documents.items()})
     every = [judge(bug, context) for bug in bugs]
-    candidates = calibrated(sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
-                                   key=lambda c: (-c.score, c.bug.fixed_by is not None, c.bug.id)))  # fmt: skip
+    candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
+                        key=lambda c: (-c.score, c.bug.fixed_by is not None, c.bug.id))  # fmt: skip
     ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
-    return Triage(reading, judged, config_from, tuple(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
+    return Triage(reading, judged, config_from, calibrated(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
 
 
 # --- confirmation --------------------------------------------------------------------------------------------------
