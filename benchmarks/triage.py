@@ -479,6 +479,7 @@ def main() -> int:
     if args.corpus_json is not None:  # the child of ``before``: another revision's triage, as JSON
         print(json.dumps(both_corpora(args.corpus_json, args.half)))
         return 0
+    sys.path.insert(0, str(ROOT))  # "now" is this tree's triage, not a pytest-dsrepro installed in the environment
     from pytest_dsrepro.core import versions
 
     print(f"DeepSpeed installed here: {versions.installed_text('deepspeed') or 'none'} (a text stating no release is "

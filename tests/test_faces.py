@@ -200,8 +200,6 @@ RuntimeError: output tensor must have the same type as input tensor
     ruled = next(r for r in t.ruled_out if r.bug.id == "hf-lora-fp32-adapters-bf16")
     assert "_allgather_params_coalesced" in ruled.reason
     assert "__all_gather_params" in ruled.reason
-    pasted = "RuntimeError: output tensor must have the same type as input tensor\n" + text.split("RuntimeError")[0]
-    assert triage.rank(bugs, logread.read(pasted), triage.Judged()).known is None  # its frames after its message
 
 
 def test_a_gpu_face_makes_the_nccl_wording_a_known_bug() -> None:

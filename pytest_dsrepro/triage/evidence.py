@@ -30,7 +30,7 @@ from pathlib import PurePath
 from types import MappingProxyType
 
 from ..core.faces import LITERAL_MIN, Face
-from .logread import Frame, Raised, Reading, ends
+from .logread import Raised, Reading, ends
 
 #: A candidate at or above this score is a known bug with confidence: a face's message matched.
 CONFIDENT = 50
@@ -185,25 +185,24 @@ def _typed(face: Face, error: Raised) -> bool | None:
     return None if face.raises_name is None else face.raises_name in error.type_names
 
 
-def contradiction(face: Face, error: Raised, cut: Sequence[Frame] = ()) -> str:
+def contradiction(face: Face, error: Raised) -> str:
     """Why ``error``'s frames say it is not the bug ``face`` shows: the face names where it raises, the traceback shows
-    DeepSpeed's frames (``error``'s own, else those of the tracebacks ``cut`` short of their exception: a paste whose
-    frames follow its message), and none of them is one of the face's (the same message from another call: a
-    forward's fetch, not the step's all-gather). Empty when they agree, or when either says nothing."""
-    frames = error.frames if error.deepspeed_frames else tuple(cut)
-    shown = [f for f in frames if f.deepspeed]
-    if not face.frames or not shown or face.frame_hits([(f.file, f.function) for f in frames]):
+    DeepSpeed's frames, and none of them is one of the face's (the same message from another call: a forward's fetch,
+    not the step's all-gather). Empty when they agree, or when either says nothing. Only the traceback that raised it
+    counts: frames a paste puts elsewhere (after its message, another traceback) may be another error's."""
+    if not face.frames or not error.deepspeed_frames or face.frame_hits([(f.file, f.function) for f in error.frames]):
         return ""
-    return f"its message is raised through {', '.join(face.frames)}, and this log raised it at {shown[-1]}, not there"
+    where = error.innermost_deepspeed
+    return f"its message is raised through {', '.join(face.frames)}, and this log raised it at {where}, not there"
 
 
-def against(face: Face, error: Raised, cut: Sequence[Frame] = ()) -> _Hit:
-    """One face against one exception: the message, a message cut short, or the type (``cut``: ``contradiction``)."""
+def against(face: Face, error: Raised) -> _Hit:
+    """One face against one exception: the message, a message cut short, or the type."""
     typed = _typed(face, error)
     found = _search(face.match, error.message) if face.match else None
     if found is not None:
         covered = round(5 * min(len(found.group()) / max(len(error.first_line), 1), 1.0))  # the more it says, the more
-        contradicted = contradiction(face, error, cut)
+        contradicted = contradiction(face, error)
         if typed is None:
             why = f"the message is one it is seen with: {face.describe()}"
             return _Hit(65 + covered, why, face, True, contradicted)
@@ -287,7 +286,7 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     reading = log.reading
     errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
     hit_frames = {face: face.frame_hits(log.frames) for face in faces}
-    hits = [against(face, e, reading.cut) for face in faces for e in errors]
+    hits = [against(face, e) for face in faces for e in errors]
     raised_elsewhere = {h.face for h in hits if h.contradicted}  # its message written out is that exception's too
     hits += [written_out(face, log.lower) for face in faces if face not in raised_elsewhere]
     hits += [typed_through(face, reading, hit_frames[face]) for face in faces]
