@@ -11,7 +11,14 @@ DeepSpeed installed here; no ``--release``), and counted:
 - another text: **claimed** when a catalogued bug is named with confidence (the user is told a wrong known bug); one
   named a known fix of the atlas instead is counted apart (it is no catalogued bug, and may be right).
 
-Both halves, and the texts with a GPU's wording alone (``gpu`` among their faces), with the median time per text.
+Both halves, and the texts with a GPU's wording alone (``gpu`` among their faces), and the catalogued texts from
+their bug's own threads (its upstream link, a face's link: the faces were written from them) apart from the
+independent ones, with the median time per text.
+
+**The sampled corpus** (``corpus/sampled``: DeepSpeed's failure reports taken without regard to the bug, each with
+its class, a DeepSpeed defect, the user's setup or unclear, and its answer: a catalogued bug, ``ledger:PR``, none),
+split by the same rule: the defects whose fix triage knows named with confidence (a ledger fix is the candidate
+``fix-PR``: counted once the ledger's fixes are candidates), and the reports of other causes named anything.
 ``--before REV`` (default: the base commit of issue 46) runs the same on that revision's triage and catalogue, from a
 temporary git worktree, in a child interpreter, side by side.
 
@@ -41,7 +48,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT / "corpus" / "reports"
+REPORTS = ROOT / "corpus" / "reports"
+SAMPLED = ROOT / "corpus" / "sampled"
 #: The revision triage is compared with: the base of issue 46 (before faces).
 BEFORE = "c54eff2"
 RELEASES = [ln.split("#")[0].strip() for ln in (ROOT / "releases.txt").read_text().splitlines() if ln[:1].isdigit()]
@@ -135,54 +143,63 @@ def measuring(source: str) -> bool:
     return int(hashlib.sha256(thread(source).encode()).hexdigest(), 16) % 2 == 1
 
 
-def corpus() -> list[dict[str, object]]:
-    reports: list[dict[str, object]] = tomllib.loads((CORPUS / "index.toml").read_text())["report"]
-    return [{**r, "measuring": measuring(str(r["source"])), "text": (CORPUS / "texts" / f"{r['id']}.txt").read_text()}
-            for r in reports]  # fmt: skip
+def named(answer: str) -> str:
+    """An answer as triage names it: a ledger fix ``ledger:PR`` is the candidate ``fix-PR`` (the ledger's and the
+    atlas's fixes are named by pull request); a catalogued bug's id as it is."""
+    return f"fix-{answer.removeprefix('ledger:')}" if answer.startswith("ledger:") else answer
 
 
-def _catalogued(bug: object) -> bool:
-    """A catalogued bug, not a known fix: said by the bug where its revision knows the ledger, else by its atlas fix."""
-    said = getattr(bug, "catalogued", None)
-    return bool(said) if said is not None else getattr(bug, "fixed_by", None) is None
+def corpus(directory: Path = REPORTS) -> list[dict[str, object]]:
+    """A corpus's texts (``directory``: its ``index.toml`` and ``texts/``), each with its half and its answer as
+    triage names it."""
+    reports: list[dict[str, object]] = tomllib.loads((directory / "index.toml").read_text())["report"]
+    return [{**r, "answer": named(str(r["answer"])), "measuring": measuring(str(r["source"])),
+             "text": (directory / "texts" / f"{r['id']}.txt").read_text()} for r in reports]  # fmt: skip
 
 
-def triage_corpus(repros: Path, half: str) -> list[dict[str, object]]:
-    """Each text of ``half`` triaged as the command does; what was first, what was known, how long it took. Only
-    ``known_bugs``, ``triage_log`` and ``LogText`` are used, which every revision compared has."""
+def triage_corpus(repros: Path, half: str, directory: Path = REPORTS) -> list[dict[str, object]]:
+    """Each text of ``half`` triaged as the command does; what was first, what was named with confidence, how long it
+    took; whether the text comes from one of its bug's own threads (its upstream link or a face's: the faces were
+    written from it). Only ``known_bugs``, ``triage_log`` and ``LogText`` are used, which every revision compared
+    has."""
     import argparse as ap
 
     from pytest_dsrepro.tools.log_input import LogText
     from pytest_dsrepro.tools.triage_command import known_bugs, triage_log
 
     bugs = known_bugs(repros)
+    own = {b.id: {thread(link) for link in (b.upstream or "", *(f.where for f in b.faces)) if link} for b in bugs}
     args = ap.Namespace(release=None, config=None, world_size=None)
     found = []
-    for report in corpus():
+    for report in corpus(directory):
         if half != "both" and report["measuring"] != (half == "measuring"):
             continue
         text = str(report["text"])
+        row = {"id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
+               "class": report.get("class", "defect" if report["answer"] != "none" else "other"),
+               "gpu": "gpu" in report.get("faces", ()),
+               "own": thread(str(report["source"])) in own.get(str(report["answer"]), ())}  # fmt: skip
         started = time.perf_counter()
         try:
             t = triage_log(LogText(str(report["id"]), text, len(text.encode())), bugs, args)
         except Exception as exc:  # noqa: BLE001  # a revision that crashes on a text answers nothing for it
-            took = time.perf_counter() - started
-            found.append({"id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
-                          "gpu": "gpu" in report["faces"], "first": None, "score": 0, "known": None, "fix": None,
-                          "release": "-", "seconds": took, "crashed": repr(exc)[:200]})  # fmt: skip
+            found.append({**row, "first": None, "score": 0, "known": None, "release": "-",
+                          "seconds": time.perf_counter() - started, "crashed": repr(exc)[:200]})  # fmt: skip
             continue
         took = time.perf_counter() - started
         first = t.candidates[0] if t.candidates else None
-        fixed = t.known is not None and not _catalogued(t.known.bug)  # a fix (the ledger's, the atlas's), no repro
         looks = next((r.bug.id for r in t.ruled_out if r.score >= 50), None) if t.known is None else None
         found.append({
-            "id": report["id"], "answer": report["answer"], "measuring": report["measuring"],
-            "gpu": "gpu" in report["faces"], "first": first.bug.id if first else None,
-            "score": first.score if first else 0, "known": t.known.bug.id if t.known and not fixed else None,
-            "fix": t.known.bug.id if fixed and t.known else None, "looks": looks,
+            **row, "first": first.bug.id if first else None, "score": first.score if first else 0,
+            "known": t.known.bug.id if t.known else None, "looks": looks,
             "release": f"{t.release} ({t.release_from})" if t.release else "none", "seconds": took,
         })  # fmt: skip
     return found
+
+
+def catalogued(bug: object) -> bool:
+    """A catalogued bug's id, not a known fix's (``fix-PR``: the ledger's or the atlas's)."""
+    return bug is not None and not str(bug).startswith("fix-")
 
 
 @dataclass(frozen=True)
@@ -195,7 +212,7 @@ class Figures:
     known: int
     others: int
     claimed: int
-    fixes: int  # others named a known fix of the atlas with confidence
+    fixes: int  # others named a known fix of the atlas or the ledger with confidence
     crashed: int  # texts the triage ended with a traceback on
     median_ms: float
 
@@ -207,35 +224,73 @@ class Figures:
         first = sum(r["first"] == r["answer"] for r in ours)
         said = sum(r["answer"] in (r["first"], r.get("looks")) for r in ours)
         known = sum(r["known"] == r["answer"] for r in ours)
-        claimed = sum(r["known"] is not None for r in others)
-        fixes = sum(r.get("fix") is not None for r in others)
+        claimed = sum(catalogued(r["known"]) for r in others)
+        fixes = sum(r["known"] is not None and not catalogued(r["known"]) for r in others)
         crashed = sum("crashed" in r for r in rows)
         return cls(len(ours), first, said, known, len(others), claimed, fixes, crashed,
                    statistics.median(seconds) * 1000)  # fmt: skip
 
     def cells(self) -> list[str]:
-        def share(n: int, of: int) -> str:
-            return f"{n}/{of} ({100 * n / of:.0f}%)" if of else "-"
-
         unclaimed = self.others - self.claimed
         return [share(self.first, self.ours), share(self.said, self.ours), share(self.known, self.ours),
                 share(unclaimed, self.others),
                 str(self.fixes), str(self.crashed), f"{self.median_ms:.1f} ms"]  # fmt: skip
 
 
-def table(results: dict[str, list[dict[str, object]]], halves: list[str]) -> None:
-    """Side by side: per revision, per half, all texts and the GPU-worded ones."""
+def share(n: int, of: int) -> str:
+    return f"{n}/{of} ({100 * n / of:.0f}%)" if of else "-"
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
+
+
+def halves(rows: list[dict[str, object]], half: str) -> list[dict[str, object]]:
+    return [r for r in rows if half == "both" or r["measuring"] == (half == "measuring")]
+
+
+def table(results: dict[str, list[dict[str, object]]], names: list[str]) -> None:
+    """corpus/reports side by side: per revision, per half: all texts, the GPU-worded ones, and the catalogued texts
+    from their bugs' own threads apart from the independent ones."""
     head = ["triage", "texts", "catalogued: first", "first or 'looks like'", "catalogued: KNOWN", "others: not claimed",
             "a known fix", "crashed", "median"]  # fmt: skip
     rows = [head]
     for name, rows_of in results.items():
-        for half in halves:
-            chosen = [r for r in rows_of if half == "both" or r["measuring"] == (half == "measuring")]
-            for label, subset in ((half, chosen), (f"{half}, gpu", [r for r in chosen if r["gpu"]])):
+        for half in names:
+            chosen = halves(rows_of, half)
+            ours = [r for r in chosen if r["answer"] != "none"]
+            for label, subset in ((half, chosen), (f"{half}, gpu", [r for r in chosen if r["gpu"]]),
+                                  (f"{half}, own threads", [r for r in ours if r["own"]]),
+                                  (f"{half}, independent", [r for r in ours if not r["own"]])):  # fmt: skip
                 rows.append([name, label, *Figures.of(subset).cells()])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
+    print_table(rows)
+
+
+def sampled_table(results: dict[str, list[dict[str, object]]], names: list[str]) -> None:
+    """corpus/sampled side by side: per revision, per half: the DeepSpeed defects whose fix triage knows (a catalogued
+    bug, a ledger fix), named with confidence and first, and how many of them were named another bug with confidence;
+    reports of other causes (the user's setup, unclear) and defects of no known fix named something with confidence
+    (the target: none)."""
+    head = ["triage", "texts", "defect, known fix: KNOWN", "first", "setup/unclear: claimed",
+            "defect, no known fix: claimed", "a wrong bug named", "median"]  # fmt: skip
+    rows = [head]
+    for name, rows_of in results.items():
+        for half in names:
+            chosen = halves(rows_of, half)
+            fixed = [r for r in chosen if r["class"] == "defect" and r["answer"] != "none"]
+            other = [r for r in chosen if r["class"] != "defect"]
+            unfixed = [r for r in chosen if r["class"] == "defect" and r["answer"] == "none"]
+            seconds = [float(str(r["seconds"])) for r in chosen] or [0.0]
+            rows.append([name, f"{half} ({len(chosen)})",
+                         share(sum(r["known"] == r["answer"] for r in fixed), len(fixed)),
+                         share(sum(r["first"] == r["answer"] for r in fixed), len(fixed)),
+                         share(sum(r["known"] is not None for r in other), len(other)),
+                         share(sum(r["known"] is not None for r in unfixed), len(unfixed)),
+                         str(sum(r["known"] not in (None, r["answer"]) for r in fixed)),
+                         f"{statistics.median(seconds) * 1000:.1f} ms"])  # fmt: skip
+    print_table(rows)
 
 
 def show(rows: list[dict[str, object]]) -> None:
@@ -243,11 +298,16 @@ def show(rows: list[dict[str, object]]) -> None:
     for r in rows:
         right = r["first"] == r["answer"] if r["answer"] != "none" else r["known"] is None
         print(f"{'ok ' if right else 'BAD'} {r['id']:<40} {r['answer']:<38} first={r['first']} ({r['score']}) "
-              f"known={r['known'] or r.get('fix')} release={r['release']}")  # fmt: skip
+              f"known={r['known']} release={r['release']}")  # fmt: skip
 
 
-def before(revision: str, half: str, big: bool) -> tuple[list[dict[str, object]], str]:
-    """The corpus triaged by ``revision``'s triage and catalogue: a temporary git worktree, this script's
+def both_corpora(repros: Path, half: str) -> dict[str, list[dict[str, object]]]:
+    """Both corpora triaged by the catalogue at ``repros`` (and the triage this interpreter imports)."""
+    return {"reports": triage_corpus(repros, half, REPORTS), "sampled": triage_corpus(repros, half, SAMPLED)}
+
+
+def before(revision: str, half: str, big: bool) -> tuple[dict[str, list[dict[str, object]]], str]:
+    """Both corpora triaged by ``revision``'s triage and catalogue: a temporary git worktree, this script's
     ``--corpus-json`` in a child interpreter with that worktree first on its path; and that revision's command on the
     200 MB log (``big``)."""
     with tempfile.TemporaryDirectory(prefix="triage-before-") as tmp:
@@ -261,7 +321,7 @@ def before(revision: str, half: str, big: bool) -> tuple[list[dict[str, object]]
             said = measure_big(tree, environ) if big else ""
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    return list(json.loads(done.stdout)), said
+    return dict(json.loads(done.stdout)), said
 
 
 # --- the catalogue's own failures (the old benchmark) --------------------------------------------------------------
@@ -287,16 +347,20 @@ def _expand(releases: str) -> list[str]:
 
 
 def matrix_texts(page: Path) -> list[Text]:
-    """Each recorded stock failure, as ``ranks 0-1: Type: message`` lines, per release of its run."""
-    section = page.read_text().partition("## What each test raised")[2]
+    """Each recorded stock failure (``read_raised``: the page's "What each test raised"), as ``ranks 0-1: Type:
+    message`` lines, per release of its run."""
+    from pytest_dsrepro.tools.matrix.markdown import read_raised
+
     found = []
-    for m in re.finditer(r"^- (?P<bug>[\w-]+) \[(?P<config>.+?)\] on (?P<releases>[\d., -]+): `(?P<text>.*)`$", section,
-                         re.MULTILINE):  # fmt: skip
-        lines = re.split(r"; (?=ranks? \d)", m["text"])
+    for name, text, releases in read_raised(page.read_text()):
+        lines = re.split(r"; (?=ranks? \d)", text)
         if all(": skipped:" in line for line in lines):
             continue
-        for release in _expand(m["releases"]):
-            found.append(Text(m["bug"], release, "\n".join(lines) + "\n", f"matrix [{m['config']}]"))
+        bug, _, config = name.partition(" [")
+        if not re.fullmatch(r"[\w-]+", bug):  # an upstream test's line (an atlas run's), no catalogued bug's
+            continue
+        for release in _expand(releases):
+            found.append(Text(bug, release, "\n".join(lines) + "\n", f"matrix [{config.rstrip(']')}]"))
     return found
 
 
@@ -413,19 +477,25 @@ def main() -> int:
     parser.add_argument("--corpus-json", type=Path, metavar="REPROS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.corpus_json is not None:  # the child of ``before``: another revision's triage, as JSON
-        print(json.dumps(triage_corpus(args.corpus_json, args.half)))
+        print(json.dumps(both_corpora(args.corpus_json, args.half)))
         return 0
+    sys.path.insert(0, str(ROOT))  # "now" is this tree's triage, not a pytest-dsrepro installed in the environment
     from pytest_dsrepro.core import versions
 
     print(f"DeepSpeed installed here: {versions.installed_text('deepspeed') or 'none'} (a text stating no release is "
           "judged on it)\n")  # fmt: skip
-    results = {"now": triage_corpus(ROOT / "repros", args.half)}
+    results = {"now": both_corpora(ROOT / "repros", args.half)}
     if args.show:
-        show([r for r in results["now"] if not r["measuring"]])
+        for rows in results["now"].values():
+            show([r for r in rows if not r["measuring"]])
     big_before = ""
     if args.before:
         results[args.before], big_before = before(args.before, args.half, not args.no_big and not args.no_own)
-    table(results, ["tuning", "measuring"] if args.half == "both" else [args.half])
+    names = ["tuning", "measuring"] if args.half == "both" else [args.half]
+    print("corpus/reports (texts chosen by bug)")
+    table({name: corpora["reports"] for name, corpora in results.items()}, names)
+    print("\ncorpus/sampled (DeepSpeed's failure reports, taken without regard to the bug)")
+    sampled_table({name: corpora["sampled"] for name, corpora in results.items()}, names)
     if not args.no_own:
         print()
         old_benchmark(args.context, not args.no_big)

@@ -40,7 +40,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/modelscope/ms-swift/pull/5820",
         raises="AttributeError",
-        match=r"'\\w+ForSequenceClassification' object has no attribute '\\w+'",
+        match=r"'\w+ForSequenceClassification' object has no attribute '\w+'",
         words=("ForSequenceClassification", "_old_init", "zero.Init", "Zero context manager"),
     ),
 ]

@@ -29,7 +29,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/blob/v0.16.4/deepspeed/runtime/engine.py#L3018",
         raises="AttributeError",
-        match=r"'\\w+' object has no attribute 'refresh_fp32_params'",
+        match=r"'\w+' object has no attribute 'refresh_fp32_params'",
         frames=("engine.py:_load_checkpoint",),
         words=("load_module_only",),
     ),

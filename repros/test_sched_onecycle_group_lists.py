@@ -35,7 +35,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/pull/8201",
         raises="TypeError",
-        match=r"unsupported operand type\\(s\\) for [-+*/]: '\\w+' and 'list'",
+        match=r"unsupported operand type\(s\) for [-+*/]: '\w+' and 'list'",
         words=("OneCycle", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom"),
     ),
 ]

@@ -40,7 +40,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/pull/7636",
         raises="KeyError",
-        match=r"torch\\.bfloat16",
+        match=r"torch\.bfloat16",
         frames=(
             "base_optimizer.py:report_ipg_memory_usage",
             "stage_1_and_2.py:reduce_independent_p_g_buckets_and_remove_grads",

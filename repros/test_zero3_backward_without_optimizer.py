@@ -37,7 +37,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/issues/3516",
         raises="AttributeError",
-        match=r"'DeepSpeedZeRoOffload' object has no attribute '\\w+'",
+        match=r"'DeepSpeedZeRoOffload' object has no attribute '\w+'",
         words=("DeepSpeedZeRoOffload",),
     ),
 ]

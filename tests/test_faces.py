@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from conftest import RunPytest
 from pytest_dsrepro.core import faces, report, results
 from pytest_dsrepro.core.errors import MarkerError
 from pytest_dsrepro.tools import catalogue, cli
+from pytest_dsrepro.tools.matrix.markdown import read_raised
 from pytest_dsrepro.tools.triage_command import known_bugs
-from pytest_dsrepro.triage import logread
+from pytest_dsrepro.triage import evidence, logread
 from pytest_dsrepro.triage import ranking as triage
 
 WHERE = "@pytest.mark.ds_seen on repros/test_x.py::test_x"
@@ -148,6 +150,56 @@ def test_every_catalogued_bug_has_a_face_with_its_link() -> None:
         assert all(f.where.startswith("https://") for f in seen)
         gated = {(f.raises, f.match) for f in bug.faces if f.gate}
         assert all(f.frames or f.words or (f.raises, f.match) not in gated for f in seen), bug.id
+
+
+def _shows(face: faces.Face, text: str) -> bool:
+    """Whether ``text`` shows ``face``'s message: an exception of it as triage reads the text, or written out."""
+    reading = logread.read(text)
+    return (
+        any(evidence.against(face, e).matched for e in reading.errors)
+        or evidence.written_out(face, text.lower()).matched
+    )
+
+
+def test_every_face_pattern_matches_a_real_text() -> None:
+    """A face that matches nothing is no face (a raw string's doubled backslash wants a backslash in the message):
+    every ds_seen pattern finds its message in a real report (corpus/reports, corpus/sampled) or in what its own repro
+    was recorded raising (docs/matrix-observed.md, the matrix's "What each test raised": the one record of it)."""
+    root = Path(__file__).parents[1]
+    texts = [p.read_text() for p in sorted(root.glob("corpus/*/texts/*.txt"))]
+    recorded: dict[str, list[str]] = {}
+    for name, text, _ in read_raised((root / "docs" / "matrix-observed.md").read_text()):
+        recorded.setdefault(name.partition(" [")[0], []).append("\n".join(re.split(r"; (?=ranks? \d)", text)))
+    assert len(texts) >= 190
+    assert len(recorded) >= 30
+    unmatched = [
+        f"{bug.id}: {face.match!r} ({face.where})"
+        for bug in known_bugs(root / "repros")
+        if bug.fixed_by is None
+        for face in bug.faces
+        if not face.gate and face.match and not any(_shows(face, t) for t in [*recorded.get(bug.id, []), *texts])
+    ]
+    assert not unmatched, "ds_seen patterns that match no real text nor the repro's recorded output:\n" + "\n".join(
+        unmatched
+    )
+
+
+def test_a_face_of_another_traceback_rules_the_bug_out() -> None:
+    """The NCCL wording of hf-lora-fp32-adapters-bf16 raised in a forward's fetch (not the step's all-gather its face
+    names) is the same message from another cause: its frames rule the bug out, saying where it raised instead."""
+    bugs = known_bugs(Path(__file__).parents[1] / "repros")
+    text = """Traceback (most recent call last):
+  File "/env/lib/python3.10/site-packages/deepspeed/runtime/zero/partitioned_param_coordinator.py", line 254, in fetch_sub_module
+    self.__all_gather_params(params_to_fetch, forward)
+  File "/env/lib/python3.10/site-packages/deepspeed/runtime/zero/partitioned_param_coordinator.py", line 386, in __all_gather_params
+    handle = param_group[0].all_gather_coalesced(param_group, quantize=quantize)
+RuntimeError: output tensor must have the same type as input tensor
+"""
+    t = triage.rank(bugs, logread.read(text), triage.Judged())
+    assert t.known is None
+    ruled = next(r for r in t.ruled_out if r.bug.id == "hf-lora-fp32-adapters-bf16")
+    assert "_allgather_params_coalesced" in ruled.reason
+    assert "__all_gather_params" in ruled.reason
 
 
 def test_a_gpu_face_makes_the_nccl_wording_a_known_bug() -> None:

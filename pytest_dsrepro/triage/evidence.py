@@ -75,6 +75,8 @@ class Evidence:
     why: tuple[str, ...]
     face: Face | None = None
     matched: bool = False  # a face's message (or type and frame) matched: the evidence that may make it confident
+    corroborated: bool = False  # no message, but more than shared words: two of its faces' phrases, or its frames
+    contradicted: str = ""  # a face's message matched where its frames say it is not the bug (why), and nothing else
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class _Hit:
     why: str
     face: Face | None = None
     matched: bool = False
+    contradicted: str = ""  # the message matched, but the traceback's DeepSpeed frames hold none of the face's
 
 
 # --- words ---------------------------------------------------------------------------------------------------------
@@ -182,20 +185,34 @@ def _typed(face: Face, error: Raised) -> bool | None:
     return None if face.raises_name is None else face.raises_name in error.type_names
 
 
+def contradiction(face: Face, error: Raised) -> str:
+    """Why ``error``'s frames say it is not the bug ``face`` shows: the face names where it raises, the traceback shows
+    DeepSpeed's frames, and none of them is one of the face's (the same message from another call: a forward's fetch,
+    not the step's all-gather). Empty when they agree, or when either says nothing. Only the traceback that raised it
+    counts: frames a paste puts elsewhere (after its message, another traceback) may be another error's."""
+    if not face.frames or not error.deepspeed_frames or face.frame_hits([(f.file, f.function) for f in error.frames]):
+        return ""
+    where = error.innermost_deepspeed
+    return f"its message is raised through {', '.join(face.frames)}, and this log raised it at {where}, not there"
+
+
 def against(face: Face, error: Raised) -> _Hit:
     """One face against one exception: the message, a message cut short, or the type."""
     typed = _typed(face, error)
     found = _search(face.match, error.message) if face.match else None
     if found is not None:
         covered = round(5 * min(len(found.group()) / max(len(error.first_line), 1), 1.0))  # the more it says, the more
+        contradicted = contradiction(face, error)
         if typed is None:
-            return _Hit(65 + covered, f"the message is one it is seen with: {face.describe()}", face, True)
+            why = f"the message is one it is seen with: {face.describe()}"
+            return _Hit(65 + covered, why, face, True, contradicted)
         if typed:
-            return _Hit(70 + covered, f"the message is the one it declares: {face.describe()}", face, True)
+            why = f"the message is the one it declares: {face.describe()}"
+            return _Hit(70 + covered, why, face, True, contradicted)
         why = f"the message matches its {face.match!r} (raised as {error.name}, not {face.raises})"
-        return _Hit(55 + covered, why, face, True)
-    cut = error.first_line.rstrip()
-    if face.match and len(cut) >= LITERAL_MIN and face.literal.startswith(cut) and cut != face.literal:
+        return _Hit(55 + covered, why, face, True, contradicted)
+    short = error.first_line.rstrip()
+    if face.match and len(short) >= LITERAL_MIN and face.literal.startswith(short) and short != face.literal:
         return _Hit(45 if typed is not False else 35, f"the message is cut short of {face.match!r}", face)
     if typed and face.match is None and not face.frames:  # a face with frames needs one of them (``typed_through``)
         return _Hit(35, f"it declares {face.raises} with any message", face)
@@ -270,9 +287,11 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
     hit_frames = {face: face.frame_hits(log.frames) for face in faces}
     hits = [against(face, e) for face in faces for e in errors]
-    hits += [written_out(face, log.lower) for face in faces]
+    raised_elsewhere = {h.face for h in hits if h.contradicted}  # its message written out is that exception's too
+    hits += [written_out(face, log.lower) for face in faces if face not in raised_elsewhere]
     hits += [typed_through(face, reading, hit_frames[face]) for face in faces]
-    best = max(hits, key=lambda h: h.points, default=_Hit(0, ""))
+    contradicted = max((h for h in hits if h.contradicted), key=lambda h: h.points, default=None)
+    best = max((h for h in hits if not h.contradicted), key=lambda h: h.points, default=_Hit(0, ""))
     declared = list(dict.fromkeys(h for face in faces for h in hit_frames[face]))
     functions, files = named_frames(named, log)
     framed = min(10 * len(declared) + 6 * len(functions) + 3 * len(files), 30)
@@ -291,5 +310,11 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
         f"shares {', '.join(common[:4])}" if overlap >= 3 else "",
         f"the text names {', '.join(named_types)}" if only_named else "",
     )
-    total = best.points + framed + min(8 * len(said), 24) + overlap + only_named
-    return Evidence(total if best.matched else min(total, CONFIDENT - 1), why, best.face, best.matched)
+    more = framed + min(8 * len(said), 24) + overlap + only_named
+    if best.matched:
+        return Evidence(best.points + more, why, best.face, True)
+    if contradicted is not None:  # the message is the bug's, where the bug does not raise it: what it would have had
+        return Evidence(contradicted.points + more, (contradicted.why, *why[1:]), contradicted.face, False, False,
+                        contradicted.contradicted)  # fmt: skip
+    corroborated = len(said) >= 2 or len(declared) > 0
+    return Evidence(min(best.points + more, CONFIDENT - 1), why, best.face, False, corroborated)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any
 
@@ -44,6 +44,12 @@ from .logread import Reading
 
 #: Below this a bug is not a candidate at all.
 FLOOR = 10
+#: Named with confidence without a matched message: the first candidate's evidence reaches this, corroborated (two of
+#: its faces' phrases, or its frames), and leads the next by ``LEAD``. Calibrated on corpus/reports' tuning half:
+#: every text of another cause stays below (31 its highest, a look-alike's words), the catalogued texts with a face's
+#: phrases and frames reach 34-49 (benchmarks/triage.py).
+SURE = 32
+LEAD = 10
 #: A ruled-out bug is named only when its evidence reached this (more than an exception type in common).
 RULED_FLOOR = 20
 #: Where the release judged on came from: given, stated, or only assumed (which never rules a bug out).
@@ -123,10 +129,12 @@ class Candidate:
     score: int
     reason: str  # one line: the evidence, strongest first
     note: str = ""  # what the release only assumed says of it ("fixed in X; ... was the log from an older release?")
+    corroborated: bool = False  # no message matched, but more than shared words (``Evidence.corroborated``)
+    sure: bool = False  # named with confidence without a message (``calibrated``)
 
     @property
     def confident(self) -> bool:
-        return self.score >= CONFIDENT
+        return self.score >= CONFIDENT or self.sure
 
     @property
     def word(self) -> str:
@@ -299,6 +307,8 @@ def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
     words = context.bug_words[bug.id]
     found = evidence.collect(bug.faces, f"{bug.title} {bug.root_cause} {bug.upstream or ''}", words, context.log)
     points, parts = found.points, list(found.why)
+    if found.contradicted:
+        return RuledOut(bug, found.contradicted, min(points, 100))
     firm = context.judged.firm
     inside = [r for r in firm if bug.covers(r)] if bug.affected else list(firm)
     if firm and not inside:
@@ -316,7 +326,17 @@ def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
         parts.append(f"the fix's own test failed so on {fix.before} and passes from {fix.first}")
     assumed = context.judged.release
     note = _assumed(bug, assumed) if context.judged.origin == ASSUMED and assumed is not None else ""
-    return Candidate(bug, min(points, 100), "; ".join(p for p in parts if p), note)
+    return Candidate(bug, min(points, 100), "; ".join(p for p in parts if p), note, found.corroborated)
+
+
+def calibrated(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """The candidates, the first named with confidence where its evidence is strong without a message: ``SURE``
+    points, corroborated, ``LEAD`` ahead of the next (a look-alike's words come close to the bug's own)."""
+    if not candidates or candidates[0].confident:
+        return tuple(candidates)
+    first, runner = candidates[0], candidates[1].score if len(candidates) > 1 else 0
+    sure = first.corroborated and first.score >= SURE and first.score - runner >= LEAD
+    return (replace(first, sure=True), *candidates[1:]) if sure else tuple(candidates)
 
 
 def rank(
@@ -336,7 +356,7 @@ def rank(
     candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
                         key=lambda c: (-c.score, not c.bug.catalogued, c.bug.id))  # fmt: skip
     ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
-    return Triage(reading, judged, config_from, tuple(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
+    return Triage(reading, judged, config_from, calibrated(candidates), ruled, len(bugs) - len(candidates) - len(ruled))
 
 
 # --- confirmation --------------------------------------------------------------------------------------------------

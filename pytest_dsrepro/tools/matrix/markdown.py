@@ -3,6 +3,8 @@ range, one row per bug and config), the bugs with their titles and ranges, what 
 
 from __future__ import annotations
 
+import re
+
 from ...core.text import markdown_cell
 from . import notes, symbols
 from .model import Matrix, Row, one_line
@@ -59,6 +61,22 @@ def _bugs(matrix: Matrix) -> list[str]:
         said += f": {markdown_cell(title)}" if title else ""
         out.append(f"- **{markdown_cell(repro)}**{said}" + (f" ({upstream})" if upstream else ""))
     return out
+
+
+#: A line of the page's "What each test raised", as ``render_markdown`` writes it.
+_RAISED = re.compile(
+    r"^- (?P<name>.+?) on (?P<versions>[\d., -]+): (?:`` (?P<spaced>.*) ``|`(?P<text>.*)`)$", re.MULTILINE
+)
+
+
+def read_raised(page: str) -> list[tuple[str, str, str]]:
+    """What each test raised, read back from a page ``render_markdown`` wrote: ``(name, text, versions)`` a line (the
+    name ``repro [config]``), as ``notes.raised`` gave them. The page is where a repro's recorded failures live: the
+    benchmark triages them, the face check matches them."""
+    section = page.partition("\n## What each test raised\n")[2].partition("\n## ")[0]
+    return [
+        (m["name"], m["spaced"] if m["text"] is None else m["text"], m["versions"]) for m in _RAISED.finditer(section)
+    ]
 
 
 def render_markdown(matrix: Matrix, image: str | None = None) -> str:
