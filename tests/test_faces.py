@@ -175,7 +175,7 @@ def test_every_face_pattern_matches_a_real_text() -> None:
     unmatched = [
         f"{bug.id}: {face.match!r} ({face.where})"
         for bug in known_bugs(root / "repros")
-        if bug.fixed_by is None
+        if bug.catalogued  # a ledger fix's faces are checked against the lines they were seen as (test_ledger)
         for face in bug.faces
         if not face.gate and face.match and not any(_shows(face, t) for t in [*recorded.get(bug.id, []), *texts])
     ]
