@@ -53,8 +53,8 @@ _FAILURE_MIN, _FAILURE_CHARS = 16, 160
 @dataclass(frozen=True)
 class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
-    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the atlas knows (``fixed_by``: no repro,
-    its own upstream tests, ``fix_bug``)."""
+    ones, ``affected`` its ranges, ``fix`` the repro's fix by name, ``folder`` the catalogue's folder its repro is in
+    (``zero3``). Or a fix the atlas knows (``fixed_by``: no repro, its own upstream tests, ``fix_bug``)."""
 
     id: str
     title: str
@@ -67,6 +67,7 @@ class KnownBug:
     fix: str | None = None
     affected: tuple[str, ...] = ()
     fixed_by: KnownFix | None = None
+    folder: str = ""
 
     @property
     def ranges(self) -> str:
@@ -83,7 +84,7 @@ class KnownBug:
     @property
     def file(self) -> str:
         """The repro's file as the repository names it (the wheel installs ``repros/`` under another name)."""
-        return f"repros/{PurePath(self.path).name}"
+        return str(PurePath("repros", self.folder, PurePath(self.path).name))
 
     @property
     def workaround(self) -> str:
