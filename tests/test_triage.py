@@ -545,7 +545,7 @@ def test_confirm_says_honestly_that_a_fixed_bug_does_not_reproduce_here(tmp_path
     assert "KNOWN BUG  zero3-module-id-clobbered" in proc.stdout
     assert "release: fixed in 0.16.4; the DeepSpeed installed here is " in proc.stdout
     assert "confirm: not reproduced here: fixed: passes on deepspeed" in proc.stdout
-    assert "FIXED  test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, above the triage
+    assert "FIXED  zero3/test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, by folder
     assert "a known bug: zero3-module-id-clobbered (fixed in 0.16.4; the DeepSpeed installed here is" in proc.stdout
 
 
