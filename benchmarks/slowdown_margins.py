@@ -27,10 +27,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REPROS = ROOT / "repros"
+#: The repro measured, in its subsystem's folder; the helpers it imports are at the top of repros/.
+REPRO = REPROS / "zero12" / "test_zero12_hook_count_slowdown.py"
 
 MEASURE = """
 import sys
-sys.path.insert(0, {repros!r})
+sys.path[:0] = [{folder!r}, {repros!r}]
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
@@ -63,7 +65,7 @@ def test_measure(ds_engine, ds_rank):
 
 
 def _limit() -> float:
-    text = (REPROS / "test_zero12_hook_count_slowdown.py").read_text()
+    text = REPRO.read_text()
     line = next(line for line in text.splitlines() if line.startswith("LIMIT = "))
     return float(line.split("=", 1)[1])
 
@@ -99,7 +101,7 @@ def main() -> None:
     loads: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="slowdown-margins-") as tmp:
         module = Path(tmp) / "test_measure.py"
-        module.write_text(textwrap.dedent(MEASURE.format(repros=str(REPROS))))
+        module.write_text(textwrap.dedent(MEASURE.format(folder=str(REPRO.parent), repros=str(REPROS))))
         for round_ in range(args.rounds):
             for python in args.python:
                 for busy in (0, args.burn):

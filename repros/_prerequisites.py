@@ -12,9 +12,10 @@ persistent parameters after ``step()``; ``PIPELINE_NESTED_BACKWARD`` (entry ``pi
 ``zero2-bf16-fp32-comm-bucket``, 0.17.2-0.18.0) for ZeRO-1/2 repros reducing in another dtype. ``ZERO3_PARTITIONED``
 is the premise the ZeRO-3 repros of a tiny model share.
 
-pytest imports a test file of ``repros/`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
+pytest imports ``repros/conftest.py`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
-works in both, and the fix pickles by reference (module ``_prerequisites``).
+works in both, from a repro in any folder of ``repros/``, and the fix pickles by reference (module
+``_prerequisites``).
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from pytest_dsrepro.core.results import repro_meta
-from pytest_dsrepro.tools import cli
+from pytest_dsrepro.tools import catalogue, cli
 from pytest_dsrepro.tools.catalogue import CollectedTest, Entry, entries_from_tests, format_table
 
 EPILOGUE = """
@@ -94,10 +96,41 @@ def test_the_catalogue_fits_120_columns(monkeypatch: pytest.MonkeyPatch, capsys:
         assert not too_wide
         assert max(map(len, lines)) <= 120
     assert any(line.startswith("zero3-backward-without-optimizer ") for line in lines)  # ids in full, every one
-    assert len([line for line in lines if line.startswith("  https://")]) == len(list(Path("repros").glob("test_*.py")))
+    files = list(Path("repros").rglob("test_*.py"))  # in every folder
+    assert len([line for line in lines if line.startswith("  https://")]) == len(files)
     assert not [line for line in lines if "premise: not declared" in line]
     assert any("DeepSpeedZeRoOffload" in line for line in lines)  # wrapped, not cut
-    assert len([line for line in lines if line.startswith("  seen: ")]) >= len(list(Path("repros").glob("test_*.py")))
+    assert len([line for line in lines if line.startswith("  seen: ")]) >= len(files)
+    assert "== ZeRO stage 3 (repros/zero3/) ==" in lines  # every folder of the catalogue, under its heading
+
+
+def test_repros_are_listed_by_folder_under_its_heading(
+    repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The catalogue's folders in their order (core.areas), a folder of no subsystem after them by name, the repros at
+    the top first; in the JSON, each repro's folder. All in one folder: no heading (``test_table``)."""
+    for folder in ("zero3", "zero12", "mine"):
+        (repros.path / "repros" / folder).mkdir()
+    for name, folder in (("test_epilogue", "zero3"), ("test_module_id", "zero12")):
+        (repros.path / "repros" / f"{name}.py").rename(repros.path / "repros" / folder / f"{name}.py")
+    (repros.path / "repros" / "mine" / "test_mine.py").write_text(MODULE_ID.replace("zero3-module-id", "mine"))
+    (repros.path / "repros" / "test_top.py").write_text(MODULE_ID.replace("zero3-module-id", "top"))
+    assert cli.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    headings = [line for line in lines if line.startswith("==")]
+    assert headings == ["== At the top (repros/) ==", "== ZeRO stages 1 and 2 (repros/zero12/) ==",
+                        "== ZeRO stage 3 (repros/zero3/) ==", "== mine (repros/mine/) =="]  # fmt: skip
+    assert lines[lines.index(headings[1]) - 1] == ""
+    assert lines[lines.index(headings[1]) + 1].split()[0] == "zero3-module-id"
+    assert cli.main(["list", "repros/zero3", "repros/mine"]) == 0  # the folders under what is listed
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("==")] == [
+        "== ZeRO stage 3 (repros/zero3/) ==", "== mine (repros/mine/) =="]  # fmt: skip
+    assert cli.main(["list", "--format", "json"]) == 0
+    assert {e["id"]: e["folder"] for e in json.loads(capsys.readouterr().out)} == {
+        "top": "", "mine": "mine", "zero3-module-id": "zero12", "zero3-no-optimizer-backward": "zero3"}  # fmt: skip
+    assert cli.main(["list", "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert "\n## ZeRO stage 3 (`repros/zero3/`)\n\n| ID | TITLE |" in markdown
 
 
 def test_a_long_title_wraps_under_its_column() -> None:
@@ -123,6 +156,27 @@ def test_json_merges_tests_of_one_repro(repros: pytest.Pytester, capsys: pytest.
         "repros/test_module_id.py::test_ids[zero3_offload]",
         "repros/test_module_id.py::test_ids_again",
     ]
+
+
+def test_docs_repros_md_holds_each_folders_table_and_its_repros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/repros.md is the catalogue walked by folder: each folder's table exactly as ``dsrepro list --format
+    markdown`` prints it (the markers are its one source), in that order, then a section for each of its repros,
+    headed with its id and file."""
+    monkeypatch.chdir(ROOT)
+    entries = catalogue.collect(["repros"])  # as dsrepro list collects them
+    paths = {e.id: Path(e.path).as_posix() for e in entries}
+    blocks = [b.strip("\n") for b in re.split(r"^(?=## )", catalogue.render(entries, "markdown"), flags=re.M) if b]
+    doc = (ROOT / "docs" / "repros.md").read_text()
+    places = []
+    for block in blocks:
+        assert block in doc, (f"docs/repros.md has not this folder's table as `dsrepro list --format markdown` "
+                              f"prints it; put it in place of the old one:\n\n{block}\n")  # fmt: skip
+        places.append(doc.index(block))
+    assert places == sorted(places)
+    for block, start, end in zip(blocks, places, [*places[1:], len(doc)], strict=True):
+        for repro in re.findall(r"^\| `([^`]+)` \|", block, re.MULTILINE):
+            heading = f"\n### {repro} — `{paths[repro]}`\n"
+            assert heading in doc[start:end], f"docs/repros.md has no section {heading.strip()} under its folder"
 
 
 def test_markdown(repros: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:

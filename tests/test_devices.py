@@ -85,7 +85,7 @@ def test_the_check_catches_the_module_id_repro_as_it_was(pytester: pytest.Pytest
     batch, CUDA engine): on the CPU its variants fail with the check's error instead of passing; with today's
     helper they pass, with DeepSpeed's own tensor factories (ZeRO-3's partitioning) unchecked."""
     repros = catalogue_copy(pytester, "_prerequisites.py")
-    today = (ROOT / "repros" / "test_zero3_module_id_clobbered.py").read_text()
+    today = (ROOT / "repros" / "zero3" / "test_zero3_module_id_clobbered.py").read_text()
     helper = "from pytest_dsrepro.inrank.models import make_batch, tiny_moe"
     assert helper in today
     (repros / "_before_devices.py").write_text(HELPER_BEFORE_DEVICES)

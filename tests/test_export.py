@@ -19,10 +19,10 @@ from conftest import comm_op_directory
 from pytest_dsrepro.tools import cli, export
 
 ROOT = Path(__file__).parents[1]
-SEED_A = "repros/test_zero3_backward_without_optimizer.py::test_backward_on_zero3_engine_without_optimizer"
-SEED_B = "repros/test_zero3_module_id_clobbered.py::test_expert_ids_survive_zero3_initialize"
-SLOWDOWN = "repros/test_zero12_hook_count_slowdown.py::test_backward_hooks_take_linear_time"
-RACE = "repros/test_zero3_persistent_allgather_race.py::test_small_persistent_parameters_complete_after_step"
+SEED_A = "repros/zero3/test_zero3_backward_without_optimizer.py::test_backward_on_zero3_engine_without_optimizer"
+SEED_B = "repros/zero3/test_zero3_module_id_clobbered.py::test_expert_ids_survive_zero3_initialize"
+SLOWDOWN = "repros/zero12/test_zero12_hook_count_slowdown.py::test_backward_hooks_take_linear_time"
+RACE = "repros/zero3/test_zero3_persistent_allgather_race.py::test_small_persistent_parameters_complete_after_step"
 ERROR_A = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'set_gradient_accumulation_boundary'"
 
 
@@ -121,9 +121,15 @@ def test_what_cannot_be_exported_says_why(pytester: pytest.Pytester) -> None:
         export.collect("test_x.py::test_missing")
 
 
-def test_helpers_beside_the_test_are_inlined(pytester: pytest.Pytester) -> None:
-    """A helper module beside the test (``repros/_zero12.py``) is inlined like pytest-dsrepro's own helpers, with
-    what it imports from pytest-dsrepro; names only the dropped decorators use are not."""
+@pytest.mark.parametrize("folder", ["", "zero3"], ids=["beside", "above"])
+def test_a_tests_helpers_are_inlined(pytester: pytest.Pytester, folder: str) -> None:
+    """A helper module of the test's, beside it or at the catalogue's top above its folder (``repros/_zero12.py``
+    for ``repros/zero12/...``, beside the ``conftest.py`` that puts it on ``sys.path``), is inlined like
+    pytest-dsrepro's own helpers, with what it imports from pytest-dsrepro; names only the dropped decorators use are
+    not."""
+    if folder:
+        pytester.makeconftest("")
+        pytester.mkdir(folder)
     pytester.makepyfile(
         _helper="""
             import pytest
@@ -138,7 +144,7 @@ def test_helpers_beside_the_test_are_inlined(pytester: pytest.Pytester) -> None:
             def batch(rank):
                 return make_batch(2, rank=rank)
         """,
-        test_x="""
+        **{f"{folder}/test_x".lstrip("/"): """
             import pytest
             from _helper import batch, config
 
@@ -148,12 +154,13 @@ def test_helpers_beside_the_test_are_inlined(pytester: pytest.Pytester) -> None:
             @pytest.mark.ds_version(affected=">=0.1", raises=KeyError)
             def test_x(ds_config, ds_rank):
                 x, y = batch(ds_rank)
-        """,
-    )
+        """},
+    )  # fmt: skip
     pytester.chdir()
-    script = export.render(export.collect("test_x.py::test_x[one]"))
+    script = export.render(export.collect(f"{folder}/test_x.py::test_x[one]".lstrip("/")))
     assert _imports(script) <= set(sys.stdlib_module_names) | {"torch", "deepspeed"}
-    assert "# from _helper (_helper.py, beside the test), inlined: batch" in script
+    where = f"in {pytester.path.name}/, above the test" if folder else "beside the test"
+    assert f"# from _helper (_helper.py, {where}), inlined: batch" in script
     assert "# from pytest_dsrepro.inrank.models (pytest-dsrepro), inlined: make_batch" in script
     assert "def config(" not in script
 

@@ -19,6 +19,11 @@ import pytest
 
 from conftest import LOCAL, ROOT
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 reads TOML with tomli, a dependency there
+    import tomli as tomllib
+
 
 @pytest.fixture
 def dists(plugin_dists: tuple[Path, Path]) -> tuple[Path, Path]:
@@ -64,11 +69,22 @@ def test_wheel_holds_every_module_and_the_catalogue(dists: tuple[Path, Path]) ->
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     code = {p.relative_to(ROOT).as_posix() for p in (ROOT / "pytest_dsrepro").rglob("*.py")}
-    repros = {f"pytest_dsrepro/catalogue/{p.name}" for p in (ROOT / "repros").glob("*.py")}
+    repros = {f"pytest_dsrepro/catalogue/{p.relative_to(ROOT / 'repros').as_posix()}"
+              for p in (ROOT / "repros").rglob("*.py")}  # fmt: skip
     assert "pytest_dsrepro/catalogue/conftest.py" in repros
+    assert "pytest_dsrepro/catalogue/zero3/test_zero3_module_id_clobbered.py" in repros  # the subsystems' folders too
     assert sorted(code - names) == []
     assert sorted(repros - names) == []
     assert not [n for n in names if n.startswith("repros/")]  # installed inside the package, never top-level
+
+
+def test_every_folder_of_the_catalogue_is_a_listed_package() -> None:
+    """Each folder of repros/ that holds a module is listed in pyproject.toml's packages (setuptools would leave a
+    folder it is not told of out of the wheel, and only the build above would say so)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {p.parent.relative_to(ROOT / "repros") for p in (ROOT / "repros").rglob("*.py")}
+    wanted = {".".join(("pytest_dsrepro.catalogue", *folder.parts)) for folder in folders}
+    assert sorted(wanted - listed) == [], "add these to [tool.setuptools] packages in pyproject.toml"
 
 
 def test_sdist_holds_what_its_tests_and_docs_need(dists: tuple[Path, Path]) -> None:
@@ -76,10 +92,11 @@ def test_sdist_holds_what_its_tests_and_docs_need(dists: tuple[Path, Path]) -> N
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for wanted in ("LICENSE", "README.md", "tox.ini", "constraints.txt", "repros/conftest.py", "tests/conftest.py",
-                   "docs/design.md", "docs/matrix.md", "repros/test_zero3_backward_without_optimizer.py",
+                   "docs/design.md", "docs/matrix.md", "repros/zero3/test_zero3_backward_without_optimizer.py",
                    "benchmarks/world_overhead.py", "pytest_dsrepro/tools/templates/repro.py.tmpl"):  # fmt: skip
         assert wanted in names, wanted
-    tracked = {p.relative_to(ROOT).as_posix() for d in ("tests", "docs", "repros") for p in (ROOT / d).glob("*.*")}
+    tracked = {p.relative_to(ROOT).as_posix() for d in ("tests", "docs") for p in (ROOT / d).glob("*.*")}
+    tracked |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "repros").rglob("*.*")}
     assert tracked <= names | {t for t in tracked if "__pycache__" in t or t.endswith(".pyc")}
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
 

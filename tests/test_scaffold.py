@@ -53,6 +53,31 @@ def test_new_writes_a_file_with_the_markers_and_todos(tmp_path: Path, monkeypatc
     assert text.count("TODO") >= 5
 
 
+def test_new_goes_into_the_folder_of_its_subsystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """In a catalogue laid out by subsystem a new repro goes into the folder its name begins with, one not made yet
+    too; a name that begins with none needs --dir, and a file name a repro of another folder has is refused, naming
+    both."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "repros" / "zero3").mkdir(parents=True)
+    assert cli.main(["new", "zero3-late-attach"]) == 0
+    assert capsys.readouterr().out.startswith("wrote repros/zero3/test_zero3_late_attach.py\n")
+    assert cli.main(["new", "moe gate"]) == 0
+    assert "pytest repros/moe/test_moe_gate.py -v" in capsys.readouterr().out
+    assert cli.main(["new", "odd-one"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "dsrepro: 'odd-one' begins with no subsystem's name (zero3-..., checkpoint-...: core/areas.py lists them): "
+        "give --dir repros/FOLDER, the folder of the DeepSpeed subsystem the bug is in (zero3, moe)"
+    )
+    assert cli.main(["new", "odd-one", "--dir", "repros/engine"]) == 0
+    assert cli.main(["new", "moe-gate", "--dir", str(tmp_path / "repros" / "engine")]) == 1
+    assert "repros/engine/test_moe_gate.py and repros/moe/test_moe_gate.py have the same file name" in (
+        capsys.readouterr().err
+    )
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.py")) == [
+        "repros/engine/test_odd_one.py", "repros/moe/test_moe_gate.py", "repros/zero3/test_zero3_late_attach.py"]  # fmt: skip
+
+
 def test_new_never_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["new", "hang", "--dir", str(tmp_path)]
     assert cli.main(args) == 0

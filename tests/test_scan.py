@@ -173,7 +173,7 @@ def test_config_problems_stop_the_run_before_any_world(pytester: pytest.Pytester
 def epilogue(pytester: pytest.Pytester) -> Path:
     """The catalogue's epilogue repro alone, with the catalogue's conftest.py."""
     shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
-    shutil.copy(ROOT / "repros" / "test_zero3_backward_without_optimizer.py", pytester.path)
+    shutil.copy(ROOT / "repros" / "zero3" / "test_zero3_backward_without_optimizer.py", pytester.path)
     return pytester.path
 
 
@@ -233,7 +233,7 @@ def test_a_refused_warmup_is_the_bug_and_the_rest_is_judged_with_its_fix(pyteste
     every other bug is judged with ``warmup_num_steps`` 1, said once above the table; before 0.19.3 nothing is
     refused and the config runs as written. A premise's ``removes`` is said with the bug it is for."""
     shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
-    shutil.copy(ROOT / "repros" / "test_sched_warmup_zero_refused.py", pytester.path)
+    shutil.copy(ROOT / "repros" / "optim" / "test_sched_warmup_zero_refused.py", pytester.path)
     pytester.makepyfile(test_beside=BESIDE_THE_REFUSAL)
     result = run("--ds-scan", str(config(pytester, HF_ZERO2)))
     removed = "  *with no scheduler (WarmupLR): the body judges one step at its own rate"
@@ -352,8 +352,8 @@ def test_the_catalogue_travels_with_the_package() -> None:
     """Installed from the wheel (as tox installs it), the package holds the catalogue and its conftest.py."""
     found = catalogue_run.installed()
     assert (found.parent.name, found.name) == ("pytest_dsrepro", "catalogue")
-    shipped = {p.name for p in found.glob("*.py")}
-    assert shipped >= {p.name for p in (ROOT / "repros").glob("*.py")}
+    shipped = {p.relative_to(found) for p in found.rglob("*.py")}
+    assert shipped >= {p.relative_to(ROOT / "repros") for p in (ROOT / "repros").rglob("*.py")}  # every folder's
 
 
 def test_extra_packages_reach_each_release_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pytest_dsrepro.core.source import module_slice
 
-SEED_A = Path(__file__).parents[1] / "repros" / "test_zero3_backward_without_optimizer.py"
+SEED_A = Path(__file__).parents[1] / "repros" / "zero3" / "test_zero3_backward_without_optimizer.py"
 TEST_A = "test_backward_on_zero3_engine_without_optimizer"
 
 MODULE = '''"""The module's docstring."""

@@ -357,14 +357,27 @@ def test_a_log_with_no_exception_is_compared_by_its_words_and_never_confident() 
 
 
 def test_the_markdown_is_a_ready_comment() -> None:
-    t = triage.rank(CATALOGUE, logread.read(TRACEBACK), on("0.18.3"))
+    """It names the repro's file as the repository does, in its subsystem's folder (wherever it was installed)."""
+    placed = [dataclasses.replace(EPILOGUE_BUG, path="/site/pytest_dsrepro/catalogue/zero3/test_epilogue.py",
+                                  folder="zero3"), KEYERROR_BUG]  # fmt: skip
+    t = triage.rank(placed, logread.read(TRACEBACK), on("0.18.3"))
     said = {"epilogue": Finding(ScanVerdict.AFFECTED, "on deepspeed 0.18.3: ranks 0-1: AttributeError")}
     text = triage.markdown(t, said, log="crash.log")
     assert text.startswith("### This looks like a known DeepSpeed bug: `epilogue`")
-    assert "- Workaround: the repro's fix `the_fix` in repros/test_epilogue.py" in text
+    assert "- Workaround: the repro's fix `the_fix` in repros/zero3/test_epilogue.py" in text
     assert "- Reproduced: **REPRODUCED here**: on deepspeed 0.18.3" in text
     assert "dsrepro triage crash.log --release 0.18.3 --confirm" in text
-    assert "pytest repros/test_epilogue.py -rx" in text
+    assert "pytest repros/zero3/test_epilogue.py -rx" in text
+
+
+def test_the_catalogue_is_known_at_any_depth() -> None:
+    """Every repro of the catalogue, in its subsystem's folder, is a known bug, its file named as the repository
+    names it."""
+    root = Path(__file__).parents[1]
+    bugs = [b for b in triage_command.known_bugs(root / "repros") if b.fixed_by is None]
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "repros").rglob("test_*.py"))
+    assert sorted(b.file for b in bugs) == files
+    assert "repros/zero3/test_zero3_module_id_clobbered.py" in files
 
 
 def test_new_repro_prefilled_from_the_log() -> None:
@@ -532,7 +545,7 @@ def test_confirm_says_honestly_that_a_fixed_bug_does_not_reproduce_here(tmp_path
     assert "KNOWN BUG  zero3-module-id-clobbered" in proc.stdout
     assert "release: fixed in 0.16.4; the DeepSpeed installed here is " in proc.stdout
     assert "confirm: not reproduced here: fixed: passes on deepspeed" in proc.stdout
-    assert "FIXED  test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, above the triage
+    assert "FIXED  zero3/test_zero3_module_id_clobbered.py::" in proc.stdout  # the run's own words, by folder
     assert "a known bug: zero3-module-id-clobbered (fixed in 0.16.4; the DeepSpeed installed here is" in proc.stdout
 
 

@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
     """What is searched: the test, its two ends, and where (the releases, or the user's clone)."""
-    p.add_argument("nodeid", metavar="TEST_NODEID", help="e.g. repros/test_zero3_module_id.py::test_user_ids_survive")
+    p.add_argument(
+        "nodeid", metavar="TEST_NODEID", help="e.g. repros/zero3/test_zero3_module_id.py::test_user_ids_survive"
+    )
     p.add_argument(
         "--good",
         required=True,

@@ -4,7 +4,8 @@ The markers are the one source of truth, so the catalogue is never written down 
 pytest's own collection in-process (``collect_only``, which ``dsrepro export`` and ``triage`` read items through too)
 with a small plugin that reads each item's markers through ``item.get_closest_marker`` / ``item.iter_markers``,
 turned into ``core.results.ReproMeta`` by the same function the results files use. Repro files import torch and
-DeepSpeed only inside test bodies, so collecting them is fast and needs neither. ``dsrepro list`` renders it.
+DeepSpeed only inside test bodies, so collecting them is fast and needs neither. ``dsrepro list`` renders it, grouped
+by the folders of the catalogue (one per DeepSpeed subsystem, ``core.areas``), as docs/repros.md holds it.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core import configs, faces, premises
+from ..core import areas, configs, faces, premises
 from ..core.errors import MarkerError
 from ..core.faces import Face
 from ..core.gates import oldest_first
@@ -51,6 +53,7 @@ class Entry:
     premise: str | None = None  # its ``ds_premise``, in words (None: it declares none)
     scan_sets: str = ""  # what a scan sets on a user's config for it, ``key=value, ...``
     faces: tuple[Face, ...] = ()  # its ``ds_seen`` markers: how users meet the bug, each with where it was seen
+    folder: str = ""  # its folder under the directory collected (``zero3``; ``""`` at its top), ``core.areas``
 
     @property
     def affected_text(self) -> str:
@@ -159,8 +162,11 @@ def _premise(item: pytest.Item) -> tuple[premises.Premise | None, str | None]:
     return premise, premises.own_config_problem(premise, name, resolved.written, resolved.config)
 
 
-def entries_from_tests(tests: Iterable[CollectedTest], root: Path | None = None) -> list[Entry]:
-    """Merge collected tests into one entry per repro id (pure; the order is the collection order).
+def entries_from_tests(
+    tests: Iterable[CollectedTest], root: Path | None = None, top: Path | None = None
+) -> list[Entry]:
+    """Merge collected tests into one entry per repro id (pure; the order is the collection order), their paths
+    relative to ``root`` and their folders to the catalogue's ``top`` directory.
 
     A repro's metadata is its first test's; the affected ranges are the union over its tests.
     """
@@ -174,7 +180,7 @@ def entries_from_tests(tests: Iterable[CollectedTest], root: Path | None = None)
         premise = test.premise.describe() if test.premise else None
         sets = test.premise.describe_sets() if test.premise else ""
         first = {**asdict(meta), "affected": [], "path": str(path), "tests": [], "premise": premise, "scan_sets": sets,
-                 "faces": meta.faces}  # fmt: skip
+                 "faces": meta.faces, "folder": areas.folder(test.path, top) if top is not None else ""}  # fmt: skip
         entry = merged.setdefault(meta.id, first)
         entry["tests"].append(test.nodeid)
         for spec in meta.affected:
@@ -191,7 +197,37 @@ def collect(paths: Sequence[str], extra_args: Sequence[str] = (), plugins: Seque
     collection (``dsrepro triage`` its gates)."""
     collector = _Collector()
     collect_only(paths, extra_args, collector, plugins)
-    return entries_from_tests(collector.tests, Path.cwd())
+    return entries_from_tests(collector.tests, Path.cwd(), _top(paths))
+
+
+def _top(paths: Sequence[str]) -> Path | None:
+    """The catalogue's top directory for ``paths``: the deepest directory that holds them all (``repros`` for
+    ``repros``, and for ``repros/zero3 repros/checkpoint``)."""
+    given = [Path(p.partition("::")[0]).absolute() for p in paths]
+    folders = [str(p if p.is_dir() else p.parent) for p in given]
+    return Path(os.path.commonpath(folders)) if folders else None
+
+
+@dataclass(frozen=True)
+class Group:
+    """The repros of one folder: its heading (``ZeRO stage 3``) and where it is (``repros/zero3/``)."""
+
+    heading: str
+    where: str
+    entries: list[Entry]
+
+
+def groups(entries: Sequence[Entry]) -> list[Group]:
+    """The entries by folder, in ``core.areas`` order, within a folder in collection order. All in one folder: one
+    group, with no heading."""
+    by_folder: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_folder.setdefault(e.folder, []).append(e)
+    if len(by_folder) < 2:
+        return [Group("", "", list(entries))]
+    ordered = sorted(by_folder.items(), key=lambda group: areas.order(group[0]))
+    return [Group(areas.heading(name) or "At the top", f"{Path(members[0].path).parent.as_posix()}/", members)
+            for name, members in ordered]  # fmt: skip
 
 
 #: ``dsrepro list`` fits a terminal this wide (or a narrower one). A title narrower than ``MIN_TITLE`` would be
@@ -203,7 +239,7 @@ MIN_TITLE = 24
 def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
     """Aligned columns within ``width``: ID, AFFECTED (one range a line: they are alternatives), FIXED IN, and the
     TITLE wrapped in what is left; each repro's upstream link on a line of its own below, indented (a URL is never
-    broken, so only a URL longer than the whole width can pass it)."""
+    broken, so only a URL longer than the whole width can pass it). Each folder's repros under its heading."""
     heads = dict(COLUMNS)
     ids = max([len(heads["id"]), *(len(e.id) for e in entries)])
     affected = max([len(heads["affected"]), *(len(a) for e in entries for a in e.affected or ("-",))])
@@ -211,7 +247,9 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
     room = width - ids - affected - fixed - 6
     inline = room >= MIN_TITLE
     rows: list[tuple[str, ...]] = [(heads["id"], heads["affected"], heads["fixed"], heads["title"] if inline else "")]
-    for e in entries:
+    for e, group in _with_groups(entries):
+        if group is not None and group.heading:  # rows of one cell: lines of their own, not a column
+            rows += [("",), (f"== {group.heading} ({group.where}) ==",)]
         ranges = list(e.affected) or ["-"]
         titles = textwrap.wrap(e.title, room if inline else width - 2, break_on_hyphens=False) or ["-"]
         for i in range(max(len(ranges), len(titles)) if inline else len(ranges)):
@@ -225,7 +263,21 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
     return "\n".join(aligned(rows)) + "\n"
 
 
+def _with_groups(entries: Sequence[Entry]) -> Iterator[tuple[Entry, Group | None]]:
+    """Each entry in its group's order, with its group where it is the group's first."""
+    for group in groups(entries):
+        for i, e in enumerate(group.entries):
+            yield e, group if i == 0 else None
+
+
 def format_markdown(entries: Sequence[Entry]) -> str:
+    """A table per folder, under its heading (of level 2, as docs/repros.md holds them)."""
+    return "\n".join(
+        (f"## {g.heading} (`{g.where}`)\n\n" if g.heading else "") + _markdown_table(g.entries) for g in groups(entries)
+    )
+
+
+def _markdown_table(entries: Sequence[Entry]) -> str:
     rows = []
     for e in entries:
         link = e.upstream and e.upstream.startswith("http")

@@ -54,7 +54,7 @@ class Command:
 
 COMMANDS = (
     Command("list", "show the catalogue: id, title, upstream, affected releases, fixed in"),
-    Command("new", "write a new repro from the template into repros/ (never overwrites)"),
+    Command("new", "write a new repro from the template into its subsystem's folder of repros/ (never overwrites)"),
     Command(
         "bisect", "find the first DeepSpeed release (with --repo: commit, pull request) where a test's outcome flips"
     ),

@@ -202,10 +202,11 @@ def _package_file(module: str) -> Path:
 
 
 def _inline(code: str, here: Path) -> tuple[str, list[str]]:
-    """``code`` with each ``from pytest_dsrepro... import a, b``, and each import from a helper module beside the test
-    (``here/<module>.py``, as ``repros/_zero12.py``), replaced by the source of ``a`` and ``b`` (and what they use
-    from their module), again until none is left (a helper may import pytest-dsrepro's); the modules inlined. Names
-    only the dropped decorators used, and names already inlined, are not inlined (an import of nothing else goes)."""
+    """``code`` with each ``from pytest_dsrepro... import a, b``, and each import from a helper module of the test's
+    (``_helper``: ``repros/_zero12.py`` for ``repros/zero12/...``), replaced by the source of ``a`` and ``b`` (and what
+    they use from their module), again until none is left (a helper may import pytest-dsrepro's); the modules
+    inlined. Names only the dropped decorators used, and names already inlined, are not inlined (an import of nothing
+    else goes)."""
     inlined: dict[tuple[str, str], None] = {}
     while True:
         tree = ast.parse(code)
@@ -216,11 +217,12 @@ def _inline(code: str, here: Path) -> tuple[str, list[str]]:
             if not isinstance(node, ast.ImportFrom) or not _inlinable(node, here):
                 continue
             module = node.module or ""
-            beside = here / f"{module}.py"
-            if module.split(".")[0] == PACKAGE:
+            helper = _helper(node, here)
+            if helper is None:
                 path, origin = _package_file(module), "pytest-dsrepro"
             else:
-                path, origin = beside, f"{beside.name}, beside the test"
+                where = "beside the test" if helper.parent == here else f"in {helper.parent.name}/, above the test"
+                path, origin = helper, f"{helper.name}, {where}"
             names = [a.name for a in node.names if a.name in used and (module, a.name) not in inlined]
             replacement: list[str] = []
             if names:
@@ -242,7 +244,7 @@ def _inline(code: str, here: Path) -> tuple[str, list[str]]:
 
 
 def _hoisted(code: str, here: Path) -> str:
-    """``code`` with each import of pytest-dsrepro or of a helper beside the test that lies inside a function moved to
+    """``code`` with each import of pytest-dsrepro or of a test's helper (``_helper``) inside a function moved to
     the top level, just before the statement that holds it (where ``_inline`` inlines it); in the function it is left
     as a ``pass`` saying where it went."""
     tree = ast.parse(code)
@@ -274,10 +276,18 @@ def _hoisted(code: str, here: Path) -> str:
 
 
 def _inlinable(node: ast.ImportFrom, here: Path) -> bool:
+    return not node.level and ((node.module or "").split(".")[0] == PACKAGE or _helper(node, here) is not None)
+
+
+def _helper(node: ast.ImportFrom, here: Path) -> Path | None:
+    """The file of a helper module the test in ``here`` imports by plain name (``from _zero12 import ...``): beside
+    it, else in a folder above it that holds a ``conftest.py`` (the catalogue's top): the folders pytest's default
+    import mode puts on ``sys.path``, nearest first."""
     module = node.module or ""
-    return not node.level and (
-        module.split(".")[0] == PACKAGE or ("." not in module and (here / f"{module}.py").is_file())
-    )
+    if node.level or "." in module or not module:
+        return None
+    folders = [here, *(folder for folder in here.parents if (folder / "conftest.py").is_file())]
+    return next((folder / f"{module}.py" for folder in folders if (folder / f"{module}.py").is_file()), None)
 
 
 def _approx_for_pytest(code: str) -> tuple[str, bool]:

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Write one test of the catalogue as a standalone script (torch, DeepSpeed and the standard library only) "
         "that reproduces its stock variant under `torchrun --standalone --nproc-per-node N FILE`."
     )
-    parser.add_argument("nodeid", metavar="NODEID", help="e.g. repros/test_x.py::test_y[zero3-stock]")
+    parser.add_argument("nodeid", metavar="NODEID", help="e.g. repros/zero3/test_x.py::test_y[zero3-stock]")
     parser.add_argument("-o", "--output", metavar="FILE", default="-", help="where to write it (default: stdout)")
 
 

@@ -11,16 +11,22 @@ from . import scaffold
 from .log_input import LogError, reading
 from .scaffold import DEFAULT_PRESET
 
+#: The catalogue a new repro joins: the one in this directory.
+CATALOGUE = Path("repros")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "name", metavar="NAME", help="short name, e.g. zero3-module-id; the file is repros/test_<name>.py"
+        "name", metavar="NAME", help="short name, e.g. zero3-module-id; the file is repros/zero3/test_<name>.py"
     )
     parser.add_argument("--issue", metavar="URL", help="upstream issue URL (the repro's ds_repro upstream=)")
     parser.add_argument(
         "--config", metavar="PRESET", default=DEFAULT_PRESET, help=f"ds_config preset (default {DEFAULT_PRESET})"
     )
-    parser.add_argument("--dir", default="repros", help="directory to write into (default repros/)")
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="directory to write into (default: the folder of repros/ for the "
+        "DeepSpeed subsystem NAME begins with, repros/zero3 for zero3-...; repros/ where it has no such folders)"
+    )  # fmt: skip
     parser.add_argument(
         "--from-log", metavar="LOG", help="prefill the title, raises= and match= from the error in LOG (- for stdin)"
     )
@@ -29,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         start = scaffold.Prefill() if args.from_log is None else scaffold.prefill(reading(args.from_log))
-        path = scaffold.create(args.name, Path(args.dir), issue=args.issue, preset=args.config, start=start)
+        directory = args.dir or scaffold.folder_for(args.name, CATALOGUE)
+        inside = directory.resolve().is_relative_to(CATALOGUE.resolve())
+        path = scaffold.create(args.name, directory, issue=args.issue, preset=args.config, start=start,
+                               catalogue=CATALOGUE if inside else directory)  # fmt: skip
     except (scaffold.ScaffoldError, LogError) as exc:
         print(f"dsrepro: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from ..core import areas
 from ..core.configs import PRESETS
 from ..triage.logread import Reading
 
@@ -108,18 +109,39 @@ def target(name: str, directory: Path) -> Path:
     return directory / f"test_{names(name).slug}.py"
 
 
+def folder_for(name: str, catalogue: Path) -> Path:
+    """Where a new repro goes when no directory is given: in a catalogue laid out by subsystem (``core.areas``), the
+    folder of the one its name begins with (``zero3-foo``: ``repros/zero3``); in one that is not, its top.
+    ``ScaffoldError`` for a name that begins with no subsystem's, in a catalogue that has them."""
+    laid_out = [area.folder for area in areas.AREAS if (catalogue / area.folder).is_dir()]
+    area = areas.area_for(names(name).id)
+    if not laid_out:
+        return catalogue
+    if area is not None:
+        return catalogue / area.folder
+    raise ScaffoldError(
+        f"{names(name).id!r} begins with no subsystem's name (zero3-..., checkpoint-...: core/areas.py lists them): "
+        f"give --dir {catalogue}/FOLDER, the folder of the DeepSpeed subsystem the bug is in ({', '.join(laid_out)})"
+    )
+
+
 def create(
     name: str,
     directory: Path = Path("repros"),
     issue: str | None = None,
     preset: str = DEFAULT_PRESET,
     start: Prefill = Prefill(),
+    catalogue: Path | None = None,
 ) -> Path:
-    """Write ``directory/test_<slug>.py``; never overwrite (``ScaffoldError`` names the file that exists)."""
+    """Write ``directory/test_<slug>.py``; never overwrite (``ScaffoldError`` names the file that exists), nor write
+    a file whose name one under ``catalogue`` (which holds ``directory``) has already."""
     issue = issue or start.issue
     check_issue(issue)
     check_preset(preset)
     path = target(name, directory)
+    problem = areas.namesake(path.resolve(), catalogue.resolve()) if catalogue and not path.exists() else None
+    if problem is not None:
+        raise ScaffoldError(f"not writing {path}: {problem}")
     text = render(name, path, issue, preset, start)
     directory.mkdir(parents=True, exist_ok=True)
     try:

@@ -96,7 +96,7 @@ def known_bugs(where: Path, fixes_file: Path | None = None, ledger_dir: Path | N
         own = (faces.gate_face(e.upstream, g.range, g.raises.__name__, g.match) for g in gates)
         bugs.append(triage.KnownBug(e.id, e.title, e.upstream, e.fixed_in, e.root_cause, e.path,
                                       tuple(dict.fromkeys([*own, *e.faces])), reader.premises.get(e.id),
-                                      getattr(fix, "__name__", None), e.affected))  # fmt: skip
+                                      getattr(fix, "__name__", None), e.affected, folder=e.folder))  # fmt: skip
     if not bugs:
         raise TriageError(f"no repros (tests with a ds_repro marker) under {where}")
     try:

@@ -61,9 +61,9 @@ _FAILURE_MIN, _FAILURE_CHARS = 16, 160
 @dataclass(frozen=True)
 class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
-    ones, ``affected`` its ranges, ``fix`` the repro's fix by name. Or a fix the ledger knows (``ledger``: its row,
-    ``ledger_bug``), with its own upstream tests where the atlas has them (``fixed_by``), or a fix only the atlas
-    knows (``fix_bug``): no repro."""
+    ones, ``affected`` its ranges, ``fix`` the repro's fix by name, ``folder`` the catalogue's folder its repro is in
+    (``zero3``). Or a fix the ledger knows (``ledger``: its row, ``ledger_bug``), with its own upstream tests where
+    the atlas has them (``fixed_by``), or a fix only the atlas knows (``fix_bug``): no repro."""
 
     id: str
     title: str
@@ -76,6 +76,7 @@ class KnownBug:
     fix: str | None = None
     affected: tuple[str, ...] = ()
     fixed_by: KnownFix | None = None
+    folder: str = ""
     ledger: FixRow | None = None
 
     @property
@@ -103,7 +104,7 @@ class KnownBug:
     @property
     def file(self) -> str:
         """The repro's file as the repository names it (the wheel installs ``repros/`` under another name)."""
-        return f"repros/{PurePath(self.path).name}"
+        return str(PurePath("repros", self.folder, PurePath(self.path).name))
 
     @property
     def workaround(self) -> str:
