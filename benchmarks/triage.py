@@ -1,13 +1,13 @@
 """``dsrepro triage`` measured: on real reports as users pasted them (the corpus, both halves, before and after), and
 on the catalogue's own failures (the old benchmark, so that nothing regresses).
 
-**The corpus** (``corpus/reports``: each text with its answer, a catalogued bug's id or none, and its thread). Its
+**The corpus** (``corpus/reports``: each text with its answer, a catalogued bug's id, ``ledger:PR`` or none). Its
 README fixes the split: a text is in the measuring half when the SHA-256 of its thread's address is odd. Each text is
 triaged as ``dsrepro triage`` triages it (``triage_command.triage_log``: the releases the text states, else the
 DeepSpeed installed here; no ``--release``), and counted:
 
-- a catalogued bug's text: **first** when that bug is the first candidate (a possible one too), **known** when it is
-  the confident one (``KNOWN BUG``, exit 0);
+- a catalogued bug's (or a ledger fix's) text: **first** when that bug is the first candidate (a possible one too),
+  **known** when it is the confident one (``KNOWN BUG``, exit 0);
 - another text: **claimed** when a catalogued bug is named with confidence (the user is told a wrong known bug); one
   named a known fix of the atlas instead is counted apart (it is no catalogued bug, and may be right).
 

@@ -13,7 +13,7 @@ from packaging.version import Version
 from conftest import commit_files, git_in
 from pytest_dsrepro.core.text import strip_ansi
 from pytest_dsrepro.tools import catalogue, cli, ledger_command, triage_command
-from pytest_dsrepro.triage import ledger, logread
+from pytest_dsrepro.triage import evidence, ledger, logread
 from pytest_dsrepro.triage import ranking as triage
 from pytest_dsrepro.triage.ledger import FixRow, LedgerError
 
@@ -397,3 +397,63 @@ def test_the_terminal_and_the_comment_say_what_to_do(
     assert f"- Fixed by: {fix.link} ({fix.title})\n" in said
     assert "a CPU world could show it: `dsrepro new NAME --issue" in said
     assert "pytest repros/" not in said
+
+
+@pytest.mark.parametrize(
+    ("pattern", "own"),
+    [
+        ("list index out of range", False),
+        ("IndexError: tuple index out of range", False),
+        ("'NoneType' object has no attribute 'to'", False),
+        ("No backend type associated with device type cpu", False),
+        ("unsupported operand type\\(s\\) for /: 'NoneType' and 'int'", False),
+        ("'BF16_Optimizer' object has no attribute 'state'", True),
+        ("'NoneType' object has no attribute 'next_functions'", True),
+        ("KeyError: 'max_mem'", True),
+        ("Number of heads \\(\\d+\\) must be larger than sequence parallel size \\(\\d+\\)", True),
+        ("Device type with index is not supported but got cuda:\\d", True),
+    ],
+)
+def test_a_message_is_a_bugs_own_when_it_names_something_or_is_deepspeeds_wording(pattern: str, own: bool) -> None:
+    assert evidence.specific(pattern) is own
+
+
+def test_a_stock_message_names_a_known_fix_only_where_it_raises(
+    packaged: tuple[FixRow, ...], bugs: list[triage.KnownBug]
+) -> None:
+    """#7054's face is Python's own ``list index out of range``, raised through BF16_Optimizer's restore: the line alone
+    (a title, a bare error: a Ulysses example's failure has it too) makes the fix possible, never known; a traceback
+    through its frames names it, and rules out the fixes whose same message is raised elsewhere."""
+    fix = _known(packaged, 7054)
+    assert not evidence.specific(fix.seen[0].face.match or "")
+    alone = triage.rank(bugs, logread.read(f"{fix.seen[0].seen}\n"))
+    assert alone.known is None, triage.terminal(alone)
+    assert "fix-7054" in [c.bug.id for c in alone.candidates]
+    assert "a message many causes raise" in next(c for c in alone.candidates if c.bug.id == "fix-7054").reason
+    traced = """Traceback (most recent call last):
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 2911, in load_checkpoint
+    self.optimizer.refresh_fp32_params()
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/bf16_optimizer.py", line 494, in refresh_fp32_params
+    self._restore_from_bit16_weights()
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/bf16_optimizer.py", line 487, in _restore_from_bit16_weights
+    fp32_partition.data.copy_(bf16_partitions[partition_id].data)
+IndexError: list index out of range
+"""
+    t = triage.rank(bugs, logread.read(traced))
+    assert t.known is not None, triage.terminal(t)
+    assert t.known.bug.id == "fix-7054"
+    assert "fix-7763" in [r.bug.id for r in t.ruled_out]
+
+
+def test_a_fix_is_not_corroborated_by_the_frames_of_every_step(bugs: list[triage.KnownBug]) -> None:
+    """A known fix's face through ``engine.py:backward`` (#7725) gains nothing from a traceback of any backward: that
+    frame is every training step's."""
+    text = """Traceback (most recent call last):
+  File "/w/train.py", line 9, in <module>
+    engine.backward(loss)
+  File "/w/venv/lib/python3.11/site-packages/deepspeed/runtime/engine.py", line 2298, in backward
+    loss.backward()
+RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn
+"""
+    t = triage.rank(bugs, logread.read(text))
+    assert "fix-7725" not in [c.bug.id for c in t.candidates if "engine.py:backward" in c.reason]

@@ -625,3 +625,32 @@ def test_confirm_runs_a_known_fixs_own_test_from_the_users_clone(tmp_path: Path)
             f"{versions.installed_text('deepspeed')}, as before the fix (99.0): AssertionError: the frobnicator lost its "
             "widgets") in proc.stdout  # fmt: skip
     assert "a known bug, reproduced here: fix-16" in proc.stdout
+
+
+def test_a_bug_a_log_does_not_reach_scores_as_the_whole_comparison_would() -> None:
+    """``evidence.Reach`` lets triage skip a bug's faces for a log that shows none of its types, frames, messages'
+    starts or phrases: the evidence is the same as the whole comparison's, for every known bug and fix, on real
+    reports of every shape (a traceback, a title, prose, GPU ranks)."""
+    from pytest_dsrepro.triage import evidence
+
+    root = Path(__file__).resolve().parents[1]
+    bugs = triage_command.known_bugs(root / "repros")
+    documents = tuple(b.document for b in bugs)
+    texts = sorted((root / "corpus" / "reports" / "texts").glob("*.txt"))[::12]
+    assert len(texts) >= 10
+    skipped = 0
+    for path in texts:
+        log = evidence.Log.of(logread.read(path.read_text()), documents)
+        for bug in bugs:
+            named = f"{bug.title} {bug.root_cause} {bug.upstream or ''}"
+            reach = evidence.Reach.of(bug.faces, named)
+            words = evidence.words(bug.document)
+            whole = evidence.collect(bug.faces, named, words, log, strict=not bug.catalogued)
+            quick = evidence.collect(bug.faces, named, words, log, strict=not bug.catalogued, reach=reach)
+            assert (quick.points, quick.matched, quick.corroborated) == (
+                whole.points,
+                whole.matched,
+                whole.corroborated,
+            ), (path.name, bug.id)
+            skipped += not reach.within(log)
+    assert skipped > len(texts) * len(bugs) // 2  # most bugs, for most logs

@@ -53,7 +53,24 @@ _COMMON = frozenset({
 _WRAPPERS = frozenset({"<module>", "__call__", "_call_impl", "_wrapped_call_impl", "wrapper", "wrapped_fn", "inner",
                        "decorate_context", "forward", "main", "_fn", "fn", "backward", "step", "train", "__init__",
                        "initialize"})  # fmt: skip
+#: Frames every traceback of a step, a load or a context passes through: a fix's face that names one is not told
+#: apart by it (a known fix's frames weigh only where they are its own).
+_COMMON_FRAMES = _WRAPPERS | {"__enter__", "__exit__", "__getattr__", "__del__", "wait", "run", "py"}
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_]")
+#: The names Python's and torch's own messages use of any program: a message that names only these is no bug's own.
+_STOCK_NAMES = frozenset({"nonetype", "int", "str", "list", "tuple", "dict", "float", "bool", "bytes", "object",
+                          "tensor", "type", "set", "function", "module", "torch.tensor", "cpu", "cuda"})  # fmt: skip
+#: What Python and torch say of any program's mistake (an index, an attribute of None, a device, an argument).
+_STOCK = re.compile(
+    r"out of range|object has no attribute|is not callable|values to unpack|unsupported operand type|division by "
+    r"zero|pop from empty|local variable|can only concatenate|multiple values for argument|unexpected keyword "
+    r"argument|no backend type associated|on the same device|re-initialize cuda|illegal memory access|same type as "
+    r"input tensor|not compiled with cuda|has already been set|must be non-negative|0-dim tensor|must be \w+, not|"
+    r"must be 2-d",
+    re.IGNORECASE,
+)
+#: A name in a message: an identifier (``_``, a dot, camelCase) or a quoted name that starts with a capital.
+_NAME = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+|\w*_\w+|\w*[a-z0-9][A-Z]\w*|(?<=')[A-Z]\w+(?=')")
 #: One spelling for what reports write several ways: ``ZeRO-3``, ``zero3``, ``Z3``, ``stage 3`` -> ``zero3``;
 #: ``ZeRO-1/2`` -> ``zero1 zero2``; ``grad_norm``, ``gradient norm`` -> ``gradnorm``; ``bfloat16`` -> ``bf16``.
 _SPELLINGS = (
@@ -139,7 +156,7 @@ class Vocabulary:
 
 def shared(theirs: Mapping[str, int], mine: Mapping[str, int], vocabulary: Vocabulary) -> tuple[float, list[str]]:
     """How much ``mine`` (a text's words) and ``theirs`` (a bug's) have in common, the rarest words weighing most."""
-    common = sorted(set(mine) & set(theirs), key=lambda w: (-vocabulary.weight(w) * theirs[w], w))
+    common = sorted(theirs.keys() & mine.keys(), key=lambda w: (-vocabulary.weight(w) * theirs[w], w))
     return sum(vocabulary.weight(w) * theirs[w] for w in common), common
 
 
@@ -221,6 +238,41 @@ def against(face: Face, error: Raised) -> _Hit:
     return _Hit(0, "")
 
 
+@functools.lru_cache(maxsize=1024)
+def specific(pattern: str) -> bool:
+    """Whether a message pattern is a bug's own: it names something (an identifier, a class: ``'BF16_Optimizer'
+    object has no attribute 'state'``), or it is long and none of Python's or torch's stock phrases (DeepSpeed's own
+    wording). ``list index out of range``, ``'NoneType' object has no attribute 'to'``, ``No backend type associated
+    with device type cpu`` are not: they are raised from any cause."""
+    said = re.sub(r"\\(.)", r"\1", pattern)
+    names = [n for n in _NAME.findall(said) if not re.fullmatch(r"\w*(?:Error|Exception)", n)]
+    if any(name.strip("_.").lower() not in _STOCK_NAMES for name in names):
+        return True
+    return len(re.findall(r"[A-Za-z]", said)) >= LITERAL_MIN and not _STOCK.search(said)
+
+
+def _own_frames(face: Face, log: Log, strict: bool) -> tuple[str, ...]:
+    """The face's frames among the log's; ``strict``: not those every traceback of a training step passes through
+    (``engine.py:backward``, ``step``, a wrapper), which tell no bug apart."""
+    hits = face.frame_hits(log.frames)
+    return tuple(h for h in hits if h.rpartition(":")[2] not in _COMMON_FRAMES) if strict else hits
+
+
+def agrees(face: Face, log: Log) -> bool:
+    """Whether the log puts the face's message where the face raises it: one of its own frames among the log's
+    (``_own_frames``), or one (an identifier, not a wrapper) named in the text (``log_summary(show_straggler=1)``)."""
+    if _own_frames(face, log, True):
+        return True
+    functions = (f.rpartition(":")[2] for f in face.frames)
+    return any("_" in f.strip("_") and f not in _COMMON_FRAMES and _phrase(f).search(log.text) for f in functions)
+
+
+def placed(face: Face, log: Log) -> bool:
+    """Whether a face's matched message names the bug: a message of its own (``specific``), or one the log raises
+    where the face does (``agrees``)."""
+    return face.match is None or specific(face.match) or agrees(face, log)
+
+
 def written_out(face: Face, text: str) -> _Hit:
     """A face's message written in the text (``text``: lower-cased) without its type (a title, prose, a type the paste
     cut)."""
@@ -240,11 +292,22 @@ def typed_through(face: Face, reading: Reading, hits: Sequence[str]) -> _Hit:
     return _Hit(60, f"{face.raises} through {', '.join(hits)}, as it is seen", face, True)
 
 
+@functools.lru_cache(maxsize=1024)
+def _said(named: str) -> frozenset[str]:
+    return frozenset(re.findall(r"\w+", named))
+
+
 def named_frames(named: str, log: Log) -> tuple[list[str], list[str]]:
     """The log's DeepSpeed functions and files that ``named`` (a bug's title and root cause) names in its words."""
-    said = set(re.findall(r"\w+", named))
+    said = _said(named)
     hit_functions = [f for f in log.deepspeed_functions if f in said]
     return hit_functions, [s for s in log.deepspeed_files if s in said and s not in hit_functions]
+
+
+def _overlap(bug_words: Mapping[str, int], log: Log) -> tuple[int, list[str]]:
+    """The points the words a bug and a log share are worth (at most 20), and those words, rarest first."""
+    weight, common = shared(bug_words, log.words, log.vocabulary)
+    return round(20 * (1 - math.exp(-weight / 6))), common
 
 
 # --- one bug -------------------------------------------------------------------------------------------------------
@@ -254,6 +317,41 @@ def document(title: str, root_cause: str, faces: Sequence[Face]) -> str:
     """A bug in words, as a text is compared with it: title, root cause, its faces' words, messages and frames."""
     said = [f"{' '.join(f.words)} {f.literal} {' '.join(f.frames)}" for f in faces]
     return " ".join([title, root_cause, *said])
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What can show a bug in a log at all, made once per catalogue (``Reach.of``): the exception names its faces
+    declare, their frames' functions, the words of its title and root cause, the start of each message pattern (a
+    pattern that starts with an operator: ``always``), the first word of each phrase. A log that shows none of them
+    gives the bug nothing but the words it shares (``collect`` skips the rest: most bugs, for most logs)."""
+
+    types: frozenset[str]
+    functions: frozenset[str]
+    named: frozenset[str]
+    literals: tuple[str, ...]
+    always: bool
+    first_words: tuple[str, ...]
+
+    @classmethod
+    def of(cls, faces: Sequence[Face], named: str) -> Reach:
+        patterns = [f for f in faces if f.match]
+        return cls(frozenset(f.raises_name for f in faces if f.raises_name),
+                   frozenset(name.rpartition(":")[2] for f in faces for name in f.frames), _said(named),
+                   tuple(f.literal for f in patterns if f.literal), any(not f.literal for f in patterns),
+                   tuple(_one(w).split()[0] for f in faces for w in f.words if w.split()))  # fmt: skip
+
+    def within(self, log: Log) -> bool:
+        """Whether ``log`` shows anything of the bug but shared words: a type, a frame, a function its words name, a
+        message's start (or a message cut short of one), a phrase's first word."""
+        if self.always or self.types & log.types or self.functions & log.functions:
+            return True
+        if self.named & log.deepspeed_names:
+            return True
+        if any(w in log.lower for w in self.first_words):
+            return True
+        return any(lit.lower() in log.messages or _one(lit) in log.lower or any(map(lit.startswith, log.shorts))
+                   for lit in self.literals)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -269,23 +367,54 @@ class Log:
     deepspeed_functions: tuple[str, ...] = ()  # DeepSpeed frames' functions (not wrappers), each once
     deepspeed_files: tuple[str, ...] = ()  # DeepSpeed frames' files, without ``.py``, each once
     lower: str = ""  # the text lower-cased
+    # what ``Reach.within`` looks for: every type raised or named, every frame's function, the DeepSpeed functions
+    # and files, every message (as shown, its lines joined) lower-cased, the messages' first lines
+    types: frozenset[str] = frozenset()
+    functions: frozenset[str] = frozenset()
+    deepspeed_names: frozenset[str] = frozenset()
+    messages: str = ""
+    shorts: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, reading: Reading, documents: Sequence[str]) -> Log:
         text = spelled(ends(reading.text))
         ds = reading.deepspeed_frames
+        functions = tuple(dict.fromkeys(f.function for f in ds if f.function not in _WRAPPERS))
+        files = tuple(dict.fromkeys(PurePath(f.path).stem for f in ds))
+        errors = reading.errors
         return cls(reading, text, words(text), Vocabulary.of(tuple(documents)),
-                   tuple((f.file, f.function) for f in reading.frames),
-                   tuple(dict.fromkeys(f.function for f in ds if f.function not in _WRAPPERS)),
-                   tuple(dict.fromkeys(PurePath(f.path).stem for f in ds)), text.lower())  # fmt: skip
+                   tuple((f.file, f.function) for f in reading.frames), functions, files, text.lower(),
+                   frozenset({*(n for e in errors for n in e.type_names), *reading.named}),
+                   frozenset(f.function for f in reading.frames), frozenset({*functions, *files}),
+                   "\n".join(v for e in errors for v in _variants(e.message)).lower(),
+                   tuple(s for e in errors if len(s := e.first_line.rstrip()) >= LITERAL_MIN))  # fmt: skip
 
 
-def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log: Log) -> Evidence:
+def collect(
+    faces: Sequence[Face],
+    named: str,
+    bug_words: Mapping[str, int],
+    log: Log,
+    *,
+    strict: bool = False,
+    reach: Reach | None = None,
+) -> Evidence:
     """A bug's evidence in a log: the best face's message (or type), then its frames, its words, the words it shares
-    with the text and a type the text only names. ``named``: the bug's title and root cause (frames they name)."""
+    with the text and a type the text only names. ``named``: the bug's title and root cause (frames they name).
+    ``strict`` (a fix known from the ledger or the atlas, whose faces no repro checked): a message that is not
+    ``specific`` names it with confidence only where the log ``agrees`` on where it is raised. ``reach`` (the bug's,
+    made once): a log it does not reach gives the bug only the words they share."""
+    if reach is not None and not reach.within(log):
+        overlap, common = _overlap(bug_words, log)
+        return Evidence(min(overlap, CONFIDENT - 1), (f"shares {', '.join(common[:4])}" if overlap >= 3 else "",))
+    return _evidence(faces, named, bug_words, log, strict)
+
+
+def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log: Log, strict: bool) -> Evidence:
+    """``collect``, for a bug the log reaches."""
     reading = log.reading
     errors = [e for e in reading.errors if not e.lost_peer] or list(reading.errors)
-    hit_frames = {face: face.frame_hits(log.frames) for face in faces}
+    hit_frames = {face: _own_frames(face, log, strict) for face in faces}
     hits = [against(face, e) for face in faces for e in errors]
     raised_elsewhere = {h.face for h in hits if h.contradicted}  # its message written out is that exception's too
     hits += [written_out(face, log.lower) for face in faces if face not in raised_elsewhere]
@@ -296,8 +425,7 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
     functions, files = named_frames(named, log)
     framed = min(10 * len(declared) + 6 * len(functions) + 3 * len(files), 30)
     said = phrases(faces, log.text, log.lower)
-    weight, common = shared(bug_words, log.words, log.vocabulary)
-    overlap = round(20 * (1 - math.exp(-weight / 6)))
+    overlap, common = _overlap(bug_words, log)
     if best.matched:  # the message's own words already counted in the match: what else the text says, a little
         overlap = min(overlap, _MATCHED_OVERLAP)
     types = {face.raises_name for face in faces if face.raises_name}
@@ -311,10 +439,14 @@ def collect(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], log
         f"the text names {', '.join(named_types)}" if only_named else "",
     )
     more = framed + min(8 * len(said), 24) + overlap + only_named
+    if best.matched and strict and best.face is not None and not placed(best.face, log):
+        said_so = f"{best.why} (a message many causes raise, and not where it raises it)"
+        return Evidence(min(best.points + more, CONFIDENT - 1), (said_so, *why[1:]), best.face)
     if best.matched:
         return Evidence(best.points + more, why, best.face, True)
     if contradicted is not None:  # the message is the bug's, where the bug does not raise it: what it would have had
         return Evidence(contradicted.points + more, (contradicted.why, *why[1:]), contradicted.face, False, False,
                         contradicted.contradicted)  # fmt: skip
-    corroborated = len(said) >= 2 or len(declared) > 0
+    telling = [p for p in said if not strict or len(p.split()) > 1 or _NAME.fullmatch(p)]
+    corroborated = len(telling) >= 2 or len(declared) > 0
     return Evidence(min(best.points + more, CONFIDENT - 1), why, best.face, False, corroborated)

@@ -58,6 +58,17 @@ GIVEN, STATED, ASSUMED = "--release", "stated in the log", "installed here, assu
 _FAILURE_MIN, _FAILURE_CHARS = 16, 160
 
 
+@functools.lru_cache(maxsize=1024)
+def _specifiers(affected: str) -> SpecifierSet:
+    """A range as ``packaging`` reads it, once (every bug's range is asked about in every triage)."""
+    return SpecifierSet(affected)
+
+
+@functools.lru_cache(maxsize=1024)
+def _version(release: str) -> Version:
+    return Version(release)
+
+
 @dataclass(frozen=True)
 class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
@@ -94,7 +105,7 @@ class KnownBug:
         return " or ".join(oldest_first(self.affected)) or "no declared range"
 
     def covers(self, release: Version) -> bool:
-        return any(SpecifierSet(a).contains(release, prereleases=True) for a in self.affected)
+        return any(_specifiers(a).contains(release, prereleases=True) for a in self.affected)
 
     @property
     def document(self) -> str:
@@ -258,13 +269,50 @@ def declared_types(bugs: Sequence[KnownBug]) -> set[str]:
 
 
 @dataclass(frozen=True)
+class _Compared:
+    """A bug as every triage compares it, made once per catalogue (``_catalogue``): the words that name its frames
+    (title, root cause, upstream), its document's words, what can show it in a log at all (``evidence.Reach``)."""
+
+    bug: KnownBug
+    named: str
+    words: Mapping[str, int]
+    reach: evidence.Reach
+
+
+class _Same:
+    """The bugs of one catalogue as a cache key: the same objects, in order (a catalogue is read once and triaged
+    many times; hashing every bug's faces for each triage would cost what the cache saves)."""
+
+    def __init__(self, bugs: Sequence[KnownBug]) -> None:
+        self.bugs = tuple(bugs)  # held, so that no id below is another object's while the key lives
+        self.ids = tuple(map(id, self.bugs))
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and self.ids == other.ids
+
+
+@functools.lru_cache(maxsize=4)
+def _catalogue(same: _Same) -> tuple[tuple[_Compared, ...], tuple[str, ...]]:
+    """Each bug as compared (``_Compared``) and the documents of all (their ``evidence.Vocabulary``)."""
+    documents = tuple(bug.document for bug in same.bugs)
+    known = tuple(
+        _Compared(bug, named := f"{bug.title} {bug.root_cause} {bug.upstream or ''}", evidence.words(document),
+               evidence.Reach.of(bug.faces, named))
+        for bug, document in zip(same.bugs, documents, strict=True)
+    )  # fmt: skip
+    return known, documents
+
+
+@dataclass(frozen=True)
 class _Context:
     """What every bug is judged against, made once per triage."""
 
     log: evidence.Log
     judged: Judged
     config: Mapping[str, Any] | None
-    bug_words: Mapping[str, Mapping[str, int]]  # each bug's words, from its document
 
 
 def _release(bug: KnownBug, found: Evidence, release: Version) -> tuple[int, str]:
@@ -291,7 +339,7 @@ def _assumed(bug: KnownBug, release: Version) -> str:
     """What a release only assumed says of a bug outside its ranges: a question, never a rule."""
     if bug.covers(release) or not bug.affected:
         return ""
-    if bug.fixed_in is not None and release >= Version(bug.fixed_in):
+    if bug.fixed_in is not None and release >= _version(bug.fixed_in):
         return f"fixed in {bug.fixed_in}; the DeepSpeed installed here is {release}: was the log from an older release?"
     return (f"affected {bug.ranges}; the DeepSpeed installed here is {release}: was the log from another "
             "release?")  # fmt: skip
@@ -302,11 +350,13 @@ def _premise_unmet(bug: KnownBug, config: Mapping[str, Any] | None) -> str | Non
     return f"the config cannot meet its premise: {'; '.join(unmet)}" if unmet else None
 
 
-def judge(bug: KnownBug, context: _Context) -> Candidate | RuledOut:
+def judge(known: _Compared, context: _Context) -> Candidate | RuledOut:
     """One bug against the log: a scored candidate, or ruled out (a firm release, the premise) with the reason and
-    the score its evidence had, so that only the bugs the log points to need be named as ruled out."""
-    words = context.bug_words[bug.id]
-    found = evidence.collect(bug.faces, f"{bug.title} {bug.root_cause} {bug.upstream or ''}", words, context.log)
+    the score its evidence had, so that only the bugs the log points to need be named as ruled out. A known fix (no
+    repro checked its faces) is named with confidence by a message of its own, or one raised where it raises it."""
+    bug = known.bug
+    found = evidence.collect(bug.faces, known.named, known.words, context.log, strict=not bug.catalogued,
+                             reach=known.reach)  # fmt: skip
     points, parts = found.points, list(found.why)
     if found.contradicted:
         return RuledOut(bug, found.contradicted, min(points, 100))
@@ -350,10 +400,9 @@ def rank(
 ) -> Triage:
     """Every bug judged (``judge``): the candidates at or above ``FLOOR``, best first; the ruled-out bugs whose
     evidence reached ``RULED_FLOOR``; how many are left unnamed."""
-    documents = {bug.id: bug.document for bug in bugs}
-    log = evidence.Log.of(reading, list(documents.values()))
-    context = _Context(log, judged, config, {i: evidence.words(d) for i, d in documents.items()})
-    every = [judge(bug, context) for bug in bugs]
+    known, documents = _catalogue(_Same(bugs))
+    context = _Context(evidence.Log.of(reading, documents), judged, config)
+    every = [judge(k, context) for k in known]
     candidates = sorted((j for j in every if isinstance(j, Candidate) and j.score >= FLOOR),
                         key=lambda c: (-c.score, not c.bug.catalogued, c.bug.id))  # fmt: skip
     ruled = tuple(j for j in every if isinstance(j, RuledOut) and j.score >= RULED_FLOOR)
