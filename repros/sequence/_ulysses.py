@@ -28,15 +28,16 @@ def qkv(batch: int, sequence: int, heads: int, head_dim: int, *, seed: int, devi
 
 
 def gather_lengths_as_vectors(monkeypatch: Any) -> None:
-    """The fix of entry ``ulysses-dataloader-adapter-gloo-seqlen`` (ours: unfixed upstream): the adapter's ``refill``
-    gathers each rank's sequence length as a one-element tensor, the shape of the tensors it gathers into, which gloo
+    """The fix of entry ``ulysses-dataloader-adapter-gloo-seqlen`` (0.19.8's logic): the adapter's ``refill`` gathers
+    each rank's sequence length as a one-element tensor, the shape of the tensors it gathers into, which gloo
     requires."""
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
-    from pytest_dsrepro.inrank.backport import backport
+    from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if not hasattr(ulysses_sp, "UlyssesSPDataLoaderAdapter"):
-        return
+    adapter = getattr(ulysses_sp, "UlyssesSPDataLoaderAdapter", None)
+    if adapter is None or not release_has(adapter.refill, 'seqlen = torch.tensor(batch["input_ids"].shape[1],'):
+        return  # no adapter yet, or 0.19.8's torch.full((1, ), ...)
     backport(monkeypatch, "deepspeed.runtime.sequence_parallel.ulysses_sp", [LENGTHS_AS_VECTORS])
 
 

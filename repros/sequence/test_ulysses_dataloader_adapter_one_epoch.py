@@ -24,9 +24,9 @@ pytestmark = [
     pytest.mark.ds_not_applicable("<0.17.0", reason="UlyssesSPDataLoaderAdapter appeared in 0.17.0"),
     # on gloo (a CPU world) the adapter's first refill fails before any epoch ends: that entry's fix, everywhere
     pytest.mark.ds_prerequisite(
-        ">=0.17.0",
+        ">=0.17.0,<0.19.8",
         fix=gather_lengths_as_vectors,
-        reason="ulysses-dataloader-adapter-gloo-seqlen (ours, unfixed upstream): gloo refuses the adapter's gather of "
+        reason="ulysses-dataloader-adapter-gloo-seqlen (fixed in 0.19.8): gloo refuses the adapter's gather of "
         "the sequence lengths",
     ),
 ]
