@@ -50,3 +50,23 @@ def tokens(count: int, *, seed: int, device: Any, dtype: Any = None) -> tuple[An
     x = torch.randn(count, HIDDEN, generator=generator, device="cpu")
     y = torch.randn(count, 1, generator=generator, device="cpu")
     return x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+
+
+def moe_groups(model: Any) -> list[dict[str, Any]]:
+    """``model``'s parameters in the groups DeepSpeed's MoE needs under ZeRO: the experts' apart from the rest."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "parameters"}
+    )
+
+
+def moe_engine(ds_engine: Any, ds_config: dict[str, Any], model: Any) -> Any:
+    """``ds_engine`` over ``model`` with its MoE parameter groups: the config's own optimizer section built over them
+    where it has one, else a ``torch.optim.Adam``."""
+    import torch
+
+    groups = moe_groups(model)
+    if "optimizer" in ds_config:
+        return ds_engine(model=model, optimizer=None, model_parameters=groups)
+    return ds_engine(model=model, optimizer=torch.optim.Adam(groups, lr=1e-3))

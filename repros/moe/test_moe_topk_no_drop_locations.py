@@ -8,7 +8,8 @@ any model whose MoE layer routes each token to three or more experts without dro
 """
 
 import pytest
-from _moe import moe_model, tokens
+from _moe import moe_engine, moe_model, tokens
+from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 
@@ -24,6 +25,7 @@ pytestmark = [
     ),
     pytest.mark.ds_premise(stage=(0, 1, 2)),
     pytest.mark.ds_not_applicable("<0.15.0", reason="top-k gating with k > 2 (topkgating) appeared in 0.15.0"),
+    ZERO12_CPU_FLAT_BUFFER,  # a user's ZeRO-1/2 config on 0.18.7-0.18.9
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
@@ -77,17 +79,9 @@ def locate_without_dropping(monkeypatch):
 )
 def test_top3_moe_trains_without_dropping_tokens(ds_engine, ds_config, ds_rank, ds_device):
     import torch
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     model = moe_model(num_experts=4, k=3, drop_tokens=False, seed=1, device=ds_device)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"}
-    )
-    # MoE parameter groups, as DeepSpeed's MoE requires under ZeRO; a config's own optimizer section builds over them
-    if "optimizer" in ds_config:
-        engine = ds_engine(model=model, optimizer=None, model_parameters=groups)
-    else:
-        engine = ds_engine(model=model, optimizer=torch.optim.Adam(groups, lr=1e-3))
+    engine = moe_engine(ds_engine, ds_config, model)  # MoE parameter groups, as DeepSpeed's MoE needs under ZeRO
     x, y = tokens(
         ds_config["train_micro_batch_size_per_gpu"] * 4,
         seed=ds_rank,

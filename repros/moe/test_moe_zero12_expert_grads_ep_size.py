@@ -11,7 +11,7 @@ the same model and data with ``ep_size`` 1 and 2 and compares each expert's upda
 """
 
 import pytest
-from _moe import moe_model, tokens
+from _moe import moe_groups, moe_model, tokens
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 
 from pytest_dsrepro.inrank.devices import precision_dtype
@@ -85,14 +85,12 @@ def one_step(ds_config, model, x, y):
     """One SGD step of ``model`` on ``(x, y)``; the experts of this rank before and after it."""
     import deepspeed
     import torch
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     experts = model.moe.deepspeed_moe.experts.deepspeed_experts
     before = [e.weight.detach().clone() for e in experts]
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(moe_groups(model), lr=LR), config=ds_config
     )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=LR), config=ds_config)
     output, _ = engine(x)
     engine.backward(torch.nn.functional.mse_loss(output, y))  # the gate's auxiliary loss left out: experts only
     engine.step()
