@@ -1,0 +1,82 @@
+"""What the Ulysses repros share (not a test module): plain softmax attention, and the check of DeepSpeed's
+``DistributedAttention`` against it on the whole sequence. Imported as ``_ulysses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def attention(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    """Softmax attention over ``[batch, sequence, heads, head_dim]`` (no mask): the local attention of each rank."""
+    import torch
+
+    scores = torch.einsum("bqnh,bknh->bnqk", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("bnqk,bknh->bqnh", torch.softmax(scores, dim=-1), v)
+
+
+def qkv(batch: int, sequence: int, heads: int, head_dim: int, *, seed: int, device: Any, dtype: Any) -> list[Any]:
+    """Queries, keys and values of the whole sequence, ``[batch, sequence, heads, head_dim]``, the same on every rank
+    (drawn on the CPU)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(batch, sequence, heads, head_dim, generator=generator, device="cpu").to(device=device, dtype=dtype)
+        for _ in range(3)
+    ]
+
+
+def gather_lengths_as_vectors(monkeypatch: Any) -> None:
+    """The fix of entry ``ulysses-dataloader-adapter-gloo-seqlen`` (0.19.8's logic): the adapter's ``refill`` gathers
+    each rank's sequence length as a one-element tensor, the shape of the tensors it gathers into, which gloo
+    requires."""
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    from pytest_dsrepro.inrank.backport import backport, release_has
+
+    adapter = getattr(ulysses_sp, "UlyssesSPDataLoaderAdapter", None)
+    if adapter is None or not release_has(adapter.refill, 'seqlen = torch.tensor(batch["input_ids"].shape[1],'):
+        return  # no adapter yet, or 0.19.8's torch.full((1, ), ...)
+    backport(monkeypatch, "deepspeed.runtime.sequence_parallel.ulysses_sp", [LENGTHS_AS_VECTORS])
+
+
+#: The edit of ``gather_lengths_as_vectors``: a fix of the adapter's ``refill`` that edits its source again
+#: (``backport`` starts from the installed source) carries it along.
+LENGTHS_AS_VECTORS = (
+    r"seqlen = torch\.tensor\(batch\[\"input_ids\"\]\.shape\[1\], dtype=torch\.int64",
+    'seqlen = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.int64',
+)
+
+
+def adapter_epochs(
+    ds_config: dict[str, Any], ds_rank: int, ds_device: Any, *, epochs: int = 2
+) -> tuple[list[int], int]:
+    """A user's loop over ``epochs`` epochs of ``UlyssesSPDataLoaderAdapter`` around a ``DataLoader`` of 4 token
+    samples per rank (``input_ids``, ``labels``, ``position_ids``), over the sequence-parallel group ALST sets up
+    (``parallel_state_sp``, of the config's ``sequence_parallel_size``): the batches each epoch yielded, and the
+    adapter's length."""
+    import torch
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    sp = ds_config["sequence_parallel_size"]
+    parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp)
+    generator = torch.Generator().manual_seed(ds_rank)
+    samples = [
+        {
+            "input_ids": torch.randint(0, 100, (8,), generator=generator, device="cpu"),
+            "labels": torch.randint(0, 100, (8,), generator=generator, device="cpu"),
+            "position_ids": torch.arange(8, device="cpu"),
+        }
+        for _ in range(4)
+    ]
+    loader = torch.utils.data.DataLoader(samples, batch_size=ds_config["train_micro_batch_size_per_gpu"])
+    adapter = UlyssesSPDataLoaderAdapter(
+        loader,
+        sp_rank=parallel_state_sp.get_sequence_parallel_rank(),
+        sp_group=parallel_state_sp.get_sequence_parallel_group(),
+        sp_world_size=sp,
+        device=ds_device,
+    )
+    return [sum(1 for _ in adapter) for _ in range(epochs)], len(adapter)

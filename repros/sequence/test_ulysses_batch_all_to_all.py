@@ -1,0 +1,106 @@
+"""Ulysses sequence parallelism before 0.14.5: with a micro-batch larger than 1 the attention output mixes samples.
+
+``DistributedAttention`` (``[sequence, batch, heads, head_dim]``) scatters heads and gathers the sequence with one
+all-to-all, runs the local attention, and goes back with a second one. On the way back ``single_all_to_all`` receives
+``[ranks, sequence / ranks, batch, heads / ranks, head_dim]`` and moves the ranks next to the heads with
+``transpose(0, 2)``, which swaps them with the batch instead: reshaped to ``[sequence / ranks, batch, heads, ...]``,
+each sample's positions then hold heads of other samples. With a batch of 1 the swap changes nothing, so single-sample
+tests pass; with 2 samples the output is wrong, silently. PR #5823 (first in 0.14.5) permutes the dimensions in the
+right order (and adds ``batch_dim_idx``). The body checks Ulysses' output against plain attention over the whole
+sequence (4 heads over 2 ranks: the uneven-heads path of entry ``ulysses-even-heads-uneven-path`` is not taken).
+"""
+
+import pytest
+from _ulysses import attention, qkv
+
+from pytest_dsrepro.inrank.devices import precision_dtype
+
+pytestmark = [
+    pytest.mark.ds_repro(
+        id="ulysses-batch-all-to-all",
+        title="Ulysses sequence parallelism with micro-batch > 1: the returning all-to-all mixes samples",
+        upstream="https://github.com/deepspeedai/DeepSpeed/pull/5823",
+        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/5823",
+        fixed_in="0.14.5",
+        root_cause="single_all_to_all's sequence-scatter branch transposes the ranks' dimension with the batch's "
+        "(transpose(0, 2)) instead of moving it next to the heads, which only a batch of 1 survives.",
+    ),
+    pytest.mark.ds_premise(
+        precision="fp32", config={"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": ">=2"}
+    ),
+]
+
+#: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
+pytestmark += [
+    pytest.mark.ds_seen(
+        "https://github.com/deepspeedai/DeepSpeed/pull/5823",
+        words=("batch size larger than 1", "sequence parallel"),
+    ),
+]
+
+#: The body builds no engine: DistributedAttention over a group of the user's own, as Megatron-DeepSpeed does.
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "sequence_parallel_size": 2,
+}
+HEADS, HEAD_DIM, SEQUENCE = 4, 4, 8
+
+
+def permute_ranks_next_to_heads(monkeypatch):
+    """PR #5823's logic for the sequence-first layout: the ranks' dimension goes next to the heads, the batch stays."""
+    from deepspeed.sequence import layer
+
+    from pytest_dsrepro.inrank.backport import backport, release_has
+
+    if not release_has(layer.single_all_to_all, "output = output.transpose(0, 2).contiguous()"):
+        return
+    backport(
+        monkeypatch,
+        "deepspeed.sequence.layer",
+        [
+            (
+                r"output = output\.transpose\(0, 2\)\.contiguous\(\)",
+                "output = output.permute(1, 2, 0, *range(3, output.dim())).contiguous()",
+            )
+        ],
+    )
+
+
+def sequence_first_attention(q, k, v, *args, **kwargs):
+    """The local attention in the ``[sequence, batch, heads, head_dim]`` layout of Megatron-DeepSpeed."""
+    return attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+
+
+@pytest.mark.ds_config(pytest.param(CONFIG, id="sp2_mb2"))
+@pytest.mark.ds_version(
+    affected="<0.14.5",
+    raises=AssertionError,
+    match="Ulysses attention differs from attention over the whole sequence",
+    fix=permute_ranks_next_to_heads,
+)
+def test_ulysses_attention_with_two_samples(ds_config, ds_device):
+    import inspect
+
+    import torch
+    from deepspeed.sequence.layer import DistributedAttention
+
+    sp = ds_config["sequence_parallel_size"]
+    group = torch.distributed.new_group(list(range(sp)))  # the user's sequence-parallel group: the world's ranks
+    rank = torch.distributed.get_rank(group)
+    ulysses = DistributedAttention(sequence_first_attention, group, scatter_idx=2, gather_idx=0)
+    # From 0.14.5 the caller says where the batch is: dimension 1 here.
+    batch_dim = (1,) if "batch_dim_idx" in inspect.signature(ulysses.forward).parameters else ()
+
+    batch = ds_config["train_micro_batch_size_per_gpu"]
+    q, k, v = (
+        t.transpose(0, 1).contiguous()
+        for t in qkv(batch, SEQUENCE, HEADS, HEAD_DIM, seed=3, device=ds_device, dtype=precision_dtype(ds_config))
+    )
+    local = SEQUENCE // sp
+    mine = slice(rank * local, (rank + 1) * local)
+    out = ulysses(q[mine].contiguous(), k[mine].contiguous(), v[mine].contiguous(), *batch_dim)
+    error = (out - sequence_first_attention(q, k, v)[mine]).abs().max().item()
+    assert error < 1e-5, (
+        f"Ulysses attention differs from attention over the whole sequence: max error {error} with {batch} samples"
+    )
