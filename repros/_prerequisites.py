@@ -10,7 +10,9 @@ persistent parameters after ``step()``; ``PIPELINE_NESTED_BACKWARD`` (entry ``pi
 (entries ``pipeline-gradient-accumulation-summed``, 0.16.0-0.18.2, and ``pipeline-gradient-scaled-twice``,
 0.18.3-0.19.2) for pipelines with gradient accumulation, each the other's; ``COMM_DTYPE_BUCKET`` (entry
 ``zero2-bf16-fp32-comm-bucket``, 0.17.2-0.18.0) for ZeRO-1/2 repros reducing in another dtype. ``ZERO3_PARTITIONED``
-is the premise the ZeRO-3 repros of a tiny model share.
+is the premise the ZeRO-3 repros of a tiny model share. ``BF16_ZERO1_OPTIMIZER`` (entry
+``bf16-zero1-fp32-accum-wrong-optimizer``, 0.17.6-0.18.4, whose fix it is) for repros of ``BF16_Optimizer`` under
+ZeRO-1 with fp32 gradient accumulation.
 
 pytest imports ``repros/conftest.py`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -270,4 +272,42 @@ PIPELINE_GRADIENTS_SCALED_TWICE = pytest.mark.ds_prerequisite(
     fix=scale_on_last_stage_only,
     releases=PIPELINE_SCALED_TWICE_RELEASES,
     reason="pipeline-gradient-scaled-twice (PR #8154): stages before the last divide their gradients twice there",
+)
+
+
+def distinct_ddp_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PR #7788's fix, as entry ``bf16-zero1-fp32-accum-wrong-optimizer`` backports it: ``DDP_BFLOAT16`` gets its own
+    value (the engine compares its module globals), and ``BF16_Optimizer`` gets the loss-scaling attributes the base
+    class reads, with no loss scaler to call. A no-op before 0.17.6 (no ``DDP_BFLOAT16``) and from 0.18.5."""
+    from deepspeed.runtime import base_optimizer, constants, engine
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    if getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16:
+        return
+    monkeypatch.setattr(engine, "DDP_BFLOAT16", "ddp_bf16")
+    no_loss_scaling = {"custom_loss_scaler": False, "external_loss_scale": None, "torch_autocast_gradscaler": None}
+    for name, value in no_loss_scaling.items():
+        monkeypatch.setattr(BF16_Optimizer, name, value, raising=False)
+    if hasattr(base_optimizer.ZeROOptimizer, "scale_if_loss"):  # 0.18.3 on: engine.backward calls it for ZeRO
+        backport(
+            monkeypatch,
+            "deepspeed.runtime.base_optimizer",
+            [
+                (
+                    r"\n(\s+)return self\.loss_scaler\.scale_loss\(value\)",
+                    r'\n\1if getattr(self, "loss_scaler", None) is not None:'
+                    r"\n\1    return self.loss_scaler.scale_loss(value)",
+                )
+            ],
+        )
+
+
+#: For repros of ``BF16_Optimizer`` under ZeRO-1: on 0.17.6-0.18.4 their body runs with ``distinct_ddp_bf16``.
+BF16_ZERO1_OPTIMIZER = pytest.mark.ds_prerequisite(
+    fix=distinct_ddp_bf16,
+    releases=">=0.17.6,<0.18.5",
+    reason="bf16-zero1-fp32-accum-wrong-optimizer (PR #7788): the config gets FP16_UnfusedOptimizer there, not "
+    "BF16_Optimizer",
 )

@@ -9,6 +9,7 @@ value and lets ``BF16_Optimizer`` answer the loss-scaling calls it meets since 0
 """
 
 import pytest
+from _prerequisites import distinct_ddp_bf16
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
@@ -41,34 +42,6 @@ BF16_ZERO1_FP32_ACCUM = {
     "data_types": {"grad_accum_dtype": "fp32"},
     "zero_optimization": {"stage": 1},
 }
-
-
-def distinct_ddp_bf16(monkeypatch):
-    """Backport of PR #7788: ``DDP_BFLOAT16`` gets its own value (the engine compares its module globals), and
-    ``BF16_Optimizer`` gets the loss-scaling attributes the base class reads, with no loss scaler to call."""
-    from deepspeed.runtime import base_optimizer, constants, engine
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    from pytest_dsrepro.inrank.backport import backport
-
-    if getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16:
-        return  # before 0.17.6 there is no DDP_BFLOAT16; from 0.18.5 it has its own value
-    monkeypatch.setattr(engine, "DDP_BFLOAT16", "ddp_bf16")
-    no_loss_scaling = {"custom_loss_scaler": False, "external_loss_scale": None, "torch_autocast_gradscaler": None}
-    for name, value in no_loss_scaling.items():
-        monkeypatch.setattr(BF16_Optimizer, name, value, raising=False)
-    if hasattr(base_optimizer.ZeROOptimizer, "scale_if_loss"):  # 0.18.3 on: engine.backward calls it for ZeRO
-        backport(
-            monkeypatch,
-            "deepspeed.runtime.base_optimizer",
-            [
-                (
-                    r"\n(\s+)return self\.loss_scaler\.scale_loss\(value\)",
-                    r'\n\1if getattr(self, "loss_scaler", None) is not None:'
-                    r"\n\1    return self.loss_scaler.scale_loss(value)",
-                )
-            ],
-        )
 
 
 @pytest.mark.ds_config(pytest.param(BF16_ZERO1_FP32_ACCUM, id="bf16_zero1_fp32_accum"))

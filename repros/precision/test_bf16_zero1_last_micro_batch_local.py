@@ -16,7 +16,7 @@ to 0.18.4 this config gets ``FP16_UnfusedOptimizer`` instead (``bf16-zero1-fp32-
 """
 
 import pytest
-from _precision import BF16_ZERO1_OPTIMIZER
+from _prerequisites import BF16_ZERO1_OPTIMIZER
 
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
