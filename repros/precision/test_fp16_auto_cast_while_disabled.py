@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.ds_repro(
         id="precision-fp16-auto-cast-while-disabled",
         title="fp16.auto_cast true with fp16 disabled: the engine casts fp32/bf16 inputs to half",
-        upstream="https://github.com/deepspeedai/DeepSpeed/pull/6976",
+        upstream="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.5/deepspeed/runtime/engine.py#L1342",
         fix_ref=None,
         fixed_in=None,
         root_cause="engine.fp16_auto_cast() returns the fp16 section's auto_cast without asking whether fp16 is "
