@@ -99,7 +99,7 @@ def test_sequence_classification_and_unknown_types() -> None:
 def test_an_hf_repro_exports_to_a_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A maintainer's script for a bug met through PEFT imports peft and transformers, and the helpers inlined."""
     monkeypatch.chdir(Path(__file__).parents[1])
-    nodeid = "repros/zero3/test_hf_peft_modules_to_save.py::test_lora_with_modules_to_save_trains[zero3-stock]"
+    nodeid = "repros/hf/test_hf_peft_modules_to_save.py::test_lora_with_modules_to_save_trains[zero3-stock]"
     script = tmp_path / "repro.py"
     assert cli.main(["export", nodeid, "-o", str(script)]) == 0
     text = script.read_text()

@@ -1,6 +1,7 @@
 """The catalogue's layout: ``repros/`` has a folder per DeepSpeed subsystem, and a repro lives in the folder of the
-subsystem its bug is in (where the fix goes, not what its config turns on). ``dsrepro list`` and docs/repros.md group
-by these folders, under their headings; ``dsrepro new`` picks one from a new repro's name.
+subsystem its bug is in (where the fix goes, not what its config turns on), except the bugs met through Hugging
+Face's integration, which share ``hf/`` (the path their users take, and the extra they need). ``dsrepro list`` and
+docs/repros.md group by these folders, under their headings; ``dsrepro new`` picks one from a new repro's name.
 
 The helpers the repros share (``_zero12.py``, ``_prerequisites.py``, ...) stay at the top of ``repros/``, beside its
 ``conftest.py``: pytest's default (``prepend``) import mode puts that folder on ``sys.path`` with the conftest, and
