@@ -45,8 +45,8 @@ def pipeline_premise(**requirements: Any) -> pytest.MarkDecorator:
         "must be allowed to wrap, and which a config's scheduler or half precision would change); and the pipeline "
         "engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None; from "
         "0.18.3 a stage's backward under wall_clock_breakdown (which the flops profiler turns on too) starts the "
-        "bwd_microstep timer twice (the pipeline's own and the backward hook's: AssertionError: entry pipeline-backward-timer-started-twice), "
-        "before the compared step",
+        "bwd_microstep timer twice (the pipeline's own and the backward hook's: AssertionError, entry "
+        "pipeline-backward-timer-started-twice), before the compared step",
     )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Variable batch sizes with ``lr_scaling_method: "sqrt"``: building the learning-rate scheduler raises TypeError.
 
-Dynamic batching (``data_efficiency.data_sampling.dynamic_batching``, PR #6502) packs sequences into batches of up
+Dynamic batching (``data_efficiency.data_sampling.dynamic_batching``, PR #7104) packs sequences into batches of up
 to ``max_tokens`` and scales the learning rate of each step to its batch's size. Its ``scale_lr`` computed the
 square-root method as ``torch.sqrt(batch_size / base_batch_size)``, a Python float where torch wants a tensor, so
 ``get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed`` dies at once (the scheduler scales the first
@@ -77,7 +77,7 @@ def math_sqrt(monkeypatch):
 
 
 @pytest.mark.ds_config(pytest.param(CONFIG, id="dynamic_batching_sqrt"))
-@pytest.mark.ds_not_applicable(releases="<0.16.5", reason="dynamic batching first shipped in 0.16.5 (PR #6502)")
+@pytest.mark.ds_not_applicable(releases="<0.16.5", reason="dynamic batching first shipped in 0.16.5 (PR #7104)")
 @pytest.mark.ds_version(
     affected=">=0.16.5,<0.18.4",
     raises=TypeError,

@@ -4,7 +4,8 @@ With bf16 on, no ZeRO and no optimizer, ``deepspeed.initialize`` still wraps a `
 ``DummyOptim`` (``_configure_bf16_optimizer(optimizer=None)``). That wrapper builds no bf16 groups for a dummy
 optimizer, but its ``destroy()`` walks the dummy's param groups and indexes ``self.bf16_groups[i]``: so
 ``engine.destroy()``, which frees an engine's optimizer links (trainers call it to release an evaluation engine,
-issue #7752), dies with an IndexError. PR #7763 (first released in 0.18.4) returns early when the optimizer is not a
+issue #7752), dies with an IndexError. ``BF16_Optimizer.destroy`` came with PR #5643 (0.14.5): 0.14.4 has none,
+and its ``engine.destroy()`` passes. PR #7763 (first released in 0.18.4) returns early when the optimizer is not a
 real one.
 """
 
@@ -50,9 +51,9 @@ def no_destroy_without_a_real_optimizer(monkeypatch):
 
     from pytest_dsrepro.inrank.backport import release_has
 
-    if release_has(BF16_Optimizer.destroy, "if not self.using_real_optimizer:"):
-        return  # this release has the fix
-    destroy = BF16_Optimizer.destroy
+    destroy = getattr(BF16_Optimizer, "destroy", None)
+    if destroy is None or release_has(destroy, "if not self.using_real_optimizer:"):
+        return  # before 0.14.5 there is no destroy; from 0.18.4 it has the fix
 
     def guarded(self):
         if not self.using_real_optimizer:
@@ -64,7 +65,10 @@ def no_destroy_without_a_real_optimizer(monkeypatch):
 
 @pytest.mark.ds_config(pytest.param(BF16_NO_ZERO, id="bf16_no_optimizer"))
 @pytest.mark.ds_version(
-    affected="<0.18.4", raises=IndexError, match=r"list index out of range", fix=no_destroy_without_a_real_optimizer
+    affected=">=0.14.5,<0.18.4",
+    raises=IndexError,
+    match=r"list index out of range",
+    fix=no_destroy_without_a_real_optimizer,
 )
 def test_destroy_an_engine_without_optimizer(ds_engine, ds_config, ds_rank):
     import torch
