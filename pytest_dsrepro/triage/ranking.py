@@ -21,6 +21,7 @@ Pure: no pytest, no torch; the renderers for the terminal and for a GitHub comme
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -29,6 +30,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..core.escape import md_code, md_fence, md_link, md_text
+from ..core.escape import terminal as terminal_text
 from ..core.faces import Face
 from ..core.gates import oldest_first
 from ..core.premises import Premise
@@ -386,7 +389,7 @@ def terminal(t: Triage, confirmed: Mapping[str, Finding] | None = None, top: int
             lines.append(f"       confirm: {confirmed_word(confirmed[r.bug.id])}: {confirmed[r.bug.id].detail}")
     lines.append(f"  ({t.unmatched} other catalogued bugs: little or nothing in the log points to them)")
     lines.append(verdict(t, confirmed))
-    return lines
+    return [terminal_text(line) for line in lines]
 
 
 def verdict(t: Triage, confirmed: Mapping[str, Finding] | None = None) -> str:
@@ -416,22 +419,23 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
     confirmed = confirmed or {}
     strong = next((r for r in t.ruled_out if r.score >= CONFIDENT), None)
     out = _headline(t, strong)
-    out.append(f"- The log shows: `{showed(t.reading)}`")
-    out.append(f"- Judged on: {_judged_on(t)}")
+    out.append(f"- The log shows: {md_code(showed(t.reading))}")
+    out.append(f"- Judged on: {md_text(_judged_on(t))}")
     if t.known is not None:
         out += _known_bug(t.known, t.release, confirmed, log)
     elif strong is None:
-        out += ["", f"To catalogue it: `dsrepro new NAME --from-log {log}` writes a repro prefilled from this error."]
+        command = md_code(f"dsrepro new NAME --from-log {log}")
+        out += ["", f"To catalogue it: {command} writes a repro prefilled from this error."]
     others = [c for c in t.candidates if c is not t.known]
     if others:
-        rows = [(f"`{c.bug.id}` {c.bug.title}", c.score, c.reason) for c in others[:5]]
+        rows = [(f"{md_code(c.bug.id)} {md_text(c.bug.title)}", c.score, md_text(c.reason)) for c in others[:5]]
         out += ["", *markdown_table(("other candidate", "score", "why"), rows)]
     if t.ruled_out:
         out += ["", "Ruled out:", ""]
         for r in t.ruled_out:
             said = confirmed.get(r.bug.id)
-            also = f"; {confirmed_word(said)}: {said.detail}" if said else ""
-            out.append(f"- `{r.bug.id}`: {r.reason}{also}")
+            also = f"; {confirmed_word(said)}: {md_text(said.detail)}" if said else ""
+            out.append(f"- {md_code(r.bug.id)}: {md_text(r.reason)}{also}")
     out += ["", "_Found by `dsrepro triage` (pytest-dsrepro), from the catalogue's own markers._"]
     return "\n".join(out) + "\n"
 
@@ -440,12 +444,13 @@ def _headline(t: Triage, strong: RuledOut | None) -> list[str]:
     """The comment's title: the known bug, the one a strong match was ruled out from (and why), or none."""
     if t.known is not None:
         b = t.known.bug
-        return [f"### This looks like a known DeepSpeed bug: `{b.id}`", "", f"**{b.title}**", ""]
+        return [f"### This looks like a known DeepSpeed bug: {md_code(b.id)}", "", f"**{md_text(b.title)}**", ""]
     if strong is not None:
         b = strong.bug
         fixed = b.fixed_in or "none yet"
-        return [f"### This looks like the known DeepSpeed bug `{b.id}`, but {strong.reason}", "", f"**{b.title}**",
-                "", f"- Upstream: {b.upstream or 'not recorded'}; fixed release: {fixed}"]  # fmt: skip
+        return [f"### This looks like the known DeepSpeed bug {md_code(b.id)}, but {md_text(strong.reason)}", "",
+                f"**{md_text(b.title)}**", "",
+                f"- Upstream: {md_link(b.upstream)}; fixed release: {md_text(fixed)}"]  # fmt: skip
     return ["### No known DeepSpeed bug matches this log with confidence", ""]
 
 
@@ -453,17 +458,24 @@ def _known_bug(known: Candidate, release: str | None, confirmed: Mapping[str, Fi
     """What a user of the known bug needs: evidence, cause, upstream, fix, workaround, the command that confirms."""
     b = known.bug
     out = [
-        f"- Evidence ({known.score}/100): {known.reason}",
-        f"- Root cause: {b.root_cause}",
-        f"- Upstream: {b.upstream or 'not recorded'}",
-        f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}",
-        f"- Workaround: {b.workaround}",
+        f"- Evidence ({known.score}/100): {md_text(known.reason)}",
+        f"- Root cause: {md_text(b.root_cause)}",
+        f"- Upstream: {md_link(b.upstream)}",
+        f"- Fixed release: {md_text(b.fixed_in or 'none yet (unfixed upstream)')}",
+        f"- Workaround: {_workaround(b)}",
     ]
     if known.note:
-        out.append(f"- Release: {known.note}")
+        out.append(f"- Release: {md_text(known.note)}")
     if b.id in confirmed:
-        out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
-    flag = f" --release {release}" if release else ""
-    return [*out, "", "Reproduce it (`pip install pytest-dsrepro`):", "", "```bash",
-            f"dsrepro triage {log}{flag} --confirm", f"pytest {b.file} -rx   # in a pytest-dsrepro checkout",
-            "```"]  # fmt: skip
+        out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {md_text(confirmed[b.id].detail)}")
+    flag = f" --release {shlex.quote(release)}" if release else ""
+    commands = f"dsrepro triage {shlex.quote(log)}{flag} --confirm\npytest {shlex.quote(b.file)} -rx   # in a " \
+        "pytest-dsrepro checkout"  # fmt: skip
+    return [*out, "", "Reproduce it (`pip install pytest-dsrepro`):", "", md_fence(commands, "bash")]
+
+
+def _workaround(b: KnownBug) -> str:
+    """The bug's workaround in Markdown: the repro's fix by name in a code span, the rest as text."""
+    if b.fixed_by is None and b.fix:
+        return f"the repro's fix {md_code(b.fix)} in {md_text(b.file)}"
+    return md_text(b.workaround)
