@@ -28,3 +28,28 @@ TEXTS = {
 #: A repro id (also a file name part and an SVG title): control characters and markup.
 REPRO_ID = "zero3-\x1b]0;title\x07<b>@octocat</b>`x`\x00"
 
+
+def adversarial_lines(size: int = 64 * 1024) -> dict[str, str]:
+    """One line of ``size`` characters per shape that a regex with nested or overlapping repeats takes the square
+    of its length on: dotted words, spaces, colons, brackets, quotes, paths, exception names, rank prefixes."""
+    shapes = {
+        "dotted words": "word.",
+        "dotted names": "torch.distributed.",
+        "spaces": "x ",
+        "colons": "a: ",
+        "brackets": "[rank0]: ",
+        "parentheses": "(",
+        "quotes": "'a' ",
+        "paths": "/usr/lib/",
+        "exception names": "ValueError ",
+        "File lines": 'File "x.py", line 1, in ',
+        "versions": "deepspeed 0.",
+        "equals": "deepspeed==",
+        "digits": "1",
+        "one word": "A",
+        "ansi": "\x1b[31m",
+        "json": '{"a": ',
+        "comments": "= {/*",
+        "escaped quotes": '= {"\\"',
+    }
+    return {name: (unit * (size // len(unit) + 1))[:size] for name, unit in shapes.items()}

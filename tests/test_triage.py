@@ -612,3 +612,23 @@ def test_confirm_runs_a_known_fixs_own_test_from_the_users_clone(tmp_path: Path)
             f"{versions.installed_text('deepspeed')}, as before the fix (99.0): AssertionError: the frobnicator lost its "
             "widgets") in proc.stdout  # fmt: skip
     assert "a known bug, reproduced here: fix-16" in proc.stdout
+
+
+def test_triage_is_linear_on_any_line_shape() -> None:
+    """One line of 64 KiB of each adversarial shape (a quadratic regex took about a minute on dotted words, and a
+    nested JSON ended in RecursionError): each read and ranked in well under the time a quadratic reading takes,
+    and four times the line takes about four times as long, not sixteen."""
+    import time
+
+    from hostile import adversarial_lines
+
+    def took(line: str) -> float:
+        started = time.perf_counter()
+        triage.rank(CATALOGUE, logread.read(line + "\n"))
+        return time.perf_counter() - started
+
+    short, long = adversarial_lines(16 * 1024), adversarial_lines(64 * 1024)
+    for name, line in long.items():
+        seconds = took(line)
+        assert seconds < 3, f"{name}: {seconds:.1f} s"
+        assert seconds < 8 * took(short[name]) + 0.2, f"{name}: {seconds:.2f} s against {took(short[name]):.2f} s"
