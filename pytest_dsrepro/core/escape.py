@@ -124,10 +124,11 @@ def md_link(url: str | None, label: str | None = None) -> str:
     safe = safe_link(url)
     if safe is None or not urlsplit(safe).scheme:
         return md_text(url)
-    if label is None and _PLAIN_URL.fullmatch(safe):
+    plain = _PLAIN_URL.fullmatch(safe) is not None
+    if label is None and plain:
         return safe
-    target = quote(safe, safe="/:?#[]@!$&'*+,;=%~")
-    return f"[{md_text(label or safe)}](<{target}>)"
+    target = safe if plain else "<" + quote(safe, safe="/:?#[]@!$&'*+,;=%~") + ">"
+    return f"[{md_text(label or safe)}]({target})"
 
 
 # --- terminals -----------------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def unwritable_file(path: Path) -> str | None:
     if path.is_dir():
         return "it is a directory"
     why = not_a_file(path) if os.path.lexists(path) else None
-    if why is not None:  # a FIFO would wait for a reader when opened
-        return f"it is {why}" if why.startswith("a ") else why
+    if why is not None and ("FIFO" in why or "socket" in why or "loop" in why):  # opening a FIFO waits for a reader;
+        return f"it is {why}"  # a device (/dev/null, /dev/full) is written as a file is
     if path.exists():
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND))

@@ -471,13 +471,15 @@ def now() -> datetime.datetime:
 
 def write(run: RunRecord, directory: Path) -> Path:
     """Write ``run`` as a new file in ``directory`` (created if needed), whole or not at all; files never overwrite
-    each other.
+    each other. Given a results file this wrote (``directory`` a file), that file again: the same run, amended.
 
     ``results-deepspeed-<release>-<random>.json``, with ``-unavailable`` before the random part for a release
     that could not run.
     """
     kind = "-unavailable" if run.unavailable else ""
-    path = directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
+    path = directory if directory.is_file() else (
+        directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
+    )  # fmt: skip
     write_atomically(path, json.dumps(run.to_json(), indent=2, default=str))
     return path
 

@@ -35,6 +35,10 @@ runpy.run_module("deepspeed.env_report", run_name="__main__")
 TORCH_COMMAND = ("-W", "ignore::RuntimeWarning", "-m", "torch.utils.collect_env")  # not runpy's import warning
 
 
+#: What the report says in place of the diagnostics of a run that was interrupted: gathering them takes seconds.
+NOT_GATHERED = "(not gathered: the run was interrupted, and gathering this takes seconds that a cancelled job lacks)"
+
+
 def rank_environment(cuda_devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment DeepSpeed sees in a rank: the fork server's choice of accelerator on a CPU machine."""
     env = dict(os.environ if base is None else base)
@@ -78,12 +82,19 @@ def gather(environment: Environment, cuda_devices: int) -> Environment:
     """``environment`` with ``ds_report``, torch's ``collect_env`` and the accelerator filled in (what failed says
     so in its place). Without DeepSpeed installed, only torch's summary."""
     env = rank_environment(cuda_devices)
-    ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
-    torch = _start(TORCH_COMMAND, env) if environment.torch else None
-    torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
-    accelerator, ds_report = (None, None)
-    if ds is not None:
-        accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
+    ds = torch = None
+    try:
+        ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
+        torch = _start(TORCH_COMMAND, env) if environment.torch else None
+        torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
+        accelerator, ds_report = (None, None)
+        if ds is not None:
+            accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
+    finally:  # abandoned (a signal): nothing of it goes on
+        for proc in (ds, torch):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return dataclasses.replace(
         environment,
         accelerator=accelerator or environment.accelerator,
