@@ -118,7 +118,8 @@ def test_a_second_signal_mid_run_keeps_the_ended_tests_and_the_report(pytester: 
     written."""
     pytester.makepyfile(ONE_PASSES_ONE_SLEEPS)
     code, out, _ = _cancelled(pytester, pytester.path / "sleeping")
-    assert code == pytest.ExitCode.INTERRUPTED, out
+    assert code in (pytest.ExitCode.INTERRUPTED, -signal.SIGTERM), out  # as below
+    assert "Traceback" not in out
     recorded, report = _kept(pytester)
     assert recorded == [("test_1_passes", "passed")]
     assert "test_1_passes" in report

@@ -6,11 +6,9 @@ JUnit ``<property>`` elements (``--junitxml``). A plugin object may put the run 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -139,19 +137,20 @@ class RunCollector:
         self.unsaved, written = write_outputs(
             run, s.results, None if s.report is None else (s.report, self._markdown(run))
         )
+        if self.held.caught and not interrupted:  # CI's cancel came as the run ended: it ends interrupted
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
         if s.report is None or interrupted or self.held.caught:
             return
-        self.held.release()
         try:
-            with signals_raised():
-                env = diagnostics.gather(env, cuda_devices)
-        except KeyboardInterrupt:
-            self.held.hold()  # until pytest ends: the files are written, a further signal stops nothing
+            self.held.raising = True
+            env = diagnostics.gather(env, cuda_devices)
+        except KeyboardInterrupt:  # the files are written; what signal comes next, up to pytest's end, stops nothing
             self.interrupted = True
             session.exitstatus = pytest.ExitCode.INTERRUPTED
             return
+        finally:
+            self.held.raising = False
         run = self._run_record(env)
-        self.held.hold()
         lost = self.unsaved[:1] if s.results is not None and written is None else []  # the results, said once
         self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)))[0]
         self.held.release()
@@ -206,11 +205,14 @@ def write_outputs(
 
 
 class HeldSignals:
-    """SIGINT and SIGTERM noted (``caught``), not acted on, from ``hold`` to ``release``; from the main thread."""
+    """SIGINT and SIGTERM noted (``caught``), not acted on, from ``hold`` to ``release``; from the main thread. While
+    ``raising``, the first is a ``KeyboardInterrupt`` (what is under way is abandoned), and those after it are noted:
+    one set of handlers throughout, so that no signal falls between two."""
 
     def __init__(self) -> None:
         self.caught: list[int] = []
         self.previous: dict[int, Any] = {}
+        self.raising = False
 
     def hold(self) -> None:
         if self.previous or threading.current_thread() is not threading.main_thread():
@@ -219,32 +221,11 @@ class HeldSignals:
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.caught.append(signum)
+        if self.raising:
+            self.raising = False
+            raise KeyboardInterrupt(f"pytest-dsrepro: signal {signum} while the report's diagnostics were gathered")
 
     def release(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
-
-
-@contextlib.contextmanager
-def signals_raised() -> Iterator[None]:
-    """SIGINT and SIGTERM each a ``KeyboardInterrupt`` (SIGTERM's default would end the process at once)."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"pytest-dsrepro: signal {signum} while the report's diagnostics were gathered")
-
-    with _handling(interrupt):
-        yield
-
-
-@contextlib.contextmanager
-def _handling(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, handler) for signum in SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handled in previous.items():
-            signal.signal(signum, handled)
