@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import leftovers, tagged_processes
+from conftest import leftovers, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 
@@ -144,7 +144,7 @@ def test_a_second_signal_while_the_diagnostics_are_gathered_loses_nothing(
     recorded, report = _kept(pytester)
     assert recorded == [("test_1_passes", "passed"), ("test_2_sleeps", "passed")]
     assert "test_2_sleeps" in report
-    assert not tagged_processes(process_tag)
+    assert not wait_for_no_processes(process_tag), "the abandoned diagnostics are left running"
 
 
 AT_THE_END_THE_DISK_IS_FULL = """
