@@ -452,6 +452,28 @@ def measure_big(root: Path = ROOT, environ: dict[str, str] | None = None, megaby
     return f"{megabytes} MB log: `dsrepro triage` exit {done.returncode} in {took:.2f} s wall: {last}"
 
 
+def measure_adversarial(size: int = 64 * 1024) -> list[str]:
+    """Triage (read and rank against the catalogue, in process) of one line of ``size`` characters per adversarial
+    shape (``tests/hostile.py``: dotted words, nested JSON, open comments, ...): each shape's seconds."""
+    import importlib.util
+
+    from pytest_dsrepro.tools.triage_command import known_bugs
+    from pytest_dsrepro.triage import logread, ranking
+
+    spec = importlib.util.spec_from_file_location("hostile", ROOT / "tests" / "hostile.py")
+    assert spec is not None
+    assert spec.loader is not None
+    hostile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hostile)
+    bugs = known_bugs(ROOT / "repros")
+    out = []
+    for name, line in hostile.adversarial_lines(size).items():
+        started = time.perf_counter()
+        ranking.rank(bugs, logread.read(line + "\n"))
+        out.append(f"{name}: {time.perf_counter() - started:.2f} s")
+    return out
+
+
 def old_benchmark(context: Path | None, big: bool) -> None:
     from pytest_dsrepro.tools.triage_command import known_bugs
 
@@ -464,6 +486,7 @@ def old_benchmark(context: Path | None, big: bool) -> None:
           f"max {max(seconds) * 1000:.1f} ms over {len(seconds)}")  # fmt: skip
     if big:
         print(f"\nnow: {measure_big()}")
+    print(f"\none line of 64 KiB per adversarial shape: {'; '.join(measure_adversarial())}")
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import leftovers
+from conftest import leftovers, wait_for_no_processes
 from pytest_dsrepro.core import results
 from pytest_dsrepro.core.gates import Reason, Verdict
 
@@ -62,6 +62,89 @@ def test_sigterm_ends_the_run_as_ctrl_c_does_and_keeps_the_tests_that_ended(
     assert recorded == [("test_1_passes", "passed")]
     assert "test_1_passes" in (pytester.path / "report.md").read_text()
     assert not leftovers(private_tmp)
+
+
+ONE_PASSES_ONE_SLEEPS = """
+import time
+
+def test_1_passes():
+    pass
+
+def test_2_sleeps():
+    open("sleeping", "w").close()
+    time.sleep(600)
+"""
+
+#: The report's diagnostics as slow as a busy machine makes them (3-10 s there; here a minute, tagged to be found).
+SLOW_DIAGNOSTICS = """
+from pytest_dsrepro.session import diagnostics
+
+diagnostics.DS_SCRIPT = "import time; time.sleep(60)  # {tag}"
+diagnostics.TORCH_COMMAND = ("-c", "import time; time.sleep(60)  # {tag}")
+"""
+
+
+def _cancelled(pytester: pytest.Pytester, ready: Path, *args: str) -> tuple[int, str, float]:
+    """pytest run, and cancelled as CI cancels a job once ``ready`` exists: SIGINT, then SIGTERM a second later.
+    Its exit status, its output, and the seconds from the SIGINT to its end."""
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ds-results", "results", "--ds-report",
+               "report.md", "-v", *args]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), proc.communicate(timeout=60)[0]
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        return proc.returncode, out, time.monotonic() - started
+    finally:
+        proc.kill()  # only matters when an assertion above failed
+
+
+def _kept(pytester: pytest.Pytester) -> tuple[list[tuple[str, str]], str]:
+    (written,) = (pytester.path / "results").glob("*.json")
+    recorded = [(t.nodeid.split("::")[-1], t.outcome) for t in results.read(written).tests]
+    return recorded, (pytester.path / "report.md").read_text()
+
+
+def test_a_second_signal_mid_run_keeps_the_ended_tests_and_the_report(pytester: pytest.Pytester) -> None:
+    """CI's cancel (SIGINT, SIGTERM a second later) mid-test: the interrupted run gathers no diagnostics (seconds
+    that a cancelled job lacks, said so in the report), so the second signal finds the results and the report
+    written."""
+    pytester.makepyfile(ONE_PASSES_ONE_SLEEPS)
+    code, out, _ = _cancelled(pytester, pytester.path / "sleeping")
+    assert code in (pytest.ExitCode.INTERRUPTED, -signal.SIGTERM), out  # as below
+    assert "Traceback" not in out
+    recorded, report = _kept(pytester)
+    assert recorded == [("test_1_passes", "passed")]
+    assert "test_1_passes" in report
+    assert "not gathered: the run was interrupted" in report
+    assert "NOT SAVED" not in out
+
+
+def test_a_second_signal_while_the_diagnostics_are_gathered_loses_nothing(
+    pytester: pytest.Pytester, process_tag: str
+) -> None:
+    """The run ended, the report's diagnostics are slow (a busy machine): the results and the report are written
+    before them, CI's cancel abandons them (their processes killed), and the files stay whole. It was a traceback,
+    and neither file."""
+    pytester.makepyfile(ONE_PASSES_ONE_SLEEPS.replace("time.sleep(600)", "pass"))
+    pytester.makeconftest(SLOW_DIAGNOSTICS.format(tag=process_tag))
+    code, out, seconds = _cancelled(pytester, pytester.path / "report.md")
+    # pytest ends interrupted; or, where the SIGTERM comes while the interpreter itself ends (its handlers gone by
+    # then: seconds on a loaded machine), SIGTERM ends it, all written.
+    assert code in (pytest.ExitCode.INTERRUPTED, -signal.SIGTERM), out
+    assert seconds < 15, out
+    assert "Traceback" not in out
+    recorded, report = _kept(pytester)
+    assert recorded == [("test_1_passes", "passed"), ("test_2_sleeps", "passed")]
+    assert "test_2_sleeps" in report
+    assert not wait_for_no_processes(process_tag), "the abandoned diagnostics are left running"
 
 
 AT_THE_END_THE_DISK_IS_FULL = """

@@ -654,3 +654,25 @@ def test_a_bug_a_log_does_not_reach_scores_as_the_whole_comparison_would() -> No
             ), (path.name, bug.id)
             skipped += not reach.within(log)
     assert skipped > len(texts) * len(bugs) // 2  # most bugs, for most logs
+
+
+def test_triage_is_linear_on_any_line_shape() -> None:
+    """One line of 64 KiB of each adversarial shape (a quadratic regex took about a minute on dotted words, and a
+    nested JSON ended in RecursionError): four times the line takes about four times as long, not sixteen. No bound
+    in seconds (a busy machine would break it): each time is the best of two, and the benchmark has the figures."""
+    import time
+
+    from hostile import adversarial_lines
+
+    def took(line: str) -> float:
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            triage.rank(CATALOGUE, logread.read(line + "\n"))
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    short, long = adversarial_lines(16 * 1024), adversarial_lines(64 * 1024)
+    for name, line in long.items():
+        seconds, quarter = took(line), took(short[name])
+        assert seconds < 10 * quarter + 0.3, f"{name}: {seconds:.2f} s against {quarter:.2f} s for a quarter of it"

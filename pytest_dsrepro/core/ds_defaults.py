@@ -63,8 +63,16 @@ class ReleaseReading:
         return {"keys": self.keys, "sections": self.sections, "refused": self.refused}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ReleaseReading:
-        return cls(dict(data.get("keys") or {}), dict(data.get("sections") or {}), data.get("refused"))
+    def from_json(cls, data: object) -> ReleaseReading:
+        """A reading as ``to_json`` wrote it; ``ValueError`` saying what is wrong with any other shape."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a reading is an object, not {type(data).__name__}")
+        keys, sections, refused = data.get("keys") or {}, data.get("sections") or {}, data.get("refused")
+        if not isinstance(keys, dict) or not isinstance(sections, dict):
+            raise ValueError("a reading's keys and sections are objects")
+        if not all(isinstance(v, dict) for v in sections.values()) or not isinstance(refused, str | None):
+            raise ValueError("a reading's sections are objects, and what refused it a string")
+        return cls(dict(keys), dict(sections), refused)
 
 
 def read_by_release(key: str) -> bool:

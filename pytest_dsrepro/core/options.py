@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .text import cut
+
 BACKENDS = ("auto", "gloo", "nccl")
 #: The launcher's variables; all of them set means pytest itself already is one rank of a world.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -303,7 +305,7 @@ def resolve(sources: Iterable[Source], environ: Mapping[str, str]) -> Settings:
         try:
             values[opt.name] = None if raw is None else opt.parse(str(raw))
         except ValueError as exc:
-            raise SettingsError(f"pytest-dsrepro: {where}: invalid value {raw!r}: {exc}") from None
+            raise SettingsError(f"pytest-dsrepro: {where}: invalid value {_shown(raw)}: {exc}") from None
     if values["cache_dir"] is None:
         values["cache_dir"] = default_cache_dir(environ)
     if world is not None:
@@ -314,8 +316,13 @@ def resolve(sources: Iterable[Source], environ: Mapping[str, str]) -> Settings:
         world_size(values["world_size"], values["max_world_size"])
     except OptionError as exc:
         raw, where = origins["world_size"]
-        raise SettingsError(f"pytest-dsrepro: {where}: invalid value {raw!r}: {exc}") from None
+        raise SettingsError(f"pytest-dsrepro: {where}: invalid value {_shown(raw)}: {exc}") from None
     return Settings(**values)
+
+
+def _shown(raw: object) -> str:
+    """A value as a message quotes it: its ``repr``, cut to a line (a number of 5000 digits, a pasted log)."""
+    return cut(repr(raw), 80)
 
 
 def environment_source(environ: Mapping[str, str]) -> Source:

@@ -1,11 +1,15 @@
 """Where a run will write, checked before it runs: a run is never lost at its end for a path it could not write.
 
 Tried, never asked: permission bits do not tell root's view, an immutable directory and a read-only mount apart.
+And where a run reads a path a user gave (a log, a config, results): a FIFO, a directory or a symbolic link loop is
+refused before it is opened (``not_a_file``, ``read_text``), in one line.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -15,7 +19,8 @@ def unwritable(directory: Path) -> str | None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # a file where a directory must be: name it ("File exists" would not)
-        return f"{next(p for p in (directory, *directory.parents) if p.is_file())} is not a directory"
+        blocking = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
+        return f"{blocking} is not a directory"
     except OSError as exc:
         return exc.strerror or str(exc)
     try:
@@ -31,6 +36,9 @@ def unwritable_file(path: Path) -> str | None:
     """Why ``path`` cannot be written (made, or replaced where it exists), or None when it can. Nothing written."""
     if path.is_dir():
         return "it is a directory"
+    why = not_a_file(path) if os.path.lexists(path) else None
+    if why is not None and ("FIFO" in why or "socket" in why or "loop" in why):  # opening a FIFO waits for a reader;
+        return f"it is {why}"  # a device (/dev/null, /dev/full) is written as a file is
     if path.exists():
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
@@ -38,3 +46,43 @@ def unwritable_file(path: Path) -> str | None:
             return exc.strerror or str(exc)
         return None
     return unwritable(path.parent)
+
+
+class NotAFile(OSError):
+    """A path given to be read that is no regular file (a FIFO, a directory, a device, a symbolic link loop, ...):
+    refused before it is opened, since opening a FIFO waits for a writer. Its message is one line."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (a named pipe), not a file"),
+    (stat.S_ISSOCK, "a socket, not a file"),
+    (stat.S_ISCHR, "a character device, not a file"),
+    (stat.S_ISBLK, "a block device, not a file"),
+)
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (missing, a directory, a FIFO, a device, a symbolic link loop), found
+    without opening it; None for a regular file (or a link to one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop (too many levels of symbolic links)"
+        return "no such file" if exc.errno == errno.ENOENT else exc.strerror or str(exc)
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def read_text(path: Path) -> str:
+    """The text of the file at ``path``; ``NotAFile`` (an ``OSError``) naming what the path is where it is no
+    regular file, before anything is opened."""
+    why = not_a_file(path)
+    if why is not None:
+        raise NotAFile(errno.EINVAL, why, str(path))
+    return path.read_text()

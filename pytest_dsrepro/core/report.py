@@ -11,7 +11,6 @@ the output tails they crowd; local paths are replaced by neutral names (:class:`
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import os
 import re
@@ -23,10 +22,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .escape import html_text, md_code, md_fence, md_link, md_text, one_line
 from .gates import oldest_first
 from .outcome import rank_ranges
 from .results import Environment, RankStory, ReproMeta, RunRecord, Source, TestRecord
-from .text import markdown_cell, strip_ansi
+from .text import markdown_cell, markdown_table, strip_ansi
 
 #: GitHub refuses issue bodies over 65536 characters; one folded block never takes more than this.
 BLOCK_LIMIT = 12_000
@@ -87,13 +87,6 @@ class Neutral:
         return cls(tuple(sorted(pairs)))
 
 
-def _fence(text: str, lang: str = "") -> str:
-    """A fenced code block that survives backticks inside ``text``."""
-    longest = max((len(m) for m in re.findall(r"`{3,}", text)), default=2)
-    fence = "`" * (longest + 1)
-    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
-
-
 def _clip(text: str, limit: int = BLOCK_LIMIT) -> str:
     """Keep the end of ``text`` (where a traceback's exception and a log's last words are)."""
     if len(text) <= limit:
@@ -103,7 +96,7 @@ def _clip(text: str, limit: int = BLOCK_LIMIT) -> str:
 
 
 def _details(summary: str, body: str) -> str:
-    return f"<details><summary>{html.escape(summary)}</summary>\n\n{body}\n\n</details>"
+    return f"<details><summary>{html_text(one_line(summary))}</summary>\n\n{body}\n\n</details>"
 
 
 # --- DeepSpeed's dumps in output tails ---------------------------------------------------------------------------
@@ -145,21 +138,14 @@ def _output(label: str, output: str) -> list[str]:
     """A rank group's output tail; DeepSpeed's dumps folded apart unless they are all there is."""
     kept, folded = split_dumps(strip_ansi(output))
     if not kept.strip() or not folded:
-        return ["", _details(f"Output of {label} (tail)", _fence(_clip(strip_ansi(output))))]
+        return ["", _details(f"Output of {label} (tail)", md_fence(_clip(strip_ansi(output))))]
     n = folded.count("\n") + 1
     body = (
-        _fence(_clip(kept))
+        md_fence(_clip(kept))
         + "\n\n"
-        + _details(f"DeepSpeed's config and memory dumps ({n} lines)", _fence(_clip(folded)))
+        + _details(f"DeepSpeed's config and memory dumps ({n} lines)", md_fence(_clip(folded)))
     )
     return ["", _details(f"Output of {label} (tail, {n} lines of DeepSpeed's config and memory dumps folded)", body)]
-
-
-def _code(value: object) -> str:
-    text = " ".join(str(value).split())
-    ticks = "``" if "`" in text else "`"
-    pad = " " if ticks == "``" else ""
-    return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
 # --- ranks -----------------------------------------------------------------------------------------------------
@@ -208,48 +194,45 @@ def _environment(env: Environment) -> list[str]:
     lines = ["### Environment", "", "| | |", "|---|---|"]
     for title, key in _ENV_ROWS:
         value = getattr(env, key)
-        lines.append(f"| {title} | {markdown_cell(value if value is not None else _UNSET.get(key, 'not installed'))} |")
+        shown = value if value is not None else _UNSET.get(key, "not installed")
+        lines.append(f"| {title} | {markdown_cell(md_text(shown))} |")
     cpu = env.cpu or "unknown"
     if env.cpu_count:
         cpu = f"{cpu} ({env.cpu_count} cores)"
-    lines.append(f"| CPU | {markdown_cell(cpu)} |")
+    lines.append(f"| CPU | {markdown_cell(md_text(cpu))} |")
     gpu = f"{env.gpu_count} x {env.gpu}" if env.gpu_count else "none"
-    lines.append(f"| GPU | {markdown_cell(gpu)} |")
+    lines.append(f"| GPU | {markdown_cell(md_text(gpu))} |")
     if env.ds_report:
         lines += [
             "",
-            _details("ds_report (DeepSpeed's own environment report)", _fence(_clip(strip_ansi(env.ds_report)))),
+            _details("ds_report (DeepSpeed's own environment report)", md_fence(_clip(strip_ansi(env.ds_report)))),
         ]
     if env.torch_env:
         summary = "python -m torch.utils.collect_env (torch's environment summary)"
-        lines += ["", _details(summary, _fence(_clip(strip_ansi(env.torch_env))))]
+        lines += ["", _details(summary, md_fence(_clip(strip_ansi(env.torch_env))))]
     return lines
 
 
 def _summary(tests: Sequence[TestRecord]) -> list[str]:
-    lines = ["### Summary", "", "| Test | Verdict | Outcome | Duration |", "|---|---|---|---|"]
-    for t in tests:
-        lines.append(
-            f"| {_code(t.nodeid)} | {markdown_cell(t.label)} | {markdown_cell(t.outcome)} | {t.duration:.1f} s |"
-        )
-    return lines
+    rows = [(md_code(t.nodeid), md_text(t.label), md_text(t.outcome), f"{t.duration:.1f} s") for t in tests]
+    return ["### Summary", "", *markdown_table(("Test", "Verdict", "Outcome", "Duration"), rows)]
 
 
 def _repro(repro: ReproMeta | None) -> list[str]:
     if repro is None:
         return ["Not a catalogued repro (no `ds_repro` marker)."]
-    lines = [f"- **Repro:** `{repro.id}` - {repro.title or '(no title)'}"]
+    lines = [f"- **Repro:** {md_code(repro.id)} - {md_text(repro.title or '(no title)')}"]
     if repro.upstream:
-        lines.append(f"- **Upstream:** {repro.upstream}")
+        lines.append(f"- **Upstream:** {md_link(repro.upstream)}")
     affected = oldest_first(a for a in repro.affected if a)
     if affected:
-        lines.append("- **Affected:** " + " or ".join(f"`deepspeed{a}`" for a in affected))
-    fixed_text = repro.fixed_in or "no release yet"
-    lines.append(f"- **Fixed in:** {fixed_text}" + (f" ({repro.fix_ref})" if repro.fix_ref else ""))
+        lines.append("- **Affected:** " + " or ".join(md_code(f"deepspeed{a}") for a in affected))
+    fixed_text = md_text(repro.fixed_in or "no release yet")
+    lines.append(f"- **Fixed in:** {fixed_text}" + (f" ({md_link(repro.fix_ref)})" if repro.fix_ref else ""))
     if repro.root_cause:
-        lines.append(f"- **Root cause:** {' '.join(repro.root_cause.split())}")
+        lines.append(f"- **Root cause:** {md_text(repro.root_cause)}")
     if repro.faces:  # how users meet it elsewhere (GPUs, other optimizers and releases): a reader finds theirs here
-        lines.append("- **Also seen as:** " + "; ".join(f"{markdown_cell(f.describe())} ([seen]({f.where}))"
+        lines.append("- **Also seen as:** " + "; ".join(f"{md_text(f.describe())} ({md_link(f.where, 'seen')})"
                                                      for f in repro.faces))  # fmt: skip
     return lines
 
@@ -262,7 +245,7 @@ def _fix(test: TestRecord) -> list[str]:
     applied = "applied in every rank of this `[fixed]` variant" if test.variant == "fixed" else (
         "applied in every rank of the `[fixed]` variant"
     )  # fmt: skip
-    return [f"- **Fix:** `{source.fix}` ({applied}; {where})"]
+    return [f"- **Fix:** {md_code(source.fix)} ({applied}; {where})"]
 
 
 def _rate(test: TestRecord) -> list[str]:
@@ -279,16 +262,18 @@ def _rate(test: TestRecord) -> list[str]:
 
 def _measured(test: TestRecord) -> list[str]:
     return [
-        f"- **Measured:** {m.what}: {m.seconds * 1e3:.1f} ms, against {m.reference}: {m.reference_seconds * 1e3:.1f} "
-        f"ms (the least of {m.repeats} interleaved runs each, the slowest rank's): {m.ratio:.2f}x; slow from "
-        f"{m.limit:g}x, so {'slow' if m.slow else 'not slow'} with a margin of {m.margin:.1f}x"
+        f"- **Measured:** {md_text(m.what)}: {m.seconds * 1e3:.1f} ms, against {md_text(m.reference)}: "
+        f"{m.reference_seconds * 1e3:.1f} ms (the least of {m.repeats} interleaved runs each, the slowest rank's): "
+        f"{m.ratio:.2f}x; slow from {m.limit:g}x, so {'slow' if m.slow else 'not slow'} with a margin of "
+        f"{m.margin:.1f}x"
         for m in test.measurements
     ]
 
 
 def _prerequisites(test: TestRecord) -> list[str]:
     return [
-        f"- **Prerequisite:** another bug's fix was applied in every rank first, for {p}" for p in test.prerequisites
+        f"- **Prerequisite:** another bug's fix was applied in every rank first, for {md_text(p)}"
+        for p in test.prerequisites
     ]
 
 
@@ -325,7 +310,7 @@ def _run_again(env: Environment, test: TestRecord) -> list[str]:
     if test.source is not None:
         lines.append(f"# save the repro's source (below) as {test.source.path}, then:")
     lines.append(rerun_command(env, test))
-    return ["", "**Run it again:**", "", _fence("\n".join(lines), "bash")]
+    return ["", "**Run it again:**", "", md_fence("\n".join(lines), "bash")]
 
 
 def _source(test: TestRecord, shown: dict[Source, str]) -> list[str]:
@@ -333,12 +318,12 @@ def _source(test: TestRecord, shown: dict[Source, str]) -> list[str]:
     if source is None:
         return []
     if source in shown:
-        return ["", f"The repro's source: as for {_code(shown[source])} above."]
+        return ["", f"The repro's source: as for {md_code(shown[source])} above."]
     shown[source] = test.nodeid
     lines = ["", _details(f"Source: {source.path} (the test and what it uses from its file)",
-                          _fence(source.code, "python"))]  # fmt: skip
+                          md_fence(source.code, "python"))]  # fmt: skip
     if source.fix_code:
-        lines += ["", _details(f"The fix: {source.fix}", _fence(source.fix_code, "python"))]
+        lines += ["", _details(f"The fix: {source.fix}", md_fence(source.fix_code, "python"))]
     if source.world_elsewhere:
         lines += ["", "Its `ds_world` marker comes from a conftest.py (the catalogue's runs every test under `repros/` "
                   "in a world); saved on its own, add `pytest.mark.ds_world` to its `pytestmark`."]  # fmt: skip
@@ -348,9 +333,9 @@ def _source(test: TestRecord, shown: dict[Source, str]) -> list[str]:
 def _config(test: TestRecord) -> list[str]:
     lines: list[str] = []
     if test.config_notes:
-        lines.append("- **Config adapted to this world:** " + "; ".join(test.config_notes))
+        lines.append("- **Config adapted to this world:** " + "; ".join(map(md_text, test.config_notes)))
     if test.config is not None:
-        body = _fence(json.dumps(test.config, indent=2, sort_keys=True, default=str), "json")
+        body = md_fence(json.dumps(test.config, indent=2, sort_keys=True, default=str), "json")
         lines += ["", _details("Resolved DeepSpeed config", body)]
     return lines
 
@@ -362,29 +347,35 @@ def _failures(test: TestRecord) -> list[str]:
         lines += ["", f"The ranks ended in {len(stories)} different ways:"]
     for story in stories:
         label = story.ranks or "ranks"
-        lines += ["", f"**{label}:** {_code(story.error or 'no error recorded')}"]
+        lines += ["", f"**{md_text(label)}:** {md_code(story.error or 'no error recorded')}"]
         if story.traceback:
-            lines += ["", _details(f"Traceback ({label})", _fence(_clip(strip_ansi(story.traceback)), "pytb"))]
+            lines += ["", _details(f"Traceback ({label})", md_fence(_clip(strip_ansi(story.traceback)), "pytb"))]
         if story.output.strip():
             lines += _output(label, story.output)
     if not stories and test.longrepr:
-        lines += ["", _details("Failure", _fence(_clip(test.longrepr)))]
+        lines += ["", _details("Failure", md_fence(_clip(test.longrepr)))]
     return lines
 
 
 def _test(env: Environment, test: TestRecord, shown: dict[Source, str]) -> list[str]:
-    lines = [f"### {test.label}: {_code(test.nodeid)}", "", *_repro(test.repro), *_fix(test), *_prerequisites(test)]
+    lines = [
+        f"### {md_text(test.label)}: {md_code(test.nodeid)}",
+        "",
+        *_repro(test.repro),
+        *_fix(test),
+        *_prerequisites(test),
+    ]
     lines += [*_rate(test), *_measured(test)]
-    outcome = f"- **Outcome:** {test.outcome} in {test.duration:.1f} s"
+    outcome = f"- **Outcome:** {md_text(test.outcome)} in {test.duration:.1f} s"
     if test.variant:
-        outcome += f" ({test.variant} variant)"
+        outcome += f" ({md_text(test.variant)} variant)"
     if test.world_size:
         outcome += f", {test.world_size} ranks"
     if test.attempts > 1:
         outcome += f"; attempt {test.attempts} of {test.attempts} (the earlier ones were run again)"
     lines.append(outcome)
     if test.error:
-        lines.append(f"- **Result:** {_code(test.error)}")
+        lines.append(f"- **Result:** {md_code(test.error)}")
     lines += _run_again(env, test)
     lines += _source(test, shown)
     lines += _config(test)
@@ -409,18 +400,18 @@ def render_markdown(run: RunRecord | Mapping[str, Any], *, neutral: Neutral | No
     if not isinstance(run, RunRecord):
         run = RunRecord.from_json(run)
     env, tests = run.environment, run.tests
-    world = f"{env.world_size or '?'} ranks, {env.backend or '?'}"
+    world = f"{env.world_size or '?'} ranks, {md_text(env.backend or '?')}"
     if env.accelerator:
-        world += f", DeepSpeed accelerator {env.accelerator}"
+        world += f", DeepSpeed accelerator {md_text(env.accelerator)}"
     created = f" Run at {run.created.isoformat(timespec='seconds')}." if run.created else ""
     lines = [
         "## pytest-dsrepro report",
         "",
-        f"DeepSpeed {env.deepspeed or 'not installed'}, torch {env.torch or 'not installed'}, "
+        f"DeepSpeed {md_text(env.deepspeed or 'not installed')}, torch {md_text(env.torch or 'not installed')}, "
         f"{world}: {_counts(tests)}.{created}",
     ]
     if run.unavailable:
-        lines += ["", f"> **DeepSpeed was not available for this run:** {' '.join(run.unavailable.split())}"]
+        lines += ["", f"> **DeepSpeed was not available for this run:** {md_text(run.unavailable)}"]
     lines += ["", *_environment(env)]
     if tests:
         lines += ["", *_summary(tests)]

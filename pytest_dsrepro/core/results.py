@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Annotated, Any
 
-from . import typed_json, versions
+from . import json_input, paths, typed_json, versions
 from .faces import Face
 from .files import write_atomically
 from .gates import Rate, Reason, Verdict
@@ -471,20 +471,22 @@ def now() -> datetime.datetime:
 
 def write(run: RunRecord, directory: Path) -> Path:
     """Write ``run`` as a new file in ``directory`` (created if needed), whole or not at all; files never overwrite
-    each other.
+    each other. Given a results file this wrote (``directory`` a file), that file again: the same run, amended.
 
     ``results-deepspeed-<release>-<random>.json``, with ``-unavailable`` before the random part for a release
     that could not run.
     """
     kind = "-unavailable" if run.unavailable else ""
-    path = directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
+    path = directory if directory.is_file() else (
+        directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
+    )  # fmt: skip
     write_atomically(path, json.dumps(run.to_json(), indent=2, default=str))
     return path
 
 
 def read(path: Path) -> RunRecord:
     """One results file; ``OSError`` when it cannot be read, ``ValueError`` when it is not a valid results file."""
-    return RunRecord.from_json(json.loads(path.read_text()))  # JSONDecodeError is a ValueError
+    return RunRecord.from_json(json_input.loads(paths.read_text(path)))  # JSONDecodeError, BadJSON: ValueErrors
 
 
 @dataclass(frozen=True)
@@ -528,11 +530,13 @@ _NAME = re.compile(r"results-deepspeed-(?P<release>.+?)(?:-unavailable)?-[0-9a-f
 def _examine(path: Path) -> ResultsFile | Unreadable:
     named = m.group("release") if (m := _NAME.fullmatch(path.name)) else None
     try:
-        text = path.read_text()
+        text = paths.read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         return Unreadable(path, "unreadable", f"cannot be read: {exc}", named)
     try:
-        data = json.loads(text)
+        data = json_input.loads(text)
+    except json_input.BadJSON as exc:
+        return Unreadable(path, "invalid", f"not a results file this pytest-dsrepro reads: {exc}", named)
     except ValueError as exc:
         cut = "empty" if not text.strip() else f"not valid JSON ({exc})"
         why = (
@@ -555,8 +559,8 @@ def _examine(path: Path) -> ResultsFile | Unreadable:
         return Unreadable(path, "invalid", why, release)
 
 
-def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unreadable]]:
-    """Every results file under ``paths`` (files, or directories searched for ``*.json``; a file reached twice is
+def read_all(given_paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unreadable]]:
+    """Every results file under ``given_paths`` (files, or directories searched for ``*.json``; a file reached twice is
     read once), and each JSON file among them that is not a results file this pytest-dsrepro can read.
 
     ``FileNotFoundError`` when a given path does not exist.
@@ -564,13 +568,15 @@ def read_all(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unreadable]
     files: list[ResultsFile] = []
     unreadable: list[Unreadable] = []
     seen: set[Path] = set()
-    for given in paths:
+    for given in given_paths:
         if given.is_dir():
             candidates = sorted(given.rglob("*.json"))
-        elif given.is_file():
-            candidates = [given]
+        elif (why := paths.not_a_file(given)) is not None:
+            raise FileNotFoundError(
+                f"no such file or directory: {given}" if why == "no such file" else f"{given}: {why}"
+            )
         else:
-            raise FileNotFoundError(f"no such file or directory: {given}")
+            candidates = [given]
         for path in candidates:
             if path.resolve() in seen:
                 continue

@@ -19,6 +19,8 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from . import configs
+from .escape import md_code, md_fence, md_link, md_text
+from .escape import terminal as terminal_text
 from .gates import Rate, Reason
 from .premises import lookup
 from .results import Finding, ReproMeta, RunRecord, ScanVerdict, TestRecord
@@ -167,7 +169,7 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
     lines = refusals(run)  # whole: DeepSpeed's message names what to change
     lines += [cut(f"note: {note}", width) for note in notes(run)]
     if not found:
-        return [*lines, "no catalogued bug was scanned"]
+        return [*map(terminal_text, lines), "no catalogued bug was scanned"]
     name = max(len(r.id) for r in found)
     word = max(len(r.verdict.value) for r in found)
     indent = " " * (word + name + 4)
@@ -177,7 +179,7 @@ def terminal(run: RunRecord, width: int | None = None) -> list[str]:
         if r.workaround:
             lines.append(cut(f"{indent}workaround: the repro's fix, {r.workaround}", width))
     lines.append(f"{counts(found)} (deepspeed {run.version}, {run.environment.world_size} ranks)")
-    return lines
+    return [terminal_text(line) for line in lines]
 
 
 def markdown(run: RunRecord) -> str:
@@ -185,19 +187,20 @@ def markdown(run: RunRecord) -> str:
     env, scan = run.environment, run.scan
     out = ["# DeepSpeed config scan", ""]
     if scan is not None:
-        out += [f"Config `{scan.path}`, scanned against the pytest-dsrepro catalogue on DeepSpeed {run.version} "
-                f"(torch {env.torch}, {env.world_size}-rank {env.backend} worlds).", ""]  # fmt: skip
-        out += ["```json", _json(scan.config), "```", ""]
-    out += [f"**{line}**" for line in refusals(run)] + ([""] if refusals(run) else [])
+        out += [f"Config {md_code(scan.path)}, scanned against the pytest-dsrepro catalogue on DeepSpeed "
+                f"{md_text(run.version)} (torch {md_text(env.torch)}, {env.world_size}-rank {md_text(env.backend)} "
+                "worlds).", ""]  # fmt: skip
+        out += [md_fence(_json(scan.config), "json"), ""]
+    out += [f"**{md_text(line)}**" for line in refusals(run)] + ([""] if refusals(run) else [])
     said = notes(run)
-    out += [f"- {note}" for note in said] + ([""] if said else [])
+    out += [f"- {md_text(note)}" for note in said] + ([""] if said else [])
     found = rows(run)
     table_rows = []
     for r in found:
-        why = r.detail + "".join(f"; with {note}" for note in r.notes)
-        why += f"; workaround: the repro's fix `{r.workaround}`" if r.workaround else ""
-        link = f"[link]({r.upstream})" if r.upstream else ""
-        table_rows.append((f"`{r.id}` {r.title}", f"**{r.verdict.value}**", why, link))
+        why = md_text(r.detail) + "".join(f"; with {md_text(note)}" for note in r.notes)
+        why += f"; workaround: the repro's fix {md_code(r.workaround)}" if r.workaround else ""
+        link = md_link(r.upstream, "link") if r.upstream else ""
+        table_rows.append((f"{md_code(r.id)} {md_text(r.title)}", f"**{r.verdict.value}**", why, link))
     out += [f"**{counts(found) or 'no catalogued bug scanned'}**", ""]
     out += markdown_table(("bug", "verdict", "why", "upstream"), table_rows)
     return "\n".join(out) + "\n"
@@ -253,7 +256,7 @@ def _grid(runs: Sequence[RunRecord]) -> tuple[list[RunRecord], list[list[str]]]:
 def across(runs: Sequence[RunRecord], width: int = 120) -> list[str]:
     """Several releases' scans of one config: a bug per line, a release per column, and the first clean release."""
     ordered, grid = _grid(runs)
-    lines = aligned(grid, width=width)
+    lines = [terminal_text(line) for line in aligned(grid, width=width)]
     clean = first_clean(ordered)
     newest = ordered[-1]
     if clean is None and refusals(newest):
@@ -275,9 +278,9 @@ def markdown_across(runs: Sequence[RunRecord]) -> str:
     """Several releases' scans as Markdown: the table of bugs by release, the first clean release, then each
     release's own scan."""
     ordered, (header, *grid) = _grid(runs)
-    cells = ([f"`{bug}`", *verdicts] for bug, *verdicts in grid)
-    out = ["# DeepSpeed config scan across releases", "", *markdown_table(header, cells)]
-    out += ["", across(ordered)[-1], ""]
+    cells = ([md_code(bug), *map(md_text, verdicts)] for bug, *verdicts in grid)
+    out = ["# DeepSpeed config scan across releases", "", *markdown_table(list(map(md_text, header)), cells)]
+    out += ["", md_text(across(ordered)[-1]), ""]
     for run in ordered:
         out += [markdown(run).replace("# DeepSpeed config scan", f"## DeepSpeed {run.version}", 1), ""]
     return "\n".join(out)

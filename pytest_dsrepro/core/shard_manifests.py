@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import json_input, paths
 from .files import write_atomically
 from .results import ResultsFile
 
@@ -101,7 +102,7 @@ def write(manifest: Manifest, directory: Path) -> Path:
 def read(path: Path) -> Manifest:
     """A manifest; ``ValueError`` (or ``OSError``) naming the file when it is not one."""
     try:
-        data = json.loads(path.read_text())
+        data = json_input.loads(paths.read_text(path))
     except ValueError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     return Manifest.from_json(data, str(path))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from .escape import one_line
+
 #: Escape sequences (CSI, OSC, two-byte), and the colour codes a paste leaves once the escape character is gone.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]|\[(?:\d{1,3};)*\d{1,3}m")
 
@@ -35,9 +37,10 @@ def aligned(rows: Iterable[Sequence[str]], gap: str = "  ", width: int | None = 
 
 
 def markdown_cell(value: object) -> str:
-    """A Markdown table cell: one line, pipes escaped, ``-`` for nothing."""
-    text = " ".join(str(value).split())
-    return text.replace("|", "\\|") if text else "-"
+    """A Markdown table cell: one line, its pipes escaped (but those already escaped), ``-`` for nothing. What goes
+    in is Markdown: texts from outside through ``core.escape``'s ``md_text`` or ``md_code`` first."""
+    text = one_line(str(value))
+    return re.sub(r"(?<!\\)((?:\\\\)*)\|", r"\1\\|", text) if text else "-"
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import configs
+from . import configs, json_input, paths
 from .premises import OFFLOAD_DEVICES, STAGES
 
 
@@ -116,9 +116,11 @@ def parse(text: str, path: str) -> tuple[dict[str, Any], int]:
     except ValueError as exc:
         raise UserConfigError(f"{path}:{exc}") from None
     try:
-        data = json.loads(plain)
+        data = json_input.loads(plain)
     except json.JSONDecodeError as exc:
         raise UserConfigError(f"{path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
+    except json_input.BadJSON as exc:
+        raise UserConfigError(f"{path}: not a config DeepSpeed reads: {exc}") from None
     if not isinstance(data, dict):
         raise UserConfigError(f"{path}: a DeepSpeed config is one JSON object ({{...}}), not a {type(data).__name__}")
     twice = duplicate_key(plain)
@@ -185,7 +187,7 @@ def check(config: dict[str, Any], path: str, backend: str | None) -> None:
 def load(path: Path, backend: str | None = None) -> UserConfig:
     """Read and check the user's config at ``path`` (``backend``: as for ``check``)."""
     try:
-        text = path.read_text()
+        text = paths.read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise UserConfigError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     config, comments = parse(text, str(path))

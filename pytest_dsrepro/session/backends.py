@@ -128,8 +128,8 @@ class SpawnedWorlds:
 
     def close(self, finish_builds: bool) -> None:
         self.runner.close(finish_builds=finish_builds)
-        if self.sigterm is not None:
-            signal.signal(signal.SIGTERM, self.sigterm)
+        if self.sigterm is not None and signal.getsignal(signal.SIGTERM) is _terminated:  # else held since, as the
+            signal.signal(signal.SIGTERM, self.sigterm)  # collector holds CI's second signal: left to its holder
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:

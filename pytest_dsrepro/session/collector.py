@@ -7,7 +7,10 @@ JUnit ``<property>`` elements (``--junitxml``). A plugin object may put the run 
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -76,6 +79,8 @@ class RunCollector:
         self.recorded = RecordedTests()
         self.deepspeed = versions.installed_text("deepspeed")
         self.unsaved: list[str] = []  # outputs that could not be written at the end, in words
+        self.held = HeldSignals()
+        self.interrupted = False  # a signal ended the session or abandoned the report's diagnostics
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml, which writes a testcase's properties from its teardown report
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -111,13 +116,58 @@ class RunCollector:
         accelerator = facts.accelerator if facts and facts.accelerator else diagnostics.known_accelerator(cuda_devices)
         env = world_backend.environment(dataclasses.replace(env, accelerator=accelerator))
         cuda_devices = facts.cuda_devices if facts else env.gpu_count or 0  # a launched run's: this node's devices
-        if s.report is not None:  # what a maintainer asks for: only for a report, and only now
-            env = diagnostics.gather(env, cuda_devices)
+        try:
+            self._write(session, env, cuda_devices)
+        finally:
+            if self.unsaved and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+                session.exitstatus = NOT_SAVED  # the summary still says how the tests went
+
+    def _write(self, session: pytest.Session, env: Environment, cuda_devices: int) -> None:
+        """The ended tests' results and the report, whole, before anything slow: CI cancels with SIGINT, then SIGTERM
+        seconds later, and a signal while they are written is held until they are (from the first signal on: see
+        ``pytest_keyboard_interrupt``). Only then, for a report of a run not interrupted, the environment's
+        diagnostics (3-10 s of subprocesses on a busy machine), the files rewritten with them; a signal meanwhile
+        abandons them (the session ends interrupted), and the files stay as first written."""
+        s = self.config.stash[SETTINGS_KEY]
+        interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
+        if s.report is not None and interrupted:
+            env = dataclasses.replace(env, ds_report=diagnostics.NOT_GATHERED, torch_env=diagnostics.NOT_GATHERED)
         run = self._run_record(env)
-        report = None if s.report is None else (s.report, self._markdown(run))
-        self.unsaved = write_outputs(run, s.results, report)
-        if self.unsaved and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
-            session.exitstatus = NOT_SAVED  # the summary still says how the tests went
+        self.held.hold()
+        self.unsaved, written = write_outputs(
+            run, s.results, None if s.report is None else (s.report, self._markdown(run))
+        )
+        if self.held.caught and not interrupted:  # CI's cancel came as the run ended: it ends interrupted
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+        if s.report is None or interrupted or self.held.caught:
+            return
+        try:
+            self.held.raising = True
+            env = diagnostics.gather(env, cuda_devices)
+        except KeyboardInterrupt:  # the files are written; what signal comes next, up to pytest's end, stops nothing
+            self.interrupted = True
+            session.exitstatus = pytest.ExitCode.INTERRUPTED
+            return
+        finally:
+            self.held.raising = False
+        run = self._run_record(env)
+        lost = self.unsaved[:1] if s.results is not None and written is None else []  # the results, said once
+        self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)))[0]
+        self.held.release()
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal's, which formats the interrupted test's traceback: seconds
+    def pytest_keyboard_interrupt(self) -> None:
+        """The first signal of CI's cancel ended the session: a second one (SIGTERM, seconds later) is held until the
+        ended tests' results and the report are written, where it would interrupt pytest's own handling of the
+        first and lose them both, with a traceback."""
+        self.interrupted = True
+        self.held.hold()
+
+    def pytest_unconfigure(self) -> None:
+        """Signals act again; but once CI's cancel has begun (a signal ended the session, or abandoned the
+        diagnostics), the next is held until the process ends: what is left is pytest's own exit."""
+        if not self.held.caught and not self.interrupted:
+            self.held.release()
 
     def _run_record(self, environment: Environment) -> RunRecord:
         own = self.recorded.record(environment)
@@ -129,20 +179,53 @@ class RunCollector:
         return own if own is not None else render_markdown(run, neutral=Neutral.here(self.config.rootpath))
 
 
-def write_outputs(run: RunRecord, results_dir: Path | None, report: tuple[Path, str] | None) -> list[str]:
-    """``--ds-results DIR`` (a new file in it) and ``--ds-report PATH`` (its Markdown, whole or not at all), each
-    when asked for; what could not be saved, in words (checked at startup, a path can still fail at the end: a full
-    disk, a directory removed meanwhile)."""
-    unsaved = []
-    if results_dir is not None:
+#: What CI sends to cancel a job: SIGINT, then SIGTERM seconds later (then SIGKILL).
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def write_outputs(
+    run: RunRecord, results_at: Path | None, report: tuple[Path, str] | None
+) -> tuple[list[str], Path | None]:
+    """``--ds-results DIR`` (a new file in it; or, given a file, that file again) and ``--ds-report PATH`` (its
+    Markdown, whole or not at all), each when asked for; what could not be saved, in words (checked at startup, a
+    path can still fail at the end: a full disk, a directory removed meanwhile), and the results file written."""
+    unsaved, written = [], None
+    if results_at is not None:
         try:
-            results.write(run, results_dir)
+            written = results.write(run, results_at)
         except OSError as exc:
-            unsaved.append(f"--ds-results {results_dir} ({exc.strerror or exc})")
+            unsaved.append(f"--ds-results {results_at} ({exc.strerror or exc})")
     if report is not None:
         path, markdown = report
         try:
             write_atomically(path, markdown)
         except OSError as exc:
             unsaved.append(f"--ds-report {path} ({exc.strerror or exc})")
-    return unsaved
+    return unsaved, written
+
+
+class HeldSignals:
+    """SIGINT and SIGTERM noted (``caught``), not acted on, from ``hold`` to ``release``; from the main thread. While
+    ``raising``, the first is a ``KeyboardInterrupt`` (what is under way is abandoned), and those after it are noted:
+    one set of handlers throughout, so that no signal falls between two."""
+
+    def __init__(self) -> None:
+        self.caught: list[int] = []
+        self.previous: dict[int, Any] = {}
+        self.raising = False
+
+    def hold(self) -> None:
+        if self.previous or threading.current_thread() is not threading.main_thread():
+            return
+        self.previous = {signum: signal.signal(signum, self._note) for signum in SIGNALS}
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.caught.append(signum)
+        if self.raising:
+            self.raising = False
+            raise KeyboardInterrupt(f"pytest-dsrepro: signal {signum} while the report's diagnostics were gathered")
+
+    def release(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core import ds_defaults
+from ..core import ds_defaults, json_input, paths
 from ..core.ds_defaults import ReleaseReading
 from ..core.files import write_atomically
 from ..core.gates import installed_deepspeed
@@ -55,6 +55,7 @@ class DefaultsProbe:
     child: subprocess.Popen[str] | None = None
     workdir: tempfile.TemporaryDirectory[str] | None = None
     problem: str | None = None
+    healed: list[str] = dataclasses.field(default_factory=list)  # cache entries that could not be used: read again
     readings: list[ReleaseReading | None] = dataclasses.field(default_factory=list)
 
     def wait(self) -> list[ReleaseReading | None]:
@@ -97,7 +98,11 @@ class DefaultsProbe:
             tail = (output or "").strip().splitlines()[-1:] or ["no output"]
             self.problem = f"reading DeepSpeed's defaults failed (exit {self.child.returncode}): {tail[0]}"
             return None
-        read = [ReleaseReading.from_json(r) for r in json.loads(text)]
+        try:
+            read = [ReleaseReading.from_json(r) for r in json_input.loads(text)]
+        except (ValueError, TypeError) as exc:
+            self.problem = f"DeepSpeed's defaults came back unreadable: {exc}"
+            return None
         return dict(zip(sorted(self.places), read, strict=True))
 
 
@@ -109,14 +114,17 @@ def start(configs: Sequence[Mapping[str, Any]], cache_dir: Path, gloo: bool) -> 
     if key is None:
         return DefaultsProbe(wanted, {}, {}, problem="DeepSpeed is not installed: its defaults cannot be read")
     folder = cache_dir / "defaults" / key
-    cached, places = {}, {}
+    cached, places, healed = {}, {}, []
     for i, config in enumerate(wanted):
         place = folder / f"{ds_defaults.digest(config)}.json"
         try:
-            cached[i] = ReleaseReading.from_json(json.loads(place.read_text()))
-        except (OSError, ValueError):
+            cached[i] = ReleaseReading.from_json(json_input.loads(paths.read_text(place)))
+        except FileNotFoundError:
             places[i] = place
-    probe = DefaultsProbe(wanted, cached, places)
+        except (OSError, ValueError) as exc:  # damaged, or of another shape: read again, and said once
+            places[i] = place
+            healed.append(f"the cached defaults {place} could not be used ({exc}): read again from DeepSpeed")
+    probe = DefaultsProbe(wanted, cached, places, healed=healed)
     if places:
         probe.workdir = tempfile.TemporaryDirectory(prefix="dsrepro-defaults-")
         request = Path(probe.workdir.name) / "request.json"

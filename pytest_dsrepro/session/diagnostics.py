@@ -10,11 +10,13 @@ in its NCCL worlds (``core.world_spec.accelerator_for``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from ..core.results import Environment
 from ..core.text import strip_ansi
@@ -33,6 +35,10 @@ sys.argv = ["ds_report"]
 runpy.run_module("deepspeed.env_report", run_name="__main__")
 """
 TORCH_COMMAND = ("-W", "ignore::RuntimeWarning", "-m", "torch.utils.collect_env")  # not runpy's import warning
+
+
+#: What the report says in place of the diagnostics of a run that was interrupted: gathering them takes seconds.
+NOT_GATHERED = "(not gathered: the run was interrupted, and gathering this takes seconds that a cancelled job lacks)"
 
 
 def rank_environment(cuda_devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -74,16 +80,36 @@ def split_accelerator(output: str) -> tuple[str | None, str]:
     return None, output
 
 
+@contextlib.contextmanager
+def _blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked (delivered at the end); what is started meanwhile inherits the mask, and ends or
+    is killed."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def gather(environment: Environment, cuda_devices: int) -> Environment:
     """``environment`` with ``ds_report``, torch's ``collect_env`` and the accelerator filled in (what failed says
     so in its place). Without DeepSpeed installed, only torch's summary."""
     env = rank_environment(cuda_devices)
-    ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
-    torch = _start(TORCH_COMMAND, env) if environment.torch else None
-    torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
-    accelerator, ds_report = (None, None)
-    if ds is not None:
-        accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
+    ds = torch = None
+    try:
+        with _blocked():  # a signal inside Popen would leave a process that nothing here can kill
+            ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
+            torch = _start(TORCH_COMMAND, env) if environment.torch else None
+        torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
+        accelerator, ds_report = (None, None)
+        if ds is not None:
+            accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
+    finally:  # abandoned (a signal): nothing of it goes on, whatever signal comes meanwhile
+        with _blocked():
+            for proc in (ds, torch):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return dataclasses.replace(
         environment,
         accelerator=accelerator or environment.accelerator,

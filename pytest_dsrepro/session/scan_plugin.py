@@ -90,6 +90,7 @@ class ScanConfig:
         self.user, self.cache_dir, self.gloo = user, cache_dir, gloo
         self.menders: list[tuple[str, Premise]] = []
         self.problems: list[str] = []
+        self.healed: list[str] = []  # cached defaults that could not be used, read again: each said once
         self._read: dict[int, tuple[ConfigRead, ConfigRead]] = {}
         self._probes = {} if size is None else {size: self._ask([self.written(size)], size)}
 
@@ -101,6 +102,7 @@ class ScanConfig:
 
     def _answer(self, probe: config_defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
         reading = probe.wait()[0]
+        self.healed += [healed for healed in probe.healed if healed not in self.healed]
         if reading is None:
             if probe.problem and probe.problem not in self.problems:
                 self.problems.append(probe.problem)
@@ -142,7 +144,7 @@ class ScanConfig:
                             "every other bug is judged with that bug's fix on the config's side")  # fmt: skip
         said += [f"{problem}: a key the config leaves out that DeepSpeed gives a default was not judged"
                  for problem in self.problems]  # fmt: skip
-        return list(dict.fromkeys(said))
+        return list(dict.fromkeys(said + self.healed))
 
     def close(self) -> None:
         """End a probe never read (the run ended first)."""

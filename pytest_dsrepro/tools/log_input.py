@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..core.paths import not_a_file
 from ..triage import logread
 
 #: The parts of a log that are read: its start (where versions and configs are printed) and its end (the error).
@@ -77,6 +78,9 @@ def read_log(source: str, stdin: BinaryIO | None = None) -> LogText:
     try:
         if source == "-":
             head, tail, size = _windows(stdin or sys.stdin.buffer)
+        elif (why := not_a_file(Path(source))) not in (None, "no such file"):
+            pipe = "; pipe it into standard input instead: dsrepro triage - < FILE" if "FIFO" in why else ""
+            raise LogError(f"{name}: {why}{pipe}")
         else:
             with Path(source).open("rb") as f:
                 size = os.fstat(f.fileno()).st_size

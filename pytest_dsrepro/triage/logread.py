@@ -18,7 +18,6 @@ from __future__ import annotations
 import builtins
 import collections
 import itertools
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,9 +26,9 @@ from typing import Any, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
+from ..core import json_input
 from ..core.outcome import PEER_LOST
 from ..core.text import strip_ansi
-from ..core.userconfig import strip_comments
 
 #: Per-line rank prefixes: torch's ``[rank3]:``, torchrun's ``--tee`` ``[default3]:``, mpirun's ``[1,3]<stderr>:``,
 #: each possibly after spaces (GitHub's rendering copies one), a launcher's ``host: `` (DeepSpeed's pdsh runner) or
@@ -57,7 +56,7 @@ _BARE = re.compile(
     r"(?::\s?(?P<message>.*))?$"
 )
 #: An exception type the text names, with or without a message (``ZeRO-1 RuntimeError when using ...``).
-_NAMED = re.compile(r"\b(?:[A-Za-z_]\w*\.)*(?P<type>[A-Z]\w*(?:Error|Exception))\b")
+_NAMED = re.compile(r"\b(?P<type>[A-Z]\w*(?:Error|Exception))\b")
 #: Lines that start Markdown of an issue's own (a heading, a fence, an elision), never a message's continuation.
 _MARKDOWN = ("#", "```", "[...]")
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
@@ -447,23 +446,46 @@ def versions(text: str) -> tuple[str, ...]:
 
 def config(text: str) -> dict[str, Any] | None:
     """The largest JSON object in ``text`` that is a DeepSpeed config (``CONFIG_KEYS``), comments allowed; None when
-    there is none. Only a ``{`` that starts a line or follows ``=``/``:`` is tried, at most ``_CONFIG_TRIES``."""
-    decoder = json.JSONDecoder()
+    there is none. Only a ``{`` that starts a line or follows ``=``/``:`` is tried, at most ``_CONFIG_TRIES``; the
+    comments are blanked once per window of the text (``_Uncommented``), never once per try: linear in the text."""
     best: dict[str, Any] | None = None
-    tries = 0
-    for m in re.finditer(r"(?:^|[=:]\s*)(\{)", text, re.MULTILINE):
+    plain = _Uncommented(text)
+    for tries, m in enumerate(re.finditer(r"(?:^|[=:]\s*)(\{)", text, re.MULTILINE)):
         if tries >= _CONFIG_TRIES:
             break
-        tries += 1
-        start = m.start(1)
         try:
-            plain, _ = strip_comments(text[start : start + _CONFIG_SPAN])
-            found, _ = decoder.raw_decode(plain)
+            found, _ = json_input.raw_decode(plain.at(m.start(1)))
         except ValueError:
             continue
         if isinstance(found, dict) and CONFIG_KEYS & set(found) and (best is None or _size(found) > _size(best)):
             best = found
     return best
+
+
+#: A comment in JSON with comments, or a string (whose slashes are text).
+#: Each alternative ends at the end of its line or chunk when nothing closes it: one pass, whatever the text.
+_COMMENT = re.compile(r'"(?:[^"\\\n]|\\.)*(?:"|$)|//[^\n]*|/\*.*?(?:\*/|\Z)', re.DOTALL | re.MULTILINE)
+
+
+class _Uncommented:
+    """``text`` with its comments blanked, a window of ``2 * _CONFIG_SPAN`` at a time: a try inside the last
+    window reads it again, so no character is blanked more than twice."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.start, self.window = text, -_CONFIG_SPAN - 1, ""
+
+    def at(self, start: int) -> str:
+        """``_CONFIG_SPAN`` characters from ``start``, comments blanked."""
+        if not self.start <= start <= self.start + _CONFIG_SPAN:
+            chunk = self.text[start : start + 2 * _CONFIG_SPAN]
+            self.start, self.window = start, _COMMENT.sub(_blank, chunk)
+        offset = start - self.start
+        return self.window[offset : offset + _CONFIG_SPAN]
+
+
+def _blank(m: re.Match[str]) -> str:
+    """A comment as spaces (its newlines kept: lines and columns stay); a string as it is."""
+    return m[0] if m[0].startswith('"') else re.sub(r"[^\n]", " ", m[0])
 
 
 def _size(node: object) -> int:

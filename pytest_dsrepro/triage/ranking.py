@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePath
@@ -30,6 +31,8 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..core.escape import md_code, md_fence, md_link, md_text
+from ..core.escape import terminal as terminal_text
 from ..core.faces import Face
 from ..core.gates import oldest_first
 from ..core.premises import Premise
@@ -502,7 +505,7 @@ def terminal(t: Triage, confirmed: Mapping[str, Finding] | None = None, top: int
             lines.append(f"       confirm: {confirmed_word(confirmed[r.bug.id])}: {confirmed[r.bug.id].detail}")
     lines.append(f"  ({t.unmatched} other known bugs and fixes: little or nothing in the log points to them)")
     lines.append(verdict(t, confirmed))
-    return lines
+    return [terminal_text(line) for line in lines]
 
 
 def verdict(t: Triage, confirmed: Mapping[str, Finding] | None = None) -> str:
@@ -532,22 +535,23 @@ def markdown(t: Triage, confirmed: Mapping[str, Finding] | None = None, log: str
     confirmed = confirmed or {}
     strong = next((r for r in t.ruled_out if r.score >= CONFIDENT), None)
     out = _headline(t, strong)
-    out.append(f"- The log shows: `{showed(t.reading)}`")
-    out.append(f"- Judged on: {_judged_on(t)}")
+    out.append(f"- The log shows: {md_code(showed(t.reading))}")
+    out.append(f"- Judged on: {md_text(_judged_on(t))}")
     if t.known is not None:
         out += _known_bug(t.known, t.release, confirmed, log)
     elif strong is None:
-        out += ["", f"To catalogue it: `dsrepro new NAME --from-log {log}` writes a repro prefilled from this error."]
+        command = md_code(f"dsrepro new NAME --from-log {log}")
+        out += ["", f"To catalogue it: {command} writes a repro prefilled from this error."]
     others = [c for c in t.candidates if c is not t.known]
     if others:
-        rows = [(f"`{c.bug.id}` {c.bug.title}", c.score, c.reason) for c in others[:5]]
+        rows = [(f"{md_code(c.bug.id)} {md_text(c.bug.title)}", c.score, md_text(c.reason)) for c in others[:5]]
         out += ["", *markdown_table(("other candidate", "score", "why"), rows)]
     if t.ruled_out:
         out += ["", "Ruled out:", ""]
         for r in t.ruled_out:
             said = confirmed.get(r.bug.id)
-            also = f"; {confirmed_word(said)}: {said.detail}" if said else ""
-            out.append(f"- `{r.bug.id}`: {r.reason}{also}")
+            also = f"; {confirmed_word(said)}: {md_text(said.detail)}" if said else ""
+            out.append(f"- {md_code(r.bug.id)}: {md_text(r.reason)}{also}")
     out += ["", "_Found by `dsrepro triage` (pytest-dsrepro), from the catalogue's own markers and the fix ledger._"]
     return "\n".join(out) + "\n"
 
@@ -556,12 +560,13 @@ def _headline(t: Triage, strong: RuledOut | None) -> list[str]:
     """The comment's title: the known bug, the one a strong match was ruled out from (and why), or none."""
     if t.known is not None:
         b = t.known.bug
-        return [f"### This looks like a known DeepSpeed bug: `{b.id}`", "", f"**{b.title}**", ""]
+        return [f"### This looks like a known DeepSpeed bug: {md_code(b.id)}", "", f"**{md_text(b.title)}**", ""]
     if strong is not None:
         b = strong.bug
         fixed = b.fixed_in or "none yet"
-        return [f"### This looks like the known DeepSpeed bug `{b.id}`, but {strong.reason}", "", f"**{b.title}**",
-                "", f"- Upstream: {b.upstream or 'not recorded'}; fixed release: {fixed}"]  # fmt: skip
+        return [f"### This looks like the known DeepSpeed bug {md_code(b.id)}, but {md_text(strong.reason)}", "",
+                f"**{md_text(b.title)}**", "",
+                f"- Upstream: {md_link(b.upstream)}; fixed release: {md_text(fixed)}"]  # fmt: skip
     return ["### No known DeepSpeed bug matches this log with confidence", ""]
 
 
@@ -569,30 +574,39 @@ def _known_bug(known: Candidate, release: str | None, confirmed: Mapping[str, Fi
     """What a user of the known bug needs: evidence, cause, upstream, fix, workaround, the command that confirms."""
     b = known.bug
     out = [
-        f"- Evidence ({known.score}/100): {known.reason}",
-        *([f"- Root cause: {b.root_cause}"] if b.root_cause else []),
-        *([f"- Upstream: {b.upstream or 'not recorded'}"] if b.upstream != b.fix_link else []),
-        f"- Fixed release: {b.fixed_in or 'none yet (unfixed upstream)'}",
-        *([f"- Fixed by: {b.fix_link} ({b.title})"] if b.fix_link else []),
-        f"- Workaround: {b.workaround}",
+        f"- Evidence ({known.score}/100): {md_text(known.reason)}",
+        *([f"- Root cause: {md_text(b.root_cause)}"] if b.root_cause else []),
+        *([f"- Upstream: {md_link(b.upstream)}"] if b.upstream != b.fix_link else []),
+        f"- Fixed release: {md_text(b.fixed_in or 'none yet (unfixed upstream)')}",
+        *([f"- Fixed by: {md_link(b.fix_link)} ({md_text(b.title)})"] if b.fix_link else []),
+        f"- Workaround: {_workaround(b)}",
     ]
     if known.note:
-        out.append(f"- Release: {known.note}")
+        out.append(f"- Release: {md_text(known.note)}")
     if b.id in confirmed:
-        out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {confirmed[b.id].detail}")
-    return [*out, "", *_reproduce(b, f" --release {release}" if release else "", log)]
+        out.append(f"- Reproduced: **{confirmed_word(confirmed[b.id])}**: {md_text(confirmed[b.id].detail)}")
+    return [*out, "", *_reproduce(b, f" --release {shlex.quote(release)}" if release else "", shlex.quote(log))]
 
 
 def _reproduce(b: KnownBug, flag: str, log: str) -> list[str]:
-    """How to see it here: the repro; a known fix's own test from a DeepSpeed clone; or that no repro exists yet."""
+    """How to see it here: the repro; a known fix's own test from a DeepSpeed clone; or that no repro exists yet.
+    ``log`` and ``flag`` come quoted for a shell."""
     if b.catalogued:
-        return ["Reproduce it (`pip install pytest-dsrepro`):", "", "```bash", f"dsrepro triage {log}{flag} --confirm",
-                f"pytest {b.file} -rx   # in a pytest-dsrepro checkout", "```"]  # fmt: skip
+        commands = f"dsrepro triage {log}{flag} --confirm\npytest {shlex.quote(b.file)} -rx   # in a pytest-dsrepro " \
+            "checkout"  # fmt: skip
+        return ["Reproduce it (`pip install pytest-dsrepro`):", "", md_fence(commands, "bash")]
     said = []
     if b.fixed_by is not None:
-        said = ["Confirm it with the fix's own test (`pip install pytest-dsrepro`, a DeepSpeed clone):", "", "```bash",
-                f"dsrepro triage {log}{flag} --confirm --repo ~/DeepSpeed", "```", ""]  # fmt: skip
+        said = ["Confirm it with the fix's own test (`pip install pytest-dsrepro`, a DeepSpeed clone):", "",
+                md_fence(f"dsrepro triage {log}{flag} --confirm --repo ~/DeepSpeed", "bash"), ""]  # fmt: skip
     if b.ledger is not None and b.ledger.cpu:
-        return [*said, f"No repro is catalogued for it yet; a CPU world could show it: `dsrepro new NAME --issue "
-                f"{b.upstream}` starts one."]  # fmt: skip
+        start = md_code(f"dsrepro new NAME --issue {b.upstream}")
+        return [*said, f"No repro is catalogued for it yet; a CPU world could show it: {start} starts one."]
     return said or ["No repro is catalogued for it: it is known from DeepSpeed's fix and the reports of it."]
+
+
+def _workaround(b: KnownBug) -> str:
+    """The bug's workaround in Markdown: the repro's fix by name in a code span, the rest as text."""
+    if b.catalogued and b.fix:
+        return f"the repro's fix {md_code(b.fix)} in {md_text(b.file)}"
+    return md_text(b.workaround)

@@ -103,11 +103,16 @@ def update(engine, ds_rank):
     masters = list(engine.module.parameters())
     before = [safe_get_full_fp32_param(p).float().clone() for p in masters]  # a bf16 model's, rounded: its own
     batch = engine.train_micro_batch_size_per_gpu()
-    for micro in range(STEPS * engine.gradient_accumulation_steps()):
-        x, y = make_batch(batch, hidden=HIDDEN, seed=micro, rank=ds_rank, dtype=engine_dtype(engine))
-        target = y.expand(-1, HIDDEN // 2) * (1 - 2 * (ds_rank % 2))  # the ranks' gradients pull apart
-        engine.backward(torch.nn.functional.mse_loss(engine(x), target))
-        engine.step()
+    # DeepSpeed's muon_update is torch.compile'd, and dynamo saves torch.cuda's RNG state wherever CUDA is there: a
+    # CPU rank on a GPU host (a gloo world) would touch CUDA. On the rank's CPU it runs eagerly (the bug is in the
+    # partitioning, not in the compiled update), as every repro follows its rank's device.
+    stance = "force_eager" if engine.device.type == "cpu" else "default"
+    with torch.compiler.set_stance(stance):
+        for micro in range(STEPS * engine.gradient_accumulation_steps()):
+            x, y = make_batch(batch, hidden=HIDDEN, seed=micro, rank=ds_rank, dtype=engine_dtype(engine))
+            target = y.expand(-1, HIDDEN // 2) * (1 - 2 * (ds_rank % 2))  # the ranks' gradients pull apart
+            engine.backward(torch.nn.functional.mse_loss(engine(x), target))
+            engine.step()
     return [safe_get_full_fp32_param(p).float() - b for p, b in zip(masters, before, strict=True)]
 
 

@@ -10,12 +10,12 @@ its line in the evidence below the table (and that to the results file). No scri
 from __future__ import annotations
 
 import functools
-import html
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...core.escape import html_link, html_text, path_link
 from . import notes, symbols
 from .model import Column, Matrix, Row
 
@@ -110,7 +110,7 @@ def _css_name(name: str) -> str:
 
 
 def _cell(matrix: Matrix, row: Row, column: Column, index: int, inside: bool) -> str:
-    e = html.escape
+    e = html_text
     classes = ["cell"] + (["in"] if inside else [])
     if column.blank:
         kind = symbols.blank_kind(column)
@@ -130,7 +130,7 @@ def _cell(matrix: Matrix, row: Row, column: Column, index: int, inside: bool) ->
 
 
 def _head(matrix: Matrix, lay: Layout) -> str:
-    e = html.escape
+    e = html_text
     cols = [f'<col style="width:{lay.bug}px">', f'<col style="width:{lay.config}px">']
     cols += [f'<col style="width:{lay.cell}px">'] * len(matrix.columns)
     minor: list[tuple[str, int]] = []
@@ -153,15 +153,16 @@ def _head(matrix: Matrix, lay: Layout) -> str:
 
 
 def _body(matrix: Matrix) -> str:
-    e = html.escape
+    e = html_text
     rows = []
     index = 0
     for repro, group in matrix.groups():
         for i, r in enumerate(group):
             affected = symbols.affected(matrix, r)
             bug = e(repro) if i == 0 else ""
-            if i == 0 and r.upstream:
-                bug = f'<a href="{e(r.upstream)}">{bug}</a>'
+            link = html_link(r.upstream) if i == 0 and r.upstream else None
+            if link:
+                bug = f'<a href="{link}">{bug}</a>'
             about = " ".join(filter(None, [repro + ":", r.title, f"(affected {' or '.join(r.declared)})" if r.declared
                                            else None]))  # fmt: skip
             cells = "".join(_cell(matrix, r, c, index, affected[k]) for k, c in enumerate(matrix.columns))
@@ -178,15 +179,16 @@ def _file_link(path: Path | None, links: Path | None) -> str:
     """A results file, linked from the page's directory (the same few files on every line: kept)."""
     if path is None:
         return ""
-    e = html.escape
+    e = html_text
     if links is None:
         return f"<code>{e(path.name)}</code>"
-    return f'<a href="{e(os.path.relpath(path.absolute(), links.absolute()))}"><code>{e(path.name)}</code></a>'
+    href = path_link(os.path.relpath(path.absolute(), links.absolute()))
+    return f'<a href="{href}"><code>{e(path.name)}</code></a>' if href else f"<code>{e(path.name)}</code>"
 
 
 def _evidence(matrix: Matrix, links: Path | None) -> str:
     """Per row, one line per release: each run's verdict, reason and error, and the file it comes from."""
-    e = html.escape
+    e = html_text
     parts = []
     index = 0
     for repro, group in matrix.groups():
@@ -209,7 +211,7 @@ def _evidence(matrix: Matrix, links: Path | None) -> str:
 
 
 def _sections(sections: Sequence[notes.Section]) -> str:
-    e = html.escape
+    e = html_text
     out = []
     for s in sections:
         items = "".join(
@@ -223,7 +225,7 @@ def _sections(sections: Sequence[notes.Section]) -> str:
 def render_html(matrix: Matrix, links: Path | None = None) -> str:
     """The page; ``links``: the directory the page is written to, so that evidence links reach the results files
     (None: files named, not linked)."""
-    e = html.escape
+    e = html_text
     lay = layout(matrix)
     css = CSS % {"margin": MARGIN, "table": lay.table, "spacing": SPACING} + _kind_css()
     legend = "".join(

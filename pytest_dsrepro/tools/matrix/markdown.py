@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import re
 
+from ...core.escape import md_code, md_link, md_text
 from ...core.text import markdown_cell
 from . import notes, symbols
-from .model import Matrix, Row, one_line
-
-
-def _code(text: str) -> str:
-    """A code span (outside a table, where a pipe needs no escape and a backslash would show)."""
-    text = one_line(text)
-    return f"`` {text} ``" if "`" in text else f"`{text}`"
+from .model import Matrix, Row
 
 
 def _cells(matrix: Matrix, row: Row) -> list[str]:
@@ -40,11 +35,11 @@ def _table(matrix: Matrix, links: dict[str, int]) -> list[str]:
     out = ["| bug | config | " + " | ".join(heads) + " |", "|:--|:--|" + ":-:|" * len(matrix.columns)]
     for repro, rows in matrix.groups():
         upstream = next((r.upstream for r in rows if r.upstream), None)
-        name = markdown_cell(repro)
-        if upstream:
+        name = md_text(repro)
+        if upstream and md_link(upstream) == upstream:  # a plain http(s) address: a reference to it
             name = f"[{name}][{links.setdefault(upstream, len(links) + 1)}]"
         for i, r in enumerate(rows):
-            cells = [name if i == 0 else "", markdown_cell(r.label), *_cells(matrix, r)]
+            cells = [markdown_cell(name) if i == 0 else "", markdown_cell(md_text(r.label)), *_cells(matrix, r)]
             out.append(f"| {' | '.join(cells)} |")
     return out
 
@@ -54,12 +49,12 @@ def _bugs(matrix: Matrix) -> list[str]:
     out = []
     for repro, rows in matrix.groups():
         declared = {r.declared for r in rows if r.declared and r.stock}
-        ranges = "; ".join(" or ".join(f"`{d}`" for d in ds) for ds in sorted(declared))
+        ranges = "; ".join(" or ".join(md_code(d) for d in ds) for ds in sorted(declared))
         title = next((r.title for r in rows if r.title), None)
         upstream = next((r.upstream for r in rows if r.upstream), None)
         said = f" (affected {ranges})" if ranges else ""
-        said += f": {markdown_cell(title)}" if title else ""
-        out.append(f"- **{markdown_cell(repro)}**{said}" + (f" ({upstream})" if upstream else ""))
+        said += f": {md_text(title)}" if title else ""
+        out.append(f"- **{md_text(repro)}**{said}" + (f" ({md_link(upstream)})" if upstream else ""))
     return out
 
 
@@ -83,8 +78,8 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
     """A GitHub-flavoured page: the table, the bugs (id, declared range, title, link), what each test raised on
     which releases, the notes; ``image``: the SVG's path relative to the page, shown above the table."""
     links: dict[str, int] = {}
-    out = ["# DeepSpeed repro matrix", "", f"{notes.headline(matrix)}.", ""]
-    out += [f"{line}." for line in [*notes.environments(matrix), notes.when(matrix)] if line] + [""]
+    out = ["# DeepSpeed repro matrix", "", f"{md_text(notes.headline(matrix))}.", ""]
+    out += [f"{md_text(line)}." for line in [*notes.environments(matrix), notes.when(matrix)] if line] + [""]
     if image:
         out += [f"![the matrix as an image]({image})", ""]
     out += [f"Legend ({symbols.SHAPE}; {symbols.RANGE}):", ""]
@@ -93,11 +88,11 @@ def render_markdown(matrix: Matrix, image: str | None = None) -> str:
     raised = notes.raised(matrix)
     if raised:
         out += ["", "## What each test raised", ""]
-        out += [f"- {markdown_cell(name)} on {versions}: {_code(text)}" for name, text, versions in raised]
+        out += [f"- {md_text(name)} on {md_text(versions)}: {md_code(text)}" for name, text, versions in raised]
     for section in notes.sections(matrix):
-        out += ["", f"## {markdown_cell(section.title)}", ""]
-        out += [f"- {_code(subject) if section.code else markdown_cell(subject)}: {markdown_cell(text)}"
+        out += ["", f"## {md_text(section.title)}", ""]
+        out += [f"- {md_code(subject) if section.code else md_text(subject)}: {md_text(text)}"
                 for subject, text in section.items]  # fmt: skip
-    out += ["", "## Sources", ""] + [f"- `{p.name}`" for c in matrix.columns for p in c.sources] + [""]
-    out += [f"[{n}]: {url}" for url, n in links.items()]
+    out += ["", "## Sources", ""] + [f"- {md_code(p.name)}" for c in matrix.columns for p in c.sources] + [""]
+    out += [f"[{n}]: {md_link(url)}" for url, n in links.items()]
     return "\n".join(out) + "\n"

@@ -17,6 +17,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ...core import escape
 from ...core.gates import Rate, Reason, Verdict
 from ...core.outcome import Measurement
 from ...core.results import Unreadable
@@ -261,4 +262,5 @@ class Matrix:
 
 
 def one_line(text: str) -> str:
-    return " ".join(text.split())
+    """``text`` on one line (``core.escape``'s: control characters removed)."""
+    return escape.one_line(text)

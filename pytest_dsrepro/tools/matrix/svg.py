@@ -7,8 +7,7 @@ opened in a browser), then the legend. Fixed geometry, so the image's size follo
 
 from __future__ import annotations
 
-from html import escape
-
+from ...core.escape import html_text as escape
 from . import notes, symbols
 from .model import Column, Matrix, Row
 

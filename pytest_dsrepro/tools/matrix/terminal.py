@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...core.escape import terminal
 from . import notes, symbols
 from .model import Column, Matrix, Row, one_line
 
@@ -80,7 +81,7 @@ def _layout(matrix: Matrix, width: int) -> _Layout:
     """One table when it fits, its label column up to ``LABEL_WIDTH`` wide and at least ``MIN_LABEL`` (longer
     labels on lines of their own); else the fewest tables that fit, the wider label column where that costs none."""
     widths = tuple(_widths(matrix))
-    longest = max([len("bug / config"), *(2 + len(r.label) for r in matrix.rows)])
+    longest = max([len("bug / config"), *(2 + len(terminal(r.label)) for r in matrix.rows)])
     label = min(longest, LABEL_WIDTH, width - _span(matrix.columns, widths, range(len(widths))))
     if label >= min(longest, MIN_LABEL):
         return _Layout(label, widths, (tuple(range(len(widths))),))
@@ -156,11 +157,11 @@ def _table(
     for repro, rows in matrix.groups():
         heading = _wrapped("", f"{repro} {_declared(rows)}".rstrip(), width)
         if color:
-            heading[0] = heading[0].replace(repro, f"{BOLD}{repro}{RESET}", 1)
+            heading[0] = heading[0].replace(terminal(one_line(repro)), f"{BOLD}{terminal(one_line(repro))}{RESET}", 1)
         lines += heading
         for r in rows:
             cells = _row_cells(matrix, r, layout, block, color, ascii_only)
-            label = f"  {r.label}"
+            label = f"  {terminal(r.label)}"
             if len(label) > layout.label:
                 lines.append(label)
                 label = ""
@@ -171,7 +172,7 @@ def _table(
 def _wrapped(prefix: str, text: str, width: int) -> list[str]:
     """``prefix`` then ``text``, wrapped within ``width`` at spaces only (under the prefix; below it, indented, when
     the prefix leaves less than 30 columns): a name is never cut, and only a word longer than the width passes it."""
-    text = one_line(text)
+    text, prefix = terminal(one_line(text)), terminal(prefix)
     if len(prefix) > width - 30:
         head = textwrap.wrap(prefix.rstrip(), width, subsequent_indent=" " * 4, break_on_hyphens=False,
                              break_long_words=False)  # fmt: skip

@@ -300,7 +300,7 @@ class OpBuilds:
                     self.conn.send(Building(outcome.said))
                 for conn, world in pending.waiters:
                     self._answer(conn, world, outcome)
-            elif not pending.told and time.monotonic() - pending.build.started > QUIET:
+            elif not pending.told and time.monotonic() - pending.build.started > QUIET and self._compiling(pending):
                 pending.told = True
                 took = builds.expected_build(self.cache_dir / "torch_extensions", pending.name, USUALLY)
                 self.conn.send(
@@ -310,6 +310,13 @@ class OpBuilds:
                         "its clock stopped"
                     )
                 )
+
+    @staticmethod
+    def _compiling(pending: Pending) -> bool:
+        """Has the build begun to compile? Its compilers' scratch exists only then: before, its child finds the op
+        in the cache and loads it (importing DeepSpeed, hashing the op's sources, a throwaway load), which takes more
+        than ``QUIET`` on a loaded machine and is no build to announce (it was, and read as a cache that missed)."""
+        return builds.scratch(pending.build.child.pid).exists()
 
     def _answer(self, conn: Connection, world: int | None, outcome: BuildResult) -> None:
         with contextlib.suppress(OSError):  # a rank whose world ended meanwhile
