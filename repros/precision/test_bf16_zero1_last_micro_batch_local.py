@@ -71,11 +71,11 @@ def epilogue_before_allreduce(monkeypatch):
 
     from pytest_dsrepro.inrank.backport import backport, release_has
 
-    epilogue = DeepSpeedEngine._backward_epilogue
+    epilogue = getattr(DeepSpeedEngine, "_backward_epilogue", None)
+    if epilogue is None or not release_has(epilogue, "self.optimizer.backward_epilogue()"):
+        return  # before 0.18 (no epilogue, or none of the optimizer's): the accumulator is filled before the allreduce
     if release_has(epilogue, "bf16_optimizer = isinstance(self.optimizer, BF16_Optimizer)"):
         return  # this release has the fix
-    if not release_has(epilogue, "self.optimizer.backward_epilogue()"):
-        return  # before 0.18: BF16_Optimizer.backward filled the accumulator before the allreduce
     backport(
         monkeypatch,
         "deepspeed.runtime.engine",

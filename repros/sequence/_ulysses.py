@@ -80,3 +80,26 @@ def adapter_epochs(
         device=ds_device,
     )
     return [sum(1 for _ in adapter) for _ in range(epochs)], len(adapter)
+
+
+def sequence_first_output_shape(monkeypatch: Any) -> None:
+    """The fix of entry ``ulysses-sequence-first-output-shape``: in the sequence-first layout (``batch_dim_idx`` 1),
+    the all-to-all that scatters the sequence and gathers the heads reshapes its result to ``[sequence / ranks, batch,
+    ranks * local heads, head_dim]``, the order its permute leaves the dimensions in (0.16.3-0.19.6 wrote ``[batch,
+    ranks * sequence, local heads / ranks, head_dim]``, as for the other direction)."""
+    from deepspeed.sequence import layer
+
+    from pytest_dsrepro.inrank.backport import backport, release_has
+
+    generate = getattr(layer, "_generate_layout_params", None)
+    if generate is None or not release_has(generate, SEQUENCE_FIRST_SHAPE[0].replace("\\", "")):
+        return  # before 0.16.3 (no layout table), or a release with the right shape
+    backport(monkeypatch, "deepspeed.sequence.layer", [SEQUENCE_FIRST_SHAPE])
+
+
+#: The edit of ``sequence_first_output_shape``, on ``_generate_layout_params``'s sequence-first, scatter-the-sequence
+#: branch (the only one that unpacks ``global_seq_len, bs``).
+SEQUENCE_FIRST_SHAPE = (
+    r"post_all2all_res_shape = \[bs, seq_world_size \* global_seq_len, num_local_head // seq_world_size, head_dim\]",
+    "post_all2all_res_shape = [global_seq_len // seq_world_size, bs, seq_world_size * num_local_head, head_dim]",
+)

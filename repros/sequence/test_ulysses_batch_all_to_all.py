@@ -7,11 +7,12 @@ all-to-all, runs the local attention, and goes back with a second one. On the wa
 each sample's positions then hold heads of other samples. With a batch of 1 the swap changes nothing, so single-sample
 tests pass; with 2 samples the output is wrong, silently. PR #5823 (first in 0.14.5) permutes the dimensions in the
 right order (and adds ``batch_dim_idx``). The body checks Ulysses' output against plain attention over the whole
-sequence (4 heads over 2 ranks: the uneven-heads path of entry ``ulysses-even-heads-uneven-path`` is not taken).
+sequence (4 heads over 2 ranks: the uneven-heads path of entry ``ulysses-even-heads-uneven-path`` is not taken). On
+0.16.3-0.19.6 the same layout meets entry ``ulysses-sequence-first-output-shape`` first: its fix is applied there.
 """
 
 import pytest
-from _ulysses import attention, qkv
+from _ulysses import attention, qkv, sequence_first_output_shape
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 
@@ -27,6 +28,11 @@ pytestmark = [
     ),
     pytest.mark.ds_premise(
         precision="fp32", config={"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": ">=2"}
+    ),
+    pytest.mark.ds_prerequisite(
+        fix=sequence_first_output_shape,
+        releases=">=0.16.3,<0.19.7",
+        reason="ulysses-sequence-first-output-shape: the sequence-first layout's output comes back in another shape",
     ),
 ]
 
