@@ -30,6 +30,7 @@ def config(name: str, scheduler: str, **params: Any) -> Any:
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
+            "zero_force_ds_cpu_optimizer": False,
             "scheduler": {"type": scheduler, "params": params},
         },
         id=name,
@@ -41,8 +42,9 @@ def linear_warmup_premise(config: dict[str, object]) -> pytest.MarkDecorator:
     reference follows (a scan sets it on a user's config)."""
     return pytest.mark.ds_premise(
         config=config,
-        sets={"scheduler.params.warmup_type": "linear"},
-        because="the body computes the linear warm-up each group should follow",
+        sets={"scheduler.params.warmup_type": "linear", "zero_force_ds_cpu_optimizer": False},
+        because="the body computes the linear warm-up each group should follow, on a torch optimizer of two groups "
+        "(which DeepSpeed takes beside CPU optimizer offload only with zero_force_ds_cpu_optimizer off)",
     )
 
 
@@ -50,9 +52,10 @@ def check_schedule(
     ds_engine: Any, ds_config: dict[str, Any], ds_rank: int, expected: Callable[[int], Sequence[float]], steps: int,
     bug: str,
 ) -> None:  # fmt: skip
-    """Train ``steps`` steps of a two-group SGD engine; before each step and after the last, every group's learning
-    rate must be ``expected(k)`` (``k``: the steps taken so far, 0 right after ``deepspeed.initialize``; the
-    scheduler is then at iteration ``k - 1``). A mismatch fails with ``bug``, the step and both lists."""
+    """Train ``steps`` optimizer steps of a two-group SGD engine (each of the config's accumulation steps: the
+    scheduler moves at the boundary only); before each step and after the last, every group's learning rate must be
+    ``expected(k)`` (``k``: the steps taken so far, 0 right after ``deepspeed.initialize``; the scheduler is then at
+    iteration ``k - 1``). A mismatch fails with ``bug``, the step and both lists."""
     import torch
 
     model = tiny_mlp(seed=3)
@@ -64,10 +67,9 @@ def check_schedule(
         assert all(_close(g, w) for g, w in zip(got, want, strict=True)), (
             f"{bug}: learning rates {got} after {k} step(s), expected {want}"
         )
-        if k < steps:
-            x, y = make_batch(
-                ds_config["train_micro_batch_size_per_gpu"], seed=k, rank=ds_rank, dtype=precision_dtype(ds_config)
-            )
+        for micro in range(engine.gradient_accumulation_steps() if k < steps else 0):
+            x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=k * 1000 + micro, rank=ds_rank,
+                              dtype=precision_dtype(ds_config))  # fmt: skip
             engine.backward(torch.nn.functional.mse_loss(engine(x), y))
             engine.step()
 

@@ -36,10 +36,12 @@ pytestmark = [
             "zero_optimization.reduce_bucket_size": 200,
             "gradient_clipping": 0.0,
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
         },
         because="a tiny-model parameter (256 elements) must be larger than a bucket, as a real model's largest are "
         "larger than the configured size; and the body compares the weights with plain, unclipped SGD (which ZeRO "
-        "must be allowed to wrap)",
+        "must be allowed to wrap; a torch optimizer beside CPU optimizer offload needs zero_force_ds_cpu_optimizer "
+        "off)",
     ),
     ZERO12_CPU_FLAT_BUFFER,
     COMM_DTYPE_BUCKET,
@@ -70,6 +72,7 @@ def config(stage):
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
+            "zero_force_ds_cpu_optimizer": False,
             "zero_allow_untested_optimizer": True,
         },
         id=f"zero{stage}_fp32_bf16comm",

@@ -27,15 +27,19 @@ def written(zero: dict[str, object], **more: object) -> dict[str, object]:
 def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cache(tmp_path: Path) -> None:
     """The values the release resolves where the config is silent: ``overlap_comm`` by stage, ``reduce_scatter`` on,
     the deprecated ``cpu_offload`` as ``offload_optimizer``, gradient clipping 1.0 from 0.19.3 on (PR #8068), 0 before;
-    a key its config classes do not know is its refusal. Asked again, the cache answers, with no process."""
-    wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}), written({"stage": 3, "stage3_x": 1})]
+    a key its config classes do not know is taken out, named with DeepSpeed's message, and the rest read; a value they
+    cannot take is the config's refusal. Asked again, the cache answers, with no process."""
+    wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}),
+              written({"stage": 3, "stage3_x": 1, "offload_param": {"device": "cpu", "y": 2}}),
+              written({"stage": 3, "overlap_comm": "sometimes"})]  # fmt: skip
     probe = config_defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert probe.child is not None
-    two, three, typo = probe.wait()
+    two, three, typo, refused = probe.wait()
     assert probe.problem is None
     assert two is not None
     assert three is not None
     assert typo is not None
+    assert refused is not None
     assert two.sections["zero_optimization"]["overlap_comm"] is False
     assert three.sections["zero_optimization"]["overlap_comm"] is True
     assert two.sections["zero_optimization"]["reduce_scatter"] is True
@@ -44,11 +48,27 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     assert two.keys["gradient_clipping"] == clipping
     assert two.keys["train_micro_batch_size_per_gpu"] == 2
     assert two.keys["gradient_accumulation_steps"] == 1
-    assert typo.refused is not None
-    assert "stage3_x" in typo.refused
+    assert typo.refused is None
+    assert sorted(typo.unknown) == ["zero_optimization.offload_param.y", "zero_optimization.stage3_x"]
+    assert "DeepSpeedZeroConfig: stage3_x: Extra inputs are not permitted" in typo.unknown["zero_optimization.stage3_x"]
+    assert typo.sections["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert refused.refused is not None
+    assert "overlap_comm" in refused.refused
     again = config_defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert again.child is None
-    assert again.wait() == [two, three, typo]
+    assert again.wait() == [two, three, typo, refused]
+
+
+def test_a_key_no_release_knows_is_found_by_its_place_and_taken_out() -> None:
+    """A pydantic error names the key inside the section whose model refused it; every key of the config that ends
+    there is the one, and taking it out leaves the rest."""
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "y": 2}}, "y": 1}
+    assert ds_defaults.named(config, ("offload_param", "y")) == ["zero_optimization.offload_param.y"]
+    assert ds_defaults.named(config, ("y",)) == ["zero_optimization.offload_param.y", "y"]
+    assert ds_defaults.named(config, ()) == []
+    left = ds_defaults.without(config, {"zero_optimization.offload_param.y": "said"})
+    assert left == {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "y": 1}
+    assert config["zero_optimization"]["offload_param"]["y"] == 2  # the config itself is left as it was
 
 
 def test_a_default_meets_a_premise_the_written_config_does_not_name(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ class UserConfigError(Exception):
 
 @dataclass(frozen=True)
 class UserConfig:
-    """A user's config as read from ``path``: ``config`` exactly as written (comments gone, ``"auto"`` kept: each
+    """A user's config as read from ``path``: ``config`` as written (comments gone, monitors off, ``"auto"`` kept: each
     world resolves them for its size), and what reading it found worth saying (``notes``)."""
 
     path: str
@@ -182,6 +182,22 @@ def check(config: dict[str, Any], path: str, backend: str | None) -> None:
         raise UserConfigError(f"{path}: this scan runs in gloo (CPU) worlds; {'; '.join(refused)}")
 
 
+#: DeepSpeed's monitors: sections whose ``enabled`` makes every rank import a package of its own (wandb, comet_ml,
+#: tensorboard) and write logs; no catalogued bug depends on one, so a scan turns them off.
+MONITORS = ("wandb", "tensorboard", "comet", "csv_monitor")
+
+
+def monitors_off(config: dict[str, Any]) -> str | None:
+    """Turn off (in place) the monitors ``config`` enables; what was done, in words (None: none was on)."""
+    on = [name for name in MONITORS if isinstance(config.get(name), dict) and config[name].get("enabled")]
+    for name in on:
+        config[name]["enabled"] = False
+    if not on:
+        return None
+    return (f"monitors turned off ({', '.join(f'{name}.enabled false' for name in on)}): no catalogued bug depends on "
+            "one, and each would make every rank import its own package and write its logs")  # fmt: skip
+
+
 def load(path: Path, backend: str | None = None) -> UserConfig:
     """Read and check the user's config at ``path`` (``backend``: as for ``check``)."""
     try:
@@ -191,6 +207,7 @@ def load(path: Path, backend: str | None = None) -> UserConfig:
     config, comments = parse(text, str(path))
     check(config, str(path), backend)
     notes = [f"{comments} comment(s) (// or /* */) read as blanks: JSON with comments is accepted"] if comments else []
+    notes += filter(None, [monitors_off(config)])
     autos = _autos(config)
     if autos:
         notes.append(f'"auto" resolved as Hugging Face\'s Trainer does, for each world: {", ".join(autos)}')

@@ -60,14 +60,15 @@ class Mend:
 @dataclass(frozen=True)
 class ConfigRead:
     """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; mended where
-    ``mend`` says), as the release reads it (``values``: each key left out at its default), and DeepSpeed's refusal
-    of it, if any (``Type: message``)."""
+    ``mend`` says; the keys the release does not know, ``unknown``, taken out), as the release reads it (``values``:
+    each key left out at its default), and DeepSpeed's refusal of it, if any (``Type: message``)."""
 
     written: dict[str, Any]
     values: dict[str, Any]
     refused: str | None = None
     mend: Mend | None = None
     defaults_known: bool = True  # False: DeepSpeed refused the config, or the probe failed
+    unknown: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> DeepSpeed's message
 
     def premise_problems(self, premise: Premise) -> tuple[str, ...]:
         """What the config lacks for ``premise``. Without the release's reading (a config DeepSpeed refuses, a
@@ -105,9 +106,10 @@ class ScanConfig:
             if probe.problem and probe.problem not in self.problems:
                 self.problems.append(probe.problem)
             return ConfigRead(written, written, None, mend, defaults_known=False)
+        written = ds_defaults.without(written, reading.unknown)
         if reading.refused is not None:
-            return ConfigRead(written, written, reading.refused, mend, defaults_known=False)
-        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend)
+            return ConfigRead(written, written, reading.refused, mend, defaults_known=False, unknown=reading.unknown)
+        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend, unknown=reading.unknown)
 
     def read(self, size: int) -> tuple[ConfigRead, ConfigRead]:
         """The config for a world of ``size`` as written, and as the scan judges every bug but a mending one with
@@ -131,10 +133,13 @@ class ScanConfig:
         return None
 
     def notes(self) -> list[str]:
-        """What the scan did to the config as a whole, for the notes above its table: a mend, in words with why;
-        defaults that could not be read."""
+        """What the scan did to the config as a whole, for the notes above its table: the keys the release does not
+        know, taken out; a mend, in words with why; defaults that could not be read."""
         said = []
         for plain, effective in self._read.values():
+            said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not know it ({message}); no "
+                     "catalogued bug depends on it, and the rest of the config is judged" for key, message in
+                     plain.unknown.items()]  # fmt: skip
             mend = effective.mend
             if mend is not None:
                 said.append(f"judged with {', '.join(mend.said)}: DeepSpeed {installed_deepspeed()} refuses the config "
@@ -230,7 +235,7 @@ def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: di
         _decided(item, Finding(ScanVerdict.NOT_APPLICABLE, said))
     if read.refused is not None and not premise.mend:
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, f"{scan_verdicts.REFUSED} [{SCAN_ID}]: {read.refused}"))
-    config = copy.deepcopy(user)
+    config = ds_defaults.without(user, read.unknown)
     for key, value in () if read.mend is None else read.mend.changes:
         put(config, key, value)
     return ScanPlan(config, tuple(premise.apply(config, read.values, read.written)))
