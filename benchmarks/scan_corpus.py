@@ -77,8 +77,10 @@ def _read(place: Path) -> Scan:
     return Scan(data["config"], data["release"], record, data["seconds"], data["problem"], data.get("cpu", 0.0))
 
 
-def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, log: Path) -> Scan:
-    """One timed scan, its output to ``log``; a config the scan refuses up front is said, with no time."""
+def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, log: Path,
+             catalogue: Path | None = None, pytest_args: tuple[str, ...] = ()) -> Scan:  # fmt: skip
+    """One timed scan (of ``catalogue``, None: the installed one), its output to ``log``; a config the scan refuses up
+    front is said, with no time."""
     try:
         userconfig.load(path, "gloo")  # what the scan refuses at once in gloo worlds
     except userconfig.UserConfigError as exc:
@@ -90,7 +92,7 @@ def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, 
         os.dup2(out.fileno(), 1)  # the child's pytest writes to this process's stdout: its log
         try:
             record = catalogue_run.scan_once(
-                env.python, dict(env.environ), path, catalogue=None, world_size=None, pytest_args=[]
+                env.python, dict(env.environ), path, catalogue=catalogue, world_size=None, pytest_args=pytest_args
             )
             problem = None
         except catalogue_run.ScanError as exc:
