@@ -21,6 +21,8 @@ import importlib.util
 import sys
 from types import CodeType, ModuleType
 
+from .reuse_reset import remember
+
 
 def compile_source(path: str, source: bytes, *, rewrite: bool) -> CodeType:
     """The module's code from its source, asserts rewritten as pytest rewrites them when ``rewrite``."""
@@ -80,4 +82,5 @@ def load(name: str, path: str, *, rewrite: bool, code: CodeType | None = None) -
     except BaseException:
         del sys.modules[name]
         raise
+    remember(module)  # its containers as imported: a kept rank puts them back after each test
     return module
