@@ -333,9 +333,9 @@ def test_defaults_that_cannot_be_read_are_said_and_the_scan_goes_on(pytester: py
     """Injected: the probe of the release's defaults cannot start. One note says so; what a default would decide is
     not judged, the rest is, and the bodies run."""
     pytester.makeconftest("""
-        from pytest_dsrepro.session import config_defaults
+        from pytest_dsrepro.scan import defaults
 
-        config_defaults.MODULE = "pytest_dsrepro.no_such_probe"
+        defaults.MODULE = "pytest_dsrepro.no_such_probe"
     """)
     # a config of this test's own: another test's real probe of the same config leaves its reading in the cache
     user = config(pytester, {"zero_optimization": {"stage": 3}, "steps_per_print": 4271})

@@ -1,7 +1,7 @@
 """A config as the release being scanned reads it: each key the config leaves out takes that release's default.
 
 The values come from the release itself: its ``DeepSpeedConfig`` is built on the config in a subprocess of the
-release's interpreter (``inrank.defaults_probe``, started by ``session.config_defaults``), and the keys a premise
+release's interpreter (``scan.probe``, started by ``scan.defaults``), and the keys a premise
 reads are read off the object it made. What this module holds is structure, not values: *where* each JSON key
 lives in DeepSpeed's config classes (``KEYS``, ``SECTIONS``: the attribute names, with the older name where a
 release renamed one), the request sent to the release, and the merge of its answer into the config as written.

@@ -1,17 +1,8 @@
-"""A user's own ``ds_config.json``, taken as users write it, for ``--ds-scan`` and ``dsrepro scan``.
-
-Accepted: plain JSON, and JSON with ``//`` and ``/* */`` comments (the way tutorials and the seeds' chapter write
-configs, a comment after a value to say why). Comments are blanked out in place (every character but newlines
-becomes a space), so a syntax error still names the file, line and column of the user's own text. Anything else
-JSON does not allow (a trailing comma, single quotes) is refused with that place; nothing is guessed. A key given
-twice in one object is refused too, at its second place: JSON's parsers keep the last silently, DeepSpeed refuses the
-file.
-
-What this module decides once, before any world: the file is one JSON object whose ZeRO stage and offload devices
-DeepSpeed can read; every ``"auto"`` is one Hugging Face fills (``configs.resolve_auto``); and, when the worlds run
-on CPUs, nothing in it needs CUDA that cannot be adapted (``configs.cuda_only``). The adaptations themselves (fp16 ->
-fp32, pinned memory off, NVMe offload to CPU) are ``configs.adapt_to_backend``'s, said per test as every run says
-them. Pure: no pytest, no torch.
+"""A user's own ``ds_config.json``, taken as users write it, for ``--ds-scan`` and ``dsrepro scan``: JSON, with
+``//`` and ``/* */`` comments blanked in place (so an error still names the user's line and column); nothing else
+guessed, a key given twice refused as DeepSpeed refuses it. Decided once, before any world: one JSON object whose
+stage and offload devices DeepSpeed can read, every ``"auto"`` one Hugging Face fills, on CPUs nothing that needs
+CUDA without a CPU form; the monitors turned off (no bug depends on one). Pure: no pytest, no torch.
 """
 
 from __future__ import annotations

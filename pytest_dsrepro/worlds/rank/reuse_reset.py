@@ -1,28 +1,8 @@
 """Runs in the fork server (``Baseline.take``, before it forks a reusable world) and in its kept ranks (between two
 tests of a reuse scope, ``ds_world(reuse=True)``): what a kept rank puts back so that the next test starts as it would
-on a freshly forked rank.
-
-torch's ``MultiProcContinuousTest`` keeps its workers and gives every test a fresh process group; DeepSpeed's own
-``reuse_dist_env`` keeps the process group as well, and neither puts anything back. Here a gloo rank destroys its
-default process group after every test (the next test makes its own, under its own store prefix; an NCCL rank keeps
-its own, whose communicator is what keeping the world saves), then puts back what it had when it was forked:
-
-- the environment (``os.environ``, and the time zone read from it);
-- every global of DeepSpeed's modules that the test rebound or whose container it filled: its comm layer's backend
-  (``deepspeed.comm.comm.cdb``), its cached groups (``deepspeed.utils.groups._WORLD_GROUP``, the expert-parallel
-  dicts), a monkeypatched function; in DeepSpeed modules first imported since, every global that holds a process
-  group is emptied, since that group is gone;
-- every name the libraries rebound as they ran, in any module the rank was forked with or its classes (counters such
-  as DeepSpeed's ``Init.param_id``, ``torch.nn.functional.linear`` swapped by ZeRO-3: ``namespaces``);
-- the random streams (Python's, torch's, NumPy's; CUDA's as a fresh process has them), the warnings filters, the
-  loggers' levels, handlers and switches;
-- the test modules' containers (a list, dict or set a global names), refilled as the module had them once imported
-  (``remember``): a list a failed test appended to is empty again for the next test, as on a fresh rank.
-
-The ``monkeypatch`` a body or a fix got is undone in the ranks as the body ends (``body.run_body``). What a rank cannot
-put back (a name the test's own code rebound, torch's modes, threads, ...: ``Baseline.leftovers`` and
-``leftovers.ProcessState``) ends the world instead. What no rank looks at stays for the next test of its scope, as in
-one pytest process: objects a test changed in place deeper than a test module's own containers.
+on a freshly forked rank, where torch's ``MultiProcContinuousTest`` and DeepSpeed's ``reuse_dist_env`` put nothing
+back. What a rank cannot put back (``Baseline.leftovers``, ``leftovers.ProcessState``) ends the world instead; what
+no rank looks at (objects changed in place deeper than a test module's containers) stays, as in one pytest process.
 Imports torch only inside functions.
 """
 
@@ -43,6 +23,15 @@ from types import ModuleType
 from typing import Any
 
 from .namespaces import Namespaces, Rebound
+
+# What is put back, as forked: a gloo rank's default process group is destroyed (the next test makes its own; an NCCL
+# rank keeps its own, whose communicator is what keeping the world saves); the environment and its time zone; every
+# global of DeepSpeed's modules that the test rebound or whose container it filled (``deepspeed.comm.comm.cdb``,
+# ``deepspeed.utils.groups._WORLD_GROUP``, a monkeypatched function), and in DeepSpeed modules first imported since,
+# every global holding a process group emptied; every name the libraries rebound in a module the rank was forked with
+# or its classes (``Init.param_id``, ``torch.nn.functional.linear`` swapped by ZeRO-3: ``namespaces``); the random
+# streams, warnings filters and loggers; the test modules' lists, dicts and sets, as imported (``remember``). The
+# ``monkeypatch`` a body or a fix got is undone as the body ends (``body.run_body``).
 
 #: How deep a global's containers are searched for a process group.
 SEARCH_DEPTH = 3

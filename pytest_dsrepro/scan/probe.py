@@ -1,5 +1,5 @@
-"""Each config as one DeepSpeed release reads it: ``python -m pytest_dsrepro.inrank.defaults_probe REQUEST ANSWER``,
-run by ``session.config_defaults`` with the interpreter of the release being scanned, so the pytest process itself
+"""Each config as one DeepSpeed release reads it: ``python -m pytest_dsrepro.scan.probe REQUEST ANSWER``,
+run by ``scan.defaults`` with the interpreter of the release being scanned, so the pytest process itself
 never imports DeepSpeed.
 
 ``REQUEST`` is a JSON list of configs, each with the world size it is read for (``core.ds_defaults.request``);
@@ -91,7 +91,7 @@ def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, st
     out one refusal at a time (each with DeepSpeed's message); whatever else it raises is raised."""
     from deepspeed.runtime import config as config_module
 
-    from .engine import build_scheduler
+    from ..inrank.engine import build_scheduler
 
     unknown: dict[str, str] = {}
     comm = config_module.dist

@@ -1,20 +1,10 @@
-"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side. This module is a
-pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only for a scan (as
-``dsrepro-scan-config``). The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
-(``plugin.HookSpecs``) and pytest's.
-
-At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
-before anything starts). At collection each catalogued repro (a test with ``ds_repro``) gets one test id, ``[scan]``,
-whose ``ds_config`` is the user's config; its own config ids and its ``[fixed]`` variant are not made, and tests
-that are no repro are deselected. At setup the repro's ``ds_premise`` is judged on the config as the installed
-release reads it (``ScanConfig``: ``"auto"`` resolved for the world, before the CPU adaptations, each key it leaves
-out at that release's default, asked of the release through ``session.config_defaults`` by a probe started at
-configure, so that it overlaps collection): a config that cannot meet it is NOT APPLICABLE with the premise's words and
-no world, and a config DeepSpeed refuses is CANNOT TELL (said once, above the table) with no world; else the
-premise's ``removes`` and ``sets`` change the config, each said. After the body the
-gates' judgement becomes the scan's verdict (``core.scan_verdicts.finding``), which decides the pytest outcome:
-AFFECTED and CANNOT TELL fail, NOT AFFECTED passes, NOT APPLICABLE skips. Each test's record carries its finding; the
-run's record names the config, and its terminal summary and ``--ds-report`` are the scan's table.
+"""``--ds-scan CONFIG``: a user's config run through the catalogue, a pytest plugin of its own (the entry point
+``dsrepro-scan``; ``Scan`` registered only for a scan), so that the rest of the plugin knows nothing of scans: it
+answers the plugin's hooks (``plugin.HookSpecs``) and pytest's. Each catalogued repro gets one ``[scan]`` test with
+the user's config; its premise is judged at setup on the config as the installed release reads it (``ScanConfig``,
+asked through ``scan.defaults`` while collection runs), NOT APPLICABLE or refused configs start no world, and the
+gates' judgement becomes the scan's verdict and the test's outcome (AFFECTED and CANNOT TELL fail, NOT AFFECTED
+passes, NOT APPLICABLE skips). The run's summary and ``--ds-report`` are the scan's table.
 """
 
 from __future__ import annotations
@@ -33,14 +23,15 @@ from ..core.errors import MarkerError
 from ..core.gates import Judgement, Reason, installed_deepspeed
 from ..core.premises import Premise, lookup, put
 from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestRecord
+from ..session import markers
+from ..session.backends import WORLD_BACKEND_KEY, SpawnedWorlds
+from ..session.markers import MARKS_KEY
+from ..session.parametrize import give_config
+from ..session.recording import RecordedTests, Summary
+from ..session.settings import SETTINGS_KEY
+from ..session.verdicts import JUDGEMENT_KEY, fail
 from ..worlds.device_nodes import gpu_device_nodes
-from . import config_defaults, markers
-from .backends import WORLD_BACKEND_KEY, SpawnedWorlds
-from .markers import MARKS_KEY
-from .parametrize import give_config
-from .recording import RecordedTests, Summary
-from .settings import SETTINGS_KEY
-from .verdicts import JUDGEMENT_KEY, fail
+from . import defaults
 
 #: The test id of a repro's one scanned test (and the name its config has in messages).
 SCAN_ID = "scan"
@@ -97,10 +88,10 @@ class ScanConfig:
     def written(self, size: int) -> dict[str, Any]:
         return configs.resolve(self.user.config, SCAN_ID, size, "gloo").written
 
-    def _ask(self, written: list[dict[str, Any]], size: int) -> config_defaults.DefaultsProbe:
-        return config_defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
+    def _ask(self, written: list[dict[str, Any]], size: int) -> defaults.DefaultsProbe:
+        return defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
 
-    def _answer(self, probe: config_defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
+    def _answer(self, probe: defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
         reading = probe.wait()[0]
         if reading is None:
             if probe.problem and probe.problem not in self.problems:
