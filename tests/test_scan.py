@@ -2,7 +2,7 @@
 
 A small catalogue of its own shows each verdict (its bodies decide from the config they are given); the catalogue's
 own epilogue repro shows the issue's examples: the seed analysis's trigger config and its recommended workaround are
-AFFECTED, the same config with an optimizer section is NOT AFFECTED.
+AFFECTED, the same config with an optimizer section is NOT APPLICABLE (the bug cannot happen with one).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def epilogue(pytester: pytest.Pytester) -> Path:
 @pytest.mark.parametrize(
     ("user", "verdict"),
     [(TRIGGER, "AFFECTED"), (WORKAROUND, "AFFECTED"),
-     ({**TRIGGER, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "NOT AFFECTED")],
+     ({**TRIGGER, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "NOT APPLICABLE")],
     ids=["seed-trigger", "seed-workaround", "with-optimizer"],
 )  # fmt: skip
 def test_the_seed_analysis_configs(pytester: pytest.Pytester, run: RunPytest, epilogue: Path, user: object,
