@@ -19,6 +19,12 @@ import pytest
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
+#: What a scan sets for a body's torch optimizer of two groups, and why.
+TORCH_OPTIMIZER = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+TORCH_OPTIMIZER_BECAUSE = (
+    "the body trains a torch SGD optimizer of two groups, which ZeRO takes only when allowed (untested optimizers) and "
+    "beside CPU optimizer offload only with zero_force_ds_cpu_optimizer off"
+)
 #: The two param groups' own learning rates: the first layer's, and the output layer's.
 BASE_LRS = (0.1, 0.2)
 
@@ -30,7 +36,7 @@ def config(name: str, scheduler: str, **params: Any) -> Any:
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
-            "zero_force_ds_cpu_optimizer": False,
+            **TORCH_OPTIMIZER,
             "scheduler": {"type": scheduler, "params": params},
         },
         id=name,
@@ -42,9 +48,8 @@ def linear_warmup_premise(config: dict[str, object]) -> pytest.MarkDecorator:
     reference follows (a scan sets it on a user's config)."""
     return pytest.mark.ds_premise(
         config=config,
-        sets={"scheduler.params.warmup_type": "linear", "zero_force_ds_cpu_optimizer": False},
-        because="the body computes the linear warm-up each group should follow, on a torch optimizer of two groups "
-        "(which DeepSpeed takes beside CPU optimizer offload only with zero_force_ds_cpu_optimizer off)",
+        sets={"scheduler.params.warmup_type": "linear", **TORCH_OPTIMIZER},
+        because=f"the body computes the linear warm-up each group should follow; {TORCH_OPTIMIZER_BECAUSE}",
     )
 
 
