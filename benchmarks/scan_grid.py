@@ -1,8 +1,8 @@
 """Every catalogued body judged on a generated grid of config shapes (issue 54): no false regression, by construction.
 
 A shape is a ZeRO stage x a precision (fp32, fp16, bf16) x an accumulation (1, 4 given, or 16 derived from the batch
-sizes with no ``gradient_accumulation_steps`` key) x one feature (none, clipping, each scheduler, optimizer or
-parameter offload, the flops profiler, the comms logger, ``"auto"`` values, an optimizer section). Each shape is
+sizes with no ``gradient_accumulation_steps`` key) x one feature (none, clipping, a micro-batch of 8, each scheduler,
+optimizer or parameter offload, the flops profiler, the comms logger, ``"auto"`` values, an optimizer section). Each is
 scanned on each release, in that release's environment, with the whole catalogue; a bug's AFFECTED on a release
 outside its catalogued range is a false regression, and the summary lists every one (there should be none).
 
@@ -48,6 +48,7 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 FEATURES: dict[str, dict[str, Any]] = {
     "plain": {},
     "clipping": {"gradient_clipping": 1.0},
+    "micro8": {"train_micro_batch_size_per_gpu": 8},
     **{name.lower(): {"scheduler": {"type": name, "params": params}} for name, params in SCHEDULERS.items()},
     "offload_optimizer": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
     "offload_param": {"zero_optimization": {"offload_param": {"device": "cpu"},
@@ -79,13 +80,14 @@ def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def shape(stage: int, precision: str, accumulation: str, feature: str) -> dict[str, Any]:
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
                               "zero_optimization": {"stage": stage}}  # fmt: skip
-    if accumulation == "derived":
-        config["train_batch_size"] = MICRO * DERIVED * WORLD
-    else:
-        config["gradient_accumulation_steps"] = int(accumulation[2:])
     if precision != "fp32":
         config[precision] = {"enabled": True}
-    return _merged(config, FEATURES[feature])
+    config = _merged(config, FEATURES[feature])
+    if accumulation == "derived":  # 16 micro-steps of the shape's micro-batch size
+        config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * DERIVED * WORLD
+    elif feature != "auto":
+        config["gradient_accumulation_steps"] = int(accumulation[2:])
+    return config
 
 
 def grid() -> Iterator[tuple[str, dict[str, Any]]]:
