@@ -30,7 +30,6 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import scan_verdicts
 from pytest_dsrepro.core.results import ScanVerdict
-from pytest_dsrepro.tools import environments
 
 RELEASES = ("0.18.3", "0.19.8")
 STAGES = (0, 1, 2, 3)
@@ -110,24 +109,14 @@ def chosen(names: list[str], every: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    shapes = chosen(args.shape, args.every)
-    prepare = environments.release_environment(args.cache_dir)
+    """Each chosen shape written as a config file, then scanned as the corpus is (``scan_corpus.scan_all``)."""
     with tempfile.TemporaryDirectory(prefix="dsrepro-grid-") as folder:
-        for release in args.release:
-            env = environments.prepared(prepare, release, "benchmark")
-            where = args.out / release
-            where.mkdir(parents=True, exist_ok=True)
-            for name, config in shapes:
-                place = where / f"{name}.json"
-                if place.exists():
-                    continue
-                path = Path(folder) / f"{name}.json"
-                path.write_text(json.dumps(config, indent=2))
-                scan = scan_corpus.scan_one(env, name, path, release, where / f"{name}.log", catalogue=args.catalogue,
-                                            pytest_args=tuple(args.pytest_args))  # fmt: skip
-                scan_corpus._written(place, scan)
-                said = scan_verdicts.counts(scan_verdicts.rows(scan.record)) if scan.record else scan.problem
-                print(f"{release} {name}: {scan.seconds:.1f} s: {said}", flush=True)
+        named = []
+        for name, config in chosen(args.shape, args.every):
+            path = Path(folder) / f"{name}.json"
+            path.write_text(json.dumps(config, indent=2))
+            named.append((name, path))
+        scan_corpus.scan_all(args, named, args.catalogue, tuple(args.pytest_args))
 
 
 def regressions(scans: list[scan_corpus.Scan]) -> list[str]:
@@ -152,21 +141,14 @@ def summary(scans: list[scan_corpus.Scan], before: list[scan_corpus.Scan] | None
         lines += ["", "before:", *(f"- {line}" for line in regressions(before))]
     untold = scan_corpus.untold(scans)
     lines += ["", f"CANNOT TELL cells: {len(untold)}", *(f"- {line}" for line in untold)]
-    failed = [f"{s.config} on {s.release}: {s.problem}" for s in scans if s.problem]
-    lines += ["", f"shapes not scanned: {len(failed)}", *(f"- {x}" for x in failed)]
-    return lines
+    return lines + scan_corpus.not_scanned(scans, "shapes")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="where each scan's record goes (and is found again)")
-    parser.add_argument("--release", action="append", default=[], help=f"default: {' '.join(RELEASES)}")
+    parser = scan_corpus.arguments(__doc__.splitlines()[0], RELEASES)
     parser.add_argument("--shape", action="append", default=[], help="a shape's name (default: the grid)")
     parser.add_argument("--every", type=int, default=1, help="every N-th shape of the grid only")
     parser.add_argument("--catalogue", type=Path, default=None, help="the catalogue to scan (default: the installed)")
-    parser.add_argument("--cache-dir", type=Path, default=None)
-    parser.add_argument("--summary", type=Path, help="print the summary of an earlier --out, running nothing")
-    parser.add_argument("--before", type=Path, help="an earlier --out, for the counts before")
     parser.add_argument("--list", action="store_true", help="list the grid's shapes and stop")
     parser.add_argument("pytest_args", nargs="*", help="after --: arguments for each scan's pytest (-k ...)")
     args = parser.parse_args()
