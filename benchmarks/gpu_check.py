@@ -79,6 +79,7 @@ if importlib.util.find_spec("pytest_dsrepro") is None:  # run from a checkout wi
     sys.path.insert(0, str(ROOT))
 
 from pytest_dsrepro.core import results  # noqa: E402 - the results schema's one reader
+from pytest_dsrepro.tools.install import InstallError, uv_binary  # noqa: E402 - uv found as every install finds it
 
 #: What the GPU image lacks for DeepSpeed and this plugin (it has torch, pytest, psutil, numpy, ninja, py-cpuinfo,
 #: einops, msgpack, nvidia-ml-py and the HF stack): fetched here as wheels for its Python. typing-extensions is there,
@@ -829,12 +830,18 @@ def _shown(path: Path) -> Path:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """The inputs of ``run``: wheels for the GPU image's Python, the CPU reference verdicts, and ``run.sh``."""
+    """The inputs of ``run``: wheels for the GPU image's Python, the CPU reference verdicts, and ``run.sh``. Without
+    uv (neither its package nor on ``PATH``): one line saying so, exit 2."""
+    try:
+        uv = uv_binary()
+    except InstallError as exc:
+        print(f"gpu_check prepare: {exc.reason}: it builds the wheels", file=sys.stderr)
+        return 2
     wheels = args.into / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
     py = sys.executable
-    subprocess.run(["uv", "build", "--wheel", "--out-dir", str(wheels), str(ROOT)], check=True)
+    subprocess.run([uv, "build", "--wheel", "--out-dir", str(wheels), str(ROOT)], check=True)
     platforms = [flag for p in PLATFORMS for flag in ("--platform", p)]
     subprocess.run([*PIP, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
                     args.python_version, "--implementation", "cp", *platforms, "-d", str(wheels), *MISSING_THERE,
@@ -843,7 +850,7 @@ def prepare(args: argparse.Namespace) -> int:
         subprocess.run([*PIP, "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", sdists,
                         f"deepspeed=={args.release}"], check=True)  # fmt: skip
         sdist = next(Path(sdists).glob("deepspeed-*.tar.gz"))
-        subprocess.run(["uv", "build", "--wheel", "--no-build-isolation", "--python", py, "--out-dir", str(wheels),
+        subprocess.run([uv, "build", "--wheel", "--no-build-isolation", "--python", py, "--out-dir", str(wheels),
                         str(sdist)], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})  # fmt: skip
     for size in (1, 2):
         into = args.into / f"cpu-{size}"

@@ -77,8 +77,10 @@ def _read(place: Path) -> Scan:
     return Scan(data["config"], data["release"], record, data["seconds"], data["problem"], data.get("cpu", 0.0))
 
 
-def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, log: Path) -> Scan:
-    """One timed scan, its output to ``log``; a config the scan refuses up front is said, with no time."""
+def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, log: Path,
+             catalogue: Path | None = None, pytest_args: tuple[str, ...] = ()) -> Scan:  # fmt: skip
+    """One timed scan (of ``catalogue``, None: the installed one), its output to ``log``; a config the scan refuses up
+    front is said, with no time."""
     try:
         userconfig.load(path, "gloo")  # what the scan refuses at once in gloo worlds
     except userconfig.UserConfigError as exc:
@@ -90,7 +92,7 @@ def scan_one(env: environments.ReleaseEnv, name: str, path: Path, release: str, 
         os.dup2(out.fileno(), 1)  # the child's pytest writes to this process's stdout: its log
         try:
             record = catalogue_run.scan_once(
-                env.python, dict(env.environ), path, catalogue=None, world_size=None, pytest_args=[]
+                env.python, dict(env.environ), path, catalogue=catalogue, world_size=None, pytest_args=pytest_args
             )
             problem = None
         except catalogue_run.ScanError as exc:
@@ -107,7 +109,12 @@ def _children_cpu() -> float:
 
 
 def run(args: argparse.Namespace) -> None:
-    configs = corpus(args.config)
+    scan_all(args, corpus(args.config))
+
+
+def scan_all(args: argparse.Namespace, configs: list[tuple[str, Path]], catalogue: Path | None = None,
+             pytest_args: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Each config on each of ``args.release``, its record kept in ``args.out`` (one already there is not run)."""
     prepare = environments.release_environment(args.cache_dir)
     for release in args.release:
         env = environments.prepared(prepare, release, "benchmark")
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
             place = where / f"{name}.json"
             if place.exists():
                 continue
-            scan = scan_one(env, name, path, release, where / f"{name}.log")
+            scan = scan_one(env, name, path, release, where / f"{name}.log", catalogue, pytest_args)
             _written(place, scan)
             said = scan_verdicts.counts(scan_verdicts.rows(scan.record)) if scan.record else scan.problem
             print(f"{release} {name}: {scan.seconds:.1f} s: {said}", flush=True)
@@ -188,19 +195,29 @@ def summary(scans: list[Scan], before: list[Scan] | None) -> list[str]:
         lines += ["", counted, *(f"- {line}" for line in now if not refused)]
     odd = [line for s in scans for line in checked(s)]
     lines += ["", f"verdicts that disagree with the bug's catalogued range: {len(odd)}", *(f"- {x}" for x in odd)]
+    return lines + not_scanned(scans, "configs")
+
+
+def not_scanned(scans: list[Scan], what: str) -> list[str]:
+    """The scans that did not run, each with why."""
     failed = [f"{s.config} on {s.release}: {s.problem}" for s in scans if s.problem]
-    lines += ["", f"configs not scanned: {len(failed)}", *(f"- {x}" for x in failed)]
-    return lines
+    return ["", f"{what} not scanned: {len(failed)}", *(f"- {x}" for x in failed)]
+
+
+def arguments(description: str, releases: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options every scan benchmark takes: where its records go, the releases, the cache, an earlier run."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, help="where each scan's record goes (and is found again)")
+    parser.add_argument("--release", action="append", default=[], help=f"default: {' '.join(releases)}")
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--summary", type=Path, help="print the summary of an earlier --out, running nothing")
+    parser.add_argument("--before", type=Path, help="an earlier --out, for the counts before")
+    return parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="where each scan's record goes (and is found again)")
-    parser.add_argument("--release", action="append", default=[], help=f"default: {' '.join(RELEASES)}")
+    parser = arguments(__doc__.splitlines()[0], RELEASES)
     parser.add_argument("--config", action="append", default=[], help="a corpus id (default: all)")
-    parser.add_argument("--cache-dir", type=Path, default=None)
-    parser.add_argument("--summary", type=Path, help="print the table of an earlier --out, running nothing")
-    parser.add_argument("--before", type=Path, help="an earlier --out, for the CANNOT TELL count before")
     parser.add_argument("--markdown", type=Path, help="also write the summary there")
     args = parser.parse_args()
     args.release = args.release or list(RELEASES)

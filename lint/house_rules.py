@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "pytest_dsrepro"
+#: Module docstrings over 10 lines today: each one shortened lowers it.
+DOCSTRINGS_OVER_10 = 32
 
 #: Names in design.md's backticks that are other projects' (torch, DeepSpeed, pytest), not this package's.
 FOREIGN = frozenset(
@@ -201,13 +203,16 @@ def commands_importing_commands(mods: list[Module]) -> Finding:
 
 
 def big_classes(mods: list[Module], most: int = 12) -> Finding:
+    """A class's budget counts what its users call (public methods and properties), not its helpers (``_name``,
+    dunders): a class split only to stay under a count of every method is two classes its users must know."""
     places = []
     for m in mods:
         for cls in _classes(m.tree):
-            methods = sum(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) for node in cls.body)
+            methods = sum(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_")
+                          for node in cls.body)  # fmt: skip
             if methods > most:
-                places.append(f"{m.path}:{cls.lineno} {cls.name}: {methods} methods")
-    return Finding(f"classes over {most} methods", len(places), 0, tuple(places))
+                places.append(f"{m.path}:{cls.lineno} {cls.name}: {methods} public methods")
+    return Finding(f"classes over {most} public methods", len(places), 0, tuple(places))
 
 
 def _long_functions(mods: list[Module], over: int) -> list[str]:
@@ -227,6 +232,16 @@ def functions_over_50(mods: list[Module]) -> Finding:
 def functions_over_40(mods: list[Module]) -> Finding:
     places = _long_functions(mods, 40)
     return Finding("functions over 40 lines", len(places), 6, tuple(places))
+
+
+def long_docstrings(mods: list[Module], most: int = 10, budget: int = 0) -> Finding:
+    """Module docstrings say why in a few lines; the how belongs to the functions' own."""
+    places = []
+    for m in mods:
+        doc = ast.get_docstring(m.tree, clean=False)
+        if doc is not None and len(doc.strip().splitlines()) > most:
+            places.append(f"{m.path}: {len(doc.strip().splitlines())} lines")
+    return Finding(f"module docstrings over {most} lines", len(places), budget, tuple(places))
 
 
 def module_count(mods: list[Module], subpackage: str, most: int) -> Finding:
@@ -285,7 +300,7 @@ def readme(path: Path) -> list[Finding]:
 
 
 _NAMED = re.compile(r"`([A-Za-z_][\w./]*)`")
-SUBPACKAGES = ("core", "session", "worlds", "tools", "inrank", "upstream")
+SUBPACKAGES = ("core", "session", "worlds", "tools", "inrank", "upstream", "scan", "triage")
 
 
 def design_names(mods: list[Module], design: Path) -> list[Finding]:
@@ -424,20 +439,22 @@ def check(root: Path = ROOT) -> list[Finding]:
         big_classes(mods),
         functions_over_50(mods),
         functions_over_40(mods),
-        module_count(mods, "session", 15),
+        long_docstrings(mods, budget=DOCSTRINGS_OVER_10),
+        module_count(mods, "session", 12),
         commands_importing_commands(mods),
         file_lines(root / PACKAGE / "tools" / "cli.py", 200),
         function_level_imports(mods, f"{PACKAGE}.tools", (f"{PACKAGE}.tools.cli",)),
-        names_outside(mods, "scan", (f"{PACKAGE}.session", f"{PACKAGE}.plugin"), f"{PACKAGE}.session.scan_plugin"),
+        names_outside(mods, "scan", (f"{PACKAGE}.session", f"{PACKAGE}.plugin"), f"{PACKAGE}.scan"),
         *readme(root / "README.md"),
         *design_names(mods, root / "docs" / "design.md"),
     ]
 
 
-def main() -> int:
+def main(root: Path = ROOT) -> int:
+    """Print every rule's reading; exit 1 when one is over its budget, naming its places."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` reads what it wants
-    mods = modules(ROOT)
-    findings = check(ROOT)
+    mods = modules(root)
+    findings = check(root)
     width = max(len(f.rule) for f in findings)
     print(f"{'rule':<{width}}  today  budget")
     for f in findings:

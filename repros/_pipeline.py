@@ -21,6 +21,7 @@ PIPELINE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
+    "zero_force_ds_cpu_optimizer": False,
     "steps_per_print": 100,
     "wall_clock_breakdown": False,
     "flops_profiler": {"enabled": False},
@@ -39,14 +40,15 @@ def pipeline_premise(**requirements: Any) -> pytest.MarkDecorator:
         **requirements,
         sets={"gradient_clipping": 0.0, "steps_per_print": 100, "zero_allow_untested_optimizer": True,
               "bf16.enabled": False, "fp16.enabled": False, "wall_clock_breakdown": False,
-              "flops_profiler.enabled": False},
+              "flops_profiler.enabled": False, "zero_force_ds_cpu_optimizer": False},
         removes=("scheduler",),
         because="the body compares the weights with plain, unclipped fp32 SGD at its own rate, to 1e-6 (which ZeRO-1 "
         "must be allowed to wrap, and which a config's scheduler or half precision would change); and the pipeline "
         "engine's train_batch of 0.15-0.16 takes the step modulo steps_per_print, whose default there is None; from "
         "0.18.3 a stage's backward under wall_clock_breakdown (which the flops profiler turns on too) starts the "
         "bwd_microstep timer twice (the pipeline's own and the backward hook's: AssertionError, entry "
-        "pipeline-backward-timer-started-twice), before the compared step",
+        "pipeline-backward-timer-started-twice), before the compared step; a torch optimizer beside CPU optimizer "
+        "offload needs zero_force_ds_cpu_optimizer off",
     )  # fmt: skip
 
 

@@ -19,6 +19,12 @@ import pytest
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
+#: What a scan sets for a body's torch optimizer of two groups, and why.
+TORCH_OPTIMIZER = {"zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+TORCH_OPTIMIZER_BECAUSE = (
+    "the body trains a torch SGD optimizer of two groups, which ZeRO takes only when allowed (untested optimizers) and "
+    "beside CPU optimizer offload only with zero_force_ds_cpu_optimizer off"
+)
 #: The two param groups' own learning rates: the first layer's, and the output layer's.
 BASE_LRS = (0.1, 0.2)
 
@@ -30,6 +36,7 @@ def config(name: str, scheduler: str, **params: Any) -> Any:
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
+            **TORCH_OPTIMIZER,
             "scheduler": {"type": scheduler, "params": params},
         },
         id=name,
@@ -41,8 +48,8 @@ def linear_warmup_premise(config: dict[str, object]) -> pytest.MarkDecorator:
     reference follows (a scan sets it on a user's config)."""
     return pytest.mark.ds_premise(
         config=config,
-        sets={"scheduler.params.warmup_type": "linear"},
-        because="the body computes the linear warm-up each group should follow",
+        sets={"scheduler.params.warmup_type": "linear", **TORCH_OPTIMIZER},
+        because=f"the body computes the linear warm-up each group should follow; {TORCH_OPTIMIZER_BECAUSE}",
     )
 
 
@@ -50,9 +57,10 @@ def check_schedule(
     ds_engine: Any, ds_config: dict[str, Any], ds_rank: int, expected: Callable[[int], Sequence[float]], steps: int,
     bug: str,
 ) -> None:  # fmt: skip
-    """Train ``steps`` steps of a two-group SGD engine; before each step and after the last, every group's learning
-    rate must be ``expected(k)`` (``k``: the steps taken so far, 0 right after ``deepspeed.initialize``; the
-    scheduler is then at iteration ``k - 1``). A mismatch fails with ``bug``, the step and both lists."""
+    """Train ``steps`` optimizer steps of a two-group SGD engine (each of the config's accumulation steps: the
+    scheduler moves at the boundary only); before each step and after the last, every group's learning rate must be
+    ``expected(k)`` (``k``: the steps taken so far, 0 right after ``deepspeed.initialize``; the scheduler is then at
+    iteration ``k - 1``). A mismatch fails with ``bug``, the step and both lists."""
     import torch
 
     model = tiny_mlp(seed=3)
@@ -64,10 +72,9 @@ def check_schedule(
         assert all(_close(g, w) for g, w in zip(got, want, strict=True)), (
             f"{bug}: learning rates {got} after {k} step(s), expected {want}"
         )
-        if k < steps:
-            x, y = make_batch(
-                ds_config["train_micro_batch_size_per_gpu"], seed=k, rank=ds_rank, dtype=precision_dtype(ds_config)
-            )
+        for micro in range(engine.gradient_accumulation_steps() if k < steps else 0):
+            x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=k * 1000 + micro, rank=ds_rank,
+                              dtype=precision_dtype(ds_config))  # fmt: skip
             engine.backward(torch.nn.functional.mse_loss(engine(x), y))
             engine.step()
 

@@ -103,10 +103,13 @@ def sgd_step_error(engine: Any, reference: Any, lr: float) -> tuple[float, float
     return max_difference(engine.module, reference), moved
 
 
-def train(engine: Any, rank: int, steps: int, hidden: int = 16) -> list[float]:
+def train(
+    engine: Any, rank: int, steps: int, hidden: int = 16, moms: list[dict[str, Any]] | None = None
+) -> list[float]:
     """``steps`` optimizer steps of ``engine``, each over the config's ``gradient_accumulation_steps`` micro-batches
     (this rank's part of ``global_batch(..., seed=micro_step)``, in the engine's dtype); the learning rate of each
-    optimizer step (a config's scheduler sets them), for ``train_reference``."""
+    optimizer step (a config's scheduler sets them), for ``train_reference``; into ``moms``, each step's momentum (a
+    OneCycle scheduler cycles Adam's betas and SGD's momentum)."""
     import torch
 
     used = []
@@ -115,6 +118,9 @@ def train(engine: Any, rank: int, steps: int, hidden: int = 16) -> list[float]:
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         if engine.is_gradient_accumulation_boundary():
             used.append(engine.get_lr()[0])
+            group = engine.optimizer.param_groups[0]
+            if moms is not None:
+                moms.append({k: group[k] for k in ("betas", "momentum") if k in group})
         engine.step()
     return used
 
@@ -127,10 +133,12 @@ def train_reference(
     hidden: int = 16,
     lrs: list[float] | None = None,
     accumulation: int = 1,
+    moms: list[dict[str, Any]] | None = None,
 ) -> None:
     """What ``train`` should amount to: ``steps`` plain steps of ``optimizer``, each on the mean gradient of
     ``accumulation`` micro-batches (the config's ``gradient_accumulation_steps``) ``global_batch(..., seed=micro)``,
-    at the learning rate ``train`` returned for it (``lrs``; the optimizer's own where not given)."""
+    at the learning rate ``train`` returned for it (``lrs``; the optimizer's own where not given) and the momentum it
+    noted (``moms``)."""
     import torch
 
     for step in range(steps):
@@ -140,4 +148,6 @@ def train_reference(
             (torch.nn.functional.mse_loss(model(x), y) / accumulation).backward()
         for group in optimizer.param_groups if lrs else ():
             group["lr"] = lrs[step]
+        for group in optimizer.param_groups if moms else ():
+            group.update({k: v for k, v in moms[step].items() if k in group})
         optimizer.step()

@@ -171,6 +171,16 @@ def test_the_one_script_runs_the_check_from_the_repository(tmp_path: Path) -> No
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_prepare_without_uv_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """uv neither installed as a package nor on ``PATH``: one line and exit 2, not a traceback, and nothing made."""
+    monkeypatch.setitem(sys.modules, "uv", None)  # its package cannot be imported
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gc.main(["prepare", "--into", str(tmp_path / "into")]) == 2
+    assert capsys.readouterr().err == "gpu_check prepare: uv is not installed (pip install uv): it builds the wheels\n"
+    assert not (tmp_path / "into").exists()
+
+
 # ---- stalls injected into a small catalogue -------------------------------------------------------------------
 
 CATALOGUE = {

@@ -303,3 +303,36 @@ def test_no_verdict_depends_on_reuse(pytester: pytest.Pytester, run: RunPytest, 
     ended = [("03", "04"), ("04", "05"), ("05", "06"), ("06", "07"), ("08", "09"), ("09", "10"), ("11", "12")]
     assert [pair for pair in kept if not same(*pair)] == []
     assert [pair for pair in ended if same(*pair)] == []
+
+
+#: A test module's own containers, filled in place by a failed test: the next test on the kept ranks finds them as a
+#: fresh rank imports them.
+MODULE_STATE = """
+SEEN = []
+BY_NAME = {"first": 1}
+
+
+@pytest.mark.ds_world(size=2, reuse=True, timeout=120)
+class TestModuleState:
+    def test_1_fills_and_fails(self, ds_rank):
+        note("1", ds_rank)
+        SEEN.append(ds_rank)
+        BY_NAME["added"] = 2
+        del BY_NAME["first"]
+        raise AssertionError("fails on purpose, its globals filled")
+
+    def test_2_finds_them_as_imported(self, ds_rank):
+        note("2", ds_rank)
+        assert pid("1", ds_rank) == pid("2", ds_rank)  # the same ranks
+        assert SEEN == []
+        assert BY_NAME == {"first": 1}
+"""
+
+
+def test_a_kept_rank_puts_back_the_test_modules_containers(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """Issue 54, item 4: a list a failed test appended to, a dict it changed, are as imported for the next test on
+    the same ranks, as on fresh ones."""
+    pytester.makepyfile(test_module_state=PIDS + MODULE_STATE)
+    result = run("-v")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_2_finds_them_as_imported PASSED*"])

@@ -2,7 +2,7 @@
 
 A small catalogue of its own shows each verdict (its bodies decide from the config they are given); the catalogue's
 own epilogue repro shows the issue's examples: the seed analysis's trigger config and its recommended workaround are
-AFFECTED, the same config with an optimizer section is NOT AFFECTED.
+AFFECTED, the same config with an optimizer section is NOT APPLICABLE (the bug cannot happen with one).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def epilogue(pytester: pytest.Pytester) -> Path:
 @pytest.mark.parametrize(
     ("user", "verdict"),
     [(TRIGGER, "AFFECTED"), (WORKAROUND, "AFFECTED"),
-     ({**TRIGGER, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "NOT AFFECTED")],
+     ({**TRIGGER, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "NOT APPLICABLE")],
     ids=["seed-trigger", "seed-workaround", "with-optimizer"],
 )  # fmt: skip
 def test_the_seed_analysis_configs(pytester: pytest.Pytester, run: RunPytest, epilogue: Path, user: object,
@@ -258,13 +258,13 @@ def test_a_refused_warmup_is_the_bug_and_the_rest_is_judged_with_its_fix(pyteste
 
 def test_a_config_deepspeed_refuses_starts_no_world(pytester: pytest.Pytester, run: RunPytest,
                                                     catalogue: Path) -> None:  # fmt: skip
-    """DeepSpeed's config classes refuse a key they do not know: said once, above the table, from the release's own
+    """DeepSpeed's config classes refuse a value they cannot take: said once, above the table, from the release's own
     reading before any world; each bug the config can meet is CANNOT TELL, the others NOT APPLICABLE."""
-    user = config(pytester, {"zero_optimization": {"stage": 3, "stage3_param_persitance_threshold": 1e5}})
+    user = config(pytester, {"zero_optimization": {"stage": 3, "overlap_comm": "sometimes"}})
     result = run("--ds-scan", str(user), "-k", "not no_premise")
     result.stdout.fnmatch_lines_random([
-        "DeepSpeed * refuses this config: ValidationError: 1 validation error for DeepSpeedZeroConfig "
-        "stage3_param_persitance_threshold Extra inputs are not permitted [[]type=extra_forbidden*]",
+        "DeepSpeed * refuses this config: ValidationError: 1 validation error for DeepSpeedZeroConfig overlap_comm "
+        "Input should be a valid boolean*",
         "CANNOT TELL     needs-optimizer  DeepSpeed refuses this config (above)",
         "NOT APPLICABLE  stage0-only      needs ZeRO stage 0; the config has 3",
         "CANNOT TELL     other-error      DeepSpeed refuses this config (above)",
@@ -272,6 +272,24 @@ def test_a_config_deepspeed_refuses_starts_no_world(pytester: pytest.Pytester, r
     assert "pytest-dsrepro: building" not in result.stdout.str()
     assert "something else" not in result.stdout.str()  # no body ran
     assert "For further information" not in result.stdout.str()
+
+
+def test_a_key_deepspeed_does_not_know_is_taken_out_and_the_rest_judged(pytester: pytest.Pytester, run: RunPytest,
+                                                                        catalogue: Path) -> None:  # fmt: skip
+    """A key no release knows (a misspelling, a key of a pull request's branch) is taken out, said above the table
+    with DeepSpeed's message, and every bug judged on the rest; a monitor is turned off, said once."""
+    user = config(pytester, {"zero_optimization": {"stage": 3, "stage3_param_persitance_threshold": 1e5},
+                             "wandb": {"enabled": True}})  # fmt: skip
+    result = run("--ds-scan", str(user), "-k", "not no_premise")
+    result.stdout.fnmatch_lines_random([
+        "note: judged without zero_optimization.stage3_param_persitance_threshold: DeepSpeed * does not know it "
+        "(ValidationError: 1 validation error for DeepSpeedZeroConfig: stage3_param_persitance_threshold: Extra "
+        "inputs are not permitted); no catalogued bug depends on it, and the rest of the config is judged",
+        "note: monitors turned off (wandb.enabled false)*",
+        "AFFECTED        needs-optimizer  on deepspeed *: ranks 0-1: AttributeError: no optimizer hook (fixed in 9.0)",
+        "CANNOT TELL     other-error      *KeyError: 'something else'*",
+    ])  # fmt: skip
+    assert "refuses this config" not in result.stdout.str()
 
 
 #: A race with a deterministic form: a scan runs the form, and no series once it has told.
@@ -315,9 +333,9 @@ def test_defaults_that_cannot_be_read_are_said_and_the_scan_goes_on(pytester: py
     """Injected: the probe of the release's defaults cannot start. One note says so; what a default would decide is
     not judged, the rest is, and the bodies run."""
     pytester.makeconftest("""
-        from pytest_dsrepro.session import config_defaults
+        from pytest_dsrepro.scan import defaults
 
-        config_defaults.MODULE = "pytest_dsrepro.no_such_probe"
+        defaults.MODULE = "pytest_dsrepro.no_such_probe"
     """)
     # a config of this test's own: another test's real probe of the same config leaves its reading in the cache
     user = config(pytester, {"zero_optimization": {"stage": 3}, "steps_per_print": 4271})

@@ -373,6 +373,21 @@ def test_releases_each_run_on_their_environment_and_are_checked(
 # ---- the pieces, as plain functions ----------------------------------------------------------------------------
 
 
+def test_a_tree_without_git_history_is_named_by_its_version(tmp_path: Path) -> None:
+    """An unpacked archive of DeepSpeed's tests, bare or inside another project's repository (whose commit is not
+    DeepSpeed's): version.txt names it, and its revision is unknown."""
+    for mark in checkout.MARKS:
+        (tmp_path / "ds" / mark).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ds" / mark).write_text("0.19.8\n" if mark == "version.txt" else "")
+    for _ in range(2):
+        found = checkout.read(tmp_path / "ds")
+        assert (found.revision, found.version) == (checkout.UNKNOWN, "0.19.8")
+        assert found.describe() == f"{tmp_path / 'ds'} (version.txt 0.19.8, no git history: the revision is unknown)"
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=u", "-c", "user.email=u@example.invalid",
+                        "commit", "-q", "--allow-empty", "-m", "another project"], check=True)  # fmt: skip
+
+
 class _Exec:
     world_size = 2
     init_distributed = True

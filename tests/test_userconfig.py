@@ -67,6 +67,20 @@ def test_json_with_comments_is_read_as_written(tmp_path: Path) -> None:
     )
 
 
+def test_monitors_are_turned_off_and_said_once(tmp_path: Path) -> None:
+    """A monitor would make every rank import its package (wandb, comet_ml) and write logs; no bug depends on one."""
+    text = json.dumps({"zero_optimization": {"stage": 2}, "wandb": {"enabled": True, "project": "p"},
+                       "tensorboard": {"enabled": False}, "csv_monitor": {"enabled": True}})  # fmt: skip
+    user = userconfig.load(write(tmp_path, text), "gloo")
+    assert user.config["wandb"] == {"enabled": False, "project": "p"}
+    assert user.config["csv_monitor"] == {"enabled": False}
+    assert user.notes == (
+        "monitors turned off (wandb.enabled false, csv_monitor.enabled false): no catalogued bug depends on one, and "
+        "each would make every rank import its own package and write its logs",
+    )
+    assert userconfig.monitors_off({"comet": {"enabled": False}}) is None
+
+
 def test_slashes_in_strings_are_no_comment() -> None:
     text, comments = userconfig.strip_comments('{"nvme_path": "//mnt/x/*y*/"} // one')
     assert json.loads(text) == {"nvme_path": "//mnt/x/*y*/"}

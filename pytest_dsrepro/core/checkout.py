@@ -1,7 +1,8 @@
 """A DeepSpeed source checkout whose own tests run here (``dsrepro upstream``): where it is and which revision.
 
 Read with git (a subprocess), nothing imported. The revision is what results and the matrix name an upstream test's
-row by, so it is read from the checkout itself, never taken from a caller.
+row by, so it is read from the checkout itself, never taken from a caller; a tree without git history of its own (an
+unpacked archive of DeepSpeed's tests) is named by its version.txt, its revision said to be unknown.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from .git import GitError, git
 
 #: What makes a directory a DeepSpeed checkout whose tests can run: DeepSpeed's harness and its test configuration.
 MARKS = ("tests/unit/common.py", "tests/conftest.py", "version.txt")
+#: The revision of a tree without git history of its own.
+UNKNOWN = "unknown"
 #: Where the checkout's tests run from: its pytest.ini, conftest.py and the ``unit`` package live there.
 TESTS = "tests"
 
@@ -37,6 +40,8 @@ class Checkout:
         return self.revision.endswith("+dirty")
 
     def describe(self) -> str:
+        if self.revision == UNKNOWN:
+            return f"{self.root} ({self.described})"
         changes = ", with uncommitted changes under tests/" if self.dirty else ""
         return f"{self.root} at {self.revision.removesuffix('+dirty')[:12]} ({self.described}){changes}"
 
@@ -62,11 +67,26 @@ def read(root: Path) -> Checkout:
     missing = [mark for mark in MARKS if not (root / mark).is_file()]
     if missing:
         raise CheckoutError(f"{root} is not a DeepSpeed checkout (no {', '.join(missing)})")
+    version = (root / "version.txt").read_text().strip()
+    if not _has_history(root):
+        return Checkout(root.resolve(), UNKNOWN, f"version.txt {version}, no git history: the revision is unknown",
+                        version)  # fmt: skip
     commit = _git(root, "rev-parse", "HEAD")
     dirty = bool(_git(root, "status", "--porcelain", "--", TESTS))
     return Checkout(
         root=root.resolve(),
         revision=commit + ("+dirty" if dirty else ""),
         described=_git(root, "describe", "--tags", "--always"),
-        version=(root / "version.txt").read_text().strip(),
+        version=version,
     )
+
+
+def _has_history(root: Path) -> bool:
+    """Is ``root`` the top of a git repository with a commit (not an archive unpacked bare, or into another
+    project's repository, whose commit is not DeepSpeed's)?"""
+    try:
+        top = git(root, "rev-parse", "--show-toplevel", timeout=60).strip()
+        git(root, "rev-parse", "--verify", "HEAD", timeout=60)
+    except GitError:
+        return False
+    return Path(top).resolve() == root.resolve()

@@ -1,7 +1,7 @@
 """A config as the release being scanned reads it: each key the config leaves out takes that release's default.
 
 The values come from the release itself: its ``DeepSpeedConfig`` is built on the config in a subprocess of the
-release's interpreter (``inrank.defaults_probe``, started by ``session.config_defaults``), and the keys a premise
+release's interpreter (``scan.probe``, started by ``scan.defaults``), and the keys a premise
 reads are read off the object it made. What this module holds is structure, not values: *where* each JSON key
 lives in DeepSpeed's config classes (``KEYS``, ``SECTIONS``: the attribute names, with the older name where a
 release renamed one), the request sent to the release, and the merge of its answer into the config as written.
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .premises import lookup, put
+from .premises import lookup, put, remove
 
 #: JSON keys read off ``DeepSpeedConfig`` where the config leaves them out: the attribute paths that hold the
 #: value, the first one a release has wins (``fp16_enabled`` until 0.19.x made ``float16_config`` a section).
@@ -47,20 +47,23 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 #: The probe's answer format; a cached answer of another format is read again.
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
 class ReleaseReading:
     """What one release made of one config: the values at ``KEYS`` and ``SECTIONS`` (a path no attribute of that
-    release holds is left out: the release does not know the key), or why it refused the config."""
+    release holds is left out: the release does not know the key), or why it refused the config. ``unknown``: the
+    keys its config classes refused as extra (a key no release knows, or one of a newer release), each with
+    DeepSpeed's message; the values were read with them taken out."""
 
     keys: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, Any] = field(default_factory=dict)
     refused: str | None = None  # ``Type: message``, as DeepSpeed raised it
+    unknown: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"keys": self.keys, "sections": self.sections, "refused": self.refused}
+        return {"keys": self.keys, "sections": self.sections, "refused": self.refused, "unknown": self.unknown}
 
     @classmethod
     def from_json(cls, data: object) -> ReleaseReading:
@@ -68,11 +71,33 @@ class ReleaseReading:
         if not isinstance(data, Mapping):
             raise ValueError(f"a reading is an object, not {type(data).__name__}")
         keys, sections, refused = data.get("keys") or {}, data.get("sections") or {}, data.get("refused")
-        if not isinstance(keys, dict) or not isinstance(sections, dict):
-            raise ValueError("a reading's keys and sections are objects")
+        unknown = data.get("unknown") or {}
+        if not isinstance(keys, dict) or not isinstance(sections, dict) or not isinstance(unknown, dict):
+            raise ValueError("a reading's keys, sections and unknown keys are objects")
         if not all(isinstance(v, dict) for v in sections.values()) or not isinstance(refused, str | None):
             raise ValueError("a reading's sections are objects, and what refused it a string")
-        return cls(dict(keys), dict(sections), refused)
+        return cls(dict(keys), dict(sections), refused, dict(unknown))
+
+
+def paths(node: object, prefix: str = "") -> list[str]:
+    """Every dotted key of a config, sections and the keys in them."""
+    if not isinstance(node, Mapping):
+        return []
+    return [p for key, value in node.items() for p in (f"{prefix}{key}", *paths(value, f"{prefix}{key}."))]
+
+
+def named(config: Mapping[str, Any], place: tuple[str, ...]) -> list[str]:
+    """The dotted keys of ``config`` that end with ``place`` (what a pydantic error names: the key inside the
+    section whose model refused it, not the section)."""
+    return [p for p in paths(config) if tuple(p.split("."))[-len(place) :] == place] if place else []
+
+
+def without(written: Mapping[str, Any], unknown: Mapping[str, str]) -> dict[str, Any]:
+    """``written`` with the keys a release does not know (``ReleaseReading.unknown``) taken out."""
+    config = copy.deepcopy(dict(written))
+    for key in unknown:
+        remove(config, key)
+    return config
 
 
 def read_by_release(key: str) -> bool:

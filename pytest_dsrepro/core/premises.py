@@ -171,7 +171,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _remove(config: dict[str, Any], key: str) -> object:
+def remove(config: dict[str, Any], key: str) -> object:
     """Take a dotted key out of ``config`` (in place); what it held (None: it was not there)."""
     *parents, last = key.split(".")
     node: object = config
@@ -226,7 +226,7 @@ class Premise:
         reads it and as written, for what a key held before (``"auto"`` resolved, or the release's default)."""
         changes = []
         for key in self.removes:
-            held = _remove(config, key)
+            held = remove(config, key)
             if held is not None:
                 kind = held.get("type") if isinstance(held, Mapping) else None
                 changes.append(f"no {key}{f' ({kind})' if kind else ''}")

@@ -1,17 +1,8 @@
-"""A user's own ``ds_config.json``, taken as users write it, for ``--ds-scan`` and ``dsrepro scan``.
-
-Accepted: plain JSON, and JSON with ``//`` and ``/* */`` comments (the way tutorials and the seeds' chapter write
-configs, a comment after a value to say why). Comments are blanked out in place (every character but newlines
-becomes a space), so a syntax error still names the file, line and column of the user's own text. Anything else
-JSON does not allow (a trailing comma, single quotes) is refused with that place; nothing is guessed. A key given
-twice in one object is refused too, at its second place: JSON's parsers keep the last silently, DeepSpeed refuses the
-file.
-
-What this module decides once, before any world: the file is one JSON object whose ZeRO stage and offload devices
-DeepSpeed can read; every ``"auto"`` is one Hugging Face fills (``configs.resolve_auto``); and, when the worlds run
-on CPUs, nothing in it needs CUDA that cannot be adapted (``configs.cuda_only``). The adaptations themselves (fp16 ->
-fp32, pinned memory off, NVMe offload to CPU) are ``configs.adapt_to_backend``'s, said per test as every run says
-them. Pure: no pytest, no torch.
+"""A user's own ``ds_config.json``, taken as users write it, for ``--ds-scan`` and ``dsrepro scan``: JSON, with
+``//`` and ``/* */`` comments blanked in place (so an error still names the user's line and column); nothing else
+guessed, a key given twice refused as DeepSpeed refuses it. Decided once, before any world: one JSON object whose
+stage and offload devices DeepSpeed can read, every ``"auto"`` one Hugging Face fills, on CPUs nothing that needs
+CUDA without a CPU form; the monitors turned off (no bug depends on one). Pure: no pytest, no torch.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ class UserConfigError(Exception):
 
 @dataclass(frozen=True)
 class UserConfig:
-    """A user's config as read from ``path``: ``config`` exactly as written (comments gone, ``"auto"`` kept: each
+    """A user's config as read from ``path``: ``config`` as written (comments gone, monitors off, ``"auto"`` kept: each
     world resolves them for its size), and what reading it found worth saying (``notes``)."""
 
     path: str
@@ -184,6 +175,22 @@ def check(config: dict[str, Any], path: str, backend: str | None) -> None:
         raise UserConfigError(f"{path}: this scan runs in gloo (CPU) worlds; {'; '.join(refused)}")
 
 
+#: DeepSpeed's monitors: sections whose ``enabled`` makes every rank import a package of its own (wandb, comet_ml,
+#: tensorboard) and write logs; no catalogued bug depends on one, so a scan turns them off.
+MONITORS = ("wandb", "tensorboard", "comet", "csv_monitor")
+
+
+def monitors_off(config: dict[str, Any]) -> str | None:
+    """Turn off (in place) the monitors ``config`` enables; what was done, in words (None: none was on)."""
+    on = [name for name in MONITORS if isinstance(config.get(name), dict) and config[name].get("enabled")]
+    for name in on:
+        config[name]["enabled"] = False
+    if not on:
+        return None
+    return (f"monitors turned off ({', '.join(f'{name}.enabled false' for name in on)}): no catalogued bug depends on "
+            "one, and each would make every rank import its own package and write its logs")  # fmt: skip
+
+
 def load(path: Path, backend: str | None = None) -> UserConfig:
     """Read and check the user's config at ``path`` (``backend``: as for ``check``)."""
     try:
@@ -193,6 +200,7 @@ def load(path: Path, backend: str | None = None) -> UserConfig:
     config, comments = parse(text, str(path))
     check(config, str(path), backend)
     notes = [f"{comments} comment(s) (// or /* */) read as blanks: JSON with comments is accepted"] if comments else []
+    notes += filter(None, [monitors_off(config)])
     autos = _autos(config)
     if autos:
         notes.append(f'"auto" resolved as Hugging Face\'s Trainer does, for each world: {", ".join(autos)}')

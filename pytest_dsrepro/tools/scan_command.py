@@ -1,6 +1,6 @@
 """``dsrepro scan CONFIG``: does a known bug hit this DeepSpeed config, on the release installed here or on others?
 
-A thin layer over ``pytest --ds-scan`` (``session.scan_plugin``): the config is read and checked here first (the same
+A thin layer over ``pytest --ds-scan`` (``scan.scanner``): the config is read and checked here first (the same
 ``core.userconfig``, so a mistake is one line naming file:line:col, before anything starts), then pytest runs the
 catalogue with it (``catalogue_run``: in a child process, from the catalogue's own directory), and its results file
 is read back for the exit code.

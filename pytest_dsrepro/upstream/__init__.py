@@ -115,7 +115,7 @@ def tests_origin(config: pytest.Config) -> dict[str, str | None]:
     tests are not in a git checkout)."""
     found = tests_checkout(config)
     if found is None:
-        return {"project": PROJECT, "revision": "unknown", "described": None}
+        return {"project": PROJECT, "revision": checkout.UNKNOWN, "described": None}
     return {"project": PROJECT, "revision": found.revision, "described": found.described}
 
 

@@ -1,37 +1,8 @@
 """Runs in every process of a spawned world: everything that crosses a process boundary, as small frozen dataclasses,
-described here once.
-
-Three processes meet here: the pytest process (``worlds.client``), the fork server (``worlds.server``) and the ranks
-it forks (``worlds.rank``). Three channels join them:
-
-- **The socket between pytest and the fork server** carries the messages below, pickled in
-  ``multiprocessing.connection`` framing; each side dispatches on the message's class, never on a position, in one
-  loop (``client.fork_server.ForkServer.wait_for``, ``server.serving.serve``):
-
-      server -> pytest   Building(what): an op builds (or a first preload runs), in words for the user, before
-                         Hello, while a Spawn waits or beside the worlds; Hello(facts) once preloaded;
-                         Spawned(world, pids, ...); Exited(world, rank, returncode, at);
-                         Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
-                         OpWait(world, at, waiting) when a world's ranks begin or end waiting for an op the server
-                         builds; Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
-      pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
-                         Reap(world, keep); FinishBuild()
-
-  The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
-  ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
-- **The report file**: a rank's one verdict (``RankReport``) is written atomically into its world's directory by
-  the rank (``write_report``) and read by the pytest process after the rank's ``Exited`` or ``Finished``
-  (``read_report``); the launcher path consumes it in place.
-- **The reuse link** (a socket pair per rank of a reusable world, ``Spawn.reuse``): a rank whose test passed sends
-  ``RankFinished`` and waits; the server sends it the scope's next test (``NextTest``), or closes the link to end it.
-
-A rank's job (``RankJob``, pickled inside ``Spawn``) names the test by reference (``TestRef``) and carries its
-arguments pickled apart, with ``RankValue`` placeholders for per-rank fixture values; ranks meet where ``Meeting``
-says.
-
-Only builtins, ``core`` data and these classes travel: unpickling a message in the pytest process must never import
-torch (hence ``ServerFacts.torch`` is ``str(torch.__version__)``, not torch's own version object). This module
-imports neither torch nor pytest.
+described here once, so that a reader sees every message of a channel in one place and each side dispatches on a
+message's class, never on a position. Only builtins, ``core`` data and these classes travel: unpickling a message in
+the pytest process must never import torch (``ServerFacts.torch`` is ``str(torch.__version__)``). This module imports
+neither torch nor pytest. The channels are described below, before their messages.
 """
 
 from __future__ import annotations
@@ -49,6 +20,37 @@ from .workdir import result_file
 #: After one rank fails, how long the others get to finish (or fail) on their own before they are stopped: the same
 #: for a spawned world (``client``) and a launched one (``launched``).
 FAILURE_GRACE = 5.0
+
+# ---- the channels ---------------------------------------------------------------------------------------------
+#
+# Three processes meet here: the pytest process (``worlds.client``), the fork server (``worlds.server``) and the ranks
+# it forks (``worlds.rank``). Four channels join them:
+#
+# - The socket between pytest and the fork server carries the messages below, pickled in ``multiprocessing.connection``
+#   framing, dispatched in one loop on each side (``client.fork_server.ForkServer.wait_for``, ``server.serving.serve``):
+#
+#       server -> pytest   Building(what): an op builds (or a first preload runs), in words for the user, before
+#                          Hello, while a Spawn waits or beside the worlds; Hello(facts) once preloaded;
+#                          Spawned(world, pids, ...); Exited(world, rank, returncode, at);
+#                          Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
+#                          OpWait(world, at, waiting) when a world's ranks begin or end waiting for an op the server
+#                          builds; Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
+#       pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
+#                          Reap(world, keep); FinishBuild()
+#
+#   The server forks every rank, so it is the only process that signals one: pytest asks it to dump stacks, kill
+#   ranks, or reap a world. Rank pids travel in ``Spawned`` for diagnostics only.
+# - The report file: a rank's one verdict (``RankReport``) is written atomically into its world's directory by the
+#   rank (``write_report``) and read by the pytest process after the rank's ``Exited`` or ``Finished``
+#   (``read_report``); the launcher path consumes it in place.
+# - The reuse link (a socket pair per rank of a reusable world, ``Spawn.reuse``): a rank whose test passed sends
+#   ``RankFinished`` and waits; the server sends it the scope's next test (``NextTest``), or closes the link to end it.
+# - The op channel (a socket the server listens on, ``server.op_builds``): a rank's ``jit_load`` sends ``Wanted`` and
+#   waits for ``Got``, the op the server built for it, or why there is none.
+#
+# A rank's job (``RankJob``, pickled inside ``Spawn``) names the test by reference (``TestRef``) and carries its
+# arguments pickled apart, with ``RankValue`` placeholders for per-rank fixture values; ranks meet where ``Meeting``
+# says.
 
 # ---- what the fork server found -------------------------------------------------------------------------------
 
@@ -179,6 +181,29 @@ class OpWait:
 
 ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped | BuildEnded | OpWait
 SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped, BuildEnded, OpWait)
+
+
+# ---- the op channel: a rank and the fork server's op builds ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A rank asks the fork server for one of DeepSpeed's ops: the builder's class (where DeepSpeed defines it), and
+    who asks (a rank, or a process it forked), whose world's clock stops while it waits."""
+
+    module: str
+    qualname: str
+    name: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Got:
+    """The server's answer: the op's built library, or why there is none (in words for the test's failure)."""
+
+    library: str | None
+    error: str = ""
+
 
 # ---- pytest -> server -----------------------------------------------------------------------------------------
 

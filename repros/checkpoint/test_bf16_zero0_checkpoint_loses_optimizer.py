@@ -102,11 +102,14 @@ def bf16_adamw_engine(ds_engine):
 
 
 def train_step(engine, x, y):
+    """One optimizer step: the config's accumulation steps of micro-steps (the optimizer steps at the boundary only,
+    and a config may derive its accumulation from the batch sizes)."""
     import torch
 
-    loss = torch.nn.functional.mse_loss(engine(x).float(), y)
-    engine.backward(loss)
-    engine.step()
+    for _ in range(engine.gradient_accumulation_steps()):
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
 
 
 @pytest.mark.ds_prerequisite(

@@ -23,7 +23,13 @@ pytestmark = [
         root_cause="Removing the alignment padding from the optimizer state for an elastic checkpoint sliced every "
         "state tensor, including torch Adam's 0-dim step counter.",
     ),
-    pytest.mark.ds_premise(stage=(1, 2), config={"zero_optimization.elastic_checkpoint": True}),
+    pytest.mark.ds_premise(
+        stage=(1, 2),
+        config={"zero_optimization.elastic_checkpoint": True},
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="the body trains with torch's AdamW: a torch optimizer beside CPU optimizer offload needs "
+        "zero_force_ds_cpu_optimizer off",
+    ),
     ZERO12_CPU_FLAT_BUFFER,  # the body trains ZeRO-1/2 steps: on 0.18.7-0.18.9 (CPU) they need that fix first
 ]
 

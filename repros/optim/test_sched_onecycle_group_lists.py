@@ -11,7 +11,7 @@ the length checked), as WarmupLR already did (first released in 0.19.6).
 """
 
 import pytest
-from _schedulers import check_schedule, config
+from _schedulers import TORCH_OPTIMIZER, TORCH_OPTIMIZER_BECAUSE, check_schedule, config
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -25,8 +25,8 @@ pytestmark = [
     ),
     pytest.mark.ds_premise(  # per-group lists (a scalar is broadcast as it should be); the maximum's list alike
         config={"scheduler.type": "OneCycle", "scheduler.params.cycle_min_lr": list},
-        sets={"scheduler.params.cycle_momentum": False},
-        because="the body checks the learning rates of an SGD optimizer, whose momentum OneCycle does not cycle",
+        sets={"scheduler.params.cycle_momentum": False, **TORCH_OPTIMIZER},
+        because=f"the body checks the learning rates, not the momentum OneCycle would cycle; {TORCH_OPTIMIZER_BECAUSE}",
     ),
 ]
 

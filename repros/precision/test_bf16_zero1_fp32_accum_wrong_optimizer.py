@@ -23,7 +23,14 @@ pytestmark = [
         root_cause="DDP_BFLOAT16 and BFLOAT16 were the same string, and the engine tested the fp16/DDP-bf16 wrapper "
         "first, so the BF16_Optimizer branch was never taken.",
     ),
-    pytest.mark.ds_premise(stage=1, precision="bf16", config={"data_types.grad_accum_dtype": "fp32"}),
+    pytest.mark.ds_premise(
+        stage=1,
+        precision="bf16",
+        config={"data_types.grad_accum_dtype": "fp32"},
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="the body trains with torch's AdamW: a torch optimizer beside CPU optimizer offload needs "
+        "zero_force_ds_cpu_optimizer off",
+    ),
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
@@ -38,6 +45,7 @@ BF16_ZERO1_FP32_ACCUM = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
+    "zero_force_ds_cpu_optimizer": False,
     "bf16": {"enabled": True},
     "data_types": {"grad_accum_dtype": "fp32"},
     "zero_optimization": {"stage": 1},

@@ -62,13 +62,14 @@ def test_zero12_steps_on_cpu(ds_engine, ds_config, ds_rank, ds_world_size):
     import torch
 
     engine = ds_engine(model=tiny_mlp(seed=5), optimizer="adam")
-    lrs = train(engine, ds_rank, STEPS)
+    moms: list = []
+    lrs = train(engine, ds_rank, STEPS, moms=moms)
 
     # The steps trained as data parallelism should: the same weights as plain Adam on every rank's data at once.
     reference = tiny_mlp(seed=5)
     adam = torch.optim.Adam(reference.parameters(), lr=1e-3)
     train_reference(
-        reference, adam, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"]
+        reference, adam, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"], moms=moms
     )
     error = max_difference(engine.module, reference)
     assert error < tolerance(engine, 1e-6), (

@@ -94,13 +94,14 @@ def test_noncontiguous_gradients_are_averaged(ds_engine, ds_config, ds_rank, ds_
 
     model = tiny_mlp(seed=6)
     engine = ds_engine(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR))
-    lrs = train(engine, ds_rank, STEPS)
+    moms: list = []
+    lrs = train(engine, ds_rank, STEPS, moms=moms)
 
     # Reference: the same Adam steps on every rank's batch at once (what averaging the ranks' gradients amounts to).
     reference = tiny_mlp(seed=6)
     adam = torch.optim.Adam(reference.parameters(), lr=LR)
     train_reference(
-        reference, adam, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"]
+        reference, adam, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"], moms=moms
     )
     error = max_difference(engine.module, reference)
     assert error < TOLERANCE, (

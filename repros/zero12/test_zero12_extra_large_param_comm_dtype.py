@@ -36,10 +36,12 @@ pytestmark = [
             "zero_optimization.reduce_bucket_size": 200,
             "gradient_clipping": 0.0,
             "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
         },
         because="a tiny-model parameter (256 elements) must be larger than a bucket, as a real model's largest are "
         "larger than the configured size; and the body compares the weights with plain, unclipped SGD (which ZeRO "
-        "must be allowed to wrap)",
+        "must be allowed to wrap; a torch optimizer beside CPU optimizer offload needs zero_force_ds_cpu_optimizer "
+        "off)",
     ),
     ZERO12_CPU_FLAT_BUFFER,
     COMM_DTYPE_BUCKET,
@@ -70,6 +72,7 @@ def config(stage):
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
+            "zero_force_ds_cpu_optimizer": False,
             "zero_allow_untested_optimizer": True,
         },
         id=f"zero{stage}_fp32_bf16comm",
@@ -106,13 +109,14 @@ def test_large_parameter_reduced_in_bf16(ds_engine, ds_config, ds_rank, ds_world
 
     model = tiny_mlp(seed=6)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    lrs = train(engine, ds_rank, STEPS)
+    moms: list = []
+    lrs = train(engine, ds_rank, STEPS, moms=moms)
 
     # Past the crash, the reduction must be right: the weights of plain SGD on every rank's data, to bf16's precision.
     reference = tiny_mlp(seed=6)
     sgd = torch.optim.SGD(reference.parameters(), lr=LR)
     train_reference(
-        reference, sgd, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"]
+        reference, sgd, ds_world_size, STEPS, lrs=lrs, accumulation=ds_config["gradient_accumulation_steps"], moms=moms
     )
     error = max_difference(engine.module, reference)
     assert error < TOLERANCE, f"ZeRO with bf16 communication is {error:.3e} from plain SGD (tolerance {TOLERANCE})"

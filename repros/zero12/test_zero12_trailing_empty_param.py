@@ -113,12 +113,13 @@ def test_trailing_empty_param(ds_engine, ds_config, ds_rank, ds_world_size):
 
     model = model_with_trailing_empty_param(ds_world_size)
     engine = ds_engine(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
-    lrs = train(engine, ds_rank, STEPS, hidden=HIDDEN)
+    moms: list = []
+    lrs = train(engine, ds_rank, STEPS, hidden=HIDDEN, moms=moms)
 
     # Past the crash the model trains as data parallelism should: plain Adam on every rank's data at once.
     reference = model_with_trailing_empty_param(ds_world_size)
     adam = torch.optim.Adam(reference.parameters(), lr=1e-2)
     accumulation = ds_config["gradient_accumulation_steps"]
-    train_reference(reference, adam, ds_world_size, STEPS, HIDDEN, lrs, accumulation)
+    train_reference(reference, adam, ds_world_size, STEPS, HIDDEN, lrs, accumulation, moms)
     error = max_difference(engine.module, reference)
     assert error < tolerance(engine, 1e-6), f"weights differ from plain Adam's by {error:.3e}"

@@ -35,8 +35,13 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=3,
         config={"zero_optimization.stage3_use_all_reduce_for_fetch_params": True},
-        sets={"gradient_clipping": 0.0, "zero_optimization.stage3_param_persistence_threshold": 0},
-        because="the body takes the same SGD step by hand, unclipped, and checks every parameter as it is fetched",
+        sets={
+            "gradient_clipping": 0.0,
+            "zero_optimization.stage3_param_persistence_threshold": 0,
+            "zero_force_ds_cpu_optimizer": False,
+        },
+        because="the body takes the same SGD step by hand, unclipped, and checks every parameter as it is fetched; "
+        "a torch optimizer beside CPU optimizer offload needs zero_force_ds_cpu_optimizer off",
     ),
 ]
 
@@ -57,6 +62,7 @@ ZERO3_ALL_REDUCE_FETCH = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
+    "zero_force_ds_cpu_optimizer": False,
     "zero_allow_untested_optimizer": True,  # plain SGD: the reference takes the same step by hand
 }
 SENTINEL = 7777.0

@@ -30,7 +30,13 @@ pytestmark = [
         root_cause="ZeRO-3 buckets a coalesced all-gather by autocast communication dtype, but the bucket's gather "
         "asserted that the parameters' own dtypes are equal.",
     ),
-    pytest.mark.ds_premise(stage=3, config={"torch_autocast.enabled": True}),
+    pytest.mark.ds_premise(
+        stage=3,
+        config={"torch_autocast.enabled": True},
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="the body trains the adapters with torch's SGD: a torch optimizer beside CPU optimizer offload needs "
+        "zero_force_ds_cpu_optimizer off",
+    ),
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
@@ -52,6 +58,7 @@ ZERO3_AUTOCAST = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
+    "zero_force_ds_cpu_optimizer": False,
     "zero_allow_untested_optimizer": True,  # plain SGD on the adapters
 }
 

@@ -11,7 +11,7 @@ norm is computed from the gradients themselves at ``step()``, and is right. PR #
 """
 
 import pytest
-from _zero12 import global_batch
+from _zero12 import MICRO_BATCH, global_batch
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
@@ -107,9 +107,9 @@ def test_clipping_sees_gradients_set_by_the_user(ds_engine, ds_config, ds_rank, 
     half = precision_dtype(ds_config) != torch.float32  # a bf16/fp16 engine: inputs in its dtype, looser checks
     model = tiny_mlp(seed=SEED)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-    x, y = make_batch(
-        ds_config["train_micro_batch_size_per_gpu"], seed=0, rank=ds_rank, dtype=precision_dtype(ds_config)
-    )
+    # This rank's part of the reference's batch (``global_batch``): the same rows whatever the config's micro-batch
+    # size, which the engine's forward does not read (a config's 8 would train on other data than the reference's).
+    x, y = make_batch(MICRO_BATCH, seed=0, rank=ds_rank, dtype=precision_dtype(ds_config))
     accumulation = engine.gradient_accumulation_steps()  # the config's: micro-steps on the same batch, one step
     for micro in range(accumulation):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))

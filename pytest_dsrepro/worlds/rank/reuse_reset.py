@@ -1,26 +1,8 @@
 """Runs in the fork server (``Baseline.take``, before it forks a reusable world) and in its kept ranks (between two
 tests of a reuse scope, ``ds_world(reuse=True)``): what a kept rank puts back so that the next test starts as it would
-on a freshly forked rank.
-
-torch's ``MultiProcContinuousTest`` keeps its workers and gives every test a fresh process group; DeepSpeed's own
-``reuse_dist_env`` keeps the process group as well, and neither puts anything back. Here a gloo rank destroys its
-default process group after every test (the next test makes its own, under its own store prefix; an NCCL rank keeps
-its own, whose communicator is what keeping the world saves), then puts back what it had when it was forked:
-
-- the environment (``os.environ``, and the time zone read from it);
-- every global of DeepSpeed's modules that the test rebound or whose container it filled: its comm layer's backend
-  (``deepspeed.comm.comm.cdb``), its cached groups (``deepspeed.utils.groups._WORLD_GROUP``, the expert-parallel
-  dicts), a monkeypatched function; in DeepSpeed modules first imported since, every global that holds a process
-  group is emptied, since that group is gone;
-- every name the libraries rebound as they ran, in any module the rank was forked with or its classes (counters such
-  as DeepSpeed's ``Init.param_id``, ``torch.nn.functional.linear`` swapped by ZeRO-3: ``namespaces``);
-- the random streams (Python's, torch's, NumPy's; CUDA's as a fresh process has them), the warnings filters, the
-  loggers' levels, handlers and switches.
-
-The ``monkeypatch`` a body or a fix got is undone in the ranks as the body ends (``body.run_body``). What a rank cannot
-put back (a name the test's own code rebound, torch's modes, threads, ...: ``Baseline.leftovers`` and
-``leftovers.ProcessState``) ends the world instead. What no rank looks at stays for the next test of its scope, as in
-one pytest process: the test module's own globals (it is imported once per rank), objects a test changed in place.
+on a freshly forked rank, where torch's ``MultiProcContinuousTest`` and DeepSpeed's ``reuse_dist_env`` put nothing
+back. What a rank cannot put back (``Baseline.leftovers``, ``leftovers.ProcessState``) ends the world instead; what
+no rank looks at (objects changed in place deeper than a test module's containers) stays, as in one pytest process.
 Imports torch only inside functions.
 """
 
@@ -42,10 +24,21 @@ from typing import Any
 
 from .namespaces import Namespaces, Rebound
 
+# What is put back, as forked: a gloo rank's default process group is destroyed (the next test makes its own; an NCCL
+# rank keeps its own, whose communicator is what keeping the world saves); the environment and its time zone; every
+# global of DeepSpeed's modules that the test rebound or whose container it filled (``deepspeed.comm.comm.cdb``,
+# ``deepspeed.utils.groups._WORLD_GROUP``, a monkeypatched function), and in DeepSpeed modules first imported since,
+# every global holding a process group emptied; every name the libraries rebound in a module the rank was forked with
+# or its classes (``Init.param_id``, ``torch.nn.functional.linear`` swapped by ZeRO-3: ``namespaces``); the random
+# streams, warnings filters and loggers; the test modules' lists, dicts and sets, as imported (``remember``). The
+# ``monkeypatch`` a body or a fix got is undone as the body ends (``body.run_body``).
+
 #: How deep a global's containers are searched for a process group.
 SEARCH_DEPTH = 3
 #: The fork server's namespaces, taken once and refreshed before each reusable world it forks (``Baseline.take``).
 _SERVER: list[Namespaces] = []
+#: In a rank: each test module it imported, with its containers' contents as imported (``remember``).
+_TEST_MODULES: dict[str, dict[str, object]] = {}
 
 
 def _deepspeed(name: str) -> bool:
@@ -65,6 +58,17 @@ def _contents(value: object) -> object:
     if type(value) is set:
         return set(value)
     return None
+
+
+def _contained(module: ModuleType) -> dict[str, object]:
+    """Each container a module's globals name, by name: its contents, copied."""
+    return {key: copied for key, value in list(vars(module).items()) if (copied := _contents(value)) is not None}
+
+
+def remember(module: ModuleType) -> None:
+    """In a rank, as it imports a test module: its containers as a fresh rank has them, put back after each test on
+    a kept rank (``Baseline.restore``)."""
+    _TEST_MODULES[module.__name__] = _contained(module)
 
 
 def _unchanged(saved: Any, value: Any) -> bool:
@@ -169,12 +173,8 @@ class Baseline:
     def take(cls) -> Baseline:
         """In the fork server, before it forks a reusable world: saved in its own memory, which the ranks share
         until they write to it (a kept rank never copies a page to compare)."""
-        contents, modules = {}, _deepspeed_modules()
-        for name, module in modules.items():
-            for key, value in list(vars(module).items()):
-                copied = _contents(value)
-                if copied is not None:
-                    contents[name, key] = copied
+        modules = _deepspeed_modules()
+        contents = {(name, key): c for name, module in modules.items() for key, c in _contained(module).items()}
         return cls(dict(os.environ), _forked_namespaces(), contents, frozenset(modules))
 
     def settled(self) -> Baseline:
@@ -204,7 +204,7 @@ class Baseline:
             gc.collect()
         for r in back:
             r.put_back()
-        restored = [r.where for r in back] + self._deepspeed_containers()
+        restored = [r.where for r in back] + self._containers()
         for set_state, state in self.streams:
             set_state(state)
         _fresh_cuda_streams()
@@ -214,11 +214,12 @@ class Baseline:
         self.namespaces.refresh(self.namespaces.moved)
         return restored
 
-    def _deepspeed_containers(self) -> list[str]:
-        """DeepSpeed's containers refilled as forked; in its modules first imported since, globals holding a process
-        group emptied."""
+    def _containers(self) -> list[str]:
+        """DeepSpeed's containers refilled as forked, the test modules' as imported; in DeepSpeed's modules first
+        imported since, globals holding a process group emptied."""
         restored = []
-        for (name, key), saved in self.contents.items():
+        tests = {(name, key): c for name, saved in _TEST_MODULES.items() for key, c in saved.items()}
+        for (name, key), saved in [*self.contents.items(), *tests.items()]:
             value = vars(sys.modules[name]).get(key) if name in sys.modules else None
             if value is not None and not _unchanged(saved, value):
                 _refill(value, saved)

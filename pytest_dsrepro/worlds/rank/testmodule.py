@@ -1,14 +1,9 @@
 """Runs in a rank, and in the fork server just before it forks one (``compile_source``, once for every rank of a
-world): the test module as a rank imports it, the file pytest collected, its asserts rewritten as pytest does.
-
-A rank is forked from the fork server, which never imports tests, so the rank imports the test module itself. pytest
-rewrites ``assert`` statements only in modules its own import hook loads, and that hook needs the pytest process's
-``Config``; a rank has none. So the rank compiles the file with pytest's rewriter (``rewrite_asserts``, the function
-the hook itself calls): a plain ``assert xs == [1, 2, 3]`` then fails with ``assert [1, 2, 0] == [1, 2, 3]`` and
-the values of its sub-expressions, as in pytest. pytest offers no public API for this, so this module is the one
-place that imports ``_pytest`` (an ``ignore_imports`` entry of the import contract names it). Comparison details
-that pytest's ``pytest_assertrepr_compare`` hook adds (``At index 2 diff``) need the pytest process's config and
-plugins, so ranks do not show them.
+world): the test module as a rank imports it, the file pytest collected, its asserts rewritten as pytest does. The
+fork server never imports tests, and pytest rewrites asserts only in modules its own import hook loads (which needs
+the pytest process's ``Config``), so a rank compiles the file with pytest's rewriter itself: a plain ``assert`` then
+fails with its values, as in pytest. pytest has no public API for this, so this is the one module that imports
+``_pytest`` (an ``ignore_imports`` entry of the import contract names it).
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ import importlib.machinery
 import importlib.util
 import sys
 from types import CodeType, ModuleType
+
+from .reuse_reset import remember
 
 
 def compile_source(path: str, source: bytes, *, rewrite: bool) -> CodeType:
@@ -80,4 +77,5 @@ def load(name: str, path: str, *, rewrite: bool, code: CodeType | None = None) -
     except BaseException:
         del sys.modules[name]
         raise
+    remember(module)  # its containers as imported: a kept rank puts them back after each test
     return module

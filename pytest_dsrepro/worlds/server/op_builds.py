@@ -1,22 +1,8 @@
 """Runs in the fork server, its build children and the ranks it forks: every op that DeepSpeed JIT-builds in a rank
-(FusedAdam, CPU Adam, any op: ``OpBuilder.jit_load``), built as the comm op is (``builds``), by the server.
-
-Left to DeepSpeed, a rank builds an op with torch's JIT on its test's clock: minutes on a busy machine, so the world's
-timeout could stop it every time, and a build stopped midway leaves torch's baton behind, on which every later build
-of the op waits until its own timeout, run after run. Instead, a rank's ``jit_load`` asks the fork server for the op
-(``fetch``, over a socket the server listens on: ``Wanted``, answered by ``Got``), and loads what the server names:
-
-- the server builds it in a child beside the worlds (``builds.BuildChild``: the op's own directory in the cache, keyed
-  by content, under the cache's file lock, its baton removed there, a damaged build discarded and built again), which
-  no world's end stops; a user's ``TORCH_EXTENSIONS_DIR`` is built in by torch's JIT, in the same child;
-- while a rank of a world waits, the world's clock stops (``OpWait`` to pytest): the build is not the test's time;
-- once built, the server loads the op itself (later worlds inherit it loaded and ask nothing), and answers every
-  rank that waits; a build that failed is each waiting rank's ``RuntimeError``, as DeepSpeed's own JIT raises it;
-- a build still running when the run ends uninterrupted goes on apart for later runs (``OpBuilds.leave``); one cut
-  short leaves nothing behind.
-
-DeepSpeed's comm op is one of these builds too: the server starts it before its first world (``comm_op.start``) and
-hands it here (``OpBuilds.adopt_comm_op``), so that a rank that needs it before it is built waits the same way.
+(``OpBuilder.jit_load``), built by the server as the comm op is (``builds``). Left to DeepSpeed, a rank builds on
+its test's clock (minutes on a busy machine, so the world's timeout could stop it every time, leaving torch's baton
+for every later build to wait on); here a rank asks the server (``Wanted``, answered by ``Got``: the op channel of
+``protocol``), whose child builds beside the worlds, keyed by content in the cache, while the world's clock stops.
 """
 
 from __future__ import annotations
@@ -33,33 +19,23 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..protocol import Building, OpWait
+from ..protocol import Building, Got, OpWait, Wanted
 from . import builds
+
+# How: the server builds in a child (``builds.BuildChild``: the op's own directory, under the cache's file lock, its
+# baton removed there, a damaged build discarded and built again), which no world's end stops; a user's
+# ``TORCH_EXTENSIONS_DIR`` is built in by torch's JIT in the same child. While a rank of a world waits, the world's
+# clock stops (``OpWait`` to pytest). Once built, the server loads the op itself (later worlds inherit it) and answers
+# every waiting rank; a failed build is each one's ``RuntimeError``, as DeepSpeed's JIT raises it. A build still
+# running when the run ends goes on apart for later runs (``OpBuilds.leave``); one cut short leaves nothing. The comm
+# op is one of these builds: started before the first world (``comm_op.start``), handed here
+# (``OpBuilds.adopt_comm_op``).
 
 #: How long a build may run before the server says it builds (a cached op is found and checked in about a second).
 QUIET = 3.0
 #: How long a first build of an op takes when the cache has no earlier one to tell (cpu_adam, fused_adam: 2 quiet
 #: cores).
 USUALLY = "usually 40-90 s"
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """A rank asks the fork server for one of DeepSpeed's ops: the builder's class (where DeepSpeed defines it), and
-    who asks (a rank, or a process it forked), whose world's clock stops while it waits."""
-
-    module: str
-    qualname: str
-    name: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class Got:
-    """The server's answer: the op's built library, or why there is none (in words for the test's failure)."""
-
-    library: str | None
-    error: str = ""
 
 
 #: In the fork server and the ranks it forks: ``(address, server pid)`` of the server's socket (``OpBuilds``).

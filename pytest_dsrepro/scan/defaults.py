@@ -1,5 +1,5 @@
 """Each release's own defaults on pytest's side: a config as the installed DeepSpeed reads it, asked of that release
-in a subprocess of this interpreter (``inrank.defaults_probe``), so the pytest process never imports DeepSpeed.
+in a subprocess of this interpreter (``scan.probe``), so the pytest process never imports DeepSpeed.
 
 A probe is started as soon as its configs are known (a scan starts one at configure, so the import of torch and
 DeepSpeed overlaps collection) and read when a premise is first judged. Its answers are kept in the cache directory
@@ -26,11 +26,11 @@ from ..core.ds_defaults import ReleaseReading
 from ..core.files import write_atomically
 from ..core.gates import installed_deepspeed
 from ..core.versions import installed_text
-from .diagnostics import rank_environment
+from ..session.diagnostics import rank_environment
 
 #: Seconds a probe may take: importing torch and DeepSpeed (2 s on a quiet machine, 10-20 s on a loaded one).
 TIMEOUT = 180.0
-MODULE = "pytest_dsrepro.inrank.defaults_probe"
+MODULE = "pytest_dsrepro.scan.probe"
 
 
 def install_key() -> str | None:

@@ -1,20 +1,10 @@
-"""``--ds-scan CONFIG``: a user's DeepSpeed config run through the catalogue, on the pytest side. This module is a
-pytest plugin of its own (the entry point ``dsrepro-scan``), which registers ``Scan`` only for a scan (as
-``dsrepro-scan-config``). The rest of the plugin knows nothing of it: the scan answers the plugin's own hooks
-(``plugin.HookSpecs``) and pytest's.
-
-At configure the config is read and checked (``core.userconfig``: a usage error naming file:line:col or the key,
-before anything starts). At collection each catalogued repro (a test with ``ds_repro``) gets one test id, ``[scan]``,
-whose ``ds_config`` is the user's config; its own config ids and its ``[fixed]`` variant are not made, and tests
-that are no repro are deselected. At setup the repro's ``ds_premise`` is judged on the config as the installed
-release reads it (``ScanConfig``: ``"auto"`` resolved for the world, before the CPU adaptations, each key it leaves
-out at that release's default, asked of the release through ``session.config_defaults`` by a probe started at
-configure, so that it overlaps collection): a config that cannot meet it is NOT APPLICABLE with the premise's words and
-no world, and a config DeepSpeed refuses is CANNOT TELL (said once, above the table) with no world; else the
-premise's ``removes`` and ``sets`` change the config, each said. After the body the
-gates' judgement becomes the scan's verdict (``core.scan_verdicts.finding``), which decides the pytest outcome:
-AFFECTED and CANNOT TELL fail, NOT AFFECTED passes, NOT APPLICABLE skips. Each test's record carries its finding; the
-run's record names the config, and its terminal summary and ``--ds-report`` are the scan's table.
+"""``--ds-scan CONFIG``: a user's config run through the catalogue, a pytest plugin of its own (the entry point
+``dsrepro-scan``; ``Scan`` registered only for a scan), so that the rest of the plugin knows nothing of scans: it
+answers the plugin's hooks (``plugin.HookSpecs``) and pytest's. Each catalogued repro gets one ``[scan]`` test with
+the user's config; its premise is judged at setup on the config as the installed release reads it (``ScanConfig``,
+asked through ``scan.defaults`` while collection runs), NOT APPLICABLE or refused configs start no world, and the
+gates' judgement becomes the scan's verdict and the test's outcome (AFFECTED and CANNOT TELL fail, NOT AFFECTED
+passes, NOT APPLICABLE skips). The run's summary and ``--ds-report`` are the scan's table.
 """
 
 from __future__ import annotations
@@ -33,14 +23,15 @@ from ..core.errors import MarkerError
 from ..core.gates import Judgement, Reason, installed_deepspeed
 from ..core.premises import Premise, lookup, put
 from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestRecord
+from ..session import markers
+from ..session.backends import WORLD_BACKEND_KEY, SpawnedWorlds
+from ..session.markers import MARKS_KEY
+from ..session.parametrize import give_config
+from ..session.recording import RecordedTests, Summary
+from ..session.settings import SETTINGS_KEY
+from ..session.verdicts import JUDGEMENT_KEY, fail
 from ..worlds.device_nodes import gpu_device_nodes
-from . import config_defaults, markers
-from .backends import WORLD_BACKEND_KEY, SpawnedWorlds
-from .markers import MARKS_KEY
-from .parametrize import give_config
-from .recording import RecordedTests, Summary
-from .settings import SETTINGS_KEY
-from .verdicts import JUDGEMENT_KEY, fail
+from . import defaults
 
 #: The test id of a repro's one scanned test (and the name its config has in messages).
 SCAN_ID = "scan"
@@ -60,14 +51,15 @@ class Mend:
 @dataclass(frozen=True)
 class ConfigRead:
     """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; mended where
-    ``mend`` says), as the release reads it (``values``: each key left out at its default), and DeepSpeed's refusal
-    of it, if any (``Type: message``)."""
+    ``mend`` says; the keys the release does not know, ``unknown``, taken out), as the release reads it (``values``:
+    each key left out at its default), and DeepSpeed's refusal of it, if any (``Type: message``)."""
 
     written: dict[str, Any]
     values: dict[str, Any]
     refused: str | None = None
     mend: Mend | None = None
     defaults_known: bool = True  # False: DeepSpeed refused the config, or the probe failed
+    unknown: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> DeepSpeed's message
 
     def premise_problems(self, premise: Premise) -> tuple[str, ...]:
         """What the config lacks for ``premise``. Without the release's reading (a config DeepSpeed refuses, a
@@ -97,19 +89,20 @@ class ScanConfig:
     def written(self, size: int) -> dict[str, Any]:
         return configs.resolve(self.user.config, SCAN_ID, size, "gloo").written
 
-    def _ask(self, written: list[dict[str, Any]], size: int) -> config_defaults.DefaultsProbe:
-        return config_defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
+    def _ask(self, written: list[dict[str, Any]], size: int) -> defaults.DefaultsProbe:
+        return defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
 
-    def _answer(self, probe: config_defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
+    def _answer(self, probe: defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
         reading = probe.wait()[0]
         self.healed += [healed for healed in probe.healed if healed not in self.healed]
         if reading is None:
             if probe.problem and probe.problem not in self.problems:
                 self.problems.append(probe.problem)
             return ConfigRead(written, written, None, mend, defaults_known=False)
+        written = ds_defaults.without(written, reading.unknown)
         if reading.refused is not None:
-            return ConfigRead(written, written, reading.refused, mend, defaults_known=False)
-        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend)
+            return ConfigRead(written, written, reading.refused, mend, defaults_known=False, unknown=reading.unknown)
+        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend, unknown=reading.unknown)
 
     def read(self, size: int) -> tuple[ConfigRead, ConfigRead]:
         """The config for a world of ``size`` as written, and as the scan judges every bug but a mending one with
@@ -133,10 +126,13 @@ class ScanConfig:
         return None
 
     def notes(self) -> list[str]:
-        """What the scan did to the config as a whole, for the notes above its table: a mend, in words with why;
-        defaults that could not be read."""
+        """What the scan did to the config as a whole, for the notes above its table: the keys the release does not
+        know, taken out; a mend, in words with why; defaults that could not be read."""
         said = []
         for plain, effective in self._read.values():
+            said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not know it ({message}); no "
+                     "catalogued bug depends on it, and the rest of the config is judged" for key, message in
+                     plain.unknown.items()]  # fmt: skip
             mend = effective.mend
             if mend is not None:
                 said.append(f"judged with {', '.join(mend.said)}: DeepSpeed {installed_deepspeed()} refuses the config "
@@ -232,7 +228,7 @@ def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: di
         _decided(item, Finding(ScanVerdict.NOT_APPLICABLE, said))
     if read.refused is not None and not premise.mend:
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, f"{scan_verdicts.REFUSED} [{SCAN_ID}]: {read.refused}"))
-    config = copy.deepcopy(user)
+    config = ds_defaults.without(user, read.unknown)
     for key, value in () if read.mend is None else read.mend.changes:
         put(config, key, value)
     return ScanPlan(config, tuple(premise.apply(config, read.values, read.written)))

@@ -1,5 +1,5 @@
 """Each release's own defaults: a config as the installed DeepSpeed reads it, asked of that release in a real
-subprocess (``session.config_defaults`` running ``inrank.defaults_probe``), kept in the cache per install and
+subprocess (``scan.defaults`` running ``scan.probe``), kept in the cache per install and
 config; and, pure, what two releases that read a config differently make of a premise (``core.ds_defaults``).
 """
 
@@ -15,7 +15,7 @@ from pytest_dsrepro.core import configs, ds_defaults
 from pytest_dsrepro.core.ds_defaults import ReleaseReading
 from pytest_dsrepro.core.gates import installed_deepspeed
 from pytest_dsrepro.core.premises import parse
-from pytest_dsrepro.session import config_defaults
+from pytest_dsrepro.scan import defaults
 
 WHERE = "@pytest.mark.ds_premise on t.py::test_x"
 
@@ -27,15 +27,19 @@ def written(zero: dict[str, object], **more: object) -> dict[str, object]:
 def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cache(tmp_path: Path) -> None:
     """The values the release resolves where the config is silent: ``overlap_comm`` by stage, ``reduce_scatter`` on,
     the deprecated ``cpu_offload`` as ``offload_optimizer``, gradient clipping 1.0 from 0.19.3 on (PR #8068), 0 before;
-    a key its config classes do not know is its refusal. Asked again, the cache answers, with no process."""
-    wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}), written({"stage": 3, "stage3_x": 1})]
-    probe = config_defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
+    a key its config classes do not know is taken out, named with DeepSpeed's message, and the rest read; a value they
+    cannot take is the config's refusal. Asked again, the cache answers, with no process."""
+    wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}),
+              written({"stage": 3, "stage3_x": 1, "offload_param": {"device": "cpu", "y": 2}}),
+              written({"stage": 3, "overlap_comm": "sometimes"})]  # fmt: skip
+    probe = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert probe.child is not None
-    two, three, typo = probe.wait()
+    two, three, typo, refused = probe.wait()
     assert probe.problem is None
     assert two is not None
     assert three is not None
     assert typo is not None
+    assert refused is not None
     assert two.sections["zero_optimization"]["overlap_comm"] is False
     assert three.sections["zero_optimization"]["overlap_comm"] is True
     assert two.sections["zero_optimization"]["reduce_scatter"] is True
@@ -44,18 +48,34 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     assert two.keys["gradient_clipping"] == clipping
     assert two.keys["train_micro_batch_size_per_gpu"] == 2
     assert two.keys["gradient_accumulation_steps"] == 1
-    assert typo.refused is not None
-    assert "stage3_x" in typo.refused
-    again = config_defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
+    assert typo.refused is None
+    assert sorted(typo.unknown) == ["zero_optimization.offload_param.y", "zero_optimization.stage3_x"]
+    assert "DeepSpeedZeroConfig: stage3_x: Extra inputs are not permitted" in typo.unknown["zero_optimization.stage3_x"]
+    assert typo.sections["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert refused.refused is not None
+    assert "overlap_comm" in refused.refused
+    again = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert again.child is None
-    assert again.wait() == [two, three, typo]
+    assert again.wait() == [two, three, typo, refused]
+
+
+def test_a_key_no_release_knows_is_found_by_its_place_and_taken_out() -> None:
+    """A pydantic error names the key inside the section whose model refused it; every key of the config that ends
+    there is the one, and taking it out leaves the rest."""
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "y": 2}}, "y": 1}
+    assert ds_defaults.named(config, ("offload_param", "y")) == ["zero_optimization.offload_param.y"]
+    assert ds_defaults.named(config, ("y",)) == ["zero_optimization.offload_param.y", "y"]
+    assert ds_defaults.named(config, ()) == []
+    left = ds_defaults.without(config, {"zero_optimization.offload_param.y": "said"})
+    assert left == {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "y": 1}
+    assert config["zero_optimization"]["offload_param"]["y"] == 2  # the config itself is left as it was
 
 
 def test_a_default_meets_a_premise_the_written_config_does_not_name(tmp_path: Path) -> None:
     """A plain ZeRO-2 config leaves ``reduce_scatter`` to DeepSpeed: a premise that needs it on is met by the
     release's default, and one that needs it off says it is the default that is on."""
     config = written({"stage": 2})
-    (reading,) = config_defaults.start([ds_defaults.request(config, 2)], tmp_path, gloo=True).wait()
+    (reading,) = defaults.start([ds_defaults.request(config, 2)], tmp_path, gloo=True).wait()
     assert reading is not None
     read = ds_defaults.merged(config, reading)
     assert (
@@ -92,8 +112,8 @@ def test_two_releases_that_differ_give_the_premise_and_its_sets_their_own_values
 def test_a_probe_that_fails_is_said_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Injected: the probe's module cannot start. The readings are missing, the reason is one line, no process or
     file is left, and nothing is cached."""
-    monkeypatch.setattr(config_defaults, "MODULE", "pytest_dsrepro.no_such_probe")
-    probe = config_defaults.start([ds_defaults.request(written({"stage": 1}), 2)], tmp_path, gloo=True)
+    monkeypatch.setattr(defaults, "MODULE", "pytest_dsrepro.no_such_probe")
+    probe = defaults.start([ds_defaults.request(written({"stage": 1}), 2)], tmp_path, gloo=True)
     assert probe.wait() == [None]
     assert probe.problem is not None
     assert probe.problem.startswith("reading DeepSpeed's defaults failed (exit 1): ")
@@ -104,7 +124,7 @@ def test_a_probe_that_fails_is_said_and_leaves_nothing(tmp_path: Path, monkeypat
 
 
 def test_a_probe_never_read_is_stopped(tmp_path: Path) -> None:
-    probe = config_defaults.start([ds_defaults.request(written({"stage": 0}), 2)], tmp_path, gloo=True)
+    probe = defaults.start([ds_defaults.request(written({"stage": 0}), 2)], tmp_path, gloo=True)
     assert probe.child is not None
     pid = probe.child.pid
     probe.close()
@@ -116,7 +136,7 @@ def test_a_probe_never_read_is_stopped(tmp_path: Path) -> None:
 def test_a_refused_config_is_judged_on_what_it_writes_and_what_no_release_defaults() -> None:
     """DeepSpeed refused it, so no release value is known: a key the release would default is not judged (benefit of
     the doubt: the bug is CANNOT TELL, not NOT APPLICABLE), a missing scheduler is missing on every release."""
-    from pytest_dsrepro.session.scan_plugin import ConfigRead
+    from pytest_dsrepro.scan.scanner import ConfigRead
 
     config = written({"stage": 2, "typo": 1})
     read = ConfigRead(config, config, refused="ValidationError: typo", defaults_known=False)

@@ -1,0 +1,142 @@
+"""Each config as one DeepSpeed release reads it: ``python -m pytest_dsrepro.scan.probe REQUEST ANSWER``,
+run by ``scan.defaults`` with the interpreter of the release being scanned, so the pytest process itself
+never imports DeepSpeed.
+
+``REQUEST`` is a JSON list of configs, each with the world size it is read for (``core.ds_defaults.request``);
+``ANSWER`` gets one ``ReleaseReading`` per config: the values ``DeepSpeedConfig`` resolved at the places
+``core.ds_defaults`` names, or what DeepSpeed raised when it refused the config (its config classes, or the scheduler
+``deepspeed.initialize`` would build from it); a key the release does not know is taken out and named, and the rest
+read. A file, not standard output: DeepSpeed logs there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..core.ds_defaults import KEYS, SECTIONS, ReleaseReading, named, without
+
+_MISSING = object()
+
+
+def _attribute(root: object, path: str) -> object:
+    node = root
+    for part in path.split("."):
+        node = getattr(node, part, _MISSING)
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _first(root: object, paths: tuple[str, ...]) -> object:
+    """The value at the first of ``paths`` the release has (releases moved some)."""
+    return next((v for p in paths if (v := _attribute(root, p)) is not _MISSING), _MISSING)
+
+
+def _jsonable(value: object) -> object:
+    """A value as a config writes it: a torch dtype by DeepSpeed's name for it, a pydantic model dumped."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if isinstance(value, torch.dtype):
+        return names.get(value, str(value))
+    dump = getattr(value, "model_dump", None)
+    if dump is not None:
+        return dump(mode="json", by_alias=True)
+    return json.loads(json.dumps(value, default=str))
+
+
+class _World:
+    """What ``DeepSpeedConfig`` asks ``deepspeed.comm`` (this rank, the world's size), answered for a world of
+    ``size`` ranks: there is no process group here."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def get_rank(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def get_world_size(self, *args: Any, **kwargs: Any) -> int:
+        return self.size
+
+
+class _Refused(Exception):
+    """DeepSpeed refused a config for more than keys it does not know (``said``), those taken out (``unknown``)."""
+
+    def __init__(self, said: str, unknown: dict[str, str]) -> None:
+        super().__init__(said)
+        self.said, self.unknown = said, unknown
+
+
+def _unknown(exc: Exception, config: dict[str, Any]) -> dict[str, str]:
+    """The keys of ``config`` a pydantic refusal names as extra (``extra_forbidden``: a key this release does not
+    know), each with DeepSpeed's words for it; nothing for any other refusal."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return {}
+    title = str(exc).splitlines()[0] if str(exc) else ""
+    found = {}
+    for error in errors():
+        if error.get("type") == "extra_forbidden":
+            place = tuple(str(p) for p in error.get("loc", ()))
+            said = f"{type(exc).__name__}: {title}: {'.'.join(place)}: {error.get('msg')}"
+            found.update(dict.fromkeys(named(config, place), said))
+    return found
+
+
+def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, str]]:
+    """The release's ``DeepSpeedConfig`` of ``config`` (its scheduler built too), the keys it does not know taken
+    out one refusal at a time (each with DeepSpeed's message); whatever else it raises is raised."""
+    from deepspeed.runtime import config as config_module
+
+    from ..inrank.engine import build_scheduler
+
+    unknown: dict[str, str] = {}
+    comm = config_module.dist
+    config_module.dist = _World(world_size)  # what the module calls for the rank and the world's size
+    try:
+        while True:
+            try:
+                made = config_module.DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed edits its input
+                build_scheduler(config)
+                return made, unknown
+            except Exception as exc:  # whatever DeepSpeed raises is its refusal, said as it said it
+                extra = {k: v for k, v in _unknown(exc, config).items() if k not in unknown}
+                if not extra:
+                    raise _Refused(f"{type(exc).__name__}: {exc}", unknown) from exc
+                unknown.update(extra)
+                config = without(config, extra)
+    finally:
+        config_module.dist = comm
+
+
+def read(config: dict[str, Any], world_size: int) -> ReleaseReading:
+    """``config`` through the release's ``DeepSpeedConfig``, for a world of ``world_size`` ranks, and its scheduler;
+    the values read where ``KEYS`` and ``SECTIONS`` say, past the keys the release does not know."""
+    try:
+        made, unknown = _made(config, world_size)
+    except _Refused as refusal:
+        return ReleaseReading(refused=refusal.said, unknown=refusal.unknown)
+    keys, sections = {}, {}
+    for key, paths in KEYS.items():
+        found = _first(made, paths)
+        if found is not _MISSING:
+            keys[key] = _jsonable(found)
+    for name, paths in SECTIONS.items():
+        found = _first(made, paths)
+        if found is not _MISSING and found is not None:
+            sections[name] = _jsonable(found)
+    return ReleaseReading(keys, sections, unknown=unknown)
+
+
+def main(argv: list[str]) -> int:
+    request, answer = Path(argv[0]), Path(argv[1])
+    readings = [read(asked["config"], asked["world_size"]).to_json() for asked in json.loads(request.read_text())]
+    answer.write_text(json.dumps(readings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
