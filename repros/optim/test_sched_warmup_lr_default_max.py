@@ -9,7 +9,7 @@ as long as it trains, since WarmupLR holds the warm-up's end rate. PR #7360 (fir
 """
 
 import pytest
-from _schedulers import linear_warmup_premise
+from _schedulers import TORCH_OPTIMIZER, linear_warmup_premise
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -60,6 +60,7 @@ CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
+    **TORCH_OPTIMIZER,  # what the schedulers' premise sets for the body's torch optimizer
     "scheduler": {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 0.0, "warmup_num_steps": WARMUP, "warmup_type": "linear"},

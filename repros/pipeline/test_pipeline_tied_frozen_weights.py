@@ -36,7 +36,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/pull/5477",
         raises="RuntimeError",
-        match=r"Invalid function argument\. Expected parameter `tensor` to be of type torch\.Tensor",
+        match=r"Invalid function argument\. Expected parameter `tensor` (?:to be )?of type torch\.Tensor",
         frames=("engine.py:_exec_reduce_tied_grads",),
         words=("tied", "lora"),
     ),

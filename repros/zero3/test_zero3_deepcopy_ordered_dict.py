@@ -35,7 +35,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/pull/6794",
         raises="TypeError",
-        match=r"can only concatenate tuple \(not \"list\"\) to tuple",
+        match=r'can only concatenate tuple \(not "list"\) to tuple',
         frames=("parameter_offload.py:__reduce__",),
     ),
 ]

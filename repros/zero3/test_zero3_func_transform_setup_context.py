@@ -35,7 +35,7 @@ pytestmark += [
     pytest.mark.ds_seen(
         "https://github.com/deepspeedai/DeepSpeed/issues/7323",
         raises="RuntimeError",
-        match=r"autograd\.Function with functorch transforms .* must override the setup_context staticmethod",
+        match=r"must override the setup_context staticmethod",
         frames=("linear.py:zero3_linear_wrap",),
         gpu=True,
     ),
