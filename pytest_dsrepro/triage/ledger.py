@@ -1,21 +1,9 @@
-"""The fix ledger: every commit of DeepSpeed's history since v0.14.0 that the rule selects as a fix of its Python
-runtime, each with one disposition, as data in the package (``fixes/*.toml``, one file per span of releases). The one
-owner of the files' format: reading, validation, and the rule itself.
-
-The rule (``selects``): a commit is in the ledger when it changes a ``.py`` file under ``deepspeed/``, and
-
-- its subject uses a repair word (``REPAIR``: fix, bug, crash, hang, error, wrong, broken, regression, leak, typo,
-  ...), or
-- its message closes an issue (``Fixes #N``, ``closes <issue link>``: ``CLOSES``), or
-- a catalogued repro or the regression atlas's known fixes name its pull request as a fix.
-
-Words alone do not make a fix: each row says what the commit is (``DISPOSITIONS``): ``repro`` (a catalogued bug, by
-its id), ``known`` (a defect users meet, known by its faces: what they see, where it was seen; ``cpu`` says whether a
-CPU world could show it), ``not for users`` (tests, CI, docs, build scripts, typing) or ``not a fix`` (a feature or a
-refactor the words caught), each with its reason. ``dsrepro ledger --check`` runs the rule on a clone and names every
-selected commit without a row.
-
-Pure: no pytest, no torch, no git (the clone is read by the commands); errors name the file, the line and the row.
+"""The fix ledger: every commit of DeepSpeed since v0.14.0 that the rule (``selects``) takes for a fix of its Python
+runtime, each with one disposition (``DISPOSITIONS``: repro, known, not for users, not a fix) and its reason, as data
+in the package (``fixes/*.toml``). The one owner of the files' format: reading, validation, the rule. Words alone do
+not make a fix, hence the dispositions; ``dsrepro ledger --check`` names a selected commit without a row. The rule
+and the dispositions are written out in docs/ledger.md. Pure: no pytest, no torch, no git; errors name file, line and
+row.
 """
 
 from __future__ import annotations
