@@ -15,7 +15,7 @@ import pytest
 
 from pytest_dsrepro.core import ds_defaults, json_input, paths
 from pytest_dsrepro.core.ds_defaults import ReleaseReading
-from pytest_dsrepro.session import config_defaults
+from pytest_dsrepro.scan import defaults as config_defaults
 
 DEEP = "[" * 5000 + "]" * 5000
 
