@@ -52,6 +52,17 @@ def config(stage: int, *, offload: bool = False, accumulation: int = 1) -> Any:
     )
 
 
+#: What a scan sets on a user's config for a body that steps torch's SGD in fp32, unclipped, and compares it with
+#: plain SGD: DeepSpeed must take the torch optimizer as it is.
+PLAIN_SGD_SETS = {
+    "gradient_clipping": 0.0,
+    "zero_force_ds_cpu_optimizer": False,
+    "zero_allow_untested_optimizer": True,
+    "bf16.enabled": False,
+    "fp16.enabled": False,
+}
+
+
 def offloaded_sgd_premise(**requirements: Any) -> Any:
     """The ``ds_premise`` of a ZeRO-2 offload repro whose body steps torch's SGD and compares with plain fp32 SGD:
     ``requirements`` (``gradient_accumulation=...``) on top of ZeRO-2 with the optimizer offloaded to the CPU, and
@@ -60,13 +71,7 @@ def offloaded_sgd_premise(**requirements: Any) -> Any:
         stage=2,
         offload_optimizer="cpu",
         **requirements,
-        sets={
-            "gradient_clipping": 0.0,
-            "zero_force_ds_cpu_optimizer": False,
-            "zero_allow_untested_optimizer": True,
-            "bf16.enabled": False,
-            "fp16.enabled": False,
-        },
+        sets=PLAIN_SGD_SETS,
         removes=("scheduler",),
         because="the body trains with torch's SGD (no DeepSpeed CPU Adam to build) and compares one optimizer step "
         "with plain, unclipped fp32 SGD's at the same rate to 1e-6, closer than bf16 or fp16 rounds (the bug drops "

@@ -103,3 +103,34 @@ SEQUENCE_FIRST_SHAPE = (
     r"post_all2all_res_shape = \[bs, seq_world_size \* global_seq_len, num_local_head // seq_world_size, head_dim\]",
     "post_all2all_res_shape = [global_seq_len // seq_world_size, bs, seq_world_size * num_local_head, head_dim]",
 )
+
+
+def sequence_first_attention(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    """The local attention in the ``[sequence, batch, heads, head_dim]`` layout of Megatron-DeepSpeed."""
+    return attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+
+
+def sequence_first_ulysses(
+    ds_config: dict[str, Any], ds_device: Any, dtype: Any, *, heads: int, seed: int
+) -> tuple[Any, Any]:
+    """``DistributedAttention`` in the sequence-first layout over a group of the user's own (the world's ranks, as
+    Megatron-DeepSpeed makes one), 4-wide heads over 8 positions, the config's micro-batch: this rank's output and
+    what plain attention over the whole sequence gives for its positions."""
+    import inspect
+
+    import torch
+    from deepspeed.sequence.layer import DistributedAttention
+
+    sp, sequence = ds_config["sequence_parallel_size"], 8
+    group = torch.distributed.new_group(list(range(sp)))
+    rank = torch.distributed.get_rank(group)
+    ulysses = DistributedAttention(sequence_first_attention, group, scatter_idx=2, gather_idx=0)
+    # From 0.14.5 the caller says where the batch is: dimension 1 here.
+    batch_dim = (1,) if "batch_dim_idx" in inspect.signature(ulysses.forward).parameters else ()
+    batch = ds_config["train_micro_batch_size_per_gpu"]
+    q, k, v = (
+        t.transpose(0, 1).contiguous() for t in qkv(batch, sequence, heads, 4, seed=seed, device=ds_device, dtype=dtype)
+    )
+    mine = slice(rank * sequence // sp, (rank + 1) * sequence // sp)
+    out = ulysses(q[mine].contiguous(), k[mine].contiguous(), v[mine].contiguous(), *batch_dim)
+    return out, sequence_first_attention(q, k, v)[mine]

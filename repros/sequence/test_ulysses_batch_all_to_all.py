@@ -12,9 +12,7 @@ sequence (4 heads over 2 ranks: the uneven-heads path of entry ``ulysses-even-he
 """
 
 import pytest
-from _ulysses import attention, qkv, sequence_first_output_shape
-
-from pytest_dsrepro.inrank.devices import precision_dtype
+from _ulysses import sequence_first_output_shape, sequence_first_ulysses
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -50,7 +48,7 @@ CONFIG = {
     "gradient_accumulation_steps": 1,
     "sequence_parallel_size": 2,
 }
-HEADS, HEAD_DIM, SEQUENCE = 4, 4, 8
+HEADS = 4
 
 
 def permute_ranks_next_to_heads(monkeypatch):
@@ -73,11 +71,6 @@ def permute_ranks_next_to_heads(monkeypatch):
     )
 
 
-def sequence_first_attention(q, k, v, *args, **kwargs):
-    """The local attention in the ``[sequence, batch, heads, head_dim]`` layout of Megatron-DeepSpeed."""
-    return attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
-
-
 @pytest.mark.ds_config(pytest.param(CONFIG, id="sp2_mb2"))
 @pytest.mark.ds_version(
     affected="<0.14.5",
@@ -86,27 +79,11 @@ def sequence_first_attention(q, k, v, *args, **kwargs):
     fix=permute_ranks_next_to_heads,
 )
 def test_ulysses_attention_with_two_samples(ds_config, ds_device):
-    import inspect
+    from pytest_dsrepro.inrank.devices import precision_dtype
 
-    import torch
-    from deepspeed.sequence.layer import DistributedAttention
-
-    sp = ds_config["sequence_parallel_size"]
-    group = torch.distributed.new_group(list(range(sp)))  # the user's sequence-parallel group: the world's ranks
-    rank = torch.distributed.get_rank(group)
-    ulysses = DistributedAttention(sequence_first_attention, group, scatter_idx=2, gather_idx=0)
-    # From 0.14.5 the caller says where the batch is: dimension 1 here.
-    batch_dim = (1,) if "batch_dim_idx" in inspect.signature(ulysses.forward).parameters else ()
-
-    batch = ds_config["train_micro_batch_size_per_gpu"]
-    q, k, v = (
-        t.transpose(0, 1).contiguous()
-        for t in qkv(batch, SEQUENCE, HEADS, HEAD_DIM, seed=3, device=ds_device, dtype=precision_dtype(ds_config))
-    )
-    local = SEQUENCE // sp
-    mine = slice(rank * local, (rank + 1) * local)
-    out = ulysses(q[mine].contiguous(), k[mine].contiguous(), v[mine].contiguous(), *batch_dim)
-    error = (out - sequence_first_attention(q, k, v)[mine]).abs().max().item()
+    out, expected = sequence_first_ulysses(ds_config, ds_device, precision_dtype(ds_config), heads=HEADS, seed=3)
+    error = (out - expected).abs().max().item()
     assert error < 1e-5, (
-        f"Ulysses attention differs from attention over the whole sequence: max error {error} with {batch} samples"
+        f"Ulysses attention differs from attention over the whole sequence: max error {error} with "
+        f"{ds_config['train_micro_batch_size_per_gpu']} samples"
     )

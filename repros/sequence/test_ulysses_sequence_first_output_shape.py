@@ -12,9 +12,7 @@ pull request in the mirror at hand fixes it (its newest master is 0.19.6's); 0.1
 """
 
 import pytest
-from _ulysses import attention, qkv, sequence_first_output_shape
-
-from pytest_dsrepro.inrank.devices import precision_dtype
+from _ulysses import sequence_first_output_shape, sequence_first_ulysses
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -41,12 +39,7 @@ pytestmark += [
 
 #: The body builds no engine: DistributedAttention over a group of the user's own, as Megatron-DeepSpeed does.
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "sequence_parallel_size": 2}
-HEADS, HEAD_DIM, SEQUENCE = 4, 4, 8
-
-
-def sequence_first_attention(q, k, v, *args, **kwargs):
-    """The local attention in the ``[sequence, batch, heads, head_dim]`` layout of Megatron-DeepSpeed."""
-    return attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+HEADS = 4
 
 
 @pytest.mark.ds_config(pytest.param(CONFIG, id="sp2"))
@@ -57,26 +50,9 @@ def sequence_first_attention(q, k, v, *args, **kwargs):
     fix=sequence_first_output_shape,
 )
 def test_sequence_first_attention_keeps_its_shape(ds_config, ds_device):
-    import inspect
+    from pytest_dsrepro.inrank.devices import precision_dtype
 
-    import torch
-    from deepspeed.sequence.layer import DistributedAttention
-
-    sp = ds_config["sequence_parallel_size"]
-    group = torch.distributed.new_group(list(range(sp)))  # the user's sequence-parallel group: the world's ranks
-    rank = torch.distributed.get_rank(group)
-    ulysses = DistributedAttention(sequence_first_attention, group, scatter_idx=2, gather_idx=0)
-    batch_dim = (1,) if "batch_dim_idx" in inspect.signature(ulysses.forward).parameters else ()
-
-    batch = ds_config["train_micro_batch_size_per_gpu"]
-    q, k, v = (
-        t.transpose(0, 1).contiguous()
-        for t in qkv(batch, SEQUENCE, HEADS, HEAD_DIM, seed=5, device=ds_device, dtype=precision_dtype(ds_config))
-    )
-    local = SEQUENCE // sp
-    mine = slice(rank * local, (rank + 1) * local)
-    out = ulysses(q[mine].contiguous(), k[mine].contiguous(), v[mine].contiguous(), *batch_dim)
-    expected = sequence_first_attention(q, k, v)[mine]
+    out, expected = sequence_first_ulysses(ds_config, ds_device, precision_dtype(ds_config), heads=HEADS, seed=5)
     assert out.shape == expected.shape, (
         f"Ulysses attention returned shape {tuple(out.shape)} for a sequence-first input; {tuple(expected.shape)} "
         "is its own layout"

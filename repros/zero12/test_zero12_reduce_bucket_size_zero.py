@@ -13,7 +13,7 @@ SGD.
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import max_difference, train, train_reference
+from _zero12 import PLAIN_SGD_SETS, max_difference, train, train_reference
 
 from pytest_dsrepro.inrank.models import tiny_mlp
 
@@ -30,13 +30,7 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=(1, 2),
         config={"zero_optimization.reduce_bucket_size": 0},
-        sets={
-            "gradient_clipping": 0.0,
-            "zero_force_ds_cpu_optimizer": False,
-            "zero_allow_untested_optimizer": True,
-            "bf16.enabled": False,
-            "fp16.enabled": False,
-        },
+        sets=PLAIN_SGD_SETS,
         removes=("scheduler",),
         because="the body trains with torch's SGD and compares two steps with plain, unclipped fp32 SGD at the same "
         "rate (the bug raises whatever the precision, the optimizer and the rate)",
