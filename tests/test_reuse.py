@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 3}}
-SEEN = {}  # the module lives as long as its ranks: a kept group would still be here
+class SEEN:  # the module lives as long as its ranks (a class, not a dict: a kept rank refills the module's
+    group = None  # containers as the rank imported them, a class's attributes it leaves)
 
 def step():
     torch.manual_seed(0)
@@ -61,7 +62,7 @@ class TestKept:
         step()
         note("1", ds_rank)
         Path("port").write_text(os.environ["MASTER_PORT"])  # DeepSpeed's /dev/shm buffers are named after it
-        SEEN["group"] = dist.group.WORLD
+        SEEN.group = dist.group.WORLD
         os.environ["DSREPRO_LEAK"] = "1"
         deepspeed.comm.get_rank = lambda group=None: 99
 
@@ -69,7 +70,7 @@ class TestKept:
         assert os.getpid() == pid("1", ds_rank)
         assert "DSREPRO_LEAK" not in os.environ
         assert deepspeed.comm.get_rank() == ds_rank
-        assert dist.is_initialized() and dist.group.WORLD is not SEEN["group"]
+        assert dist.is_initialized() and dist.group.WORLD is not SEEN.group
         from deepspeed.utils import groups
         assert groups._WORLD_GROUP is None
         step()

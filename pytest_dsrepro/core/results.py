@@ -469,15 +469,16 @@ def now() -> datetime.datetime:
 # --- files ---------------------------------------------------------------------------------------------------------
 
 
-def write(run: RunRecord, directory: Path) -> Path:
+def write(run: RunRecord, directory: Path, *, amend: bool = False) -> Path:
     """Write ``run`` as a new file in ``directory`` (created if needed), whole or not at all; files never overwrite
-    each other. Given a results file this wrote (``directory`` a file), that file again: the same run, amended.
+    each other. ``amend``: ``directory`` is the results file this wrote for the run, written again (the run amended);
+    a directory that has become a file meanwhile is never written over.
 
     ``results-deepspeed-<release>-<random>.json``, with ``-unavailable`` before the random part for a release
     that could not run.
     """
     kind = "-unavailable" if run.unavailable else ""
-    path = directory if directory.is_file() else (
+    path = directory if amend else (
         directory / f"results-deepspeed-{run.environment.deepspeed}{kind}-{uuid.uuid4().hex[:8]}.json"
     )  # fmt: skip
     write_atomically(path, json.dumps(run.to_json(), indent=2, default=str))

@@ -119,7 +119,10 @@ class RunCollector:
         try:
             self._write(session, env, cuda_devices)
         finally:
-            if self.unsaved and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            if self.unsaved and getattr(session, "exitstatus", None) in (
+                pytest.ExitCode.OK,
+                pytest.ExitCode.TESTS_FAILED,
+            ):
                 session.exitstatus = NOT_SAVED  # the summary still says how the tests went
 
     def _write(self, session: pytest.Session, env: Environment, cuda_devices: int) -> None:
@@ -129,7 +132,9 @@ class RunCollector:
         diagnostics (3-10 s of subprocesses on a busy machine), the files rewritten with them; a signal meanwhile
         abandons them (the session ends interrupted), and the files stay as first written."""
         s = self.config.stash[SETTINGS_KEY]
-        interrupted = session.exitstatus == pytest.ExitCode.INTERRUPTED
+        interrupted = (
+            getattr(session, "exitstatus", None) == pytest.ExitCode.INTERRUPTED
+        )  # unset where pytester collects
         if s.report is not None and interrupted:
             env = dataclasses.replace(env, ds_report=diagnostics.NOT_GATHERED, torch_env=diagnostics.NOT_GATHERED)
         run = self._run_record(env)
@@ -152,7 +157,7 @@ class RunCollector:
             self.held.raising = False
         run = self._run_record(env)
         lost = self.unsaved[:1] if s.results is not None and written is None else []  # the results, said once
-        self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)))[0]
+        self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)), amend=True)[0]
         self.held.release()
 
     @pytest.hookimpl(tryfirst=True)  # before the terminal's, which formats the interrupted test's traceback: seconds
@@ -184,15 +189,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def write_outputs(
-    run: RunRecord, results_at: Path | None, report: tuple[Path, str] | None
+    run: RunRecord, results_at: Path | None, report: tuple[Path, str] | None, *, amend: bool = False
 ) -> tuple[list[str], Path | None]:
-    """``--ds-results DIR`` (a new file in it; or, given a file, that file again) and ``--ds-report PATH`` (its
+    """``--ds-results DIR`` (a new file in it; ``amend``: the file written before, again) and ``--ds-report PATH`` (its
     Markdown, whole or not at all), each when asked for; what could not be saved, in words (checked at startup, a
     path can still fail at the end: a full disk, a directory removed meanwhile), and the results file written."""
     unsaved, written = [], None
     if results_at is not None:
         try:
-            written = results.write(run, results_at)
+            written = results.write(run, results_at, amend=amend)
         except OSError as exc:
             unsaved.append(f"--ds-results {results_at} ({exc.strerror or exc})")
     if report is not None:

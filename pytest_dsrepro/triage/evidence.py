@@ -267,13 +267,10 @@ def agrees(face: Face, log: Log) -> bool:
     return any("_" in f.strip("_") and f not in _COMMON_FRAMES and _phrase(f).search(log.text) for f in functions)
 
 
-def placed(face: Face, log: Log, siblings: Sequence[Face] = ()) -> bool:
+def placed(face: Face, log: Log) -> bool:
     """Whether a face's matched message names the bug: a message of its own (``specific``), or one the log raises
-    where the face does (``agrees``), or, for a catalogued bug (``siblings``: its other faces, which its repro
-    checked), where one of its faces says it raises (a gate names no frames; its ``ds_seen`` faces do)."""
-    if face.match is None or specific(face.match) or agrees(face, log):
-        return True
-    return any(agrees(sibling, log) for sibling in siblings if sibling.frames)
+    where the face does (``agrees``)."""
+    return face.match is None or specific(face.match) or agrees(face, log)
 
 
 def written_out(face: Face, text: str) -> _Hit:
@@ -404,9 +401,8 @@ def collect(
 ) -> Evidence:
     """A bug's evidence in a log: the best face's message (or type), then its frames, its words, the words it shares
     with the text and a type the text only names. ``named``: the bug's title and root cause (frames they name).
-    A message that is not ``specific`` names a bug with confidence only where the log ``agrees`` on where it is
-    raised: for a fix known from the ledger or the atlas (``strict``: its faces no repro checked), that face's own
-    frames; for a catalogued bug, any of its faces'. ``reach`` (the bug's,
+    ``strict`` (a fix known from the ledger or the atlas, whose faces no repro checked): a message that is not
+    ``specific`` names it with confidence only where the log ``agrees`` on where it is raised. ``reach`` (the bug's,
     made once): a log it does not reach gives the bug only the words they share."""
     if reach is not None and not reach.within(log):
         overlap, common = _overlap(bug_words, log)
@@ -443,7 +439,7 @@ def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], l
         f"the text names {', '.join(named_types)}" if only_named else "",
     )
     more = framed + min(8 * len(said), 24) + overlap + only_named
-    if best.matched and best.face is not None and not placed(best.face, log, () if strict else faces):
+    if best.matched and strict and best.face is not None and not placed(best.face, log):
         said_so = f"{best.why} (a message many causes raise, and not where it raises it)"
         return Evidence(min(best.points + more, CONFIDENT - 1), (said_so, *why[1:]), best.face)
     if best.matched:

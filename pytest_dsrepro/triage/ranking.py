@@ -386,9 +386,15 @@ def judge(known: _Compared, context: _Context) -> Candidate | RuledOut:
 def calibrated(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
     """The candidates, the first named with confidence where its evidence is strong without a message: ``SURE``
     points, corroborated, ``LEAD`` ahead of the next (a look-alike's words come close to the bug's own)."""
-    if not candidates or candidates[0].confident:
-        return tuple(candidates)
+    if not candidates:
+        return ()
     first, runner = candidates[0], candidates[1].score if len(candidates) > 1 else 0
+    if first.confident and runner >= CONFIDENT and first.score - runner < LEAD and first.bug.catalogued:
+        # two catalogued bugs the log fits alike (one message, raised by both): it names neither
+        tie = f"{first.reason}; {candidates[1].bug.id} fits the log as well: the log does not tell them apart"
+        return (replace(first, score=CONFIDENT - 1, reason=tie), *candidates[1:])
+    if first.confident:
+        return tuple(candidates)
     sure = first.corroborated and first.score >= SURE and first.score - runner >= LEAD
     return (replace(first, sure=True), *candidates[1:]) if sure else tuple(candidates)
 
