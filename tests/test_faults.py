@@ -233,6 +233,9 @@ def test_a_sigkilled_comm_op_build_takes_its_compilers_along(
         at = time.monotonic()
         wait_until(lambda: not named(process_tag, "cc1plus") + named(process_tag, "ninja"), "compilers gone", 10)
         gone_after = time.monotonic() - at
+        # the warden reports after it cleaned up; on a loaded machine the test may end before that, and the build
+        # was then rightly said to go on apart: the run's end must come after the build's
+        wait_until(lambda: not named(process_tag, BUILDER_NAME) + named(process_tag, COMPILER_NAME), "build ended", 30)
         mark.touch()
         proc.wait(timeout=120)
     finally:

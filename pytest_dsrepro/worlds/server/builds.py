@@ -293,7 +293,8 @@ class BuildChild:
     def detach(self) -> None:
         """The run's tests are over, and it was not cut short: the build goes on after the server, for later runs,
         within ``BUILD_LOCK_TIMEOUT``."""
-        os.write(self.lifeline, DETACH)
+        with contextlib.suppress(BrokenPipeError):  # the warden ended since it was last polled: nothing goes on
+            os.write(self.lifeline, DETACH)
         os.close(self.lifeline)
         self.detached = True
 
