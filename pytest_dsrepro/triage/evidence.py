@@ -103,6 +103,7 @@ class _Hit:
     face: Face | None = None
     matched: bool = False
     contradicted: str = ""  # the message matched, but the traceback's DeepSpeed frames hold none of the face's
+    retyped: bool = False  # the message matched under another exception type than the face's: another raise site
 
 
 # --- words ---------------------------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def against(face: Face, error: Raised) -> _Hit:
             why = f"the message is the one it declares: {face.describe()}"
             return _Hit(70 + covered, why, face, True, contradicted)
         why = f"the message matches its {face.match!r} (raised as {error.name}, not {face.raises})"
-        return _Hit(55 + covered, why, face, True, contradicted)
+        return _Hit(55 + covered, why, face, True, contradicted, retyped=True)
     short = error.first_line.rstrip()
     if face.match and len(short) >= LITERAL_MIN and face.literal.startswith(short) and short != face.literal:
         return _Hit(45 if typed is not False else 35, f"the message is cut short of {face.match!r}", face)
@@ -441,6 +442,9 @@ def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], l
     more = framed + min(8 * len(said), 24) + overlap + only_named
     if best.matched and strict and best.face is not None and not placed(best.face, log):
         said_so = f"{best.why} (a message many causes raise, and not where it raises it)"
+        return Evidence(min(best.points + more, CONFIDENT - 1), (said_so, *why[1:]), best.face)
+    if best.retyped and best.face is not None and not agrees(best.face, log):
+        said_so = f"{best.why}: the same words from another raise, unless its frames show where the bug raises them"
         return Evidence(min(best.points + more, CONFIDENT - 1), (said_so, *why[1:]), best.face)
     if best.matched:
         return Evidence(best.points + more, why, best.face, True)
