@@ -145,8 +145,19 @@ def measuring(source: str) -> bool:
 
 def named(answer: str) -> str:
     """An answer as triage names it: a ledger fix ``ledger:PR`` is the candidate ``fix-PR`` (the ledger's and the
-    atlas's fixes are named by pull request); a catalogued bug's id as it is."""
-    return f"fix-{answer.removeprefix('ledger:')}" if answer.startswith("ledger:") else answer
+    atlas's fixes are named by pull request), or its catalogued bug where the ledger's row is a repro row (a fix
+    catalogued since the text was answered); a catalogued bug's id as it is."""
+    if not answer.startswith("ledger:"):
+        return answer
+    pr = int(answer.removeprefix("ledger:"))
+    return _catalogued_fixes().get(pr, f"fix-{pr}")
+
+
+def _catalogued_fixes() -> dict[int, str]:
+    """The ledger's repro rows, read from this checkout's ledger files: pull request to catalogued bug."""
+    rows = [row for f in sorted((ROOT / "pytest_dsrepro" / "triage" / "fixes").glob("*.toml"))
+            for row in tomllib.loads(f.read_text())["fix"]]  # fmt: skip
+    return {row["pr"]: row["repro"] for row in rows if row["disposition"] == "repro" and row.get("pr")}
 
 
 def corpus(directory: Path = REPORTS) -> list[dict[str, object]]:

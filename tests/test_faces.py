@@ -219,3 +219,37 @@ def test_a_gpu_face_makes_the_nccl_wording_a_known_bug() -> None:
     assert t.known is not None
     assert t.known.bug.id == "hf-lora-fp32-adapters-bf16"
     assert "(on GPUs)" in t.known.reason
+
+
+def test_the_message_under_another_type_needs_the_bugs_frames() -> None:
+    """hf-lora-fp32-adapters-bf16's NCCL face raises TypeError; the same words as a RuntimeError (an older torch, another
+    raise) name it only where its frames show it raised in the step's all-gather."""
+    bugs = known_bugs(Path(__file__).parents[1] / "repros")
+    bare = "[rank1]: RuntimeError: output tensor must have the same type as input tensor\n"
+    t = triage.rank(bugs, logread.read(bare), triage.Judged())
+    assert t.known is None
+    assert "another raise" in t.candidates[0].reason
+    framed = """Traceback (most recent call last):
+  File "/env/lib/python3.11/site-packages/deepspeed/runtime/zero/partition_parameters.py", line 1421, in _allgather_params_coalesced
+    dist.all_gather_into_tensor(flat_tensor, param_ds_tensor)
+RuntimeError: output tensor must have the same type as input tensor
+"""
+    t = triage.rank(bugs, logread.read(framed), triage.Judged())
+    lora = next(c for c in t.candidates if c.bug.id == "hf-lora-fp32-adapters-bf16")
+    assert lora.confident, lora.reason
+
+
+def test_the_engines_entry_frames_alone_name_no_bug() -> None:
+    """A traceback cut inside the engine's _configure_zero_optimizer (every failure to build a ZeRO optimizer passes
+    there): a bug whose face lists that frame is possible, never named without its message."""
+    bugs = known_bugs(Path(__file__).parents[1] / "repros")
+    text = """Traceback (most recent call last):
+  File "/work/train.py", line 40, in <module>
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+  File "/env/lib/python3.11/site-packages/deepspeed/runtime/engine.py", line 1348, in _configure_optimizer
+    self.optimizer = self._configure_zero_optimizer(basic_optimizer)
+  File "/env/lib/python3.11/site-packages/deepspeed/runtime/engine.py", line 1560, in _configure_zero_optimizer
+    optimizer = DeepSpeedZeroOptimizer(
+"""
+    t = triage.rank(bugs, logread.read(text), triage.Judged())
+    assert t.known is None

@@ -18,6 +18,7 @@ from packaging.version import Version
 
 from pytest_dsrepro.core import premises, versions
 from pytest_dsrepro.core.faces import Face, gate_face
+from pytest_dsrepro.core.faces import parse as seen_face
 from pytest_dsrepro.core.results import Finding, ScanVerdict
 from pytest_dsrepro.core.text import strip_ansi
 from pytest_dsrepro.tools import log_input, scaffold, triage_command
@@ -192,11 +193,33 @@ def test_a_type_named_without_a_message_is_noted() -> None:
 
 
 def test_a_message_written_out_without_its_type_still_names_the_bug() -> None:
-    """The paste lost the type's first letter: the declared message, long enough to name the bug, is in the text."""
-    gated = bug("slice", gate_face(None, "<1", "IndexError", r"slice\(\) cannot be applied to a 0-dim tensor"))
-    t = triage.rank([gated], logread.read("the error:\nndexError: slice() cannot be applied to a 0-dim tensor.\n"))
+    """The paste lost the type's first letter: the declared message, DeepSpeed's own wording, is in the text."""
+    message = "ZeRO-3 partitioned parameters cannot be restored from a checkpoint saved without them"
+    gated = bug("restore", gate_face(None, "<1", "ValueError", message))
+    t = triage.rank([gated], logread.read(f"the error:\nalueError: {message}.\n"))
     assert t.known is not None
-    assert "the text writes out its message 'slice() cannot be applied to a 0-dim tensor'" in t.known.reason
+    assert f"the text writes out its message {message!r}" in t.known.reason
+
+
+def test_a_stock_message_written_out_needs_the_bug_placed() -> None:
+    """Torch's own wording, written out with nothing of where it raised: a possible bug, never a named one; the bug's
+    frame named in the text places it."""
+    gated = bug("slice", gate_face(None, "<1", "IndexError", r"slice\(\) cannot be applied to a 0-dim tensor"))
+    framed = bug(
+        "slice",
+        gate_face(None, "<1", "IndexError", r"slice\(\) cannot be applied to a 0-dim tensor"),
+        seen_face(
+            (),
+            {"where": "https://example.org/issues/1", "frames": ("stage_1_and_2.py:load_hp_checkpoint_state",)},
+            "test",
+        ),
+    )
+    text = "the error:\nndexError: slice() cannot be applied to a 0-dim tensor.\n"
+    t = triage.rank([gated], logread.read(text))
+    assert t.known is None
+    assert "a message many causes raise" in t.candidates[0].reason
+    t = triage.rank([framed], logread.read(f"{text}while load_hp_checkpoint_state ran\n"))
+    assert t.known is not None
 
 
 def test_a_title_that_repeats_the_tracebacks_exception_never_hides_its_frames() -> None:

@@ -56,6 +56,11 @@ _WRAPPERS = frozenset({"<module>", "__call__", "_call_impl", "_wrapped_call_impl
 #: Frames every traceback of a step, a load or a context passes through: a fix's face that names one is not told
 #: apart by it (a known fix's frames weigh only where they are its own).
 _COMMON_FRAMES = _WRAPPERS | {"__enter__", "__exit__", "__getattr__", "__del__", "wait", "run", "py"}
+#: The engine's entry points into a subsystem: every failure of building a ZeRO optimizer, of a load or of a save
+#: passes through them, so without the message they corroborate no bug of that subsystem in particular.
+_ENTRY_FRAMES = frozenset({"_configure_optimizer", "_configure_zero_optimizer", "_configure_basic_optimizer",
+                           "_configure_bf16_optimizer", "_configure_fp16_optimizer", "load_checkpoint",
+                           "_load_checkpoint", "save_checkpoint", "_save_checkpoint"})  # fmt: skip
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_]")
 #: The names Python's and torch's own messages use of any program: a message that names only these is no bug's own.
 _STOCK_NAMES = frozenset({"nonetype", "int", "str", "list", "tuple", "dict", "float", "bool", "bytes", "object",
@@ -104,6 +109,7 @@ class _Hit:
     matched: bool = False
     contradicted: str = ""  # the message matched, but the traceback's DeepSpeed frames hold none of the face's
     retyped: bool = False  # the message matched under another exception type than the face's: another raise site
+    written: bool = False  # the message only written out in the text: no exception of it was read
 
 
 # --- words ---------------------------------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ def written_out(face: Face, text: str) -> _Hit:
     cut)."""
     literal = face.literal
     if face.match and len(literal) >= LITERAL_MIN and _one(literal) in text:
-        return _Hit(50, f"the text writes out its message {literal!r}", face, True)
+        return _Hit(50, f"the text writes out its message {literal!r}", face, True, written=True)
     return _Hit(0, "")
 
 
@@ -403,7 +409,9 @@ def collect(
     """A bug's evidence in a log: the best face's message (or type), then its frames, its words, the words it shares
     with the text and a type the text only names. ``named``: the bug's title and root cause (frames they name).
     ``strict`` (a fix known from the ledger or the atlas, whose faces no repro checked): a message that is not
-    ``specific`` names it with confidence only where the log ``agrees`` on where it is raised. ``reach`` (the bug's,
+    ``specific`` names it with confidence only where the log ``agrees`` on where it is raised; for any bug, so does
+    such a message only written out in the text (where none of its faces agrees), and a message raised under another
+    type than its face's needs its frames. ``reach`` (the bug's,
     made once): a log it does not reach gives the bug only the words they share."""
     if reach is not None and not reach.within(log):
         overlap, common = _overlap(bug_words, log)
@@ -440,7 +448,12 @@ def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], l
         f"the text names {', '.join(named_types)}" if only_named else "",
     )
     more = framed + min(8 * len(said), 24) + overlap + only_named
-    if best.matched and strict and best.face is not None and not placed(best.face, log):
+    if (
+        best.matched
+        and best.face is not None
+        and not placed(best.face, log)
+        and (strict or (best.written and not any(agrees(face, log) for face in faces)))
+    ):
         said_so = f"{best.why} (a message many causes raise, and not where it raises it)"
         return Evidence(min(best.points + more, CONFIDENT - 1), (said_so, *why[1:]), best.face)
     if best.retyped and best.face is not None and not agrees(best.face, log):
@@ -452,5 +465,5 @@ def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], l
         return Evidence(contradicted.points + more, (contradicted.why, *why[1:]), contradicted.face, False, False,
                         contradicted.contradicted)  # fmt: skip
     telling = [p for p in said if not strict or len(p.split()) > 1 or _NAME.fullmatch(p)]
-    corroborated = len(telling) >= 2 or len(declared) > 0
+    corroborated = len(telling) >= 2 or any(d.rpartition(":")[2] not in _ENTRY_FRAMES for d in declared)
     return Evidence(min(best.points + more, CONFIDENT - 1), why, best.face, False, corroborated)
