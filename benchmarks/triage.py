@@ -328,7 +328,10 @@ def before(revision: str, half: str, big: bool) -> tuple[dict[str, list[dict[str
         environ = {**os.environ, "PYTHONPATH": str(tree)}
         try:
             done = subprocess.run([sys.executable, __file__, "--corpus-json", str(tree / "repros"), "--half", half],
-                                  cwd=tmp, env=environ, capture_output=True, text=True, check=True)  # fmt: skip
+                                  cwd=tmp, env=environ, capture_output=True, text=True, check=False)  # fmt: skip
+            if done.returncode:
+                last = done.stderr.strip().splitlines()[-1:] or ["no output"]
+                raise SystemExit(f"--before {revision}: its triage could not read the corpus ({last[0]})")
             said = measure_big(tree, environ) if big else ""
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
