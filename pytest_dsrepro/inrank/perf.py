@@ -86,7 +86,8 @@ def slowdown(
     What keeps a busy machine from flipping the verdict:
 
     - **a reference in the same run**: the same kind of work done the way the bug does not slow down (for an O(n)
-      cost per hook, the same number of hooks in smaller backwards), so the ratio is about the code, not about the machine;
+      cost per hook, the same number of hooks in smaller backwards), so the ratio is about the code, not about the
+      machine;
     - **interleaved**: subject and reference alternate, in alternating order, so load that comes and goes hits both;
     - **the least of each**: load only ever adds time, so the quickest of several runs is the closest to the code's
       own;
