@@ -7,6 +7,7 @@ stops raising it is UNEXPECTED as before.
 
 Pure: no pytest, no torch; a marker's arguments are validated here (``MarkerError`` naming marker, test and value).
 """
+
 from __future__ import annotations
 
 import functools

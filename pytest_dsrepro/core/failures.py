@@ -6,6 +6,7 @@ DeepSpeed bug. The failures file says which, once, so that a run can say which o
 
 Pure: reading is ``tomllib`` plus checks whose errors name ``file:line``; classifying takes results records.
 """
+
 from __future__ import annotations
 
 import enum

@@ -7,6 +7,7 @@ APPLICABLE, without a world, for the rest.
 
 Pure: no pytest, no torch, no DeepSpeed.
 """
+
 from __future__ import annotations
 
 import operator

@@ -8,6 +8,7 @@ lack planned tests).
 
 Pure: JSON through :func:`write` and :func:`read` only; the results are :mod:`core.results` records.
 """
+
 from __future__ import annotations
 
 import dataclasses

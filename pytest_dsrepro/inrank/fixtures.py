@@ -4,6 +4,7 @@ A pytest fixture runs once, in the pytest process, before the world exists. A fi
 (``ds_rank``), the world's process group, or a teardown in each rank is written as a rank fixture instead: pytest
 resolves its arguments, and each rank sets it up before the body and tears it down after.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Nothing fails in a slowdown, so a repro asserts one with :func:`slowdown`, and a
 The measurement travels in the rank's report: the verdict, the terminal, the results file, the report and JUnit
 say what was measured, against what, and with what margin. Torch is imported inside functions only.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ tests run at its commit on each release (``run_fix``), so the rows stand in ``ds
 named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
 is also where a stopped atlas resumes: a fix's release that already has results is not run again.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -7,6 +7,7 @@ say (the bug shows / does not show / no answer), read from each record's ``reaso
 from a message's wording; and ``Prober``, which runs the test at a point in that point's environment and reads the
 records back.
 """
+
 from __future__ import annotations
 
 import contextlib

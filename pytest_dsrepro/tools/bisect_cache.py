@@ -2,6 +2,7 @@
 (``envs/``: ``CommitEnvironments``), reused by every later bisect that probes the commit, and what each probe found
 (``outcomes/``: ``Outcomes``), so that a re-run resumes from what is known.
 """
+
 from __future__ import annotations
 
 import contextlib

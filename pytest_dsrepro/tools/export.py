@@ -4,6 +4,7 @@ A maintainer runs a script, not a plugin. The script (``render``) holds the test
 DeepSpeed and the standard library, and does what a rank of a world does. The test is found by collecting it with
 pytest in this process (``collect``); nothing of it runs here. ``export_command`` writes the script.
 """
+
 from __future__ import annotations
 
 import ast

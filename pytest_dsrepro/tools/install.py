@@ -5,6 +5,7 @@ by ``uv`` (its shared cache makes a warm install a hard-link away); the recipe's
 ``_Build``'s. A release that cannot be installed or imported is not an error of this tool but a fact about the
 release: the result says why (``InstallResult.reason``), and ``dsrepro matrix`` shows it rather than dropping it.
 """
+
 from __future__ import annotations
 
 import dataclasses
