@@ -499,7 +499,7 @@ def read(text: str, known: Iterable[str] = ()) -> Reading:
     Logs arrive as terminals and issue trackers give them: ANSI colours (or what is left of them once the escape
     character is lost in a paste), every line prefixed by its rank (``[rank3]:``, torchrun's ``[default3]:``,
     mpirun's ``[1,3]<stderr>:``), several ranks' tracebacks interleaved line by line, lines hard-wrapped at a
-    terminal's width, ``\r`` progress bars, a Markdown quote's ``> ``, a launcher's ``host:`` before every line. Each
+    terminal's width, ``\\r`` progress bars, a Markdown quote's ``> ``, a launcher's ``host:`` before every line. Each
     of these is undone, then the text is split into one stream per rank so that interleaved tracebacks come apart, and
     every traceback is read (a cut one too: its frames without its exception; frames written as ``File "..."``, as
     rich and IPython write them, under any path), every bare ``SomeError: message`` line (in a title, in prose, after
