@@ -21,8 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "pytest_dsrepro"
-#: Module docstrings over 10 lines today: each one shortened lowers it.
-DOCSTRINGS_OVER_10 = 32
+#: Module docstrings over 10 lines: none since issue 54 (a module's docstring says why; the how is its functions' and
+#: classes' own, or docs/design.md's), and none may come back.
+DOCSTRINGS_OVER_10 = 0
 
 #: Names in design.md's backticks that are other projects' (torch, DeepSpeed, pytest), not this package's.
 FOREIGN = frozenset(

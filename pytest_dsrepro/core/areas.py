@@ -4,10 +4,8 @@ Face's integration, which share ``hf/`` (the path their users take, and the extr
 docs/repros.md group by these folders, under their headings; ``dsrepro new`` picks one from a new repro's name.
 
 The helpers the repros share (``_zero12.py``, ``_prerequisites.py``, ...) stay at the top of ``repros/``, beside its
-``conftest.py``: pytest's default (``prepend``) import mode puts that folder on ``sys.path`` with the conftest, and
-each repro's own folder with the repro, so ``from _zero12 import ...`` works from any depth, in the ranks too (they
-get the pytest process's ``sys.path``). The price: a repro is imported as a top-level module named after its file,
-so no two repros may share a file name (``namesake``).
+``conftest.py``, and import by plain name from any depth; the price is that no two repros may share a file name
+(``namesake``).
 """
 
 from __future__ import annotations
@@ -77,7 +75,11 @@ def area_for(name: str) -> Area | None:
 
 def namesake(path: Path, top: Path) -> str | None:
     """Why the repro at ``path`` cannot be imported as itself: another file under ``top`` has its name. None if
-    none has."""
+    none has.
+
+    pytest's default (``prepend``) import mode puts the top folder on ``sys.path`` with the conftest, and each repro's
+    own folder with the repro, so ``from _zero12 import ...`` works from any depth, in the ranks too (they get the
+    pytest process's ``sys.path``). The price: a repro is imported as a top-level module named after its file."""
     others = sorted(other for other in top.rglob(path.name) if other.is_file() and other != path)
     if not others:
         return None

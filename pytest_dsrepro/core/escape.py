@@ -4,9 +4,8 @@ plugin writes, in one place per medium: every writer of HTML, SVG, Markdown or t
 - HTML and SVG (``html_text``, ``html_link``): escaped for text and attributes alike, with the characters XML 1.0
   forbids (and the other control characters) removed; a link survives only as http(s) or relative, never
   ``javascript:`` or ``data:``.
-- Markdown (``md_code``, ``md_text``, ``md_link``): a text stays inside its code span (a backtick fence longer than
-  any run of backticks in it), or every character Markdown reads is escaped and mentions and bare links are broken
-  with a word joiner: no HTML, mention, image or link gets out.
+- Markdown (``md_code``, ``md_fence``, ``md_text``, ``md_link``): a text stays inside its code, or every character
+  Markdown reads is escaped and mentions and bare links are broken: no HTML, mention, image or link gets out.
 - Terminals (``terminal``): escape sequences and control characters shown (``\\x1b``), never executed.
 """
 
@@ -90,7 +89,8 @@ def path_link(path: str) -> str | None:
 
 
 def md_code(value: object) -> str:
-    """``value`` as one Markdown code span, whatever backticks it holds; ``-`` shown for nothing."""
+    """``value`` as one Markdown code span, whatever backticks it holds (its fence longer than any run of backticks in
+    it); ``-`` shown for nothing."""
     text = one_line(str(value)) or "-"
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)

@@ -1,19 +1,9 @@
 """``ds_seen``: how users meet a catalogued bug, each face with the link where it was seen.
 
-A repro's ``ds_version`` gate says what the repro itself raises on a CPU. Users meet the same bug in other shapes:
-NCCL's wording of a dtype mismatch on GPUs, a fused optimizer's class name where the repro uses torch's, a sibling
-attribute of the same root cause, another release's wording, a traceback cut before its message, or only the words
-of an issue. A repro declares each beside its ``ds_repro`` marker, as a separate marker entry::
-
-    pytest.mark.ds_seen(
-        "https://github.com/deepspeedai/DeepSpeed/issues/8072",
-        raises="TypeError", match=r"output tensor must have the same type as input tensor",
-        frames=("_allgather_params_coalesced",), words=("autocast_adapter_dtype",), gpu=True,
-    )
-
-Faces are evidence for ``dsrepro triage`` and are shown by ``dsrepro list`` and ``--ds-report``; they are never a
-gate: what the repro must raise stays its ``ds_version`` marker, so a repro that stops raising it is UNEXPECTED as
-before. ``Face`` is also how triage reads a gate (``affected`` set, ``gate`` true): one shape for every face.
+A repro's ``ds_version`` gate says what the repro itself raises on a CPU; users meet the same bug in other shapes, and
+a repro declares each as a face. Faces are evidence for ``dsrepro triage`` and are shown by ``dsrepro list`` and
+``--ds-report``; they are never a gate: what the repro must raise stays its ``ds_version`` marker, so a repro that
+stops raising it is UNEXPECTED as before.
 
 Pure: no pytest, no torch; a marker's arguments are validated here (``MarkerError`` naming marker, test and value).
 """
@@ -44,7 +34,21 @@ LITERAL_MIN = 20
 class Face:
     """One way a bug shows: the exception's name as printed (``TypeError``, ``torch.distributed.DistBackendError``),
     a pattern of its message, DeepSpeed functions it raises through, phrases its reports use; where it was seen, and
-    whether on GPUs. A gate's face also has its ``affected`` range (``gate``: the repro's own ``ds_version``)."""
+    whether on GPUs. A gate's face also has its ``affected`` range (``gate``: the repro's own ``ds_version``).
+
+    The shapes a face stands for: NCCL's wording of a dtype mismatch on GPUs, a fused optimizer's class name where the
+    repro uses torch's, a sibling attribute of the same root cause, another release's wording, a traceback cut before
+    its message, or only the words of an issue. A repro declares each beside its ``ds_repro`` marker, as a separate
+    marker entry::
+
+        pytest.mark.ds_seen(
+            "https://github.com/deepspeedai/DeepSpeed/issues/8072",
+            raises="TypeError", match=r"output tensor must have the same type as input tensor",
+            frames=("_allgather_params_coalesced",), words=("autocast_adapter_dtype",), gpu=True,
+        )
+
+    ``Face`` is also how triage reads a gate (``affected`` set, ``gate`` true): one shape for every face.
+    """
 
     where: str
     raises: str | None = None

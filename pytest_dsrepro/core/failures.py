@@ -2,20 +2,7 @@
 
 DeepSpeed's ``tests/unit`` run on CPU worlds (``dsrepro upstream``) fails tens of tests for reasons that do not
 change from run to run: the CPU accelerator lacks a feature, the test is newer than the release, the machine, or a
-DeepSpeed bug. The failures file says which, once, so that a run can say which of its failures are new. Each entry::
-
-    [[failure]]
-    tests = ["unit/v1/zero/test_zero_autocast.py::*"]   # node ids as run from tests/; ``*`` matches any text
-    class = "cpu-accelerator-lacks"                      # or newer-/older-than-release, environment, deepspeed-bug
-    lacks = "bf16 autocast under ZeRO"                   # the class's own field, below
-    deepspeed = "<=0.19.8"                               # optional: the releases the entry holds for
-    why = "..."                                          # optional: what a reader needs besides
-
-The class's own field: ``lacks`` (the feature the CPU accelerator lacks), ``needs`` (what the release does not
-have yet), ``removed`` (what the release dropped that an older test still uses: the tests of a checkout run on a
-newer release), ``environment`` (what of the machine), and for ``deepspeed-bug`` ``repro`` (a catalogue repro's
-id) and/or ``report`` (a paste-ready upstream report, a path in this repository). Only ``*`` is a wildcard: node ids
-hold ``[...]`` parameters, which shell patterns would read as character sets.
+DeepSpeed bug. The failures file says which, once, so that a run can say which of its failures are new.
 
 Pure: reading is ``tomllib`` plus checks whose errors name ``file:line``; classifying takes results records.
 """
@@ -78,7 +65,21 @@ _KEYS = ("tests", "class", *_OWN, "repro", "report", "deepspeed", "why")
 
 @dataclass(frozen=True)
 class Known:
-    """One entry of the failures file: the tests it covers, their class and what exactly, where it was written."""
+    """One entry of the failures file: the tests it covers, their class and what exactly, where it was written::
+
+        [[failure]]
+        tests = ["unit/v1/zero/test_zero_autocast.py::*"]   # node ids as run from tests/; ``*`` matches any text
+        class = "cpu-accelerator-lacks"                      # or newer-/older-than-release, environment, deepspeed-bug
+        lacks = "bf16 autocast under ZeRO"                   # the class's own field, below
+        deepspeed = "<=0.19.8"                               # optional: the releases the entry holds for
+        why = "..."                                          # optional: what a reader needs besides
+
+    The class's own field: ``lacks`` (the feature the CPU accelerator lacks), ``needs`` (what the release does not
+    have yet), ``removed`` (what the release dropped that an older test still uses: the tests of a checkout run on a
+    newer release), ``environment`` (what of the machine), and for ``deepspeed-bug`` ``repro`` (a catalogue repro's
+    id) and/or ``report`` (a paste-ready upstream report, a path in this repository). Only ``*`` is a wildcard: node
+    ids hold ``[...]`` parameters, which shell patterns would read as character sets.
+    """
 
     tests: tuple[str, ...]
     cls: FailureClass

@@ -1,29 +1,11 @@
 """``ds_premise``: what a DeepSpeed config must have for a catalogued bug to be possible at all.
 
-A repro states it once, beside its ``ds_repro`` marker::
+A repro states it once, beside its ``ds_repro`` marker, and it is used three ways: ``dsrepro list`` shows it; every
+run of the repro checks it against the repro's own configs (a repro whose own config cannot show its bug is a defect,
+named at setup); and ``--ds-scan`` runs a user's config through the repros whose premise it meets, saying NOT
+APPLICABLE, without a world, for the rest.
 
-    pytest.mark.ds_premise(stage=2, offload_optimizer="cpu", gradient_accumulation=">=3",
-                           sets={"gradient_clipping": 0.0}, because="the body compares with plain, unclipped SGD")
-
-and it is used three ways: ``dsrepro list`` shows it; every run of the repro checks it against the repro's own
-configs (a repro whose own config cannot show its bug is a defect, named at setup); and ``--ds-scan`` runs a
-user's config through the repros whose premise it meets, saying NOT APPLICABLE, without a world, for the rest.
-
-``sets`` are the settings a scan puts on top of the user's config for this repro (harness settings the repro's
-check needs, such as no gradient clipping against an unclipped reference), each said to the user with ``because``;
-they must be what the repro's own configs hold.
-
-``removes`` are keys a scan takes out of a user's config for this repro (a scheduler whose warm-up would make the
-body's one step a step of rate 0), said the same way; a repro's own configs must not hold them.
-
-``mend`` is for a bug whose symptom is DeepSpeed refusing the config: the change to the config that avoids it (the
-fix on the config's side). A scan that finds DeepSpeed refusing a config that meets this premise runs this repro
-with the config as written (the bug, AFFECTED) and judges every other bug with the config mended, said so.
-
-Pure: no pytest, no torch, no DeepSpeed. A premise is judged on a config as the release being scanned reads it,
-each key the config leaves out at that release's own default (``core.ds_defaults``, read from the release's own
-config classes); ``written`` says which keys the config wrote, so that a default is named as one. A repro's own
-configs are judged as written: a key its premise reads, it writes (its default differs between releases).
+Pure: no pytest, no torch, no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -192,7 +174,27 @@ def put(config: dict[str, Any], key: str, value: object) -> None:
 @dataclass(frozen=True)
 class Premise:
     """A repro's ``ds_premise``: what a config must meet, what a scan sets on top of (and removes from) a user's
-    config, and why; and for a bug of refusals, the config's ``mend``."""
+    config, and why; and for a bug of refusals, the config's ``mend``::
+
+        pytest.mark.ds_premise(stage=2, offload_optimizer="cpu", gradient_accumulation=">=3",
+                               sets={"gradient_clipping": 0.0}, because="the body compares with plain, unclipped SGD")
+
+    ``sets`` are the settings a scan puts on top of the user's config for this repro (harness settings the repro's
+    check needs, such as no gradient clipping against an unclipped reference), each said to the user with
+    ``because``; they must be what the repro's own configs hold.
+
+    ``removes`` are keys a scan takes out of a user's config for this repro (a scheduler whose warm-up would make the
+    body's one step a step of rate 0), said the same way; a repro's own configs must not hold them.
+
+    ``mend`` is for a bug whose symptom is DeepSpeed refusing the config: the change to the config that avoids it (the
+    fix on the config's side). A scan that finds DeepSpeed refusing a config that meets this premise runs this repro
+    with the config as written (the bug, AFFECTED) and judges every other bug with the config mended, said so.
+
+    A premise is judged on a config as the release being scanned reads it, each key the config leaves out at that
+    release's own default (``core.ds_defaults``, read from the release's own config classes); ``written`` says which
+    keys the config wrote, so that a default is named as one. A repro's own configs are judged as written: a key its
+    premise reads, it writes (its default differs between releases).
+    """
 
     requirements: tuple[Requirement, ...]
     sets: tuple[tuple[str, object], ...] = ()

@@ -6,9 +6,7 @@ Recording (the pytest side), ``dsrepro install``, ``dsrepro matrix``, ``dsrepro 
 go through the typed records here; nobody else reads or writes the JSON, and verdicts are the gates' own
 :class:`~pytest_dsrepro.core.gates.Verdict` and :class:`~pytest_dsrepro.core.gates.Reason`, never strings of their own.
 
-Pure: no pytest, no torch. The records are read and written by their type hints (:mod:`core.typed_json`):
-:func:`RunRecord.from_json` validates everything and raises ``ValueError`` saying what is wrong and where; a file of
-another schema version is refused by name rather than half read.
+Pure: no pytest, no torch.
 """
 
 from __future__ import annotations
@@ -409,7 +407,12 @@ def _verdict_problem(verdict: Verdict | None, reason: Reason | None) -> str | No
 
 @dataclass(frozen=True, kw_only=True)
 class RunRecord:
-    """One results file: a pytest run's tests, or (``unavailable``) a release that could not run here."""
+    """One results file: a pytest run's tests, or (``unavailable``) a release that could not run here.
+
+    The records are read and written by their type hints (:mod:`core.typed_json`): :func:`RunRecord.from_json`
+    validates everything and raises ``ValueError`` saying what is wrong and where; a file of another schema version is
+    refused by name rather than half read.
+    """
 
     schema: int = SCHEMA
     created: datetime.datetime | None = None  # None: not recorded (readers fall back to the file's time)

@@ -2,13 +2,9 @@
 shard did its part.
 
 A results file is written when its pytest run ends; a shard that dies (its job killed, its machine lost) writes none,
-and a merge of the others would look complete. So each shard also writes a manifest, once its tests are collected
-(``shard-I-of-N-deepspeed-X.shard`` beside its results; not ``.json``, which results readers take for theirs): which
-shard of how many, on which DeepSpeed, the node ids it plans to run, the results files already in its directory
-(an earlier run's, never its own: a shard re-run into the same directory and killed has none of its own), and, when
-pytest ends, its exit status. ``judge`` then names every shard that is missing (no manifest), dead (no results of its
-own), or incomplete (its results lack planned tests); ``superseded`` names the earlier runs a re-run replaces, and
-``counted_once`` keeps one record per test and release where results files repeat one another.
+and a merge of the others would look complete. So each shard also writes a manifest once its tests are collected, and
+``judge`` names every shard that is missing (no manifest), dead (no results of its own), or incomplete (its results
+lack planned tests).
 
 Pure: JSON through :func:`write` and :func:`read` only; the results are :mod:`core.results` records.
 """
@@ -38,8 +34,11 @@ OLDEST = 1
 @dataclass(frozen=True)
 class Manifest:
     """One shard's plan: the I-th of N, on a DeepSpeed release, its planned node ids, the names of the results files
-    already in its directory when it collected (``earlier``: not this run's); ``exitstatus`` once pytest ended
-    (None: it has not, or it died)."""
+    already in its directory when it collected (``earlier``: an earlier run's, never its own: a shard re-run into the
+    same directory and killed has none of its own); ``exitstatus`` once pytest ended (None: it has not, or it died).
+
+    Written as ``shard-I-of-N-deepspeed-X.shard`` beside the shard's results; not ``.json``, which results readers
+    take for theirs."""
 
     index: int
     count: int

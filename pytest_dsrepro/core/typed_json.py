@@ -6,8 +6,7 @@ its schema is caught at the first file it writes, not by a reader that silently 
 beyond its type is said where it is declared (``Annotated[int, Least(1)]``, :data:`Seconds`, ``OneOf``), or, for a
 record defined where no schema is known, where the schema holds it (``Annotated[Measurement, Fields(...)]``); a
 record whose fields disagree with each other raises :class:`Inconsistent` from its ``__post_init__``, which
-:func:`read` tells with its place. A record class may name the field that identifies it in messages
-(``named_by = "nodeid"``). Pure: the standard library only.
+:func:`read` tells with its place. Pure: the standard library only.
 """
 
 from __future__ import annotations
@@ -74,7 +73,8 @@ class Inconsistent(ValueError):
 def read(cls: type[R], data: object, where: str, inside: str | None = None, fields: Fields | None = None) -> R:
     """A ``cls`` from its JSON object; ``ValueError`` naming the field and ``where`` the object is. ``inside``: how the
     places of the records it holds begin (``where``, unless it is the whole file: ``""``); ``fields``: what its
-    fields hold beyond their types, where its class does not say."""
+    fields hold beyond their types, where its class does not say. A record class may name the field that identifies
+    it in messages (``named_by = "nodeid"``)."""
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be an object, not {_told(data)}")
     if isinstance(label := data.get(getattr(cls, "named_by", None)), str):

@@ -2,10 +2,8 @@
 
 An upstream fix is a source diff, so ``backport`` applies one: it recompiles a module's source with regex edits,
 finds (by comparing the syntax trees) every function and method the edits changed, and installs exactly those,
-decorators and all, through a ``pytest.MonkeyPatch``. The new code looks up its globals in a namespace that maps
-every other name to the live module's objects, and its ``super()`` cell holds the live class, so DeepSpeed keeps
-seeing one consistent module. An edit that matches nothing fails loudly: a backport that silently did nothing would
-make a repro's ``[fixed]`` variant a lie.
+decorators and all, through a ``pytest.MonkeyPatch``. An edit that matches nothing fails loudly: a backport that
+silently did nothing would make a repro's ``[fixed]`` variant a lie.
 
 A fix runs on every release, so it first asks whether the installed one already has the fix: ``release_has``.
 """
@@ -93,7 +91,10 @@ def _point_super_at(new_class: type, live_class: type) -> None:
 
 
 def backport(monkeypatch: pytest.MonkeyPatch, module_name: str, edits: Sequence[tuple[str, str]]) -> list[str]:
-    """Apply regex ``edits`` (pattern, replacement) to ``module_name``'s source; return what was patched."""
+    """Apply regex ``edits`` (pattern, replacement) to ``module_name``'s source; return what was patched.
+
+    The new code looks up its globals in a namespace that maps every other name to the live module's objects, and its
+    ``super()`` cell holds the live class (``_point_super_at``), so DeepSpeed keeps seeing one consistent module."""
     if not isinstance(module_name, str):
         given = f"the module object {module_name.__name__!r}" if inspect.ismodule(module_name) else repr(module_name)
         raise TypeError(

@@ -5,10 +5,7 @@ that device, so the data a body feeds it must too. ``rank_device()`` names it (t
 body), and every helper of ``inrank`` defaults to it.
 
 On a CPU machine both places are the CPU, so a body that forgets the device passes there and fails on a GPU with
-"Expected all tensors to be on the same device". ``placement_check`` makes that visible without a GPU: while it is
-active, a tensor factory (``torch.randn``, ``torch.ones``, ...) called directly from checked code (the catalogue's
-files, ``inrank``'s helpers) without a ``device=`` is refused, as the tensor it makes lands on the CPU whatever the
-rank's device. Factories called by torch, DeepSpeed or transformers are theirs to place, and are not checked.
+"Expected all tensors to be on the same device": ``placement_check`` makes that visible without a GPU.
 """
 
 from __future__ import annotations
@@ -83,8 +80,10 @@ def _checked(filename: str, roots: tuple[str, ...]) -> bool:
 
 @contextmanager
 def placement_check(roots: Iterable[str | os.PathLike[str]] = ()) -> Iterator[None]:
-    """Refuse, while active, a tensor factory called without ``device=`` from a file under ``roots`` or ``inrank``
-    (see the module's docstring). ``device="cpu"`` said on purpose (data kept on the host) passes."""
+    """Refuse, while active, a tensor factory (``torch.randn``, ``torch.ones``, ...) called directly without
+    ``device=`` from checked code: a file under ``roots`` (the catalogue's files) or ``inrank`` (its helpers), as the
+    tensor it makes lands on the CPU whatever the rank's device. Factories called by torch, DeepSpeed or transformers
+    are theirs to place, and are not checked. ``device="cpu"`` said on purpose (data kept on the host) passes."""
     import torch
     from torch.overrides import TorchFunctionMode
 

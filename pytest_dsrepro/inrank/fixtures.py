@@ -1,21 +1,8 @@
 """Fixtures that run in every rank: ``@rank_fixture``.
 
 A pytest fixture runs once, in the pytest process, before the world exists. A fixture that needs its rank
-(``ds_rank``), the world's process group, or a teardown in each rank is written as a rank fixture instead::
-
-    @rank_fixture
-    def shard_dir(tmp_path, ds_rank):
-        path = tmp_path / f"rank{ds_rank}"
-        path.mkdir()
-        yield path
-        shutil.rmtree(path)
-
-In the pytest process it resolves its own arguments as any fixture does, then stands for itself: the test gets a
-:class:`RankFixture` (a picklable reference to the function, with those arguments). Each rank calls the function
-after rendezvous, with its own ``ds_rank``/``ds_world_size`` and after the repro's fixes, and tears it down after the
-body (generator fixtures), last set up first torn down. A failing setup or teardown fails that rank.
-``@rank_fixture(autouse=True)`` (or a rank fixture named in ``@pytest.mark.usefixtures``) runs in the ranks of tests
-that do not name it, before the ones they name.
+(``ds_rank``), the world's process group, or a teardown in each rank is written as a rank fixture instead: pytest
+resolves its arguments, and each rank sets it up before the body and tears it down after.
 """
 
 from __future__ import annotations
@@ -60,8 +47,22 @@ def rank_fixture(*, name: str | None = None, autouse: bool = False) -> Callable[
 
 
 def rank_fixture(function: F | None = None, *, name: str | None = None, autouse: bool = False) -> Any:
-    """Declare a function-scoped fixture that runs in every rank (see the module's docstring). ``autouse=True``: it
-    runs in the ranks of every world test in its scope (module, class, conftest.py), named by the test or not; a test
+    """Declare a function-scoped fixture that runs in every rank::
+
+        @rank_fixture
+        def shard_dir(tmp_path, ds_rank):
+            path = tmp_path / f"rank{ds_rank}"
+            path.mkdir()
+            yield path
+            shutil.rmtree(path)
+
+    In the pytest process it resolves its own arguments as any fixture does, then stands for itself: the test gets a
+    :class:`RankFixture` (a picklable reference to the function, with those arguments). Each rank calls the function
+    after rendezvous, with its own ``ds_rank``/``ds_world_size`` and after the repro's fixes, and tears it down after
+    the body (generator fixtures), last set up first torn down. A failing setup or teardown fails that rank.
+
+    ``autouse=True`` (or a rank fixture named in ``@pytest.mark.usefixtures``): it runs in the ranks of every world
+    test in its scope (module, class, conftest.py), named by the test or not, before the ones the test names; a test
     that is not a world test has no ranks, and the fixture does nothing there (its arguments are then not even
     resolved: they are looked up when a world test uses it, so they cannot be parametrized fixtures)."""
 

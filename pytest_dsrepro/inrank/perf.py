@@ -1,16 +1,6 @@
 """Performance regressions as verdicts: time the work a bug made slow against a reference in the same run.
 
-Nothing fails in a slowdown, so a repro asserts one with :func:`slowdown`, and a busy machine must not flip it:
-
-- **a reference in the same run**: the same kind of work done the way the bug does not slow down (for an O(n) cost
-  per hook, the same number of hooks in smaller backwards), so the ratio is about the code, not about the machine;
-- **interleaved**: subject and reference alternate, in alternating order, so load that comes and goes hits both;
-- **the least of each**: load only ever adds time, so the quickest of several runs is the closest to the code's own;
-- **one number for the world**: every rank's least times are made the slowest rank's (an all-reduce), so the ranks
-  decide together and never half of a world fails;
-- **a limit far from both sides**: the repro chooses ``limit`` between what healthy and affected releases measure,
-  and the margin (how far over the measured ratio would have to move to flip the verdict) is reported every time.
-
+Nothing fails in a slowdown, so a repro asserts one with :func:`slowdown`, and a busy machine must not flip it.
 The measurement travels in the rank's report: the verdict, the terminal, the results file, the report and JUnit
 say what was measured, against what, and with what margin. Torch is imported inside functions only.
 """
@@ -33,7 +23,8 @@ class Slowdown(AssertionError):
 
 
 def _least_of_world(seconds: float, reference_seconds: float) -> tuple[float, float]:
-    """The slowest rank's least times, in every rank (as they are when no process group is up)."""
+    """The slowest rank's least times, in every rank (as they are when no process group is up): one number for the
+    world (an all-reduce), so the ranks decide together and never half of a world fails."""
     import torch
     import torch.distributed as dist
 
@@ -60,7 +51,9 @@ def _least_times(
     subject: Callable[[], object], reference: Callable[[], object], repeats: int, warmup: int, tick: Callable[[], float]
 ) -> tuple[float, float]:
     """The least time of each over ``repeats`` interleaved calls, after ``warmup`` untimed ones; which goes first
-    alternates, so that neither always runs on what the other left warm (caches, allocator)."""
+    alternates, so that neither always runs on what the other left warm (caches, allocator). Interleaved, load that
+    comes and goes hits both; and load only ever adds time, so the quickest of several runs is the closest to the
+    code's own."""
     for _ in range(warmup):
         subject()
         reference()
@@ -92,7 +85,13 @@ def slowdown(
     ``what`` and ``against`` say in words what the two do (``"backward of 256 tensors"``, ``"8 backwards of 32
     tensors"``). ``clock``: ``"cpu"`` (the calling thread's CPU time, the default: a slowdown in the code's own work
     is measured as the code's work, whatever else the machine runs) or ``"wall"`` (for a slowdown in waiting: I/O,
-    communication). Call it in every rank: the ranks agree on the slowest rank's times.
+    communication). Call it in every rank: the ranks agree on the slowest rank's times (``_least_of_world``).
+
+    A busy machine must not flip the verdict: the reference is the same kind of work done the way the bug does not
+    slow down (for an O(n) cost per hook, the same number of hooks in smaller backwards), so the ratio is about the
+    code, not about the machine; each time is the least of interleaved runs (``_least_times``); and the repro chooses
+    ``limit`` far from both sides, between what healthy and affected releases measure, the margin (how far over the
+    measured ratio would have to move to flip the verdict) reported every time.
     """
     if not (limit > 0 and math.isfinite(limit)) or repeats < 1 or warmup < 0 or clock not in CLOCKS:
         raise ValueError(

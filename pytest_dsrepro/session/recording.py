@@ -5,9 +5,6 @@ and JUnit properties say of them.
 The schema is ``core.results``'s; this module only reads the facts a test left on its stash (its markers, world,
 config, world outcome and verdict, each kept by the module that decided it) and its report. Records travel inside
 ``report.user_properties`` as JSON data, so they reach the controller under xdist.
-
-Reruns (pytest-rerunfailures): an attempt that is run again is reported with the outcome ``rerun``; its records are
-dropped when that report arrives, so each test is recorded once, by its last attempt, with the number of attempts.
 """
 
 from __future__ import annotations
@@ -191,7 +188,9 @@ class RecordedTests:
     """Collects the records of one pytest run, where reports arrive (the controller under xdist).
 
     ``attempt`` holds each test's records of its current attempt (since its setup report), so that a rerun can drop
-    them; ``rerun`` the tests whose current attempt is being run again.
+    them; ``rerun`` the tests whose current attempt is being run again. Reruns (pytest-rerunfailures): an attempt
+    that is run again is reported with the outcome ``rerun``; its records are dropped when that report arrives, so
+    each test is recorded once, by its last attempt, with the number of attempts.
     """
 
     tests: list[TestRecord] = field(default_factory=list)

@@ -1,13 +1,12 @@
 """A test's verdict and its pytest outcome, in one module, as pytest keeps skips and xfails in ``skipping.py``.
 
-At setup a test is refused before any world: a release it declares out of its reach is NOT-APPLICABLE (a skip at the
-test), and so is a world whose DeepSpeed accelerator is not the one its premise names (a CPU-only bug in an NCCL
-world); xunit-style methods fail it. After the body the gates judge how it ended (``judge``: the judgement kept on the
-item's stash for the record) and the verdict becomes pytest's outcome through ``pytest_dsrepro_conclude`` (a plugin
-object's conclusion first, else the plugin's own: ``conclude``). A world that failed fails the test with every rank's
-story (``WorldFailed``); a skip or xfail the body raised in a rank stands (``declare``), reported at the body's line
-(``skip_at``, moved onto the report by ``relocate``). A harness error (no world ran) fails the test as such
-(``fail_harness``), never judged against the gates; a wrong marker fails it with the marker's own words (``fail``).
+At setup a test is refused before any world (``refuse``; ``refuse_accelerator``: a CPU-only bug in an NCCL world).
+After the body the gates judge how it ended (``judge``: the judgement kept on the item's stash for the record) and the
+verdict becomes pytest's outcome through ``pytest_dsrepro_conclude`` (a plugin object's conclusion first, else the
+plugin's own: ``conclude``). A world that failed fails the test with every rank's story (``WorldFailed``); a skip or
+xfail the body raised in a rank stands (``declare``), reported at the body's line (``skip_at``, moved onto the report
+by ``relocate``). A harness error (no world ran) fails the test as such (``fail_harness``), never judged against the
+gates; a wrong marker fails it with the marker's own words (``fail``).
 """
 
 from __future__ import annotations
@@ -149,7 +148,8 @@ def refuse_accelerator(item: pytest.Item, marks: Marks, backend: str) -> None:
 
 def refuse(item: pytest.Item, marks: Marks) -> None:
     """Tests that get no world: a release declared out of reach (reported by pytest as a skip at the test, since
-    pytest has no other word for a test that did not run), and a world test with pytest's xunit-style methods."""
+    pytest has no other word for a test that did not run), and a world test with pytest's xunit-style methods (which
+    fail it)."""
     judgement = not_applicable(marks, installed_deepspeed())
     if judgement is not None:
         item.stash[JUDGEMENT_KEY] = judgement

@@ -1,18 +1,9 @@
 """``dsrepro atlas``: every DeepSpeed fix that carries its own test, run on the release before the fix and on the first
 release that has it, so that each fix's test gives its observed affected range.
 
-From the user's clone (``history``: read, never written) and a range ``A..B``: the commits of B's first-parent line
-after A (one per pull request in DeepSpeed's squash-merged history) that are fixes (``fix_reason``), and of those
-the ones whose change adds or edits test functions under ``tests/unit`` (``changed_tests``: the changed files parsed
-with ``ast`` at the commit and at its parent; a test is edited when its definition, its decorators or its class's
-own lines changed). For each, the release before (the newest release tag that does not contain the commit) and the
-first release (the oldest tag that contains it), from ``git tag --contains``.
-
-Running (``run_fix``): the fix commit's ``tests/`` checked out from the clone (a shared clone of it, sparse: the tests
-and ``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and a
-runner on each release (``atlas_command``'s: ``upstream_runs.run_releases``, as ``dsrepro upstream --release`` runs
-them, each run's results checked and kept), so the rows stand in ``dsrepro matrix`` beside the catalogue, named
-``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
+The fixes come from the user's clone (``history``: read, never written) over a range ``A..B`` (``fixes``); each fix's
+tests run at its commit on each release (``run_fix``), so the rows stand in ``dsrepro matrix`` beside the catalogue,
+named ``DeepSpeed@<fix> <node id>``. ``range_of`` reads each test's range from those results. The results directory
 is also where a stopped atlas resumes: a fix's release that already has results is not run again.
 """
 
@@ -120,7 +111,8 @@ def tests_in(source: str) -> dict[str, TestFunction]:
 
 
 def changed_tests(before: str | None, after: str) -> list[TestFunction]:
-    """The tests of ``after`` that ``before`` (None: the file is new) lacks or defines otherwise, in file order."""
+    """The tests of ``after`` that ``before`` (None: the file is new) lacks or defines otherwise, in file order: a test
+    is edited when its definition, its decorators or its class's own lines changed."""
     old = tests_in(before) if before is not None else {}
     return [t for name, t in tests_in(after).items() if name not in old or old[name].definition != t.definition]
 
@@ -189,7 +181,14 @@ def _releases_around(clone: Clone, sha: str) -> tuple[Version | None, Version | 
 
 
 def fixes(clone: Clone, older: Commit, newer: Commit) -> tuple[list[Fix], int]:
-    """Every fix commit of ``older..newer`` that carries a test, and how many fix commits there are in all."""
+    """Every fix commit of ``older..newer`` that carries a test, and how many fix commits there are in all.
+
+    The commits of ``newer``'s first-parent line after ``older`` (one per pull request in DeepSpeed's squash-merged
+    history) that are fixes (``fix_reason``), and of those the ones whose change adds or edits test functions under
+    ``tests/unit`` (``changed_tests``: the changed files parsed with ``ast`` at the commit and at its parent). For
+    each, the release before (the newest release tag that does not contain the commit) and the first release (the
+    oldest tag that contains it), from ``git tag --contains``.
+    """
     if not clone.is_ancestor(older, newer):
         raise AtlasError(f"{older.label} is not an ancestor of {newer.label}: give a range on one line of history")
     log = clone.git("log", "--first-parent", "--reverse", "--format=%H%x00%s%x00%b%x1e", f"{older.sha}..{newer.sha}")
@@ -336,7 +335,12 @@ Runner = Callable[[checkout.Checkout, list[str], list[str], Path], None]
 def run_fix(fix: Fix, clone: Clone, releases: Sequence[Version], out: Path, runner: Runner) -> list[Range]:
     """The fix's tests at the fix commit on each release (``runner``: ``upstream_runs.run_releases``), results
     kept in ``out/<short>``; then each test's range. A release ``out/<short>`` already holds a run of (or an
-    install failure on) is not run again: an atlas of a hundred fixes that is stopped resumes where it was."""
+    install failure on) is not run again: an atlas of a hundred fixes that is stopped resumes where it was.
+
+    The fix commit's ``tests/`` are checked out from the clone (a shared clone of it, sparse: the tests and
+    ``version.txt``, with the source directories DeepSpeed's package links in linked to each release's own), and the
+    runner (``atlas_command``'s) runs them on each release as ``dsrepro upstream --release`` does, each run's results
+    checked and kept."""
     where = out / fix.commit.short
     missing = [v for v in releases if v not in _recorded(where)]
     if missing:

@@ -1,18 +1,11 @@
 """``dsrepro bisect``: the first DeepSpeed release (or, with ``--repo``, commit) where a test's outcome flips, by
 binary search.
 
-Three layers, the first two pure and tested directly:
-
-- ``search``: which points (releases, or commits) to probe, in which order, and what the probes prove. A point that
-  cannot be installed or imported, or whose run says nothing, is *skipped*: never counted as good or bad, and named.
-- ``bug_present`` and ``reproduced``: what one probe's ``--ds-results`` records say (the bug shows / does not show /
-  no answer), read from each record's ``reason`` (the gates' own answer), never from a message's wording.
-  ``bug_present`` judges releases (the body failed: the release misbehaves); ``reproduced`` judges commits, whose
-  ``version.txt`` already names the next release: did the stock variant raise what its gate declares (inside the
-  affected range or outside it), or pass.
-- ``Prober``: prepare the point's environment (a release's, cached per release: ``environments.release_environment``; a
-  commit's: ``bisect_cache``), run the test's pytest invocation there with ``--ds-results DIR`` (``runs`` times at
-  most, stopping at the first that shows the bug), and read the records back.
+Three layers, the first two pure and tested directly: ``search``, which points (releases, or commits) to probe, in
+which order, and what the probes prove; ``bug_present`` and ``reproduced``, what one probe's ``--ds-results`` records
+say (the bug shows / does not show / no answer), read from each record's ``reason`` (the gates' own answer), never
+from a message's wording; and ``Prober``, which runs the test at a point in that point's environment and reads the
+records back.
 """
 
 from __future__ import annotations
@@ -142,7 +135,9 @@ def search(
 
     Both ends are probed first and must differ. A skipped point is removed from the candidates and the one nearest
     the middle is tried instead (as ``git bisect skip`` does); skipped points left between the two closest tested
-    points make the result inexact, and ``Result.untested`` names them. ``name`` names a point in errors.
+    points make the result inexact, and ``Result.untested`` names them. ``name`` names a point in errors. A point
+    that cannot be installed or imported, or whose run says nothing, is skipped: never counted as good or bad, and
+    named.
     """
     if len(points) < 2:
         raise BisectError("need at least two points to bisect")
@@ -210,8 +205,8 @@ def _any(answers: Iterable[bool | None]) -> bool | None:
 
 
 def bug_present(records: Iterable[TestRecord]) -> bool | None:
-    """Does the bug show in this run of a release? True if any stock test shows it; None if no stock test gave an
-    answer."""
+    """Does the bug show in this run of a release (the body failed: the release misbehaves)? True if any stock test
+    shows it; None if no stock test gave an answer."""
     return _any(map(_record_bug, _stock(records)))
 
 
@@ -232,8 +227,9 @@ def _reproduced(record: TestRecord) -> bool | None:
 
 
 def reproduced(records: Iterable[TestRecord]) -> bool | None:
-    """Does the bug show in this run of a commit? Judged by what the stock variant did, never by the version the
-    commit's DeepSpeed reports (its ``version.txt`` names the next release right after each release)."""
+    """Does the bug show in this run of a commit? Judged by what the stock variant did (raised what its gate declares,
+    inside the affected range or outside it, or passed), never by the version the commit's DeepSpeed reports (its
+    ``version.txt`` names the next release right after each release)."""
     return _any(map(_reproduced, _stock(records)))
 
 
@@ -328,10 +324,12 @@ def entered(prepare: Callable[[P], ReleaseEnv]) -> Prepare[P]:
 class Prober(Generic[P]):
     """Runs one test at one point (a release, a commit): the real oracle of ``search``.
 
-    ``prepare`` gives the point's environment, held while the test runs (a commit's is locked against pruning); a
-    failure to prepare it skips the point, with the reason. The test runs ``runs`` times at most, each a pytest run
-    of its own, stopping at the first that shows the bug (a race shows in some runs only); ``timeout`` stops a run
-    that outlives it (the world timeout, ``--ds-timeout``, normally ends a hung world first).
+    ``prepare`` gives the point's environment (a release's, cached per release: ``environments.release_environment``;
+    a commit's: ``bisect_cache``), held while the test runs (a commit's is locked against pruning); a failure to
+    prepare it skips the point, with the reason. The test runs ``runs`` times at most, each a pytest run of its own
+    with ``--ds-results DIR``, its records read back, stopping at the first that shows the bug (a race shows in some
+    runs only); ``timeout`` stops a run that outlives it (the world timeout, ``--ds-timeout``, normally ends a hung
+    world first).
     """
 
     invocation: Invocation

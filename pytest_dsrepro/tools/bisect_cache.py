@@ -1,16 +1,6 @@
-"""What ``dsrepro bisect --repo`` keeps between runs, under ``<cache dir>/bisect/``.
-
-- ``envs/<commit>-<python>-torch-<version>/``: one environment per commit (the ``dsrepro install`` recipe on the
-  commit's tree, this plugin added), reused by every later bisect that probes the commit. Least recently used ones
-  are removed beyond a limit in bytes, counting what removing one would free: the files it alone holds (uv links
-  torch and the other wheels from its own cache, so those cost nothing here). ``sources/`` holds a commit's tree
-  while it is being installed, and only then.
-- ``outcomes/<test>/<commit>.json``: what each probe found, keyed by the test (its node id, its file's content, the
-  pytest arguments, where pytest runs, the runs per probe) and the commit, so a re-run resumes from what is known.
-
-An environment is used only once its ``ready.json`` is written; one that fails or is interrupted while being made is
-removed at once, and one a killed process left half made is removed by the next prune. Each environment has a file
-lock, held while it is made and while a probe uses it: a prune never removes an environment in use.
+"""What ``dsrepro bisect --repo`` keeps between runs, under ``<cache dir>/bisect/``: one environment per commit
+(``envs/``: ``CommitEnvironments``), reused by every later bisect that probes the commit, and what each probe found
+(``outcomes/``: ``Outcomes``), so that a re-run resumes from what is known.
 """
 
 from __future__ import annotations
@@ -103,7 +93,17 @@ class CommitEnv:
 
 @dataclass
 class CommitEnvironments:
-    """One environment per commit of ``clone``, made on first use, kept within ``limit`` bytes (LRU)."""
+    """One environment per commit of ``clone``, made on first use, kept within ``limit`` bytes (LRU).
+
+    ``envs/<commit>-<python>-torch-<version>/`` holds the ``dsrepro install`` recipe on the commit's tree, this plugin
+    added. Least recently used ones are removed beyond ``limit``, counting what removing one would free: the files it
+    alone holds (uv links torch and the other wheels from its own cache, so those cost nothing here). ``sources/``
+    holds a commit's tree while it is being installed, and only then.
+
+    An environment is used only once its ``ready.json`` is written; one that fails or is interrupted while being made
+    is removed at once, and one a killed process left half made is removed by the next prune. Each environment has a
+    file lock, held while it is made and while a probe uses it: a prune never removes an environment in use.
+    """
 
     root: Path  # <cache dir>/bisect
     clone: Clone
@@ -237,7 +237,9 @@ def repro_key(nodeid: str, args: Sequence[str], cwd: Path, runs: int) -> str:
 
 @dataclass(frozen=True)
 class Outcomes:
-    """Probe outcomes of one test, one file per commit."""
+    """Probe outcomes of one test, one file per commit: ``outcomes/<test>/<commit>.json``, keyed by the test
+    (``repro_key``: its node id, its file's content, the pytest arguments, where pytest runs, the runs per probe) and
+    the commit."""
 
     directory: Path
 

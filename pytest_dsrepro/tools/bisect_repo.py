@@ -3,11 +3,9 @@ so the pull request, where a test's outcome flips.
 
 First the releases between the two ends (their tags' commits), then the commits between the two adjacent releases
 that flip (on the newer one's first-parent line: one per pull request in DeepSpeed's squash-merged history). Every
-probe is a commit: its tree written out of the clone (``history``, which never writes to the clone), installed by
-the ``dsrepro install`` recipe into an environment of its own, cached across bisects and bounded in disk use
-(``bisect_cache``), and judged by ``bisect.reproduced``: by what the stock variant did, never by the version the
-commit reports (``version.txt`` names the next release right after each release). Each probe's outcome is stored
-as soon as it is known, so a re-run after Ctrl-C resumes where it stopped; ``--fresh`` probes again.
+probe is a commit (``Session``), judged by ``bisect.reproduced``: by what the stock variant did, never by the version
+the commit reports. Each probe's outcome is stored as soon as it is known, so a re-run after Ctrl-C resumes where it
+stopped; ``--fresh`` probes again.
 """
 
 from __future__ import annotations
@@ -40,7 +38,9 @@ COMMITS_PER_RELEASE = 30
 @dataclass
 class Session:
     """One bisect's probes: stored outcomes first (unless ``fresh``), each new one stored as soon as it is known,
-    each told on ``out`` with a progress line before it runs."""
+    each told on ``out`` with a progress line before it runs. A probe is a commit: its tree written out of the clone
+    (``history``, which never writes to the clone), installed by the ``dsrepro install`` recipe into an environment
+    of its own, cached across bisects and bounded in disk use (``bisect_cache``)."""
 
     prober: Prober[Commit]
     outcomes: bisect_cache.Outcomes

@@ -1,15 +1,8 @@
 """``dsrepro export NODEID``: one test of the catalogue as one standalone script for ``torchrun``.
 
-A maintainer runs a script, not a plugin. The script holds the test function and what it uses from its file
-(``core.source``), the helpers it imports from pytest-dsrepro inlined (their source, read from the installed
-package's files, never imported here), the DeepSpeed config the test's world gets (for CPU/gloo and for CUDA/NCCL),
-the ``ds_engine`` fixture written out, and a ``main`` that does what a rank of a world does: picks the accelerator,
-sets up the default process group, calls the test, and says whether the error is the one declared. It reproduces
-the stock variant (no fix); the fix, when the repro has one, is appended as a comment for reference.
-
-The test is found by collecting it with pytest in this process (``catalogue.collect_only``, as ``dsrepro list``
-collects): its markers and parameters are read from the collected item through pytest's public API; nothing of it
-runs here. ``export_command`` writes the script.
+A maintainer runs a script, not a plugin. The script (``render``) holds the test and all it needs besides torch,
+DeepSpeed and the standard library, and does what a rank of a world does. The test is found by collecting it with
+pytest in this process (``collect``); nothing of it runs here. ``export_command`` writes the script.
 """
 
 from __future__ import annotations
@@ -181,7 +174,9 @@ def describe(item: pytest.Item, world_size: int) -> Collected:
 
 
 def collect(nodeid: str, world_size: int = 2, extra_args: Sequence[str] = ()) -> Collected:
-    """Collect ``nodeid``'s test function with pytest in this process and describe its stock variant."""
+    """Collect ``nodeid``'s test function with pytest in this process (``catalogue.collect_only``, as ``dsrepro list``
+    collects) and describe its stock variant: its markers and parameters are read from the collected item through
+    pytest's public API."""
     grab = _Grab(function=_function_id(nodeid))
     try:
         collect_only([grab.function], extra_args, grab)
@@ -373,8 +368,9 @@ def _fix_comment(test: Collected) -> str:
 
 
 def _test_code(test: Collected) -> tuple[str, list[str]]:
-    """The test and what it uses from its file, pytest-dsrepro's helpers (and those beside the test) inlined,
-    ``pytest.approx`` as the script's own; and the modules inlined."""
+    """The test and what it uses from its file (``core.source``), pytest-dsrepro's helpers (their source, read from
+    the installed package's files, never imported here; and those beside the test) inlined, ``pytest.approx`` as the
+    script's own; and the modules inlined."""
     text = test.path.read_text()
     _, found = source.statements(text)
     chosen = source.select(found, [test.function], drop=["pytestmark"], bare=[test.function])
@@ -399,8 +395,11 @@ def _config_values(test: Collected) -> dict[str, str]:
 
 
 def render(test: Collected, file_name: str = "repro.py") -> str:
-    """The standalone script of ``test``'s stock variant; ``ExportError`` when it would need more than torch,
-    DeepSpeed and the standard library."""
+    """The standalone script of ``test``'s stock variant (the fix, when the repro has one, appended as a comment for
+    reference); ``ExportError`` when it would need more than torch, DeepSpeed and the standard library. Beside the
+    test's code (``_test_code``) and the config its world gets (``_config_values``), the script writes out the
+    ``ds_engine`` fixture and a ``main`` that does what a rank of a world does: picks the accelerator, sets up the
+    default process group, calls the test, and says whether the error is the one declared."""
     code, inlined = _test_code(test)
     meta = test.repro
     values = {

@@ -1,21 +1,9 @@
 """The one recipe for putting a DeepSpeed release into a Python environment (``dsrepro install``).
 
 Used by tox (``commands_pre``), by ``dsrepro bisect`` and by the benchmarks. Every environment is made and filled
-by ``uv`` (its shared cache makes a warm install a hard-link away). The rules, each learnt the hard way:
-
-* torch is pinned through the repository's ``constraints.txt`` (``-c``) on every install: an unpinned torch pulls a
-  multi-GB CUDA build, and a DeepSpeed requirement of plain ``torch`` would otherwise upgrade it. uv does not read
-  pip's configuration, so pip's ``find-links`` (where a local CPU build of torch may lie) is passed on to it.
-* DeepSpeed ships sdists only; its ``setup.py`` imports torch, so it is built ``--no-build-isolation`` in an
-  environment that already holds torch (and setuptools/wheel), with ``DS_BUILD_OPS=0`` (ops are JIT-built on first
-  use by the plugin, once per distinct source). uv keeps the built wheel in its cache: a release is built once.
-* Installed is not usable: the result is proved by importing DeepSpeed in the target interpreter, with
-  ``DS_ACCELERATOR=cpu`` when torch sees no GPU (releases <= 0.14.0 fail exactly there on CPU).
-
-A release that cannot be installed or imported is not an error of this tool but a fact about the release: the
-result says why (``InstallResult.reason``), and :func:`write_unavailable` records it as a results file (through
-``core.results``, like every other), so ``dsrepro matrix`` shows the release as a column "cannot run with torch X:
-<reason>" instead of dropping it.
+by ``uv`` (its shared cache makes a warm install a hard-link away); the recipe's rules, each learnt the hard way, are
+``_Build``'s. A release that cannot be installed or imported is not an error of this tool but a fact about the
+release: the result says why (``InstallResult.reason``), and ``dsrepro matrix`` shows it rather than dropping it.
 """
 
 from __future__ import annotations
@@ -518,7 +506,18 @@ BUILD_STRING = "DS_BUILD_STRING"
 @dataclass
 class _Build:
     """One install by the recipe: torch and the build tools under the pin, DeepSpeed without build isolation, then
-    the import proved. ``what`` names it in results (a release, or a source tree)."""
+    the import proved. ``what`` names it in results (a release, or a source tree). The rules:
+
+    * torch is pinned through the repository's ``constraints.txt`` (``-c``) on every install: an unpinned torch pulls
+      a multi-GB CUDA build, and a DeepSpeed requirement of plain ``torch`` would otherwise upgrade it. uv does not
+      read pip's configuration, so pip's ``find-links`` (where a local CPU build of torch may lie) is passed on to it.
+    * DeepSpeed ships sdists only; its ``setup.py`` imports torch, so it is built ``--no-build-isolation`` in an
+      environment that already holds torch (and setuptools/wheel), with ``DS_BUILD_OPS=0`` (ops are JIT-built on
+      first use by the plugin, once per distinct source). uv keeps the built wheel in its cache: a release is built
+      once.
+    * Installed is not usable: the result is proved by importing DeepSpeed in the target interpreter, with
+      ``DS_ACCELERATOR=cpu`` when torch sees no GPU (releases <= 0.14.0 fail exactly there on CPU).
+    """
 
     what: str
     python: str
@@ -575,5 +574,7 @@ def unavailable_results(result: InstallResult, constraints: Path | None = None) 
 
 
 def write_unavailable(directory: Path, result: InstallResult, constraints: Path | None = None) -> Path:
-    """Write :func:`unavailable_results` into ``directory`` (``results-deepspeed-<version>-unavailable-*.json``)."""
+    """Write :func:`unavailable_results` into ``directory`` (``results-deepspeed-<version>-unavailable-*.json``):
+    a results file like every other (through ``core.results``), so that ``dsrepro matrix`` shows the release as a
+    column "cannot run with torch X: <reason>" instead of dropping it."""
     return results.write(unavailable_results(result, constraints), directory)

@@ -2,13 +2,10 @@
 
 A thin layer over ``pytest --ds-scan`` (``scan.scanner``): the config is read and checked here first (the same
 ``core.userconfig``, so a mistake is one line naming file:line:col, before anything starts), then pytest runs the
-catalogue with it (``catalogue_run``: in a child process, from the catalogue's own directory), and its results file
-is read back for the exit code.
+catalogue with it (``scan_once``), and its results file is read back for the exit code.
 
-With ``--release`` (or ``--releases FILE``) each release gets the environment ``dsrepro bisect`` and ``dsrepro
-upstream --release`` use (``environments.release_environment``: uv, torch pinned, the recipe of ``dsrepro install``,
-cached), a scan of its own, and the end is a table of bugs by release and the first release from which this config
-hits no known bug.
+With ``--release`` (or ``--releases FILE``) each release gets an environment and a scan of its own (``scan_releases``),
+and the end is a table of bugs by release and the first release from which this config hits no known bug.
 """
 
 from __future__ import annotations
@@ -35,7 +32,8 @@ CLEAN, AFFECTED, UNUSABLE, UNTOLD = 0, 1, 2, 3
 
 
 def scan_once(python: str, environ: dict[str, str], args: argparse.Namespace, markdown: Path | None) -> RunRecord:
-    """The scan the arguments ask for, with ``python``'s pytest and DeepSpeed."""
+    """The scan the arguments ask for, with ``python``'s pytest and DeepSpeed (``catalogue_run``: in a child process,
+    from the catalogue's own directory)."""
     return catalogue_run.scan_once(
         python,
         environ,
@@ -57,7 +55,9 @@ def exit_code(runs: Sequence[RunRecord]) -> int:
 def scan_releases(
     args: argparse.Namespace, releases: Sequence[str], prepare: Callable[[Version], ReleaseEnv] | None = None
 ) -> list[RunRecord]:
-    """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given), scanned."""
+    """Each release in its own environment (``prepare``: ``environments.release_environment`` unless given: the one
+    ``dsrepro bisect`` and ``dsrepro upstream --release`` use, uv, torch pinned, the recipe of ``dsrepro install``,
+    cached), scanned."""
     try:
         extra = [*environments.extra_packages(), *args.extra_packages]  # --with on top of $DSREPRO_EXTRA_PACKAGES
         prepare = prepare or environments.release_environment(args.cache_dir, args.constraints, extra=extra)

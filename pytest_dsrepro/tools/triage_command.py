@@ -2,13 +2,10 @@
 
 The log is read within limits (``log_input``: its head and tail only, so a 200 MB log answers as fast as a short
 one); an empty or binary file is a usage error in one line. The catalogue is read from its markers by pytest's
-collection (``catalogue.collect``, with ``_Gates`` reading the ``ds_version`` gates and ``ds_premise`` of the same
-items); ``triage.ranking`` ranks it against ``triage.logread``'s reading of the log.
+collection (``known_bugs``); ``triage.ranking`` ranks it against ``triage.logread``'s reading of the log.
 
-``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them (``catalogue_run``): with the
-user's config (a scan, ``--ds-scan``) or with the repros' own configs, on the release judged on (its environment built
-as ``dsrepro bisect`` builds one where it is not the release installed here), and reads the verdicts from the results
-file.
+``--confirm`` runs the best candidates' repros in worlds, as ``dsrepro scan`` runs them (``confirm``), and reads the
+verdicts from the results file.
 """
 
 from __future__ import annotations
@@ -79,7 +76,8 @@ class _Gates:
 
 
 def known_bugs(where: Path, fixes_file: Path | None = None, ledger_dir: Path | None = None) -> list[triage.KnownBug]:
-    """The catalogue at ``where``, from its markers, as triage compares it; then the fix ledger's known fixes
+    """The catalogue at ``where``, from its markers, as triage compares it (``catalogue.collect``, with ``_Gates``
+    reading the ``ds_version`` gates and ``ds_premise`` of the same items); then the fix ledger's known fixes
     (``ledger_dir``, else the package's own; checked against the catalogue), each with the atlas's tests of the same
     pull request (``fixes_file``, else the package's own), and the atlas's fixes the ledger has no row for."""
     reader = _Gates()
@@ -194,7 +192,9 @@ def _stock_run(python: str, environ: dict[str, str], args: argparse.Namespace, b
 
 def confirm(args: argparse.Namespace, t: triage.Triage, where: Path) -> dict[str, Finding]:
     """The best candidates (``Triage.to_confirm``) run here: a catalogued bug's repro (with ``--config`` as a scan,
-    else on its own configs), a known fix's own upstream tests (from ``--repo``)."""
+    ``--ds-scan``, else on its own configs; ``catalogue_run``), a known fix's own upstream tests (from ``--repo``); on
+    the release judged on, its environment built as ``dsrepro bisect`` builds one where it is not the release
+    installed here."""
     chosen = t.to_confirm(args.top)
     if not chosen:
         return {}

@@ -4,10 +4,8 @@ installed here or on several releases (one uv environment each, the recipe of ``
 In a DeepSpeed checkout, ``dsrepro upstream [PATH|NODEID ...] [-- PYTEST_ARGS]`` is ``python -m pytest -p
 pytest_dsrepro.upstream ...`` run from the checkout's ``tests/`` (where DeepSpeed's pytest.ini and conftest.py are),
 paths and node ids given as from the directory you are in. With ``--release`` (or ``--releases FILE``) each release
-gets its environment (``environments.release_environment``: cached, torch pinned, this plugin added) and a pytest
-run that writes its results file (``upstream_runs``); each file is checked before it is kept: the tests' checkout at
-the revision its records name, the DeepSpeed release the one asked for. ``dsrepro matrix`` then shows the tests as
-rows beside the catalogue's, named by node id and the checkout's revision.
+gets its environment and a pytest run whose results file is checked before it is kept (``upstream_runs``).
+``dsrepro matrix`` then shows the tests as rows beside the catalogue's, named by node id and the checkout's revision.
 """
 
 from __future__ import annotations

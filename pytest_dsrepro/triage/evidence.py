@@ -1,22 +1,8 @@
 """What a log shows of one known bug: its faces (``core.faces``) looked for in a ``triage.logread`` reading, in points.
 
-The evidence, strongest first:
-
-- a face's message pattern finds an exception's message: 70 with the face's type (or a face that names none: 65),
-  55 with another type (a wrapper), and up to 5 more the more of the message it covers; a face's message written out
-  in the text without its type (a title, prose, a type whose first letter the paste lost) 50; these are the only
-  evidence that makes a candidate confident;
-- a face with a type and frames but no message: that type raised through one of those frames, 60;
-- a message cut short that is the start of a face's message: 45 with the type, 35 without;
-- the type alone: 35 for a face that declares no message nor frames (plus shared words), 10 otherwise;
-- the face's frames among the log's (any path: a cut traceback's, rich's, a source checkout's): 10 each, at most 30,
-  and the functions the bug's title and root cause name: 6 each, files 3;
-- the face's words in the text: 8 each, at most 24;
-- the words the text shares with the bug's own (title, root cause, faces' words and messages), each weighed by how
-  few bugs use it: at most 20 (5 beside a matched message, whose words it would count again); an exception type the
-  text only names (a title's "RuntimeError when ..."): 5.
-
-Without a matched message, the evidence stays below ``CONFIDENT``. Pure: no pytest, no torch.
+A face's message found in the log is the only evidence that makes a candidate confident; frames, words and types rank
+the candidates, and without a matched message the evidence stays below ``CONFIDENT`` (the points of each kind:
+``Evidence``). Pure: no pytest, no torch.
 """
 
 from __future__ import annotations
@@ -91,7 +77,24 @@ _SPELLINGS = (
 
 @dataclass(frozen=True)
 class Evidence:
-    """One bug's evidence in a log: its points, why (strongest first), the face whose message matched (if any)."""
+    """One bug's evidence in a log: its points, why (strongest first), the face whose message matched (if any).
+
+    The evidence, strongest first:
+
+    - a face's message pattern finds an exception's message: 70 with the face's type (or a face that names none: 65),
+      55 with another type (a wrapper), and up to 5 more the more of the message it covers; a face's message written
+      out in the text without its type (a title, prose, a type whose first letter the paste lost) 50; these are the
+      only evidence that makes a candidate confident;
+    - a face with a type and frames but no message: that type raised through one of those frames, 60;
+    - a message cut short that is the start of a face's message: 45 with the type, 35 without;
+    - the type alone: 35 for a face that declares no message nor frames (plus shared words), 10 otherwise;
+    - the face's frames among the log's (any path: a cut traceback's, rich's, a source checkout's): 10 each, at most
+      30, and the functions the bug's title and root cause name: 6 each, files 3;
+    - the face's words in the text: 8 each, at most 24;
+    - the words the text shares with the bug's own (title, root cause, faces' words and messages), each weighed by how
+      few bugs use it: at most 20 (5 beside a matched message, whose words it would count again); an exception type
+      the text only names (a title's "RuntimeError when ..."): 5.
+    """
 
     points: int
     why: tuple[str, ...]

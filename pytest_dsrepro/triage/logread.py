@@ -1,14 +1,8 @@
 """A DeepSpeed error as users paste it, read back into what triage compares: exceptions, DeepSpeed frames, the
 release the log states and a config it shows.
 
-Logs arrive in the shapes terminals and issue trackers give them: ANSI colours (or what is left of them once the
-escape character is lost in a paste), every line prefixed by its rank (``[rank3]:``, torchrun's ``[default3]:``,
-mpirun's ``[1,3]<stderr>:``), several ranks' tracebacks interleaved line by line, lines hard-wrapped at a terminal's
-width, ``\\r`` progress bars, a Markdown quote's ``> ``, a launcher's ``host:`` before every line. ``read`` undoes each
-of these, then splits the text into one stream per rank so that interleaved tracebacks come apart, and reads every
-traceback (a cut one too: its frames without its exception; frames written as ``File "..."``, as rich and IPython
-write them, under any path), every bare ``SomeError: message`` line (in a title, in prose, after ``[BUG]``), and
-every exception type the text only names.
+Logs arrive in the shapes terminals and issue trackers give them, never as Python wrote them; ``read`` undoes each
+shape and reads every exception the text shows, or only names.
 
 Pure: no pytest, no torch, no DeepSpeed; the text is never executed or imported from.
 """
@@ -500,7 +494,17 @@ def ends(text: str) -> str:
 
 def read(text: str, known: Iterable[str] = ()) -> Reading:
     """Everything triage compares, from a log as pasted. ``known``: exception names that do not end in ``Error``
-    but that a catalogued bug raises (``Slowdown``), recognised on bare lines too."""
+    but that a catalogued bug raises (``Slowdown``), recognised on bare lines too.
+
+    Logs arrive as terminals and issue trackers give them: ANSI colours (or what is left of them once the escape
+    character is lost in a paste), every line prefixed by its rank (``[rank3]:``, torchrun's ``[default3]:``,
+    mpirun's ``[1,3]<stderr>:``), several ranks' tracebacks interleaved line by line, lines hard-wrapped at a
+    terminal's width, ``\\r`` progress bars, a Markdown quote's ``> ``, a launcher's ``host:`` before every line. Each
+    of these is undone, then the text is split into one stream per rank so that interleaved tracebacks come apart, and
+    every traceback is read (a cut one too: its frames without its exception; frames written as ``File "..."``, as
+    rich and IPython write them, under any path), every bare ``SomeError: message`` line (in a title, in prose, after
+    ``[BUG]``), and every exception type the text only names.
+    """
     lines = _lines(text)
     pattern = _known(known)
     per_rank, cut = [], []

@@ -1,19 +1,8 @@
 """Which catalogued bug is this error? The catalogue's bugs ranked against what a log shows.
 
-Every piece of evidence comes from the catalogue's own markers, read into ``KnownBug``: ``ds_repro`` (title, root
-cause, upstream, first fixed release), ``ds_version`` (each gate a face: what the repro raises in its range),
-``ds_seen`` (the other faces users meet it in: GPUs' messages, other optimizers and releases, cut tracebacks, the
-words of its reports) and ``ds_premise``; there is no second list of patterns. ``triage.evidence`` scores one bug's
-faces against the log; here the release and the config rule candidates in or out, and the results are said.
-
-The release judged on, and where it came from, decide what it may do:
-
-- ``--release``, or a release the log states: a bug whose ranges hold none of them is ruled out, with the reason;
-  one whose matched gate's range holds it gains;
-- a release only assumed from the DeepSpeed installed here never rules a bug out and weighs nothing: a maintainer
-  triaging an issue, or a user pasting a cluster's log on a laptop, is not running the release that failed. A
-  candidate it would have ruled out is said so ("fixed in 0.19.2; the DeepSpeed installed here is 0.19.8: was the
-  log from an older release?").
+Every piece of evidence comes from the catalogue's own markers, read into ``KnownBug``; there is no second list of
+patterns. ``triage.evidence`` scores one bug's faces against the log; here the release and the config rule candidates
+in or out (the release by where it came from: ``Judged``), and the results are said.
 
 Pure: no pytest, no torch; the renderers for the terminal and for a GitHub comment live here too.
 """
@@ -77,7 +66,12 @@ class KnownBug:
     """A catalogued bug, from its markers: ``faces`` its gates' (``gate``, with their ranges) and its ``ds_seen``
     ones, ``affected`` its ranges, ``fix`` the repro's fix by name, ``folder`` the catalogue's folder its repro is in
     (``zero3``). Or a fix the ledger knows (``ledger``: its row, ``ledger_bug``), with its own upstream tests where
-    the atlas has them (``fixed_by``), or a fix only the atlas knows (``fix_bug``): no repro."""
+    the atlas has them (``fixed_by``), or a fix only the atlas knows (``fix_bug``): no repro.
+
+    A catalogued bug's markers: ``ds_repro`` (title, root cause, upstream, first fixed release), ``ds_version`` (each
+    gate a face: what the repro raises in its range), ``ds_seen`` (the other faces users meet it in: GPUs' messages,
+    other optimizers and releases, cut tracebacks, the words of its reports) and ``ds_premise``.
+    """
 
     id: str
     title: str
@@ -165,7 +159,17 @@ class RuledOut:
 
 @dataclass(frozen=True)
 class Judged:
-    """The releases a triage judges on and where they came from (``GIVEN``, ``STATED``, ``ASSUMED``, or "": none)."""
+    """The releases a triage judges on and where they came from (``GIVEN``, ``STATED``, ``ASSUMED``, or "": none).
+
+    Where they came from decides what they may do:
+
+    - ``--release``, or a release the log states: a bug whose ranges hold none of them is ruled out, with the reason;
+      one whose matched gate's range holds it gains;
+    - a release only assumed from the DeepSpeed installed here never rules a bug out and weighs nothing: a maintainer
+      triaging an issue, or a user pasting a cluster's log on a laptop, is not running the release that failed. A
+      candidate it would have ruled out is said so ("fixed in 0.19.2; the DeepSpeed installed here is 0.19.8: was the
+      log from an older release?").
+    """
 
     releases: tuple[Version, ...] = ()
     origin: str = ""

@@ -2,17 +2,9 @@
 installed release lacks told as NOT-APPLICABLE instead of collection errors.
 
 Newer test files import what older releases do not have (a fix's new helper, a module added since): on such a
-release the file cannot even be imported, and pytest would report a collection error, as if the run had broken.
-Here each test the command line asked for in such a file (or the file as a whole) becomes one item that the plugin
-judges NOT-APPLICABLE (``ds_not_applicable`` for the installed release), with the import error as its reason. Any
-other import error (a syntax error, a missing third-party package) is an ERROR, of an item in the file's name (or of
-each test asked for in it): pytest alone would stop the whole run at collection ("Interrupted: 1 error during
-collection"), and a run of the whole suite, or of one of its shards, must go on and sort it with the other failures.
-
-A file that skips itself as a whole on import (``pytest.skip(..., allow_module_level=True)``: DeepSpeed's fp16 files
-where the accelerator lacks fp16) is pytest's to report when the file is asked for; a test asked for in it by node id
-becomes an item skipped with the file's reason, where pytest alone would end the run ("found no collectors", exit 4)
-and lose every other test's outcome with it: the atlas names tests by node id, on releases where their file skips.
+release the file cannot even be imported, and pytest would report a collection error, as if the run had broken. A run
+of the whole suite, or of one of its shards, must go on and sort what it could not import with the other failures
+(``UpstreamModule``).
 """
 
 from __future__ import annotations
@@ -181,7 +173,20 @@ STATE = pytest.StashKey[UpstreamSession]()
 class UpstreamModule(pytest.Module):
     """A test module of DeepSpeed's: its ``DistributedTest`` classes run in worlds (``harness``); an import that
     fails for a name the installed DeepSpeed lacks makes NOT-APPLICABLE items instead of a collection error, and any
-    other import error an ERROR item, so that the run goes on."""
+    other import error an ERROR item, so that the run goes on.
+
+    Each test the command line asked for in a file that cannot be imported on the installed release (or the file as a
+    whole) becomes one item that the plugin judges NOT-APPLICABLE (``ds_not_applicable`` for the installed release),
+    with the import error as its reason. Any other import error (a syntax error, a missing third-party package) is an
+    ERROR, of an item in the file's name (or of each test asked for in it): pytest alone would stop the whole run at
+    collection ("Interrupted: 1 error during collection").
+
+    A file that skips itself as a whole on import (``pytest.skip(..., allow_module_level=True)``: DeepSpeed's fp16
+    files where the accelerator lacks fp16) is pytest's to report when the file is asked for; a test asked for in it
+    by node id becomes an item skipped with the file's reason, where pytest alone would end the run ("found no
+    collectors", exit 4) and lose every other test's outcome with it: the atlas names tests by node id, on releases
+    where their file skips.
+    """
 
     def collect(self) -> list[pytest.Item | pytest.Collector]:
         try:

@@ -3,11 +3,9 @@ plugin's worlds, through its public API only.
 
 Upstream's classes say what world a test wants in class attributes (``world_size``, ``init_distributed``,
 ``set_dist_env``, ``exec_timeout``, ``backend``, ``reuse_dist_env``) and per method (``@pytest.mark.world_size(n)``);
-here they become ``ds_world`` markers. Upstream's conftest.py runs each ``DistributedTest`` by calling
-``item.cls()(request)``, and a fixture written as ``SomeFixture()(request)`` calls the same ``__call__``: those two
-``__call__`` methods are the one place where DeepSpeed's harness launches processes, so they are replaced, for the
-session, by a test run as pytest runs it (in the plugin's world) and a fixture run in a world of its own
-(``run_in_world``). Nothing of upstream's file is copied or edited; its classes are found by their names.
+here they become ``ds_world`` markers. The harness launches processes in two ``__call__`` methods only, replaced for
+the session (``install``) by a test run as pytest runs it (in the plugin's world) and a fixture run in a world of its
+own (``run_in_world``). Nothing of upstream's file is copied or edited; its classes are found by their names.
 """
 
 from __future__ import annotations
@@ -139,7 +137,11 @@ def run_fixture(self: Any, request: pytest.FixtureRequest) -> None:
 
 def install(cls: type, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Replace the ``__call__`` of upstream's harness found in ``cls``'s bases, for the session (``monkeypatch`` is
-    undone when pytest ends). False when ``cls`` is not part of that harness."""
+    undone when pytest ends). False when ``cls`` is not part of that harness.
+
+    Upstream's conftest.py runs each ``DistributedTest`` by calling ``item.cls()(request)``, and a fixture written as
+    ``SomeFixture()(request)`` calls the same ``__call__``: those two ``__call__`` methods are the one place where
+    DeepSpeed's harness launches processes (``run_test``, ``run_fixture`` take their place)."""
     test, base = _named(cls, TEST), _named(cls, EXEC)
     done = False
     if test is not None and test.__dict__.get("__call__") is not run_test:

@@ -2,16 +2,9 @@
 removes them): DeepSpeed's CPU shared-memory allreduce leaves one ~66 MiB file per rank in /dev/shm and never
 deletes it.
 
-Names are ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (csrc/cpu/comm/shm.cpp, the same
-from 0.14 to 0.19), made once per process, by its first process group, each rank creating its own and mapping every
-other rank's. A world's MASTER_PORT is the port of its fork server's store, held by that server while it lives, whose
-worlds run one at a time: the files carrying that address and port are the running world's, and removing them cannot
-touch a world of another server. A body that makes its own process group names them after another port (rank 0's
-own store, which the world's directory notes, or one the body chose): the fork server finds those in the
-``/proc/<pid>/maps`` of the world's processes before it kills them (:func:`mapped_by`: a hung or stopped rank maps
-its peers' too, a crashed one's among them), a rank that ends its test lists its own (:func:`mapped_buffers`), and
-every buffer of a group one of them names goes (:func:`group_buffers`), once no rank of the world can still be
-waiting to open them.
+The files named after the port of a fork server's store are its running world's (``world_buffers``); those of a group
+a body made on another port are found through what the world's processes map (``mapped_by``, ``mapped_buffers``), and
+every rank's buffer of such a group goes (``group_buffers``).
 """
 
 from __future__ import annotations
@@ -26,6 +19,11 @@ PREFIX = "deepspeed_allreduce_buffer_"
 
 
 def world_buffers(addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """The buffers named after ``addr`` and ``port``: ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_
+    <rank>`` (csrc/cpu/comm/shm.cpp, the same from 0.14 to 0.19), made once per process, by its first process group,
+    each rank creating its own and mapping every other rank's. A world's MASTER_PORT is the port of its fork server's
+    store, held by that server while it lives, whose worlds run one at a time: the files carrying that address and
+    port are the running world's, and removing them cannot touch a world of another server."""
     if not shm_dir.is_dir():
         return []
     return sorted(shm_dir.glob(f"{PREFIX}{os.getuid()}_{addr}_{port}_*"))
@@ -53,7 +51,13 @@ def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR
 
 
 def mapped_by(pids: Iterable[int], shm_dir: Path = SHM_DIR) -> set[Path]:
-    """DeepSpeed's buffers these processes map (a process gone maps nothing)."""
+    """DeepSpeed's buffers these processes map (a process gone maps nothing).
+
+    A body that makes its own process group names its buffers after another port (rank 0's own store, which the
+    world's directory notes, or one the body chose): the fork server reads the ``/proc/<pid>/maps`` of the world's
+    processes before it kills them (a hung or stopped rank maps its peers' too, a crashed one's among them), a rank
+    that ends its test lists its own (``mapped_buffers``), and every buffer of a group one of them names goes
+    (``group_buffers``), once no rank of the world can still be waiting to open them."""
     return {p for pid in pids for p in mapped_buffers(Path(f"/proc/{pid}/maps"), shm_dir)}
 
 

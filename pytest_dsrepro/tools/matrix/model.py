@@ -1,5 +1,6 @@
-"""The matrix as data: releases (columns), bugs and their configs (rows), one cell per row and release holding the
-stock run and the run with the repro's fix, each judged against the row's declared range.
+"""The matrix as data: releases (columns, in version order: ``packaging.version``), bugs and their configs (rows), one
+cell per row and release holding the stock run and the run with the repro's fix, each judged against the row's
+declared range (``!`` against it); prerequisite fixes are marked (``+``), changes since ``--since`` (``~``).
 
 ``build`` makes it from results files, with the gates' own ``Verdict``, ``Reason`` and range ordering; renderers
 read it and decide nothing about the results themselves.

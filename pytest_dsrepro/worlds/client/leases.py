@@ -2,14 +2,7 @@
 
 Every pytest process (each pytest-xdist worker, each concurrent session) runs its own worlds, and NCCL worlds on a
 shared GPU fail in ways that look like the bug under test (out of memory, a collective that never meets). So each
-NCCL world first leases the GPUs it needs: one lock file per GPU under the cache directory, named after the GPU's
-UUID (the one name of a device that does not depend on ``CUDA_VISIBLE_DEVICES`` or the enumeration order). The
-lock is an OS file lock held by the pytest process for the world's life: the lease *is* that lock, so the kernel
-ends it when the process dies, even by SIGKILL, and no stale lease outlives its holder. The world then sees only
-its GPUs (``CUDA_VISIBLE_DEVICES``, by UUID), and rank r's ``cuda:r`` is the r-th of them.
-
-A world takes all the GPUs it needs or none (no world holds some while waiting for more, so no two worlds wait on
-each other), retries until its bound, then gives up naming which GPUs were busy and who held them.
+NCCL world first leases the GPUs it needs (``acquire``), and sees only those.
 """
 
 from __future__ import annotations
@@ -42,7 +35,8 @@ def lease_dir(cache_dir: Path) -> Path:
 
 
 def _name(gpu: Gpu) -> str:
-    """A GPU's lock file name: its UUID, else its index on this host (no UUID from torch: ROCm, old drivers)."""
+    """A GPU's lock file name: its UUID (the one name of a device that does not depend on ``CUDA_VISIBLE_DEVICES`` or
+    the enumeration order), else its index on this host (no UUID from torch: ROCm, old drivers)."""
     key = gpu.uuid or f"{socket.gethostname()}-index-{gpu.index}"
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
@@ -58,13 +52,16 @@ def holder_file(directory: Path, gpu: Gpu) -> Path:
 
 @dataclass
 class Lease:
-    """GPUs held by this process until ``release``."""
+    """GPUs held by this process until ``release``: one lock file per GPU under the cache directory, named after the
+    GPU (``_name``). The lock is an OS file lock held by the pytest process for the world's life: the lease *is* that
+    lock, so the kernel ends it when the process dies, even by SIGKILL, and no stale lease outlives its holder."""
 
     gpus: tuple[Gpu, ...]
     _locks: list[BaseFileLock] = field(default_factory=list, repr=False)
 
     def environ(self) -> dict[str, str]:
-        """What the world's ranks see: only these GPUs, in this order (rank r uses ``cuda:r``)."""
+        """What the world's ranks see: only these GPUs (``CUDA_VISIBLE_DEVICES``, by UUID), in this order (rank r's
+        ``cuda:r`` is the r-th of them)."""
         return {"CUDA_VISIBLE_DEVICES": ",".join(g.visible_id for g in self.gpus)}
 
     def release(self) -> None:
@@ -74,7 +71,8 @@ class Lease:
 
 
 def try_lease(gpus: Sequence[Gpu], count: int, directory: Path, holder: str) -> Lease | None:
-    """``count`` free GPUs (lowest indices first), all or none."""
+    """``count`` free GPUs (lowest indices first), all or none: no world holds some while waiting for more, so no two
+    worlds wait on each other."""
     directory.mkdir(parents=True, exist_ok=True)
     taken: list[tuple[Gpu, BaseFileLock]] = []
     for gpu in gpus:

@@ -1,18 +1,10 @@
 """Runs in the pytest process: NCCL worlds that fail loudly. The harness, not NCCL, ends a hang, and says where each
 rank was and which collective it had not finished.
 
-- Each rank gets NCCL's diagnostics (``environment``, a user's own values win): the flight recorder (the last
-  collectives of every process group, with their state), its dump on a collective's timeout into the world's
-  directory by torch's own C++ threads, no error handling that ends the rank (the harness does), no monitor that
-  kills it before the harness's deadline, NCCL's warnings.
-- A collective's timeout is three quarters of the world's, and 15 s before its deadline at least
-  (``rank.nccl_recorder.process_group_timeout``): a hang that started early enough is past it before the deadline,
-  and torch's watchdog has dumped the flight recorder without the rank's Python, a main thread stuck in a CUDA call
-  included.
-- At the deadline the harness also asks each rank's own thread (``rank.nccl_recorder.serve_dump_request``, the
-  second source, which needs the GIL), waits a little for either dump, keeps them (``keep_dumps``) before the
-  world's directory is discarded, and summarises each rank's unfinished collectives in its story, naming the source.
-  A torch build without the flight recorder (a CPU build) says so instead.
+Each rank gets NCCL's diagnostics (``environment``, a user's own values win), and a collective times out before the
+world's deadline (``rank.nccl_recorder.process_group_timeout``), so that torch's watchdog has dumped the flight recorder
+by then; at the deadline the harness also asks each rank's own thread (``request_dumps``), keeps the dumps and
+summarises them in each rank's story (``keep_dumps``).
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ def environment(workdir: Path, environ: Mapping[str, str], timeout: float) -> di
     collective is logged and dumped, the communicator neither aborted nor the process torn down), the flight
     recorder dumped on a timeout (by the monitor thread, which must be on) without the collectives' Python stacks
     (symbolising them takes the GIL), into the world's directory; the monitor's kill after a dump or a stuck watchdog
-    only past the harness's deadline."""
+    only past the harness's deadline; NCCL's warnings."""
     wanted = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
         TRACE_BUFFER[0]: TRACE_BUFFER[1],
@@ -69,6 +61,10 @@ def without_recorder_thread(stacks: str) -> str:
 
 
 def request_dumps(workdir: Path) -> None:
+    """At the deadline, ask each rank's own thread for its flight recorder (``rank.nccl_recorder.serve_dump_request``,
+    the second source, which needs the GIL), beside the dump torch's watchdog wrote on a collective's timeout (without
+    the rank's Python, a main thread stuck in a CUDA call included): a hang that started early enough is past that
+    timeout before the deadline. The harness then waits a little for either dump (``wait_for_dumps``)."""
     nccl_request_file(workdir).touch()
 
 
@@ -126,7 +122,8 @@ def summary(data: bytes) -> str:
 
 def keep_dumps(workdir: Path, ranks: list[int], keep: Path) -> dict[int, str]:
     """Copy the ranks' dumps out of the world's directory (discarded when it is reaped) into ``keep``; for each rank,
-    a line for its story: where its dump is, which source wrote it and what it says, or that there is none."""
+    a line for its story: where its dump is, which source wrote it and what it says (its unfinished collectives:
+    ``summary``), or that there is none. A torch build without the flight recorder (a CPU build) says so instead."""
     told = {}
     for rank in ranks:
         found = _dump_of(workdir, rank)

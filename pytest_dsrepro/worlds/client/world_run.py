@@ -2,15 +2,6 @@
 
 A world always ends within its timeout, leaves no process and no /dev/shm buffer behind, and tells the story of
 every rank: its exception, its exit code or signal, its Python stack if it hung, and the tail of its own output.
-
-It talks to the fork server only in ``protocol`` messages, which reach it through the server's one loop
-(``ForkServer.wait_for``, into ``WorldRun.take``), and never signals a rank itself: the server forked the ranks and
-reaps them, so only it knows a pid still names that rank. To stop ranks it asks the server (``DumpStacks``, then
-``Kill``), and ``Reap`` when the world's directory has been read.
-
-Its clock is its test's only: it starts when the server says the ranks run (``Spawned``), not while the server
-prepares them (a first preload, a found list imported: the server's start-up work, bounded as its start is), and it
-stops while its ranks wait for an op the server builds for them (``OpWait``).
 """
 
 from __future__ import annotations
@@ -97,7 +88,17 @@ class _Rank:
 
 @dataclass
 class WorldRun:
-    """One world in flight: its ranks, its private directory, and how it ends."""
+    """One world in flight: its ranks, its private directory, and how it ends.
+
+    It talks to the fork server only in ``protocol`` messages, which reach it through the server's one loop
+    (``ForkServer.wait_for``, into ``take``), and never signals a rank itself: the server forked the ranks and reaps
+    them, so only it knows a pid still names that rank. To stop ranks it asks the server (``DumpStacks``, then
+    ``Kill``), and ``Reap`` when the world's directory has been read.
+
+    Its clock is its test's only: it starts when the server says the ranks run (``Spawned``), not while the server
+    prepares them (a first preload, a found list imported: the server's start-up work, bounded as its start is), and
+    it stops while its ranks wait for an op the server builds for them (``OpWait``).
+    """
 
     server: ForkServer
     world_id: int

@@ -1,5 +1,5 @@
 """Runs in a pytest process that an external launcher made a rank: the watcher of one test's body (step 4 of
-``launched_world``'s protocol), a thread beside the body's own.
+``launched_world.LaunchedWorld``'s protocol), a thread beside the body's own.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Runs in a pytest process that an external launcher made a rank: one world test, every pytest process one rank,
 and together they make one run.
 
-For the n-th world test of the session, over the launcher's store (keys under ``pytest-dsrepro/<restart>/<n>``):
-
-0. **The plan** (once, after collection): every rank posts the world tests it collected; a test that not every rank
-   has fails at once on the ranks that have it, and the count of the others stays the same on every rank.
-1. **Lockstep** (at setup): every rank posts the test it is at (node id and DeepSpeed release). Once all have, a
-   difference fails the test on every rank, naming what each rank was at; a rank that never arrives is named too.
-2. **Start** (at call, after the fixtures): every rank says it is ready, or why not (its setup failed or skipped
-   after the lockstep). A rank that is not ready fails the test on the others as a harness error. Every body gets
-   rank 0's fixture values, as every rank of a spawned world gets the pytest process's (one ``tmp_path``).
-3. **A fresh default process group** per test, on the test's own keys: a collective left pending by one test's
-   failure can never be answered by the next test.
-4. **The body, watched**: at the world timeout, or 5 s after another rank failed, a watcher thread takes the body's
-   Python stack, publishes the rank as HUNG or STOPPED, and interrupts the body with a signal.
-5. **One outcome**: each rank publishes its ``RankResult``, then leaves the process group (a peer still waiting in
-   a collective gets "Connection closed by peer", as when a spawned rank exits); rank 0 builds the
-   ``WorldOutcome`` from every rank's result and publishes it; every rank returns that same outcome.
-6. **Ctrl-C** (or the launcher's SIGTERM, which the pytest side turns into one) in any rank ends the session on every
-   rank as pytest's own interrupt does: the rank posts it, the others' watchers stop their bodies and the lockstep
-   starts no further test; each rank re-raises ``KeyboardInterrupt`` (never a test's outcome), and whatever the body
-   started is killed.
-7. **A rank that died** (SIGKILL, the OOM killer, a crash of the interpreter) is noticed at once by the ranks on its
-   node: every rank posts its process (``RankProcess``), and no wait goes on for a rank whose process has ended; its
-   result is that it died, and what its body started is killed with its process group. A dead rank on another node
-   is its launcher's to notice (torchrun stops every rank): after an interrupt no rank waits long for another.
-
-The modules beside this one: ``peers`` (the launcher's store and which ranks died or were interrupted), ``lockstep``
-(steps 0 to 2 and every rank's end), ``body_watch`` (step 4's watcher). Torch is imported inside functions only;
-nothing here knows pytest (``session/launched_run`` is the pytest side).
+The ranks go through each world test together over the launcher's store (``LaunchedWorld``: the protocol, step by
+step). The modules beside this one: ``peers`` (the launcher's store and which ranks died or were interrupted),
+``lockstep`` (steps 0 to 2 and every rank's end), ``body_watch`` (step 4's watcher). Torch is imported inside functions
+only; nothing here knows pytest (``session/launched_run`` is the pytest side).
 """
 
 from __future__ import annotations
@@ -92,7 +68,33 @@ def stop_as_interrupted() -> None:
 
 
 class LaunchedWorld:
-    """This process's rank in the launcher's world: the protocol above, one world test at a time."""
+    """This process's rank in the launcher's world, one world test at a time.
+
+    For the n-th world test of the session, over the launcher's store (keys under ``pytest-dsrepro/<restart>/<n>``):
+
+    0. **The plan** (once, after collection): every rank posts the world tests it collected; a test that not every rank
+       has fails at once on the ranks that have it, and the count of the others stays the same on every rank.
+    1. **Lockstep** (at setup): every rank posts the test it is at (node id and DeepSpeed release). Once all have, a
+       difference fails the test on every rank, naming what each rank was at; a rank that never arrives is named too.
+    2. **Start** (at call, after the fixtures): every rank says it is ready, or why not (its setup failed or skipped
+       after the lockstep). A rank that is not ready fails the test on the others as a harness error. Every body gets
+       rank 0's fixture values, as every rank of a spawned world gets the pytest process's (one ``tmp_path``).
+    3. **A fresh default process group** per test, on the test's own keys: a collective left pending by one test's
+       failure can never be answered by the next test.
+    4. **The body, watched**: at the world timeout, or 5 s after another rank failed, a watcher thread takes the body's
+       Python stack, publishes the rank as HUNG or STOPPED, and interrupts the body with a signal.
+    5. **One outcome**: each rank publishes its ``RankResult``, then leaves the process group (a peer still waiting in a
+       collective gets "Connection closed by peer", as when a spawned rank exits); rank 0 builds the ``WorldOutcome``
+       from every rank's result and publishes it; every rank returns that same outcome.
+    6. **Ctrl-C** (or the launcher's SIGTERM, which the pytest side turns into one) in any rank ends the session on
+       every rank as pytest's own interrupt does: the rank posts it, the others' watchers stop their bodies and the
+       lockstep starts no further test; each rank re-raises ``KeyboardInterrupt`` (never a test's outcome), and whatever
+       the body started is killed.
+    7. **A rank that died** (SIGKILL, the OOM killer, a crash of the interpreter) is noticed at once by the ranks on its
+       node: every rank posts its process (``RankProcess``), and no wait goes on for a rank whose process has ended; its
+       result is that it died, and what its body started is killed with its process group. A dead rank on another node
+       is its launcher's to notice (torchrun stops every rank): after an interrupt no rank waits long for another.
+    """
 
     def __init__(self, world: Launched, release: str, connect_timeout: float) -> None:
         self.world = world

@@ -1,6 +1,6 @@
 """Runs in a pytest process that an external launcher made a rank: the ranks' lockstep across the session's world
-tests (steps 0 to 2 and the end of ``launched_world``'s protocol): the plan, every rank's arrival at each test, its
-start or why not, and the end of every rank's session.
+tests (steps 0 to 2 and the end of ``launched_world.LaunchedWorld``'s protocol): the plan, every rank's arrival at each
+test, its start or why not, and the end of every rank's session.
 
 Torch is imported inside functions only.
 """

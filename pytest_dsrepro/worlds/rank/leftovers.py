@@ -2,19 +2,7 @@
 looked for after every test; any one found ends the world, and the next test gets fresh ranks.
 
 A fresh rank starts as the fork server forked it. After a test, a kept rank puts back what it can (``reuse_reset``)
-and looks here for what it cannot, each compared with the rank's own state when it was forked (``ProcessState.take``):
-
-- torch's global modes: its default dtype and device, grad and inference mode, deterministic algorithms, anomaly
-  mode, autocast, function and dispatch modes (``torch.device`` used as a context), saved-tensor hooks, its threads,
-  matmul precision, ``torch.backends`` flags, print options, the rank's CUDA device. Put back, they would hide what
-  the test built under them (a module-level tensor made in float64);
-- a DeepSpeed context entered and never left: ``deepspeed.zero.Init`` patches every ``torch.nn.Module`` class,
-  the test's own included, for as long as it is entered;
-- threads and child processes still running, file locks held (``/proc/locks``): a fresh rank has none;
-- the interpreter's state: ``sys.stdin``/``stdout``/``stderr`` replaced (the plugin's own code writes to them),
-  a trace or profile function, the import machinery, the recursion limit, signal handlers and timers, the garbage
-  collector, the umask, the locale. (Its hooks are names of ``sys``: ``namespaces``.)
-
+and looks here for what it cannot, each compared with the rank's own state when it was forked (``ProcessState``).
 Each getter reads the state; it costs about a millisecond in all. Imports torch only where the rank already has it.
 """
 
@@ -151,7 +139,19 @@ def _locks(locks: Path = Path("/proc/locks")) -> list[str]:
 
 @dataclass(frozen=True)
 class ProcessState:
-    """What a rank's process was when it was forked, of what it cannot put back: each getter's value."""
+    """What a rank's process was when it was forked, of what it cannot put back: each getter's value.
+
+    - torch's global modes: its default dtype and device, grad and inference mode, deterministic algorithms, anomaly
+      mode, autocast, function and dispatch modes (``torch.device`` used as a context), saved-tensor hooks, its
+      threads, matmul precision, ``torch.backends`` flags, print options, the rank's CUDA device. Put back, they would
+      hide what the test built under them (a module-level tensor made in float64);
+    - a DeepSpeed context entered and never left: ``deepspeed.zero.Init`` patches every ``torch.nn.Module`` class,
+      the test's own included, for as long as it is entered;
+    - threads and child processes still running, file locks held (``/proc/locks``): a fresh rank has none;
+    - the interpreter's state: ``sys.stdin``/``stdout``/``stderr`` replaced (the plugin's own code writes to them),
+      a trace or profile function, the import machinery, the recursion limit, signal handlers and timers, the garbage
+      collector, the umask, the locale. (Its hooks are names of ``sys``: ``namespaces``.)
+    """
 
     getters: dict[str, Callable[[], object]]
     values: dict[str, object]

@@ -2,26 +2,8 @@
 test): the namespaces of every module a rank was forked with, and of their classes, as they were, so that between two
 tests of a reuse scope every name a test rebound is found (``ds_world(reuse=True)``).
 
-Whoever rebound a name, and to what, decides what becomes of it (``reuse_reset`` does it). The libraries rebind their
-own names as they run: torch hooks ``Optimizer.step`` on a first optimizer and wraps ``sys.excepthook`` for every
-process group, DeepSpeed swaps ``torch.nn.functional.linear`` for its memory-efficient one for the rest of the process
-and counts its parameters (``Init.param_id``); torch notes what it initialised (``torch.cuda._initialized``) and
-counts its groups. Code they swapped is put back (``Rebound.code``, ``Rebound.put_back``): a fresh rank has the
-forked function, and its test swaps it again as it runs. A value they set stays, as the next test's starting point: it
-may stand for state that cannot be undone (a CUDA context made). A name the test's own code rebound (to a function
-defined in the test's files, a ``unittest.mock`` object), or a module taken out of ``sys.modules``, cannot be proven
-gone: other code may hold the replacement since. It is a leftover (``Rebound.by_test``), and the kept rank's world
-ends.
-
-Comparing is the cost every kept test pays: a ZeRO-3 rank is forked with ~3,300 modules and ~9,000 of their classes,
-holding ~210,000 names. Touching each object would cost a kept rank its share of the server's memory (a reference
-count written is a page copied) and ~0.1 s a test. So the server saves them before it forks (its own pages), and a
-kept rank reads only each namespace's version: CPython gives every dict a version tag that changes with each write to
-it (PEP 509), in the dict's header, read here with ``ctypes`` (checked on a dict and a class of its own first;
-where the layout differs, every namespace is compared object by object instead). A namespace whose version moved is
-compared name by name. Modules first imported since the fork join at the end of the test that imported them, as they
-then are; the test's own modules (outside the interpreter's and its packages' directories) never do: their globals
-live on from test to test, as in one pytest process.
+Whoever rebound a name, and to what, decides what becomes of it (``Rebound``; ``reuse_reset`` does it). Comparing is
+the cost every kept test pays, so a kept rank reads each namespace's version rather than its objects (``Namespaces``).
 """
 
 from __future__ import annotations
@@ -115,7 +97,18 @@ def describe(value: Any) -> str:
 @dataclass(frozen=True)
 class Rebound:
     """A name whose object is not the one the rank was forked with: ``where`` (``module.name``,
-    ``module.Class.name``), what it was and what it is now (``MISSING``: deleted)."""
+    ``module.Class.name``), what it was and what it is now (``MISSING``: deleted).
+
+    The libraries rebind their own names as they run: torch hooks ``Optimizer.step`` on a first optimizer and wraps
+    ``sys.excepthook`` for every process group, DeepSpeed swaps ``torch.nn.functional.linear`` for its memory-efficient
+    one for the rest of the process and counts its parameters (``Init.param_id``); torch notes what it initialised
+    (``torch.cuda._initialized``) and counts its groups. Code they swapped is put back (``code``, ``put_back``): a
+    fresh rank has the forked function, and its test swaps it again as it runs. A value they set stays, as the next
+    test's starting point: it may stand for state that cannot be undone (a CUDA context made). A name the test's own
+    code rebound (to a function defined in the test's files, a ``unittest.mock`` object), or a module taken out of
+    ``sys.modules``, cannot be proven gone: other code may hold the replacement since. It is a leftover
+    (``by_test``), and the kept rank's world ends.
+    """
 
     where: str
     namespace: Any  # a module's ``__dict__``, or a class
@@ -221,7 +214,18 @@ def _classes(module: ModuleType, seen: set[int]) -> Iterator[type]:
 class Namespaces:
     """The namespaces of a process's modules and their classes as they were (``take``), compared later
     (``rebound``); modules imported since join (``add_new``). ``tags``: where each one's version is read (empty where
-    versions cannot be read here), ``versions``: what it read when saved."""
+    versions cannot be read here), ``versions``: what it read when saved.
+
+    A ZeRO-3 rank is forked with ~3,300 modules and ~9,000 of their classes, holding ~210,000 names. Touching each
+    object would cost a kept rank its share of the server's memory (a reference count written is a page copied) and
+    ~0.1 s a test. So the server saves them before it forks (its own pages), and a kept rank reads only each
+    namespace's version: CPython gives every dict a version tag that changes with each write to it (PEP 509), in the
+    dict's header, read here with ``ctypes`` (checked on a dict and a class of its own first; where the layout
+    differs, every namespace is compared object by object instead). A namespace whose version moved is compared name
+    by name. Modules first imported since the fork join at the end of the test that imported them, as they then are;
+    the test's own modules (outside the interpreter's and its packages' directories) never do: their globals live on
+    from test to test, as in one pytest process.
+    """
 
     modules: dict[str, ModuleType] = field(default_factory=dict)
     saved: list[_Saved] = field(default_factory=list)

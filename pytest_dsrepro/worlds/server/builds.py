@@ -4,18 +4,9 @@ how every DeepSpeed op the plugin builds is built, whether the comm op (``comm_o
 Left to itself, torch keys JIT builds by name under one ``TORCH_EXTENSIONS_DIR`` and ninja rebuilds whenever the
 sources' *paths* change, so every environment, clone and bisect probe of a release rebuilt the same few files; and a
 build stopped midway leaves torch's ``lock`` file (no pid in it) behind, which makes every later build of the op wait
-forever. Hence:
-
-- one directory per op and *content* (``build_key``: the op's sources and headers, compiler flags, torch, Python),
-  shared by every install whose op is the same; a build there is loaded directly, without torch's JIT;
-- one builder at a time across processes (``BUILD_LOCK``, a ``filelock``: the kernel lets it go with its holder), and
-  torch's baton of the op removed while we hold ours: under our lock nobody else is building it;
-- a build is loaded in a throwaway child first (``damage``): a shared object cut short kills whatever maps it with
-  SIGBUS; one that does not load is discarded and built again, saying so;
-- a build beside the worlds runs in ``BuildChild``: a warden in a session of its own (a child subreaper named
-  ``BUILDER_NAME``) over the process that compiles. Whichever of the two is killed, even by SIGKILL, the compilers
-  die with it (the warden adopts and kills what a killed builder leaves; a killed warden's builder gets SIGTERM from
-  the kernel, unwinds, which removes torch's baton, and kills its own): none is left to race the next build.
+forever. Hence one directory per op and content (``keyed_directory``), one builder at a time (``BUILD_LOCK``) with
+torch's baton removed under it (``remove_stale_locks``), a build loaded in a throwaway child first (``damage``), and a
+build beside the worlds whose compilers die with it (``BuildChild``).
 """
 
 from __future__ import annotations
@@ -44,7 +35,8 @@ from .reaping import kill_descendants
 BUILD_LOCK_TIMEOUT = 1800.0  # a cold build on a loaded 2-core machine takes minutes; never forever
 #: How long a throwaway child may take to load a build (milliseconds, normally).
 LOAD_CHECK_TIMEOUT = 120.0
-#: The file lock of the builds in an op's directory: one builder at a time, across processes.
+#: The file lock of the builds in an op's directory: one builder at a time, across processes (a ``filelock``: the
+#: kernel lets it go with its holder).
 BUILD_LOCK = ".dsrepro-build.lock"
 #: Why the last build beside the worlds failed, in its op's directory: told by the next run, which builds it again.
 BUILD_FAILED = ".dsrepro-build-failed"
@@ -85,9 +77,10 @@ def inputs(builder: Any) -> tuple[list[Path], list[str]]:
 
 
 def keyed_directory(cache_dir: Path, builder: Any) -> Path:
-    """Where the op of ``builder`` is built in the cache: its own directory, keyed by what it is built from. Only
-    called where the builder's flags ask no GPU (the fork server never touches CUDA): on a CPU accelerator, or in a
-    build child."""
+    """Where the op of ``builder`` is built in the cache: its own directory, keyed by what it is built from
+    (``build_key``: the op's sources and headers, compiler flags, torch, Python), shared by every install whose op is
+    the same; a build there is loaded directly, without torch's JIT. Only called where the builder's flags ask no GPU
+    (the fork server never touches CUDA): on a CPU accelerator, or in a build child."""
     import torch
 
     files, flags = inputs(builder)
@@ -181,7 +174,8 @@ def _import_error(library: Path, name: str) -> str | None:
 
 
 def damage(library: Path, name: str) -> str | None:
-    """How loading the build at ``library`` fails, found in a throwaway child; None when it loads."""
+    """How loading the build at ``library`` fails, found in a throwaway child (a shared object cut short kills
+    whatever maps it with SIGBUS); None when it loads."""
     if library.stat().st_size == 0:
         return "it is empty: 0 bytes, a build or a copy cut short"
     try:
@@ -259,7 +253,13 @@ def said_failure(directory: Path) -> str | None:
 
 @dataclass
 class BuildChild:
-    """A build running in a child of the fork server (the warden, ``_warden``), beside the worlds."""
+    """A build running in a child of the fork server (the warden, ``_warden``), beside the worlds.
+
+    The warden is in a session of its own (a child subreaper named ``BUILDER_NAME``) over the process that compiles.
+    Whichever of the two is killed, even by SIGKILL, the compilers die with it (the warden adopts and kills what a
+    killed builder leaves; a killed warden's builder gets SIGTERM from the kernel, unwinds, which removes torch's
+    baton, and kills its own): none is left to race the next build.
+    """
 
     child: preload.Child  # the warden; its result is what the build's work returned
     lifeline: int  # the pipe that lets the build go on apart (``detach``); its end without that stops the build

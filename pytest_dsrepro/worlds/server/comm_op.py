@@ -2,20 +2,9 @@
 DeepSpeed's JIT-built CPU comm op, built once per distinct source (``builds``), never inside a test's critical path.
 
 DeepSpeed builds ``deepspeed_shm_comm`` with ninja/g++ the first time a process group is set up on CPU (45-150 s
-cold): every world would wait for it. The plugin builds it as it builds every op (``builds``: a directory per
-content, shared by every install whose op is the same, 0.15.4-0.16.4 share one; a file lock; a build that does not
-load discarded and built again, once; a read-only cache serves the builds it holds and builds nothing), but ahead of
-the worlds rather than when a rank asks (``op_builds``). The same holds in a ``TORCH_EXTENSIONS_DIR`` the user set,
-where torch's JIT then builds it again: only the op's own build directory there is discarded, which torch would
-rebuild anyway.
-
-A first build never holds up a world (:func:`start`): the fork server builds in a child of its own
-(``builds.BuildChild``), and the worlds forked meanwhile run without the op, as DeepSpeed itself runs where it cannot
-build it (its compatibility switch, which ``build_shm_op`` reads). The op serves one collective only,
-``inference_all_reduce``: a rank that calls it before the build ends asks the server for it (``op_builds``: its
-test's clock stops meanwhile), loads it and goes on as DeepSpeed would have with it. Once built, the server loads
-it, and later worlds inherit it loaded. A run whose tests are over holds nothing up for it either: the build goes on
-apart (:meth:`Background.detach`), for later runs, while a run cut short stops it.
+cold): every world would wait for it. The plugin builds it as it builds every op (``builds``), but ahead of the worlds
+rather than when a rank asks (``warm_up``); and a first build never holds up a world (``start``, ``Background``): the
+worlds forked meanwhile run without the op, as DeepSpeed itself runs where it cannot build it.
 """
 
 from __future__ import annotations
@@ -56,6 +45,7 @@ def _builder() -> Any:
 
 
 def _directory(builder: Any, cache_dir: Path | None) -> Path:
+    """The op's directory in the cache, per content (``builds.keyed_directory``): 0.15.4-0.16.4 share one."""
     return builds.keyed_directory(cache_dir or default_cache_dir(), builder)
 
 
@@ -99,7 +89,8 @@ def warm_up(announce: Callable[[str], None] = lambda _: None) -> str:
     Runs in the fork server after ``import deepspeed``. ``announce`` is told, in words for the user, before a build
     (minutes, the first time a release is used) or a wait for another process's build. Returns a short description
     for the report header; raises ``Unusable`` when the op can be neither loaded nor built here. A
-    ``TORCH_EXTENSIONS_DIR`` set by the user is used with torch's own JIT, once a damaged build there is discarded.
+    ``TORCH_EXTENSIONS_DIR`` set by the user is used with torch's own JIT, once a damaged build there is discarded
+    (only the op's own build directory there, which torch would rebuild anyway).
     """
     import deepspeed
     from filelock import FileLock, Timeout
@@ -184,7 +175,11 @@ _beside = False
 @dataclass
 class Background:
     """DeepSpeed's comm op building in a child of the fork server (``builds.BuildChild``), while worlds run without
-    it."""
+    it (its compatibility switch, which ``build_shm_op`` reads). The op serves one collective only,
+    ``inference_all_reduce``: a rank that calls it before the build ends asks the server for it (``_wait_in_ranks``),
+    loads it and goes on as DeepSpeed would have with it. Once built, the server loads it, and later worlds inherit it
+    loaded. A run whose tests are over holds nothing up for it either: the build goes on apart (``detach``), for later
+    runs, while a run cut short stops it."""
 
     build: BuildChild
     builder: Any

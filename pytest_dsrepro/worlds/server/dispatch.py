@@ -2,12 +2,8 @@
 
 ``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
 ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` lets the op builds that run
-beside the worlds go on after the run (``op_builds``). What all ranks of a world share is done once, before the fork:
-the job unpickled, the test module compiled with its asserts rewritten, DeepSpeed's first use warmed up for a test
-that uses it, once the list of what it imports is found (by a scout beside the worlds: no world waits for it).
-
-A world whose directory pytest has already discarded (it gave up on it while the server prepared it) is not
-forked: pytest's ``Reap`` follows, and is answered as for any world.
+beside the worlds go on after the run (``op_builds``). What all ranks of a world share is done once, before the fork
+(``OpenWorlds.spawn``), DeepSpeed's first use included for a test that uses it (``OpenWorlds.warm``).
 """
 
 from __future__ import annotations
@@ -147,8 +143,10 @@ class OpenWorlds:
 
     def spawn(self, world: int, job: RankJob, size: int, directory: Path, reuse: str | None = None) -> None:
         """Fork the world's ranks with everything they share done once, here: the job unpickled, the test module
-        compiled, the store running and its port (which names the world's ``/dev/shm`` buffers) written down. A
-        world kept for this ``reuse`` scope and size runs the test instead, on its live ranks."""
+        compiled (its asserts rewritten), the store running and its port (which names the world's ``/dev/shm``
+        buffers) written down. A world kept for this ``reuse`` scope and size runs the test instead, on its live
+        ranks. A world whose directory pytest has already discarded (it gave up on it while the server prepared it)
+        is not forked: pytest's ``Reap`` follows, and is answered as for any world."""
         if self.store.pid is None:
             self.store.start(self.conn, os.getpid())
         try:

@@ -3,18 +3,8 @@ imported once in the fork server instead of in every rank.
 
 A first ZeRO step imports ~1,400 modules that ``import torch, deepspeed`` does not (sympy, networkx, torch._dynamo,
 inductor, ...): about 2 s in every rank of every test. The fork server imports them once, before it forks. Which
-modules is found, not hand-listed: a throwaway child forked from the server runs one training step of each ZeRO
-stage in a 1-rank gloo world and reports what it imported, in order; the list is kept per DeepSpeed install (and
-torch, and Python) in the cache directory, so only the first run of a release pays for finding it. No world waits
-for that: a scout child of the server finds the list (``scout``, seconds on a CPU machine, minutes on a GPU image's
-Python stack) while the first worlds run without it, and the server imports it before the first world after it is
-found (``ready``, ``warm``).
-
-Fork safety: the server must hold no thread when it forks (a forked child has only the forking thread, and a lock
-another thread held stays locked in it forever), no CUDA context and no process group. Before the list is kept,
-more throwaway children import it, in order, as the server would, and drop every module whose import leaves one of
-those behind (with what only it brought in): the server never imports them, and its ranks import them themselves.
-The server still checks after each import and stops at the first that leaves a hazard all the same.
+modules is found, not hand-listed (``discover``), by a scout while the first worlds run without it (``scout``), and
+only what leaves the server safe to fork is kept (``vet``).
 """
 
 from __future__ import annotations
@@ -79,7 +69,8 @@ class Install:
 
 
 def list_file(install: Install) -> Path:
-    """One list per DeepSpeed install, accelerator, torch, Python and format."""
+    """One list per DeepSpeed install, accelerator, torch, Python and format, in the cache directory: only the first
+    run of a release pays for finding it."""
     where = hashlib.sha256(str(install.deepspeed_dir.resolve()).encode()).hexdigest()[:10]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     name = (
@@ -99,7 +90,8 @@ def threads() -> int:
 
 def hazard(threads_before: int = 1) -> str | None:
     """What makes forking this process unsafe, or None: more threads than ``threads_before`` (by default: any thread
-    besides this one), a CUDA context, a process group."""
+    besides this one; a forked child has only the forking thread, and a lock another thread held stays locked in it
+    forever), a CUDA context, a process group."""
     if threads() > threads_before:
         return "a thread"
     torch = sys.modules.get("torch")
@@ -216,7 +208,8 @@ def _engine_steps() -> None:
 
 
 def discover(timeout: float = DISCOVERY_TIMEOUT) -> list[str]:
-    """The modules a throwaway child imports for one step of each ZeRO stage, in import order.
+    """The modules a throwaway child forked from the server imports for one training step of each ZeRO stage in a
+    1-rank gloo world, in import order.
 
     Raises ``RuntimeError`` with the reason when the child fails or takes longer than ``timeout``.
     """
@@ -258,7 +251,9 @@ def import_ahead(names: list[str]) -> tuple[int, str | None, str | None]:
 def vet(names: list[str], timeout: float = DISCOVERY_TIMEOUT) -> tuple[list[str], list[str]]:
     """``(safe, unsafe)``: ``names`` split by what importing them, in order, does to a copy of this process. Each
     throwaway child imports the list without the modules found unsafe so far, up to the next one that leaves a
-    hazard; an unsafe module's dependants are found in a later round, where they bring it in themselves."""
+    hazard; an unsafe module's dependants are found in a later round, where they bring it in themselves. The server
+    never imports the unsafe ones (with what only they brought in), and its ranks import them themselves; it still
+    checks after each import and stops at the first that leaves a hazard all the same (``import_ahead``)."""
     unsafe: list[str] = []
     for _ in range(VET_ROUNDS):
         candidates = [n for n in names if n not in unsafe]
@@ -344,9 +339,10 @@ S = TypeVar("S", bound=Scout)
 
 
 def scout(install: Install, start: Callable[[Callable[[], Any]], S]) -> S | None:
-    """Start finding the list in a child of the server (``start``, running ``find``), while worlds run without it;
-    None when it is cached. ``warm`` imports it once it is ``ready``; it is kept in the cache as soon as it is found,
-    for later runs, even when this one has ended."""
+    """Start finding the list in a child of the server (``start``, running ``find``), while worlds run without it
+    (seconds on a CPU machine, minutes on a GPU image's Python stack); None when it is cached. ``warm`` imports it
+    before the first world once it is ``ready``; it is kept in the cache as soon as it is found, for later runs, even
+    when this one has ended."""
     if _listed(list_file(install)) is not None:
         return None
 

@@ -3,18 +3,9 @@
 
 Importing torch and DeepSpeed costs seconds; forking a process that already has them costs milliseconds. Every
 world still gets brand-new rank processes, so nothing a test does leaks into the next. The server speaks the typed
-messages of ``protocol`` over one socket; it forks every rank and is the only process that signals one.
-
-End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) makes
-the server kill every process it started, compilers included, discard the worlds not yet reaped, and exit; only the
-op builds that a run ended uninterrupted let go on (``FinishBuild``) outlive it. Ranks and
-the store die with the server (PR_SET_PDEATHSIG), and the server is a child subreaper, so even processes that ranks
-start are its children and get killed. Ctrl-C is pytest's to handle: the server ignores SIGINT.
-
-Fork safety: when the server forks, it holds no thread, no CUDA context and no process group (``preload.hazard``,
-checked at start-up, after preloading, and at every world); its objects are frozen out of the garbage collector's
-reach (``spawning.freeze``). On GPUs it never touches a CUDA context (``cuda_reexec``). There is one server per
-DeepSpeed accelerator (``DS_ACCELERATOR``, chosen by the pytest process from the world's backend).
+messages of ``protocol`` over one socket; it forks every rank and is the only process that signals one. When it forks
+it holds no thread, no CUDA context and no process group (``preload.hazard``, checked at start-up, after preloading
+and at every world: docs/design.md, "Why a fork server"); how it ends is ``_clean_up``'s.
 """
 
 from __future__ import annotations
@@ -138,7 +129,13 @@ def _clean_up(
     worlds: OpenWorlds | None, building: comm_op.Background | None, open_worlds: dict[int, Path], store: Store
 ) -> None:
     """At the server's end, however it came: every process it started killed (builds let go on spared), the worlds
-    never reaped discarded, a kept world's buffers removed."""
+    never reaped discarded, a kept world's buffers removed.
+
+    End of file on the socket (pytest exited, even by SIGKILL) or SIGTERM (pytest stopping it, maybe mid-build) ends
+    the server so: every process it started killed, compilers included; only the op builds that a run ended
+    uninterrupted let go on (``FinishBuild``) outlive it. Ranks and the store die with the server (PR_SET_PDEATHSIG),
+    and the server is a child subreaper, so even processes that ranks start are its children and get killed. Ctrl-C
+    is pytest's to handle: the server ignores SIGINT."""
     if worlds is not None:  # unwound, a build's torch removes its baton; its compilers die next
         going_on = worlds.stop()  # but those let go on for later runs are spared, with their compilers
     else:  # the server ended before its first world: the comm op's build beside them too
