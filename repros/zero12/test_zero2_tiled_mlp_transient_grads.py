@@ -102,7 +102,7 @@ def tiled_model(tiled, seed=0, device=None):
 
 def batch(micro, rank, device, dtype):
     """Rank ``rank``'s tokens (``micro`` sequences of ``SEQUENCE``) and their targets, drawn on the CPU, as one packed
-    sequence: ``TiledMLP`` of 0.17.0 mis-sliced batches of several sequences (fixed in 0.17.x), another bug."""
+    sequence: ``TiledMLP`` of 0.17.0 mis-sliced batches of several sequences (mended by 0.17.5), another bug."""
     import torch
 
     generator = torch.Generator().manual_seed(100 + rank)
