@@ -14,6 +14,7 @@ the whole backward and clears the buckets before each step.
 
 import pytest
 from _zero3 import ZERO3
+from _zero12 import tolerance
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 
@@ -170,4 +171,5 @@ def test_reentrant_checkpoint_with_tensor_backward(ds_engine, ds_config, ds_rank
     for (name, trained), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         # one parameter at a time: a gather of several races on gloo before 0.19.8 (zero3-persistent-allgather-race)
         with zero.GatheredParameters([trained]):
-            torch.testing.assert_close(trained, expected, msg=lambda m, name=name: f"{name}: {m}")
+            error = (trained.float() - expected.float()).abs().max().item()
+        assert error < tolerance(engine, 1e-5), f"{name} differs from plain Adam's by {error:.3e}"
