@@ -63,6 +63,16 @@ PLAIN_SGD_SETS = {
 }
 
 
+#: The ``ds_premise`` of a ZeRO-1/2 repro whose body compares the weights with plain torch training of the same torch
+#: optimizer (the empty-parameter repros).
+TORCH_OPTIMIZER_PREMISE = pytest.mark.ds_premise(
+    stage=(1, 2),
+    sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False},
+    because="the body compares the weights with plain torch training, which does not clip gradients, and passes "
+    "that torch optimizer to DeepSpeed, which refuses it beside an offloaded optimizer unless allowed",
+)
+
+
 def offloaded_sgd_premise(**requirements: Any) -> Any:
     """The ``ds_premise`` of a ZeRO-2 offload repro whose body steps torch's SGD and compares with plain fp32 SGD:
     ``requirements`` (``gradient_accumulation=...``) on top of ZeRO-2 with the optimizer offloaded to the CPU, and

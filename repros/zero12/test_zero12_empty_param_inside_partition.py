@@ -14,7 +14,7 @@ fragment for a zero-element parameter. The sibling bug of an empty parameter at 
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import config, max_difference, tolerance, train, train_reference
+from _zero12 import TORCH_OPTIMIZER_PREMISE, config, max_difference, tolerance, train, train_reference
 
 from pytest_dsrepro.inrank.devices import rank_device
 
@@ -29,12 +29,7 @@ pytestmark = [
         root_cause="_init_lp_to_hp_mapping counts a zero-element parameter that starts inside a partition as "
         "overlapping it, and the empty fragment then fails get_hp_fragment_mapping's assertion.",
     ),
-    pytest.mark.ds_premise(
-        stage=(1, 2),
-        sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False},
-        because="the body compares the weights with plain torch training, which does not clip gradients, and passes "
-        "that torch optimizer to DeepSpeed, which refuses it beside an offloaded optimizer unless allowed",
-    ),
+    TORCH_OPTIMIZER_PREMISE,
     ZERO12_CPU_FLAT_BUFFER,
 ]
 

@@ -12,7 +12,7 @@ PR #8280 (first in 0.19.6) skips zero-element parameters before they reach the b
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import config, max_difference, tolerance, train, train_reference
+from _zero12 import TORCH_OPTIMIZER_PREMISE, config, max_difference, tolerance, train, train_reference
 
 from pytest_dsrepro.inrank.devices import rank_device
 
@@ -26,12 +26,7 @@ pytestmark = [
         root_cause="A zero-element parameter at the end of the flat buffer belongs to no partition, so it has no "
         "param_to_partition_ids entry, yet its gradient is still bucketed and reduced.",
     ),
-    pytest.mark.ds_premise(
-        stage=(1, 2),
-        sets={"gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False},
-        because="the body compares the weights with plain torch training, which does not clip gradients, and passes "
-        "that torch optimizer to DeepSpeed, which refuses it beside an offloaded optimizer unless allowed",
-    ),
+    TORCH_OPTIMIZER_PREMISE,
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
