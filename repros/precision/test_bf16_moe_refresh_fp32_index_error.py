@@ -14,8 +14,6 @@ nested loop dates from bf16 pipeline support (PR #1801), older than every releas
 import pytest
 from _prerequisites import TORCH_LOAD_WEIGHTS_ONLY
 
-from pytest_dsrepro.inrank.devices import precision_dtype
-
 pytestmark = [
     pytest.mark.ds_repro(
         id="bf16-moe-refresh-fp32-index-error",
@@ -55,9 +53,7 @@ def restore_each_group_once(monkeypatch):
 
     from pytest_dsrepro.inrank.backport import backport, release_has
 
-    if release_has(BF16_Optimizer._restore_from_bit16_weights, "fp32_partition.data.copy_(bf16_partitions[partition_id].data)") and not release_has(
-        BF16_Optimizer._restore_from_bit16_weights, "for i, group in enumerate(self.bf16_groups):"
-    ):  # fmt: skip
+    if not release_has(BF16_Optimizer._restore_from_bit16_weights, "for i, group in enumerate(self.bf16_groups):"):
         return  # PR #7054 is in this release
     backport(
         monkeypatch,
