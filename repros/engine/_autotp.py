@@ -12,6 +12,19 @@ import pytest
 BY_NAME = "torch.device(get_accelerator().current_device_name())"
 
 
+def utils_edits_by_name() -> list[tuple[str, str]]:
+    """PR #7600's edit of ``compare_tensors_in_structures`` (``deepspeed.runtime.utils``) where the installed release
+    needs it, else none: a fix that edits that function again carries it along (``backport`` starts from the installed
+    source, and a repro's own fix is applied after its prerequisites)."""
+    from deepspeed.runtime import utils
+
+    from pytest_dsrepro.inrank.backport import release_has
+
+    if not release_has(utils, "val1 = val1.to(get_accelerator().current_device())"):
+        return []
+    return [(r"\.to\(get_accelerator\(\)\.current_device\(\)\)", f".to({BY_NAME})")]
+
+
 def cpu_device_by_name(monkeypatch: Any) -> None:
     """PR #7600 (first in 0.18.0): AutoTP training's check that the tensor-parallel ranks got the same inputs (the
     engine's forward pre-hook, and ``compare_tensors_in_structures``) places its tensors on
@@ -20,17 +33,23 @@ def cpu_device_by_name(monkeypatch: Any) -> None:
     on a CPU. A no-op where the release has the fix or no such check."""
     from deepspeed.runtime import engine, utils
 
-    from pytest_dsrepro.inrank.backport import backport, release_has
+    from pytest_dsrepro.inrank.backport import backport
 
-    if release_has(utils, "val1 = val1.to(get_accelerator().current_device())"):
-        backport(
-            monkeypatch,
-            "deepspeed.runtime.utils",
-            [(r"\.to\(get_accelerator\(\)\.current_device\(\)\)", f".to({BY_NAME})")],
-        )
+    edits = utils_edits_by_name()
+    if edits:
+        backport(monkeypatch, "deepspeed.runtime.utils", edits)
         # The engine calls it by the name it imported.
         monkeypatch.setattr(engine, "compare_tensors_in_structures", utils.compare_tensors_in_structures)
-    if release_has(engine, "device=get_accelerator().current_device())"):
+    engine_by_name(monkeypatch)
+
+
+def engine_by_name(monkeypatch: Any) -> None:
+    """PR #7600's edit of the engine's input check, where the installed release needs it. The recompiled check reads
+    ``compare_tensors_in_structures`` as the engine module held it when it was recompiled: a fix that replaces that
+    function afterwards calls this again."""
+    from pytest_dsrepro.inrank.backport import backport, release_has
+
+    if release_has("deepspeed.runtime.engine", "device=get_accelerator().current_device())"):
         backport(
             monkeypatch,
             "deepspeed.runtime.engine",
