@@ -67,8 +67,8 @@ def gather_tensors_of_any_rank(monkeypatch):
 
     if not hasattr(layers, "LinearLayer") or not hasattr(layers.LinearLayer, "gather_params"):
         return
-    if release_has(layers.LinearLayer.gather_params, "*param.shape[1:]"):
-        return
+    if not release_has(layers.LinearLayer.gather_params, "param.shape[1],"):
+        return  # gathers [ranks * shape[0], *shape[1:]] (0.17.0), or by its partition sizes (later)
     backport(
         monkeypatch,
         "deepspeed.module_inject.layers",
