@@ -64,3 +64,12 @@ AUTOTP_CPU_DEVICE = pytest.mark.ds_prerequisite(
     reason="PR #7600: before 0.18.0 AutoTP training's input check places tensors on the CPU accelerator's "
     "current_device(), the LOCAL_RANK string, and the first forward fails",
 )
+
+
+#: What every AutoTP training repro declares besides its own entry: the config it needs (ZeRO 0-2 and an AutoTP
+#: size; the engine refuses AutoTP with ZeRO-3), the releases without AutoTP training, and the CPU prerequisite.
+AUTOTP_TRAINING = [
+    pytest.mark.ds_premise(stage=(0, 1, 2), config={"tensor_parallel.autotp_size": 2}),
+    pytest.mark.ds_not_applicable("<0.16.4", reason="AutoTP training (tp_model_init) appeared in 0.16.4"),
+    AUTOTP_CPU_DEVICE,
+]

@@ -18,7 +18,7 @@ training step on them must run. Before 0.18.0 AutoTP training needs PR #7600 on 
 """
 
 import pytest
-from _autotp import AUTOTP_CPU_DEVICE, engine_by_name, utils_edits_by_name
+from _autotp import AUTOTP_TRAINING, engine_by_name, utils_edits_by_name
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.hf import requires_hf, tiny_model, token_batch
@@ -33,9 +33,7 @@ pytestmark = [
         root_cause="The first forward's tensor-parallel input check compares non-tensor arguments with !=; a "
         "transformers Cache broadcast from the group's first rank is never equal to the rank's own.",
     ),
-    pytest.mark.ds_premise(stage=(0, 1, 2), config={"tensor_parallel.autotp_size": 2}),
-    pytest.mark.ds_not_applicable("<0.16.4", reason="AutoTP training (tp_model_init) appeared in 0.16.4"),
-    AUTOTP_CPU_DEVICE,
+    *AUTOTP_TRAINING,
     requires_hf,
 ]
 

@@ -18,7 +18,7 @@ training needs PR #7600 on a CPU at all (the prerequisite, ``_autotp.AUTOTP_CPU_
 """
 
 import pytest
-from _autotp import AUTOTP_CPU_DEVICE
+from _autotp import AUTOTP_TRAINING
 
 from pytest_dsrepro.inrank.devices import precision_dtype, rank_device
 from pytest_dsrepro.inrank.hf import TINY_CONFIGS, requires_hf, token_batch
@@ -33,9 +33,7 @@ pytestmark = [
         root_cause="LinearLayer.gather_params allocates the gathered tensor as [ranks * shape[0], shape[1]], which a "
         "one-dimensional bias does not have.",
     ),
-    pytest.mark.ds_premise(stage=(0, 1, 2), config={"tensor_parallel.autotp_size": 2}),
-    pytest.mark.ds_not_applicable("<0.16.4", reason="AutoTP training (tp_model_init) appeared in 0.16.4"),
-    AUTOTP_CPU_DEVICE,
+    *AUTOTP_TRAINING,
     requires_hf,
 ]
 

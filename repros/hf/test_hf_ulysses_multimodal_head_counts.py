@@ -15,12 +15,11 @@ is registered with the checkpoint's path, and a DeepSpeed engine with the mpu it
 sequence; its logits must be the reference's for those positions, and the backward must run.
 """
 
-import inspect
-
 import pytest
+from _ulysses_hf import ulysses_step
 
 from pytest_dsrepro.inrank.devices import precision_dtype
-from pytest_dsrepro.inrank.hf import TINY_CONFIGS, requires_hf, token_batch
+from pytest_dsrepro.inrank.hf import TINY_CONFIGS, requires_hf
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -57,8 +56,7 @@ CONFIG = {
     "gradient_clipping": 0.0,
     "sequence_parallel_size": 2,
 }
-SEQUENCE = 8
-IMAGE_TOKEN = 31  # the last id of the tiny vocabulary: the text the body feeds stays below it
+IMAGE_TOKEN = 31  # the last id of the tiny vocabulary: ulysses_step feeds ids below it
 
 
 def geometry_from_the_text_config(monkeypatch):
@@ -105,47 +103,13 @@ def tiny_llava(seed):
     fix=geometry_from_the_text_config,
 )
 def test_register_ulysses_for_a_multimodal_model(ds_config, ds_rank, ds_world_size, ds_device, tmp_path):
-    import deepspeed
     import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers import AutoModelForImageTextToText
 
-    dtype = precision_dtype(ds_config)
-    sp, micro = ds_config["sequence_parallel_size"], ds_config["train_micro_batch_size_per_gpu"]
     path = tmp_path / "tiny-llava"  # the checkpoint a user fine-tunes: rank 0 writes, all load
     if ds_rank == 0:
         tiny_llava(seed=3).save_pretrained(path)
     torch.distributed.barrier()
-    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).to(ds_device, dtype)
-    batch = token_batch(micro, seq_len=SEQUENCE, vocab_size=IMAGE_TOKEN, seed=7)  # one sample for the SP group
-    positions = torch.arange(SEQUENCE, device=ds_device).expand(micro, SEQUENCE)
-    with torch.no_grad():
-        reference = model(input_ids=batch["input_ids"], position_ids=positions).logits
-
-    register = UlyssesSPAttentionHF.register_with_transformers
-    # The sequence length was max_length up to 0.18.1, seq_length from 0.18.2.
-    length = "seq_length" if "seq_length" in inspect.signature(register).parameters else "max_length"
-    mpu = register(
-        model_name_or_path=str(path),
-        core_attn_implementation="sdpa",
-        sequence_parallel_size=sp,
-        micro_batch_size=micro,
-        seq_length_is_variable=True,
-        **{length: SEQUENCE},
-    )
-    accumulation = ds_config["gradient_accumulation_steps"]
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-        config={**ds_config, "train_batch_size": micro * accumulation * ds_world_size // sp},
-        mpu=mpu,
-    )
-    rank, local = mpu.get_sequence_parallel_rank(), SEQUENCE // sp
-    mine = slice(rank * local, (rank + 1) * local)
-    logits = engine(input_ids=batch["input_ids"][:, mine], position_ids=positions[:, mine]).logits
-    rtol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(
-        logits, reference[:, mine], rtol=rtol, atol=1e-5, msg="Ulysses logits differ from the whole sequence's"
-    )
-    engine.backward(logits.float().pow(2).mean())
-    engine.step()
+    model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True)
+    model = model.to(ds_device, precision_dtype(ds_config))
+    ulysses_step(model, str(path), ds_config, ds_world_size, ds_device, seed=7)  # registered with the path

@@ -14,12 +14,11 @@ The body is a user's LoRA fine-tune under ALST: the PEFT model's logits over the
 each rank's half of the sequence; its logits must be the reference's for those positions, and the backward must run.
 """
 
-import inspect
-
 import pytest
+from _ulysses_hf import ulysses_step
 
 from pytest_dsrepro.inrank.devices import precision_dtype
-from pytest_dsrepro.inrank.hf import requires_hf, tiny_model, token_batch
+from pytest_dsrepro.inrank.hf import requires_hf, tiny_model
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -58,7 +57,6 @@ CONFIG = {
     "gradient_clipping": 0.0,
     "sequence_parallel_size": 2,
 }
-SEQUENCE = 8
 
 
 def model_object_by_its_config(monkeypatch):
@@ -96,42 +94,5 @@ def lora(seed):
     fix=model_object_by_its_config,
 )
 def test_register_ulysses_with_a_peft_model(ds_config, ds_world_size, ds_device):
-    import deepspeed
-    import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    dtype = precision_dtype(ds_config)
-    sp, micro = ds_config["sequence_parallel_size"], ds_config["train_micro_batch_size_per_gpu"]
-    model = lora(seed=3).to(dtype)
-    batch = token_batch(micro, seq_len=SEQUENCE, seed=7)  # one sample for the sequence-parallel group
-    positions = torch.arange(SEQUENCE, device=ds_device).expand(micro, SEQUENCE)
-    with torch.no_grad():
-        reference = model(input_ids=batch["input_ids"], position_ids=positions).logits
-
-    register = UlyssesSPAttentionHF.register_with_transformers
-    # The sequence length was max_length up to 0.18.1, seq_length from 0.18.2.
-    length = "seq_length" if "seq_length" in inspect.signature(register).parameters else "max_length"
-    mpu = register(
-        model_name_or_path=model,
-        core_attn_implementation="sdpa",
-        sequence_parallel_size=sp,
-        micro_batch_size=micro,
-        seq_length_is_variable=True,
-        **{length: SEQUENCE},
-    )
-    accumulation = ds_config["gradient_accumulation_steps"]
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
-        config={**ds_config, "train_batch_size": micro * accumulation * ds_world_size // sp},
-        mpu=mpu,
-    )
-    rank, local = mpu.get_sequence_parallel_rank(), SEQUENCE // sp
-    mine = slice(rank * local, (rank + 1) * local)
-    logits = engine(input_ids=batch["input_ids"][:, mine], position_ids=positions[:, mine]).logits
-    rtol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(
-        logits, reference[:, mine], rtol=rtol, atol=1e-5, msg="Ulysses logits differ from the whole sequence's"
-    )
-    engine.backward(logits.float().pow(2).mean())
-    engine.step()
+    model = lora(seed=3).to(precision_dtype(ds_config))
+    ulysses_step(model, model, ds_config, ds_world_size, ds_device, seed=7)  # registered with the PEFT model itself
