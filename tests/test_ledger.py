@@ -421,27 +421,27 @@ def test_a_message_is_a_bugs_own_when_it_names_something_or_is_deepspeeds_wordin
 def test_a_stock_message_names_a_known_fix_only_where_it_raises(
     packaged: tuple[FixRow, ...], bugs: list[triage.KnownBug]
 ) -> None:
-    """#7054's face is Python's own ``list index out of range``, raised through BF16_Optimizer's restore: the line alone
-    (a title, a bare error: a Ulysses example's failure has it too) makes the fix possible, never known; a traceback
-    through its frames names it, before the catalogued bugs that raise the same message elsewhere."""
-    fix = _known(packaged, 7054)
+    """#7599's face is Python's own ``list index out of range``, raised where a checkpoint's file names are listed: the
+    line alone (a title, a bare error: a launcher's failure has it too) makes the fix possible, never known; a
+    traceback through its frames names it, before the catalogued bugs that raise the same message elsewhere."""
+    fix = _known(packaged, 7599)
     assert not evidence.specific(fix.seen[0].face.match or "")
     alone = triage.rank(bugs, logread.read(f"{fix.seen[0].seen}\n"))
     assert alone.known is None, triage.terminal(alone)
-    assert "fix-7054" in [c.bug.id for c in alone.candidates]
-    assert "a message many causes raise" in next(c for c in alone.candidates if c.bug.id == "fix-7054").reason
+    assert "fix-7599" in [c.bug.id for c in alone.candidates]
+    assert "a message many causes raise" in next(c for c in alone.candidates if c.bug.id == "fix-7599").reason
     traced = """Traceback (most recent call last):
-  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 2911, in load_checkpoint
-    self.optimizer.refresh_fp32_params()
-  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/bf16_optimizer.py", line 494, in refresh_fp32_params
-    self._restore_from_bit16_weights()
-  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/bf16_optimizer.py", line 487, in _restore_from_bit16_weights
-    fp32_partition.data.copy_(bf16_partitions[partition_id].data)
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 3017, in load_checkpoint
+    load_path, client_states = self._load_checkpoint(load_dir,
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 3064, in _load_checkpoint
+    ckpt_list = self._get_all_ckpt_names(load_dir, tag)
+  File "/opt/venv/lib/python3.10/site-packages/deepspeed/runtime/engine.py", line 3370, in _get_all_ckpt_names
+    ckpt_files = [ckpt_file_pattern.format(rank) for rank in ranks[:mp_world_size]][0]
 IndexError: list index out of range
 """
     t = triage.rank(bugs, logread.read(traced))
     assert t.known is not None, triage.terminal(t)
-    assert t.known.bug.id == "fix-7054"
+    assert t.known.bug.id == "fix-7599"
 
 
 def test_a_fix_is_not_corroborated_by_the_frames_of_every_step(bugs: list[triage.KnownBug]) -> None:

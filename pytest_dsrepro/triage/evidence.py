@@ -240,7 +240,8 @@ def against(face: Face, error: Raised) -> _Hit:
         return _Hit(55 + covered, why, face, True, contradicted, retyped=True)
     short = error.first_line.rstrip()
     if face.match and len(short) >= LITERAL_MIN and face.literal.startswith(short) and short != face.literal:
-        return _Hit(45 if typed is not False else 35, f"the message is cut short of {face.match!r}", face)
+        points = (45 if typed is not False else 35) - (0 if specific(re.escape(short)) else 20)  # stock words so far
+        return _Hit(points, f"the message is cut short of {face.match!r}", face)
     if typed and face.match is None and not face.frames:  # a face with frames needs one of them (``typed_through``)
         return _Hit(35, f"it declares {face.raises} with any message", face)
     if typed:
@@ -283,13 +284,21 @@ def placed(face: Face, log: Log) -> bool:
     return face.match is None or specific(face.match) or agrees(face, log)
 
 
-def written_out(face: Face, text: str) -> _Hit:
+def written_out(face: Face, text: str, whole: str | None = None) -> _Hit:
     """A face's message written in the text (``text``: lower-cased) without its type (a title, prose, a type the paste
-    cut)."""
+    cut). Where the pattern says more than its literal start (``'ds_shape': \\((?:\\d+, )*0...``), the whole text
+    (``whole``, as read) must match it too: the start alone is another message's as well."""
     literal = face.literal
-    if face.match and len(literal) >= LITERAL_MIN and _one(literal) in text:
-        return _Hit(50, f"the text writes out its message {literal!r}", face, True, written=True)
-    return _Hit(0, "")
+    if not (face.match and len(literal) >= LITERAL_MIN and _one(literal) in text):
+        return _Hit(0, "")
+    if whole is not None and not _literal_only(face.match) and not re.search(face.match, whole, re.IGNORECASE):
+        return _Hit(0, "")
+    return _Hit(50, f"the text writes out its message {literal!r}", face, True, written=True)
+
+
+def _literal_only(pattern: str) -> bool:
+    """Whether a message pattern is all literal (no unescaped operator): nothing for a regular expression to add."""
+    return not re.search(r"(?<!\\)[\[\](){}?*+|^$]", pattern)
 
 
 def typed_through(face: Face, reading: Reading, hits: Sequence[str]) -> _Hit:
@@ -429,13 +438,14 @@ def _evidence(faces: Sequence[Face], named: str, bug_words: Mapping[str, int], l
     hit_frames = {face: _own_frames(face, log, strict) for face in faces}
     hits = [against(face, e) for face in faces for e in errors]
     raised_elsewhere = {h.face for h in hits if h.contradicted}  # its message written out is that exception's too
-    hits += [written_out(face, log.lower) for face in faces if face not in raised_elsewhere]
+    hits += [written_out(face, log.lower, log.text) for face in faces if face not in raised_elsewhere]
     hits += [typed_through(face, reading, hit_frames[face]) for face in faces]
     contradicted = max((h for h in hits if h.contradicted), key=lambda h: h.points, default=None)
     best = max((h for h in hits if not h.contradicted), key=lambda h: h.points, default=_Hit(0, ""))
     declared = list(dict.fromkeys(h for face in faces for h in hit_frames[face]))
     functions, files = named_frames(named, log)
-    framed = min(10 * len(declared) + 6 * len(functions) + 3 * len(files), 30)
+    entries = sum(d.rpartition(":")[2] in _ENTRY_FRAMES for d in declared)  # every load passes there: a file's worth
+    framed = min(10 * (len(declared) - entries) + 3 * entries + 6 * len(functions) + 3 * len(files), 30)
     said = phrases(faces, log.text, log.lower)
     overlap, common = _overlap(bug_words, log)
     if best.matched:  # the message's own words already counted in the match: what else the text says, a little
