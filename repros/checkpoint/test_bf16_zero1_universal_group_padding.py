@@ -30,8 +30,9 @@ pytestmark = [
         id="checkpoint-bf16-zero1-universal-group-padding",
         title="ds_to_universal on a bf16 ZeRO-1 (BF16_Optimizer) checkpoint with a small param group: narrow() "
         "length must be non-negative",
-        upstream="https://github.com/deepspeedai/DeepSpeed/pull/7426",
-        fix_ref="https://github.com/deepspeedai/DeepSpeed/pull/7426",
+        # Reported in PR #7426 (a face below), which is no fix: the line that records the padding.
+        upstream="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.5/deepspeed/runtime/bf16_optimizer.py#L203",
+        fix_ref=None,  # PR #7426 only made the stripping optional; nothing upstream fixes the padding
         fixed_in=None,
         root_cause="BF16_Optimizer records a group's whole alignment padding on the last data-parallel rank, though "
         "for a small group it spans earlier ranks' partitions too; ds_to_universal's _strip_tensor_paddings then "
