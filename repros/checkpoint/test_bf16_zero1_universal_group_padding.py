@@ -20,7 +20,8 @@ every rank, the part of its own partition that lies past the group's real elemen
 """
 
 import pytest
-from _prerequisites import TORCH_LOAD_WEIGHTS_ONLY
+from _prerequisites import BF16_ZERO1_OPTIMIZER, TORCH_LOAD_WEIGHTS_ONLY
+from _universal import to_universal
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
@@ -44,6 +45,7 @@ pytestmark = [
         config={"data_types.grad_accum_dtype": "fp32"},
     ),
     TORCH_LOAD_WEIGHTS_ONLY,  # the converter reads the checkpoint
+    BF16_ZERO1_OPTIMIZER,
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
@@ -103,10 +105,7 @@ def padding_per_rank(monkeypatch):
     fix=padding_per_rank,
 )
 def test_ds_to_universal_converts_a_small_group(ds_engine, ds_config, ds_rank, ds_device, tmp_path):
-    import sys
-
     import torch
-    from deepspeed.checkpoint import ds_to_universal
 
     class ScaledMLP(torch.nn.Module):
         """A tiny MLP whose output a learnable scalar scales (as CLIP's logit scale), trained in a group of its
@@ -133,16 +132,8 @@ def test_ds_to_universal_converts_a_small_group(ds_engine, ds_config, ds_rank, d
     engine.save_checkpoint(str(tmp_path / "checkpoint"), tag="step2", client_state=info)
 
     torch.distributed.barrier()  # every rank's files are written
-    # The converter is a command users run once; here every rank runs it (in-process, one worker, so that the fix
-    # applies) into its own folder.
     universal = tmp_path / f"universal-{ds_rank}"
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(tmp_path / "checkpoint" / "step2"),
-                                "--output_folder", str(universal), "--num_extract_workers", "1",
-                                "--num_merge_workers", "1"]  # fmt: skip
-    try:
-        ds_to_universal.main(ds_to_universal.parse_arguments())
-    finally:
-        sys.argv = argv
+    to_universal(tmp_path / "checkpoint" / "step2", universal)
 
     # The scalar's fp32 weight in the universal checkpoint is the trained one.
     stored = torch.load(universal / "zero" / "scale" / "fp32.pt", map_location=ds_device, weights_only=False)

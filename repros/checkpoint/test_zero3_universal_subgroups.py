@@ -11,6 +11,7 @@ parameters (first released in 0.18.0).
 
 import pytest
 from _prerequisites import TORCH_LOAD_WEIGHTS_ONLY
+from _universal import to_universal
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
@@ -101,10 +102,7 @@ def walk_every_subgroup(monkeypatch):
     fix=walk_every_subgroup,
 )
 def test_ds_to_universal_converts_every_subgroup(ds_engine, ds_config, ds_rank, tmp_path):
-    import sys
-
     import torch
-    from deepspeed.checkpoint import ds_to_universal
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     engine = ds_engine(model=tiny_mlp(seed=13))  # the config's optimizer, torch's Adam where it names none
@@ -119,16 +117,8 @@ def test_ds_to_universal_converts_every_subgroup(ds_engine, ds_config, ds_rank, 
     engine.save_checkpoint(str(tmp_path / "checkpoint"), tag="step2")
 
     torch.distributed.barrier()  # every rank's files are written
-    # The converter is a command users run once; here every rank runs it (in-process, one worker, so that the fix
-    # applies) into its own folder, so that every rank meets its error.
     universal = tmp_path / f"universal-{ds_rank}"
-    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(tmp_path / "checkpoint" / "step2"),
-                                "--output_folder", str(universal), "--num_extract_workers", "1",
-                                "--num_merge_workers", "1"]  # fmt: skip
-    try:
-        ds_to_universal.main(ds_to_universal.parse_arguments())
-    finally:
-        sys.argv = argv
+    to_universal(tmp_path / "checkpoint" / "step2", universal)
 
     # Every parameter's fp32 weight and Adam moments in the universal checkpoint are the trained ones.
     for name, param in engine.module.named_parameters():
