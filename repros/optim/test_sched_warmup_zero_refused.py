@@ -17,6 +17,7 @@ judges every other bug with the config's fix (``mend``), said above its table.
 """
 
 import pytest
+from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 
 from pytest_dsrepro.inrank.devices import precision_dtype
 from pytest_dsrepro.inrank.engine import ConfigRejected
@@ -44,6 +45,7 @@ pytestmark = [
         frames=("lr_schedules.py:__init__",),
         words=("warmup_num_steps",),
     ),
+    ZERO12_CPU_FLAT_BUFFER,
 ]
 
 

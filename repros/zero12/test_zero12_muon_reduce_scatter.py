@@ -15,6 +15,7 @@ so no release refuses it. The check needs no hand-made reference: the same engin
 import copy
 
 import pytest
+from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 
 from pytest_dsrepro.inrank.devices import engine_dtype
 from pytest_dsrepro.inrank.engine import EngineFactory
@@ -43,6 +44,7 @@ pytestmark = [
         "https://github.com/deepspeedai/DeepSpeed/issues/7807",
         words=("Muon", "reduce_scatter"),
     ),
+    ZERO12_CPU_FLAT_BUFFER,
 ]
 
 HIDDEN, STEPS, TOLERANCE = 16, 2, 1e-2
