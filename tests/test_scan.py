@@ -234,6 +234,7 @@ def test_a_refused_warmup_is_the_bug_and_the_rest_is_judged_with_its_fix(pyteste
     refused and the config runs as written. A premise's ``removes`` is said with the bug it is for."""
     shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
     shutil.copy(ROOT / "repros" / "optim" / "test_sched_warmup_zero_refused.py", pytester.path)
+    shutil.copy(ROOT / "repros" / "_prerequisites.py", pytester.path)  # its prerequisite on 0.18.7-0.18.9
     pytester.makepyfile(test_beside=BESIDE_THE_REFUSAL)
     result = run("--ds-scan", str(config(pytester, HF_ZERO2)))
     removed = "  *with no scheduler (WarmupLR): the body judges one step at its own rate"
