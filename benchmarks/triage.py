@@ -32,6 +32,7 @@ lines of real DeepSpeed issues (``--context``); errors the catalogue does not ho
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -153,8 +154,9 @@ def named(answer: str) -> str:
     return _catalogued_fixes().get(pr, f"fix-{pr}")
 
 
+@functools.cache
 def _catalogued_fixes() -> dict[int, str]:
-    """The ledger's repro rows, read from this checkout's ledger files: pull request to catalogued bug."""
+    """The ledger's repro rows, read once from this checkout's ledger files: pull request to catalogued bug."""
     rows = [row for f in sorted((ROOT / "pytest_dsrepro" / "triage" / "fixes").glob("*.toml"))
             for row in tomllib.loads(f.read_text())["fix"]]  # fmt: skip
     return {row["pr"]: row["repro"] for row in rows if row["disposition"] == "repro" and row.get("pr")}
