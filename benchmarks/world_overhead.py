@@ -30,15 +30,18 @@ Measured in one run, interleaved round by round so that load changes hit every c
 - **the warm catalogue**: ``pytest repros/`` on this interpreter's DeepSpeed, its comm op and preload list cached:
   wall and CPU time, and pytest's summary line (verdicts are not timed, but a catalogue that errors is no figure).
   ``--catalogue-from DIR``: every contender runs that checkout's ``repros/`` (an older checkout's plugin may not
-  know a newer catalogue's markers and fixtures), so that both run the same repros.
+  know a newer catalogue's markers and fixtures), so that both run the same repros; ``--catalogue-own``: each runs
+  its own, the catalogue as it was at that commit (issue 53: 107 bugs against the 35 of b0602a0). Per contender,
+  the cost per test and where it goes, from the run's results file: series of races, slowdowns, the Hugging Face
+  path, other worlds.
 - ``--against DIR``: another checkout of the plugin (``git worktree add DIR <commit>``) measured the same way in the
   same rounds, so that a change is judged side by side on a machine that is not quiet.
 
 Prints medians, the load average, and ratios; the targets are in README.md.
 
     python benchmarks/world_overhead.py [--tests 10] [--rounds 3] [--sizes 1,2,4,8] [--zero3 3]
-                                        [--baseline-runs 3] [--catalogue] [--catalogue-from DIR] [--cold]
-                                        [--new-install] [--gpu-sim N] [--against DIR]
+                                        [--baseline-runs 3] [--catalogue] [--catalogue-from DIR | --catalogue-own]
+                                        [--cold] [--new-install] [--gpu-sim N] [--against DIR]
 """
 
 from __future__ import annotations
@@ -245,6 +248,7 @@ class Figures:
     catalogue_wall: list[float] = field(default_factory=list)
     catalogue_cpu: list[float] = field(default_factory=list)
     catalogue_summary: list[str] = field(default_factory=list)
+    catalogue_kinds: list[dict[str, tuple[int, float]]] = field(default_factory=list)  # kind -> (tests, seconds)
 
 
 def _env(plugin_root: Path, gpus: int = 0) -> dict[str, str]:
@@ -353,16 +357,40 @@ def baseline(runs: int, workdir: Path) -> list[float]:
 
 
 def catalogue(plugin_root: Path, repros_root: Path, into: Figures) -> None:
-    """``pytest repros/`` of ``repros_root``, wall and CPU time of everything it ran, and its summary line."""
+    """``pytest repros/`` of ``repros_root``, wall and CPU time of everything it ran, its summary line, and its tests'
+    durations by kind (from the results file it writes)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "repros"]
-    out = subprocess.run(cmd, cwd=repros_root, capture_output=True, text=True, env=_env(plugin_root))
-    into.catalogue_wall.append(time.perf_counter() - started)
+    with tempfile.TemporaryDirectory(prefix="dsrepro-catalogue-") as results:
+        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ds-results", results, "repros"]
+        out = subprocess.run(cmd, cwd=repros_root, capture_output=True, text=True, env=_env(plugin_root))
+        into.catalogue_wall.append(time.perf_counter() - started)
+        into.catalogue_kinds.append(_kinds(Path(results)))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     into.catalogue_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     summary = (out.stdout.strip().splitlines() or ["(no output)"])[-1]
     into.catalogue_summary.append(re.sub(r" in [0-9.]+s.*", "", summary.strip("= ")))  # its time is the wall's
+
+
+def _kinds(results: Path) -> dict[str, tuple[int, float]]:
+    """Tests and seconds per kind of test: a series of runs (a race), a timed slowdown, the Hugging Face path, a
+    skip, any other world. Read loosely: an older commit's results schema has the same fields."""
+    kinds: dict[str, tuple[int, float]] = {}
+    for path in results.glob("*.json"):
+        for test in json.loads(path.read_text())["tests"]:
+            if test["outcome"] == "skipped":
+                kind = "skipped"
+            elif test.get("rate"):
+                kind = "series of runs (races)"
+            elif test.get("measurements") or test.get("measurement"):
+                kind = "slowdowns"
+            elif (test.get("repro") or {}).get("id", "").startswith("hf-"):
+                kind = "Hugging Face path"
+            else:
+                kind = "other worlds"
+            count, seconds = kinds.get(kind, (0, 0.0))
+            kinds[kind] = (count + 1, seconds + test["duration"])
+    return kinds
 
 
 def _median(xs: list[float]) -> float | None:
@@ -413,12 +441,24 @@ def report(contenders: dict[str, Figures], bare: Figures, fresh: list[float], si
         row("warm catalogue, CPU", [_median(f.catalogue_cpu) for f in figures])
         for name, f in contenders.items():
             print(f"  {name}'s catalogue: " + "; ".join(dict.fromkeys(f.catalogue_summary)))
+            catalogue_kinds(f.catalogue_kinds)
     if fresh:
         speed_ups(contenders, fresh)
     for name, f in contenders.items():
         breakdown(name, f)
     if len(names) == 2:
         side_by_side(names, *figures, sizes)
+
+
+def catalogue_kinds(rounds: list[dict[str, tuple[int, float]]]) -> None:
+    """Each kind's tests, median seconds over the rounds, and seconds per test."""
+    total = statistics.median(sum(s for _, s in kinds.values()) for kinds in rounds)
+    tests = statistics.median(sum(n for n, _ in kinds.values() if n) for kinds in rounds)
+    print(f"    {'all tests':<26}{tests:>5.0f} tests {total:>8.1f} s {total / max(tests, 1):>7.2f} s/test")
+    for kind in sorted({k for kinds in rounds for k in kinds}):
+        count = statistics.median(kinds.get(kind, (0, 0.0))[0] for kinds in rounds)
+        seconds = statistics.median(kinds.get(kind, (0, 0.0))[1] for kinds in rounds)
+        print(f"    {kind:<26}{count:>5.0f} tests {seconds:>8.1f} s {seconds / max(count, 1):>7.2f} s/test")
 
 
 def speed_ups(contenders: dict[str, Figures], fresh: list[float]) -> None:
@@ -484,7 +524,7 @@ def one_round(
         if args.new_install:
             first_search(root, workdir, contenders[name], args.gpu_sim)
         if args.catalogue:
-            catalogue(root, args.catalogue_from, contenders[name])
+            catalogue(root, root if args.catalogue_own else args.catalogue_from, contenders[name])
 
 
 def main() -> None:
@@ -498,6 +538,7 @@ def main() -> None:
     parser.add_argument(
         "--catalogue-from", type=Path, default=ROOT, help="the checkout whose repros/ the catalogue runs (this one)"
     )
+    parser.add_argument("--catalogue-own", action="store_true", help="each contender runs its own repros/")
     parser.add_argument("--cold", action="store_true", help="also time a first verdict with an empty cache, each round")
     parser.add_argument("--new-install", action="store_true", help="also time a never-seen install's first verdict")
     parser.add_argument("--gpu-sim", type=int, default=0, help="--new-install under N simulated GPUs")
@@ -515,7 +556,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsrepro-bench-") as tmp:
         workdir = Path(tmp)
         if args.catalogue:  # warm: the comm op and the preload list cached, as every later run finds them
-            catalogue(ROOT, args.catalogue_from, Figures())
+            for root in roots.values() if args.catalogue_own else [ROOT]:
+                catalogue(root, root if args.catalogue_own else args.catalogue_from, Figures())
         for _ in range(args.rounds):
             one_round(args, sizes, roots, contenders, bare, workdir)
         fresh = baseline(args.baseline_runs, workdir)
