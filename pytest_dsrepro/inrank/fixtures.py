@@ -11,7 +11,7 @@ import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -86,6 +86,16 @@ def rank_fixture(function: F | None = None, *, name: str | None = None, autouse:
     return declare(function) if function is not None else declare
 
 
+def _tear_down(generator: Iterator[Any], name: str) -> None:
+    """The code after a rank fixture's ``yield``: run however the body ended, as pytest runs its fixtures' (a
+    ``contextmanager`` would throw the body's exception in at the ``yield`` and skip it)."""
+    try:
+        next(generator)
+    except StopIteration:
+        return
+    raise RuntimeError(f"rank fixture {name} yielded more than once")
+
+
 def arguments(
     kwargs: dict[str, Any],
     stack: contextlib.ExitStack,
@@ -104,7 +114,9 @@ def arguments(
             fn = value.function()
             args = {k: enter(v) for k, v in value.kwargs.items()}
             if inspect.isgeneratorfunction(fn):
-                done[id(value)] = stack.enter_context(contextlib.contextmanager(fn)(**args))
+                generator = fn(**args)
+                done[id(value)] = next(generator)
+                stack.callback(_tear_down, generator, value.qualname)
             else:
                 done[id(value)] = fn(**args)
         return done[id(value)]
