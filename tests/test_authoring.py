@@ -321,14 +321,17 @@ def test_rank_fixtures_run_in_every_rank_and_tear_down_there(pytester: pytest.Py
             assert not (rank_dir / "torn-down").exists()  # torn down before rank_dir
 
         @pytest.mark.ds_world
-        @pytest.mark.ds_version(affected="<0.0.1", raises=KeyError, fix=patch)
+        @pytest.mark.ds_version(affected=">=0", raises=KeyError, match="unpatched", fix=patch)
         def test_in_ranks(seed, rank_dir, ds_rank, base):
             assert seed == 1200 + 7 * ds_rank
             assert rank_dir == base / f"rank{ds_rank}"
+            if not getattr(json, "patched", False):
+                raise KeyError("unpatched")
 
         def test_torn_down_in_each_rank(tmp_path_factory):
             found = sorted(p.read_text() for p in tmp_path_factory.getbasetemp().rglob("torn-down"))
-            assert found == ["False", "False", "True", "True"]  # [stock] and [fixed], fix still on at teardown
+            # [stock] (torn down after its body failed, as pytest's fixtures are) and [fixed], fix still on at teardown
+            assert found == ["False", "False", "True", "True"]
 
         @rank_fixture
         def broken_teardown(ds_rank):
@@ -342,5 +345,5 @@ def test_rank_fixtures_run_in_every_rank_and_tear_down_there(pytester: pytest.Py
         """
     )
     result = run("-p", "no:randomly")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=2, xfailed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_teardown_failure*", "*rank 1: RuntimeError: teardown failed in rank 1*"])

@@ -278,13 +278,15 @@ def test_every_gate_outcome_in_real_worlds(pytester: pytest.Pytester, run: RunPy
     V = deepspeed_version()
     pytester.makepyfile(GATED.replace("{V}", V))
     result = run("-rxXs", "-v")
-    result.assert_outcomes(passed=3, failed=4, xfailed=2)
+    result.assert_outcomes(passed=2, failed=4, xfailed=2, skipped=1)
     result.stdout.fnmatch_lines_random(
         [
             f"*::test_reproduces?stock? XFAIL (REPRODUCED on deepspeed {V}: ranks 0-1: AttributeError: *epilogue*)*",
             "*::test_reproduces?fixed? PASSED*",
             "*::test_fixed_release?stock? PASSED*",
-            "*::test_fixed_release?fixed? PASSED*",
+            # a fix is for the affected releases: outside them the [stock] run is the test, and no world starts
+            f"*::test_fixed_release?fixed? SKIPPED (not applicable on deepspeed {V}: the fix is for the affected "
+            "releases (<0.0.1); here the [stock] run is the test)*",
         ]
     )
     result.stdout.fnmatch_lines_random(
