@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
 BODY = """
@@ -255,6 +257,7 @@ def _env(plugin_root: Path, gpus: int = 0) -> dict[str, str]:
     """This interpreter, with the plugin imported from ``plugin_root`` (ahead of any installed copy); ``gpus``: the
     CUDA simulation of the test-suite claims that many."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSREPRO_")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # the checkout's own plugins only (_pytest)
     sim = [str(ROOT / "tests" / "cuda_sim")] if gpus else []
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_root), *sim, *filter(None, [os.environ.get("PYTHONPATH")])])
     if gpus:
@@ -262,6 +265,14 @@ def _env(plugin_root: Path, gpus: int = 0) -> dict[str, str]:
     else:
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
+
+
+def _pytest(plugin_root: Path) -> list[str]:
+    """pytest with ``plugin_root``'s own plugins: the installed copy's entry points may name modules an older checkout
+    lacks (``pytest_dsrepro.scan.scanner``), so autoloading is off (``_env``) and the checkout's are named."""
+    points = tomllib.loads((plugin_root / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]
+    plugins = [arg for module in points.values() for arg in ("-p", module)]
+    return [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins]
 
 
 def _session(
@@ -272,7 +283,7 @@ def _session(
     ``gpus``: under the CUDA simulation (``_env``)."""
     (workdir / "conftest.py").write_text(RECORDER)
     (workdir / "test_bench.py").write_text(source)
-    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bench.py", *options]
+    cmd = [*_pytest(plugin_root), "test_bench.py", *options]
     launched = time.time()
     subprocess.run(cmd, cwd=workdir, check=check, stdout=subprocess.DEVNULL, env=_env(plugin_root, gpus))
     return json.loads((workdir / "recorded.json").read_text()), launched
@@ -362,7 +373,7 @@ def catalogue(plugin_root: Path, repros_root: Path, into: Figures) -> None:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dsrepro-catalogue-") as results:
-        cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--ds-results", results, "repros"]
+        cmd = [*_pytest(plugin_root), "--ds-results", results, "repros"]
         out = subprocess.run(cmd, cwd=repros_root, capture_output=True, text=True, env=_env(plugin_root))
         into.catalogue_wall.append(time.perf_counter() - started)
         into.catalogue_kinds.append(_kinds(Path(results)))
