@@ -34,8 +34,8 @@ FAILURE_GRACE = 5.0
 #                          Spawned(world, pids, ...); Exited(world, rank, returncode, at);
 #                          Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
 #                          OpWait(world, at, waiting) when a world's ranks begin or end waiting for an op the server
-#                          builds; WorldEnded(world) unasked, when every rank of a world not kept exited on its own and
-#                          what they left is ended; Reaped(world) once a Reap is done; BuildEnded(what) once a
+#                          builds; WorldEnded(world) unasked, when every rank of a world not kept has ended and what
+#                          they left is ended too; Reaped(world) once a Reap is done; BuildEnded(what) once a
 #                          FinishBuild is done
 #       pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
 #                          Reap(world, keep); FinishBuild()
@@ -172,11 +172,11 @@ class Reaped:
 
 @dataclass(frozen=True)
 class WorldEnded:
-    """Every rank of ``world`` (a world not kept between tests: ``Spawn.reuse`` None) exited on its own, and the
-    server has already ended what they left (the work of a ``Reap``, but for the directory): sent unasked, right
-    after the last ``Exited``, so that pytest need not wait for ``Reaped``. pytest still sends ``Reap`` (the server
-    then discards the directory, whoever gets there first, and answers ``Reaped`` all the same) and discards the
-    directory itself."""
+    """Every rank of ``world`` (a world not kept between tests: ``Spawn.reuse`` None) has ended, each told by
+    ``Exited`` (it exited, or was killed as pytest asked), and the server has already ended what they left (the work
+    of a ``Reap``, but for the directory): sent unasked, right after the last ``Exited``, so that pytest need not
+    wait for ``Reaped``. pytest then removes the directory itself and still sends ``Reap``, which finds it gone and
+    is answered by ``Reaped`` all the same."""
 
     world: int
 

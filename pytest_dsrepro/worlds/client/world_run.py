@@ -284,7 +284,7 @@ class WorldRun:
 
     def _cleanup(self) -> None:
         """Have the server reap the world and wait for its ``Reaped`` (or its ``WorldEnded``, said unasked once every
-        rank exited on its own: then nothing is waited for); the directory is discarded here too (after a
+        rank has ended: then nothing is waited for); the directory is discarded here too (after a
         ``WorldEnded`` before the ``Reap``, which then finds it gone, rather than both removing it at once).
 
         Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left

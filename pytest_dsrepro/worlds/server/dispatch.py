@@ -1,7 +1,7 @@
 """Runs in the fork server: its answer to each of pytest's messages, and the worlds it started for pytest.
 
 ``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
-ranks, ``Reap`` ends a world (``reaping``; one whose ranks all exited is ended unasked: ``WorldEnded``) and discards
+ranks, ``Reap`` ends a world (``reaping``; one whose ranks all ended is ended unasked: ``WorldEnded``) and discards
 its directory, ``FinishBuild`` lets the op builds that run beside the worlds go on after the run (``op_builds``).
 What all ranks of a world share is done once, before the fork (``OpenWorlds.spawn``), DeepSpeed's first use included
 for a test that uses it (``OpenWorlds.warm``).
@@ -225,10 +225,10 @@ class OpenWorlds:
         return all(pid in self.ranks.pids for pid in world.pids) and world.whole()
 
     def _end_exited(self) -> None:
-        """Each open world not kept between tests (no links) whose every rank exited on its own, each told by
-        ``Exited``: what its ranks left is ended now (``end``), rank 0 reaped, and pytest told ``WorldEnded`` right
-        after the last ``Exited``, so that it need not wait for ``Reaped``; the directory waits for pytest's ``Reap``.
-        """
+        """Each open world not kept between tests (no links) whose every rank has ended (exited, or was killed as
+        pytest asked), each told by ``Exited``: what its ranks left is ended now (``end``), rank 0 reaped, and pytest
+        told ``WorldEnded`` right after the last ``Exited``, so that it need not wait for ``Reaped``; the directory
+        waits for pytest's ``Reap``."""
         for world, forked in list(self.worlds.items()):
             if not forked.links and not any(pid in self.ranks.pids for pid in forked.pids):
                 del self.worlds[world]
