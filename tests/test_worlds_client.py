@@ -6,6 +6,7 @@ The client never signals a rank: it asks the server, which forked the ranks, to 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import signal
@@ -44,6 +45,7 @@ from pytest_dsrepro.worlds.protocol import (
     Spawn,
     Spawned,
     TestRef,
+    WorldEnded,
 )
 
 WORLD = 1
@@ -321,6 +323,29 @@ def test_a_world_after_a_stopped_one_runs_clean(runner: WorldRunner, tmp_path: P
     assert _server_children(runner) == []
     assert [name for name, _ in outcome.phases] == list(PHASES)  # where its time went, every phase told
     assert 0 < sum(seconds for _, seconds in outcome.phases) <= outcome.duration
+
+
+@dataclasses.dataclass
+class _Listening(WorldRun):
+    """A world that keeps the classes of the messages it hears."""
+
+    heard: list[type] = dataclasses.field(default_factory=list)
+
+    def take(self, message: Any) -> None:
+        self.heard.append(type(message))
+        super().take(message)
+
+
+def test_a_world_whose_ranks_all_exited_ends_without_a_round_trip(runner: WorldRunner, tmp_path: Path) -> None:
+    """Issue 53: once every rank of a world exited on its own, the server ends what they left unasked and says
+    ``WorldEnded`` after the last ``Exited``: the test waits for no ``Reaped``, and nothing of the world is left when it
+    ends all the same."""
+    world = _Listening(runner.server, 1003, 2, "gloo", 120.0)
+    outcome = world.run(_real_job(tmp_path, "test_passes"))
+    assert outcome.passed, outcome
+    assert world.heard == [Spawned, Exited, Exited, WorldEnded]
+    assert not world.workdir.exists()
+    assert _server_children(runner, timeout=0) == []
 
 
 @pytest.mark.parametrize(

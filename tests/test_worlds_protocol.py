@@ -6,6 +6,7 @@ import dataclasses
 import mmap
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ from pytest_dsrepro.worlds.protocol import (
     Spawn,
     Spawned,
     TestRef,
+    WorldEnded,
 )
 
 FACTS = ServerFacts(
@@ -52,6 +54,7 @@ MESSAGES = [
     Spawned(3, (101, 102), reused=True),
     Exited(1, 0, -9, at=12.5),
     Finished(3, 1, at=13.0),
+    WorldEnded(1),
     Reaped(1),
     Spawn(1, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world"),
     Spawn(3, pickle.dumps(RankJob(REF, b"payload", "gloo", 30.0)), 2, "/tmp/world", reuse="t.py::TestX [2 gloo]"),
@@ -219,3 +222,20 @@ def test_a_world_directory_names_the_port_of_a_bodys_own_group(tmp_path: Path) -
         assert [p for p in buffers if p.exists()] == []
     finally:
         shm.remove(buffers)
+
+
+def test_a_world_directory_removed_meanwhile_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest and the fork server may discard one world's directory at once (a world whose ranks all exited on their
+    own, issue 53): the one that finds it gone under its feet goes on (the server died of it once)."""
+    directory = tmp_path / "world"
+    directory.mkdir()
+    (directory / "buffers-0.txt").write_text("")
+
+    def removed_meanwhile(self: Path, pattern: str) -> list[Path]:
+        shutil.rmtree(self)
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", removed_meanwhile)
+    workdir.discard(directory)
+    assert not directory.exists()
+    assert workdir.read_text(directory / "store_port") == ""

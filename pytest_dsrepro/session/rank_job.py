@@ -110,7 +110,9 @@ def body_call(
     """A world test's body: the fixes of its prerequisites and of its ``[fixed]`` variant, the rank fixtures it does
     not name; its reuse scope unless it is a nondeterministic series (fresh worlds, each run)."""
     marks = item.stash[MARKS_KEY]
-    fixes = [c.fix for c in holding(marks.prerequisites, installed_deepspeed()) if c.fix is not None]
+    # The installed release comes from its metadata (a walk of sys.path): read only where a prerequisite asks.
+    held = holding(marks.prerequisites, installed_deepspeed()) if marks.prerequisites else ()
+    fixes = [c.fix for c in held if c.fix is not None]
     fixes += [marks.fix] if marks.fix is not None and marks.variant == FIXED else []
     return WorldCall(
         item.nodeid, function, _test_reference(item), kwargs, tuple(fixes), unnamed_rank_fixtures(item, kwargs),

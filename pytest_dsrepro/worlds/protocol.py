@@ -34,7 +34,9 @@ FAILURE_GRACE = 5.0
 #                          Spawned(world, pids, ...); Exited(world, rank, returncode, at);
 #                          Finished(world, rank, at) when a rank of a reusable world is done and waits for a next test;
 #                          OpWait(world, at, waiting) when a world's ranks begin or end waiting for an op the server
-#                          builds; Reaped(world) once a Reap is done; BuildEnded(what) once a FinishBuild is done
+#                          builds; WorldEnded(world) unasked, when every rank of a world not kept has ended and what
+#                          they left is ended too; Reaped(world) once a Reap is done; BuildEnded(what) once a
+#                          FinishBuild is done
 #       pytest -> server   Spawn(world, job, size, workdir, reuse); DumpStacks(world, ranks); Kill(world, ranks);
 #                          Reap(world, keep); FinishBuild()
 #
@@ -169,6 +171,17 @@ class Reaped:
 
 
 @dataclass(frozen=True)
+class WorldEnded:
+    """Every rank of ``world`` (a world not kept between tests: ``Spawn.reuse`` None) has ended, each told by
+    ``Exited`` (it exited, or was killed as pytest asked), and the server has already ended what they left (the work
+    of a ``Reap``, but for the directory): sent unasked, right after the last ``Exited``, so that pytest need not
+    wait for ``Reaped``. pytest then removes the directory itself and still sends ``Reap``, which finds it gone and
+    is answered by ``Reaped`` all the same."""
+
+    world: int
+
+
+@dataclass(frozen=True)
 class OpWait:
     """A rank of ``world`` began (``waiting``) waiting for an op that the server builds for it (``server.op_builds``),
     or the last of its ranks that waited got it (not ``waiting``), at ``at`` (``time.monotonic()``): the world's
@@ -179,8 +192,8 @@ class OpWait:
     waiting: bool
 
 
-ServerMessage = Hello | Building | Spawned | Exited | Finished | Reaped | BuildEnded | OpWait
-SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, Reaped, BuildEnded, OpWait)
+ServerMessage = Hello | Building | Spawned | Exited | Finished | WorldEnded | Reaped | BuildEnded | OpWait
+SERVER_MESSAGES = (Hello, Building, Spawned, Exited, Finished, WorldEnded, Reaped, BuildEnded, OpWait)
 
 
 # ---- the op channel: a rank and the fork server's op builds ---------------------------------------------------

@@ -43,10 +43,12 @@ def is_buffer(path: Path, shm_dir: Path = SHM_DIR) -> bool:
 def mapped_buffers(maps: Path = Path("/proc/self/maps"), shm_dir: Path = SHM_DIR) -> list[Path]:
     """DeepSpeed's buffers this process maps, whatever port named them (none where ``maps`` cannot be read)."""
     try:
-        lines = maps.read_text().splitlines()
+        text = maps.read_text()
     except OSError:
         return []
-    named = (Path(line.split(maxsplit=5)[-1]) for line in lines if PREFIX in line)  # a rank maps hundreds of files
+    if PREFIX not in text:  # a rank maps hundreds of files, and seldom a buffer: no line is split then
+        return []
+    named = (Path(line.split(maxsplit=5)[-1]) for line in text.splitlines() if PREFIX in line)
     return sorted({p for p in named if is_buffer(p, shm_dir)})
 
 

@@ -84,7 +84,11 @@ def nccl_requested_file(workdir: Path, rank: int) -> Path:
 
 
 def read_text(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
+    """The file's text; "" where there is none (never written, or removed meanwhile)."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def read_output(workdir: Path, rank: int) -> str:
@@ -104,12 +108,17 @@ def read_output(workdir: Path, rank: int) -> str:
 
 def discard(workdir: Path, buffers: bool = True) -> None:
     """Remove the world's /dev/shm buffers (named after its store's port, or its body's own group's; those its ranks
-    listed; ``buffers=False``: its ranks live on, kept for the next test, and still map them) and its directory."""
+    listed; ``buffers=False``: its ranks live on, kept for the next test, and still map them) and its directory.
+    Whoever else removes it meanwhile (pytest and the fork server both may) makes no error here."""
     if buffers:
         for port in (read_text(port_file(workdir)), read_text(group_port_file(workdir))):
             if port.strip().isdigit():
                 shm.remove_world_buffers(LOOPBACK, int(port))
-        for listed in workdir.glob("buffers-*.txt"):
+        try:
+            lists = list(workdir.glob("buffers-*.txt"))
+        except FileNotFoundError:  # removed meanwhile by the other process that outlives the world
+            lists = []
+        for listed in lists:
             for path in map(Path, read_text(listed).splitlines()):
                 if shm.is_buffer(path):
                     path.unlink(missing_ok=True)

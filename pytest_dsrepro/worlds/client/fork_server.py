@@ -2,8 +2,8 @@
 
 Every message of ``protocol`` that the server sends is received in one place (``ForkServer.wait_for``) and dispatched
 by its class in one other (``ForkServer.dispatch``): the server's own news (``Building``, ``Hello``, ``BuildEnded``)
-is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``OpWait``, ``Reaped``) goes to the world that waits
-(``world_run.WorldRun.take``). Whoever waits says for what (``until``) and until when.
+is kept here, a world's (``Spawned``, ``Exited``, ``Finished``, ``OpWait``, ``WorldEnded``, ``Reaped``) goes to the
+world that waits (``world_run.WorldRun.take``). Whoever waits says for what (``until``) and until when.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..protocol import (
     ServerFacts,
     ServerMessage,
     Spawned,
+    WorldEnded,
 )
 from .gpu_probe import Gpu
 from .server_process import ServerGone, ServerProcess, told_log
@@ -63,7 +64,7 @@ def _silent(text: str) -> None:
     pass
 
 
-WorldMessage = Spawned | Exited | Finished | Reaped | OpWait
+WorldMessage = Spawned | Exited | Finished | WorldEnded | Reaped | OpWait
 
 
 class WorldListener(Protocol):
@@ -218,7 +219,7 @@ class ForkServer:
         if message is not None:
             self.heard = time.monotonic()
         match message:
-            case Spawned() | Exited() | Finished() | Reaped() | OpWait():
+            case Spawned() | Exited() | Finished() | WorldEnded() | Reaped() | OpWait():
                 if world is not None and message.world == world.world_id:
                     world.take(message)
             case _:

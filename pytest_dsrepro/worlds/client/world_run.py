@@ -32,6 +32,7 @@ from ..protocol import (
     Reaped,
     Spawn,
     Spawned,
+    WorldEnded,
     read_report,
 )
 from ..workdir import discard, read_output, read_text, stack_file
@@ -114,7 +115,7 @@ class WorldRun:
     flight_recorder: Path | None = None  # an NCCL world's: where its ranks' flight recorder dumps are kept
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
-    reaped: bool = False  # the server answered Reap: nothing of the world is left
+    reaped: bool = False  # nothing of the world is left but its directory: the server said WorldEnded, or Reaped
     kept: bool = False  # asked the server to keep its ranks for the next test of its scope (``_keep``)
     clock: float = math.inf  # when its clock started: its ranks were said to run (``Spawned``)
     paused: float = 0.0  # how long its ranks waited for ops the server built (``OpWait``), once they got them
@@ -137,7 +138,7 @@ class WorldRun:
                 if self.paused_since is not None:
                     self.paused += message.at - self.paused_since
                 self.paused_since = None
-            case Reaped():
+            case Reaped() | WorldEnded():
                 self.reaped = True
             case Exited() | Finished():
                 # A world interrupted before its Spawned arrived knows no ranks yet: their ends only matter to the
@@ -282,7 +283,9 @@ class WorldRun:
         )
 
     def _cleanup(self) -> None:
-        """Have the server reap the world and wait for its ``Reaped``; the directory is discarded here too.
+        """Have the server reap the world and wait for its ``Reaped`` (or its ``WorldEnded``, said unasked once every
+        rank has ended: then nothing is waited for); the directory is discarded here too (after a
+        ``WorldEnded`` before the ``Reap``, which then finds it gone, rather than both removing it at once).
 
         Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left
         and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends. A
@@ -291,6 +294,8 @@ class WorldRun:
         A dead server's ranks died with it: then only the directory (and its ``/dev/shm`` buffers) is left to remove.
         """
         try:
+            if self.reaped:  # WorldEnded: nothing of the world is left but this directory
+                discard(self.workdir)
             if self.server.alive:
                 self.kept = self._keep()
                 self.server.send(Reap(self.world_id, keep=self.kept))

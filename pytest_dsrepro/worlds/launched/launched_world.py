@@ -163,7 +163,7 @@ class LaunchedWorld:
             group_store = dist.PrefixStore("pg", store)  # type: ignore[attr-defined]
             rank, size = self.world.rank, self.world.world_size
             rendezvous.init_default_group(backend, group_store, rank, size, timeout + GROUP_MARGIN)
-            rendezvous.agree_connected(group_store, size, timeout)
+            rendezvous.agree_connected(group_store, rank, size, timeout)
         except BaseException as exc:  # noqa: BLE001 - this rank's failure, as a spawned rank reports it
             error = ErrorInfo.from_exception(exc, "world setup failed:\n" + traceback.format_exc())
             result = RankReport(Status.FAILED, error=error, at=time.monotonic()).result(self.world.rank, "", started)

@@ -88,21 +88,18 @@ def init_default_group(backend: str, store: Any, rank: int, world_size: int, tim
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_timeout(timeout), **kwargs)
 
 
-#: Store keys of the agreement below: a counter, and the key the last rank to arrive sets.
-CONNECTED_COUNT = "dsrepro/connected"
+#: Store key prefix of the agreement below: each rank sets its own key once it has its process group.
+CONNECTED = "dsrepro/connected/"
 
 
-ALL_CONNECTED = "dsrepro/all_connected"
-
-
-def agree_connected(store: Any, world_size: int, timeout: float) -> None:
+def agree_connected(store: Any, rank: int, world_size: int, timeout: float) -> None:
     """Return only once every rank of the world has its default process group: no rank may exit (closing its
     connections) while a slower one is still connecting. Without it a body that runs no collective failed ~0.3% of
     its worlds with gloo's "connectFullMesh failed ... Connection closed by peer" in the slow rank.
 
-    On the world's own store (not the process group's), so it adds no collective to the test: one ``add`` per rank,
-    the last one to arrive sets the key every rank waits for.
+    On the world's own store (not the process group's), so it adds no collective to the test: each rank sets a key
+    of its own and waits for every rank's, two requests each (a shared counter took three for the last rank to
+    arrive, which the whole world waits for).
     """
-    if store.add(CONNECTED_COUNT, 1) == world_size:
-        store.set(ALL_CONNECTED, "1")
-    store.wait([ALL_CONNECTED], _timeout(timeout))
+    store.set(f"{CONNECTED}{rank}", "1")
+    store.wait([f"{CONNECTED}{r}" for r in range(world_size)], _timeout(timeout))

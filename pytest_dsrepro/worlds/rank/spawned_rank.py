@@ -165,5 +165,5 @@ def _meet(job: RankJob, rank: int, world_size: int, meeting: Meeting) -> tuple[o
         rendezvous.set_rank_environment(rank, world_size, master[0] if master else meeting.port)
     if job.process_group:
         rendezvous.init_default_group(job.backend, store, rank, world_size, job.timeout)
-    rendezvous.agree_connected(store, world_size, job.timeout)
+    rendezvous.agree_connected(store, rank, world_size, job.timeout)
     return store, master

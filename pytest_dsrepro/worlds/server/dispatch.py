@@ -1,9 +1,10 @@
 """Runs in the fork server: its answer to each of pytest's messages, and the worlds it started for pytest.
 
 ``Spawn`` forks a world's ranks (or hands the test to a kept world's, ``kept``), ``DumpStacks`` and ``Kill`` signal
-ranks, ``Reap`` ends a world (``reaping``) and discards its directory, ``FinishBuild`` lets the op builds that run
-beside the worlds go on after the run (``op_builds``). What all ranks of a world share is done once, before the fork
-(``OpenWorlds.spawn``), DeepSpeed's first use included for a test that uses it (``OpenWorlds.warm``).
+ranks, ``Reap`` ends a world (``reaping``; one whose ranks all ended is ended unasked: ``WorldEnded``) and discards
+its directory, ``FinishBuild`` lets the op builds that run beside the worlds go on after the run (``op_builds``).
+What all ranks of a world share is done once, before the fork (``OpenWorlds.spawn``), DeepSpeed's first use included
+for a test that uses it (``OpenWorlds.warm``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..protocol import (
     Reaped,
     Spawn,
     Spawned,
+    WorldEnded,
 )
 from ..rank.spawned_rank import STACK_SIGNAL
 from . import builds, comm_op, op_builds, preload, warmup
@@ -222,6 +224,18 @@ class OpenWorlds:
         """Every rank of the world still runs: none was told dead, nor died since."""
         return all(pid in self.ranks.pids for pid in world.pids) and world.whole()
 
+    def _end_exited(self) -> None:
+        """Each open world not kept between tests (no links) whose every rank has ended (exited, or was killed as
+        pytest asked), each told by ``Exited``: what its ranks left is ended now (``end``), rank 0 reaped, and pytest
+        told ``WorldEnded`` right after the last ``Exited``, so that it need not wait for ``Reaped``; the directory
+        waits for pytest's ``Reap``."""
+        for world, forked in list(self.worlds.items()):
+            if not forked.links and not any(pid in self.ranks.pids for pid in forked.pids):
+                del self.worlds[world]
+                self._finished.pop(world, None)
+                self.end(forked)
+                self.conn.send(WorldEnded(world))
+
     def end(self, world: ForkedWorld) -> None:
         """Kill every process of ``world`` (``RankTable.end``), sparing the server's own children and other worlds."""
         own = {self.store.pid, *(c.child.pid for c in (self.scouted,) if c), *self.ops.spared()}
@@ -232,6 +246,7 @@ class OpenWorlds:
         until the world is reaped); a store process that ended is replaced at the next world, a kept world whose rank
         died is ended. Processes that ranks left behind are reaped with their world."""
         self.ranks.poll({w.group for w in self.worlds.values()})
+        self._end_exited()
         if self.store.pid is not None:
             done, _ = os.waitpid(self.store.pid, os.WNOHANG)
             if done:
