@@ -80,7 +80,7 @@ def backend(value: object) -> str:
 
 def shard(text: str) -> tuple[int, int]:
     """``"I/N"`` -> ``(I, N)``: this process runs the I-th of N slices of the collected tests."""
-    found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    found = re.fullmatch(r"\s*(\d{1,18})\s*/\s*(\d{1,18})\s*", text)  # int() of 4300 digits: a ValueError
     if found is None or not 1 <= int(found[1]) <= int(found[2]):
         raise OptionError("must be I/N with 1 <= I <= N, e.g. 2/4 for the second of four slices")
     return int(found[1]), int(found[2])

@@ -15,7 +15,6 @@ import shutil
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
@@ -23,7 +22,7 @@ from ..core.text import aligned
 from ..triage import known_fixes
 from ..triage import ledger as ledger_file
 from ..triage.ledger import FixRow
-from . import atlas, catalogue, catalogue_run, history
+from . import arguments, atlas, catalogue, catalogue_run, history
 
 #: Exit codes: 0 listed, or every selected commit has a row; 1 a commit without a row (or a row the rule does not
 #: select); 2 bad input.
@@ -52,11 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--area", metavar="AREA", help="only rows of one area (zero3, offload, checkpoint, ...)")
     parser.add_argument("--cpu", action="store_true", help="only known fixes a CPU world could show: the repro queue")
     parser.add_argument("--check", action="store_true", help="run the rule on --repo's history: a row for every fix?")
-    parser.add_argument("--repo", type=Path, metavar="CLONE", help="with --check: your DeepSpeed clone (only read)")
+    parser.add_argument(
+        "--repo", type=arguments.directory, metavar="CLONE", help="with --check: your DeepSpeed clone (only read)"
+    )
     parser.add_argument("--range", default=None, metavar="A..B", help=f"with --check: the commits (default {RANGE})")
-    parser.add_argument("--ledger", type=Path, metavar="DIR", help="a folder of ledger files (default: the package's)")
-    parser.add_argument("--catalogue", type=Path, metavar="DIR", help="with --check: the repros whose markers name "
-                        "their fixes (default: the installed catalogue)")  # fmt: skip
+    parser.add_argument(
+        "--ledger", type=arguments.directory, metavar="DIR", help="a folder of ledger files (default: the package's)"
+    )
+    parser.add_argument("--catalogue", type=arguments.directory, metavar="DIR", help="with --check: the repros whose "
+                        "markers name their fixes (default: the installed catalogue)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

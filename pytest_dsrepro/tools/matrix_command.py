@@ -20,6 +20,7 @@ from pathlib import Path
 from ..core.files import write_atomically
 from ..core.paths import unwritable_file
 from .matrix import Matrix, MatrixError, build, render_html, render_markdown, render_svg, render_terminal, symbols
+from .matrix.model import DAMAGE
 from .matrix.terminal import WIDTH
 
 
@@ -129,7 +130,12 @@ def _build(args: argparse.Namespace, paths: Sequence[Path]) -> Matrix:
     if not args.since:
         return matrix
     try:
-        return build.since(matrix, build.merge(*build.load(args.since)), args.since)
+        files, unreadable = build.load(args.since)
+        damaged = [u for u in unreadable if u.kind in DAMAGE]
+        if damaged:  # compared with part of the old results, every run the damaged file held would read as changed
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise MatrixError(f"{damaged[0]}{more}")
+        return build.since(matrix, build.merge(files, unreadable), args.since)
     except MatrixError as exc:
         raise MatrixError(f"--since: {exc}") from None
 

@@ -31,7 +31,7 @@ from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
 from ..triage import known_fixes, ledger, logread
 from ..triage import ranking as triage
 from ..triage.known_fixes import KnownFix
-from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
+from . import arguments, atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
 from .log_input import LogError, LogText, read_log
 
 if TYPE_CHECKING:
@@ -270,24 +270,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the ones the "
         "log states, else the one installed here, only assumed: it rules no bug out)"
     )  # fmt: skip
-    parser.add_argument("--markdown", type=Path, metavar="PATH", help="write a ready GitHub comment to PATH")
+    parser.add_argument(
+        "--markdown", type=arguments.output_file, metavar="PATH", help="write a ready GitHub comment to PATH"
+    )
     parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
     parser.add_argument(
-        "--top", type=int, default=CONFIRM_TOP, metavar="N", help=f"candidates --confirm runs (default {CONFIRM_TOP})"
+        "--top",
+        type=arguments.count,
+        default=CONFIRM_TOP,
+        metavar="N",
+        help=f"candidates --confirm runs (default {CONFIRM_TOP})",
     )
-    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
-    parser.add_argument("--catalogue", type=Path, default=None, metavar="DIR", help="repros to triage against")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro scan)")
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
     parser.add_argument(
-        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known "
-        "fix's own test is taken from (at the fix's commit) to run on the release judged on"
+        "--world-size", type=arguments.count, default=None, metavar="N", help="ranks per world (default 2)"
+    )
+    parser.add_argument(
+        "--catalogue", type=arguments.directory, default=None, metavar="DIR", help="repros to triage against"
+    )
+    parser.add_argument(
+        "--cache-dir", type=arguments.output_directory, default=None, help="release environments (as dsrepro scan)"
+    )
+    parser.add_argument(
+        "--constraints", type=arguments.input_file, default=None, help="constraints pinning torch (as dsrepro bisect)"
+    )
+    parser.add_argument(
+        "--repo", type=arguments.directory, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, "
+        "where a known fix's own test is taken from (at the fix's commit) to run on the release judged on"
     )  # fmt: skip
-    parser.add_argument("--ledger", type=Path, default=None, metavar="DIR", help="the fix ledger's files (default: "
-                        "the package's own; dsrepro ledger lists them)")  # fmt: skip
+    parser.add_argument("--ledger", type=arguments.directory, default=None, metavar="DIR", help="the fix ledger's "
+                        "files (default: the package's own; dsrepro ledger lists them)")  # fmt: skip
     parser.add_argument(
-        "--known-fixes", type=Path, default=None, metavar="PATH", help="the fixes triage knows besides the catalogue "
-        "(default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes one)"
+        "--known-fixes", type=arguments.input_file, default=None, metavar="PATH", help="the fixes triage knows besides "
+        "the catalogue (default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes "
+        "one)"
     )  # fmt: skip
 
 
