@@ -31,6 +31,7 @@ from pytest_dsrepro.core.results import (
     ScanVerdict,
     TestRecord,
 )
+from pytest_dsrepro.tools import catalogue
 from pytest_dsrepro.tools.matrix import Matrix, build, render_html, render_markdown, render_svg, render_terminal
 from pytest_dsrepro.triage import logread
 from pytest_dsrepro.triage import ranking as triage
@@ -213,6 +214,21 @@ def test_the_triage_keeps_every_text_in_its_code(name: str, text: str) -> None:
     leaks = {
         "ready comment": markdown_leaks(triage.markdown(t, log="crash.log")),
         "terminal": terminal_leaks("\n".join(triage.terminal(t))),
+    }
+    assert {k: v for k, v in leaks.items() if v} == {}
+
+
+@pytest.mark.parametrize(("name", "text"), CASES, ids=[n for n, _ in CASES])
+def test_the_catalogue_listing_keeps_every_text_in_its_code(name: str, text: str) -> None:
+    """``dsrepro list``: a repro's markers (id, title, upstream, ranges, premise, faces) are texts from outside too."""
+    from pytest_dsrepro.core.faces import Face
+
+    face = Face(JAVASCRIPT, "RuntimeError", text, frames=(text,), words=(text,))
+    entry = catalogue.Entry(REPRO_ID, text, JAVASCRIPT, None, text, text, (f"<0.16.4{text}",), "repros/test_x.py",
+                            premise=text, scan_sets=text, faces=(face,))  # fmt: skip
+    leaks = {
+        "markdown": markdown_leaks(catalogue.render([entry], "markdown")),
+        "table": terminal_leaks(catalogue.render([entry], "table")),
     }
     assert {k: v for k, v in leaks.items() if v} == {}
 

@@ -127,6 +127,8 @@ def md_link(url: str | None, label: str | None = None) -> str:
     plain = _PLAIN_URL.fullmatch(safe) is not None
     if label is None and plain:
         return safe
+    if label == url and plain:  # an address shown as itself: nothing in it that Markdown reads
+        return f"[{safe}]({safe})"
     target = safe if plain else "<" + quote(safe, safe="/:?#[]@!$&'*+,;=%~") + ">"
     return f"[{md_text(label or safe)}]({target})"
 
