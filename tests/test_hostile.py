@@ -6,6 +6,7 @@ is not http(s) or relative or that a text put there, an escape sequence a termin
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -277,3 +278,19 @@ def test_text_reads_as_written_and_links_nothing() -> None:
 
 def test_a_terminal_is_shown_its_escapes() -> None:
     assert escape.terminal("\x1b]0;t\x07\x1b[2J\r\u202e ok\n\tend") == "\\x1b]0;t\\x07\\x1b[2J\\x0d\\u202e ok\n\tend"
+
+
+def test_what_the_dsrepro_command_prints_runs_no_escape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line ``dsrepro`` prints goes through ``core.escape.terminal`` (``cli``'s streams), whichever command
+    printed it: a fix ledger's titles, a clone's commit subjects, a run's failure texts."""
+    from pytest_dsrepro.tools import cli
+
+    (tmp_path / "a.toml").write_text(
+        '[[fix]]\ncommit = "d9e12d3a68d16f87ff1396589be6b0ab5cbf10ff"\npr = 5101\n'
+        f'title = {json.dumps(TEXTS["terminal"])}\nfirst = "0.14.1"\nissues = []\n'
+        'area = "inference"\ndisposition = "not a fix"\nreason = "docs"\n'
+    )
+    assert cli.main(["ledger", "--ledger", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "overtype" in out
+    assert terminal_leaks(out + err) == []

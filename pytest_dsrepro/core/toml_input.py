@@ -18,10 +18,11 @@ TOMLDecodeError = tomllib.TOMLDecodeError
 def loads(text: str) -> dict[str, Any]:
     """``text`` as TOML (``tomllib.loads``), or ``TOMLDecodeError`` (a ``ValueError``) saying what is wrong."""
     try:
-        return tomllib.loads(text)
+        data: dict[str, Any] = tomllib.loads(text)
     except TOMLDecodeError:
         raise
     except RecursionError:
         raise TOMLDecodeError("nested too deep (arrays or tables inside each other hundreds of times)") from None
     except ValueError as exc:  # int() of thousands of digits
         raise TOMLDecodeError(" ".join(str(exc).split(";")[0].split())) from None
+    return data

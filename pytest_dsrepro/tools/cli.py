@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, Protocol, cast
 
-from ..core.escape import one_line, terminal
+from ..core.escape import ShownStream, one_line, terminal
 from ..core.text import cut
 from ..core.versions import installed_text
 
@@ -120,11 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if passthrough:
         args.pytest_args = passthrough
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ShownStream(sys.stdout), ShownStream(sys.stderr)
     try:
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C: the command's children got it too; one line, not a traceback
         print(f"dsrepro {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

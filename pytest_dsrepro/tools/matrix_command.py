@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..core.escape import ShownStream
 from ..core.files import write_atomically
 from ..core.paths import unwritable_file
 from .matrix import Matrix, MatrixError, build, render_html, render_markdown, render_svg, render_terminal, symbols
@@ -95,10 +96,12 @@ def _say(message: str) -> None:
 
 
 def _show(text: str) -> None:
-    """``text`` on stdout; a reader that went away (``dsrepro matrix | head``) stops the printing, not the files."""
+    """``text`` on stdout; a reader that went away (``dsrepro matrix | head``) stops the printing, not the files.
+    Its colours are its own: the stream itself, past ``cli``'s (``render_terminal`` shows the escapes in texts)."""
+    out = sys.stdout.raw if isinstance(sys.stdout, ShownStream) else sys.stdout
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out.write(text)
+        out.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush finds no pipe
 
