@@ -97,8 +97,6 @@ ARGUMENTS = [
     (("triage", "log", "--world-size", DIGITS), "argument --world-size: '99999"),
     (("triage", "log", "--markdown", "directory"), "argument --markdown: directory: cannot be written (it is a dir"),
     (("triage", "log", "--known-fixes", "fifo"), "argument --known-fixes: fifo: a FIFO (a named pipe), not a file"),
-    (("triage", "log", "--ledger", "loop"), "argument --ledger: loop: a symbolic link loop"),
-    (("triage", "log", "--repo", "fifo"), "argument --repo: fifo: a FIFO (a named pipe), not a directory"),
     (("triage", "log", "--catalogue", "c.json"), "argument --catalogue: c.json: a file, not a directory"),
     (("bisect", "x::y", "--good", "1", "--bad", "2", "--timeout", "nan"), "argument --timeout: 'nan': must be a nu"),
     (("bisect", "x::y", "--good", "1", "--bad", "2", "--timeout", "1e999"), "argument --timeout: '1e999': must be"),
@@ -108,12 +106,14 @@ ARGUMENTS = [
     (("bisect", "x::y", "--good", "1", "--bad", "2", "--chdir", "loop"), "argument --chdir: loop: a symbolic link l"),
     (("bisect", "x::y", "--good", "1", "--bad", "2", "--constraints", "fifo"), "argument --constraints: fifo: a FIFO"),
     (("bisect", "x::y", "--good", "1", "--bad", "2", "--log-dir", "fifo"), "argument --log-dir: fifo: a FIFO (a name"),
-    (("bisect", "x::y", "--good", "1", "--bad", "2", "--repo", "loop"), "argument --repo: loop: a symbolic link loop"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--repo", "loop"), "--repo loop: a symbolic link loop (too many"),
+    (("bisect", "x::y", "--good", "9" * 300, "--bad", "2"), "argument --good: '99999"),
     (("install", DIGITS), "argument version: not a release version: '99999"),
     (("install", "0.16.3", "--constraints", "fifo"), "argument --constraints: fifo: a FIFO (a named pipe), not a f"),
     (("install", "0.16.3", "--log", "fifo"), "argument --log: fifo: cannot be written (it is a FIFO"),
     (("install", "0.16.3", "--results", "c.json"), "argument --results: c.json: a file, not a directory"),
-    (("atlas", "--repo", "loop", "--range", "a..b"), "argument --repo: loop: a symbolic link loop"),
+    (("atlas", "--repo", "loop", "--range", "a..b"), "--repo loop: a symbolic link loop (too many levels of symbolic"),
+    (("atlas", "--repo", "fifo", "--range", "a..b"), "--repo fifo: a FIFO (a named pipe), not a directory"),
     (("atlas", "--repo", ".", "--range", "a..b", "--limit", "-1"), "argument --limit: '-1': must be a whole number"),
     (("atlas", "--repo", ".", "--range", "a..b", "--known-fixes", "fifo"), "argument --known-fixes: fifo: cannot be"),
     (("atlas", "--repo", ".", "--range", "a..b", "--results", "fifo"), "argument --results: fifo: a FIFO (a named"),
@@ -122,8 +122,13 @@ ARGUMENTS = [
     (("upstream", "--releases", "loop"), "argument --releases: loop: a symbolic link loop"),
     (("upstream", "--merge", "r", "--shards", "0"), "argument --shards: '0': must be a whole number >= 1"),
     (("upstream", "--shard", "1/" + DIGITS), "argument --shard: --shard '1/99999"),
-    (("ledger", "--ledger", "fifo"), "argument --ledger: fifo: a FIFO (a named pipe), not a directory"),
-    (("ledger", "--check", "--repo", "loop"), "argument --repo: loop: a symbolic link loop"),
+    (("ledger", "--ledger", "fifo"), "fifo: a FIFO (a named pipe), not a directory"),
+    (("ledger", "--ledger", "loop"), "loop: a symbolic link loop (too many levels of symbolic links)"),
+    (("ledger", "--check", "--repo", "loop"), "--repo loop: a symbolic link loop (too many levels of symbolic links)"),
+    (("ledger", "--release", DIGITS), "argument --release: '99999"),
+    (("scan", "c.json", "--release", DIGITS), "argument --release: '99999"),
+    (("triage", "log", "--release", DIGITS), "argument --release: '99999"),
+    (("upstream", "--release", DIGITS), "argument --release: '99999"),
     (("list", "fifo"), "argument PATH: fifo: a FIFO (a named pipe), not a file"),
     (("list", "loop"), "argument PATH: loop: a symbolic link loop"),
     (("new", "x", "--dir", "fifo"), "argument --dir: fifo: a FIFO (a named pipe), not a directory"),
@@ -141,7 +146,7 @@ def test_every_argument_given_a_bad_path_or_number_is_one_line(bad: Path, args: 
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"dsrepro {args[0]}: {said}"), line
-    assert line.endswith(f"(see dsrepro {args[0]} --help)")
+    assert line.endswith(f"(see dsrepro {args[0]} --help)") or not said.startswith("argument ")
     assert len(line) < 300
 
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from packaging.version import Version
+
 from ..core import options, paths
 from ..core.escape import terminal
 from ..core.json_input import MAX_DIGITS
 from ..core.text import cut
+
+#: The longest revision ``bisect --good`` takes: a commit's 40 hex digits, a tag, ``HEAD~12^2``; never a page.
+MAX_REVISION = 200
 
 
 def shown(text: str) -> str:
@@ -36,6 +41,22 @@ def seconds(text: str) -> float:
         return options.seconds(float(text) if len(text.strip()) <= MAX_DIGITS else None)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{shown(text)!r}: must be a number of seconds > 0") from None
+
+
+def release(text: str) -> str:
+    """A DeepSpeed release version (``--release``): what ``packaging`` reads, never thousands of digits."""
+    try:
+        Version(text)
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
+        raise argparse.ArgumentTypeError(f"{shown(text)!r} is not a version such as 0.18.3") from None
+    return text
+
+
+def revision(text: str) -> str:
+    """A release, or with ``--repo`` any revision of the clone (``bisect --good``): a line of a sensible length."""
+    if len(text) > MAX_REVISION or terminal(text) != text or not text.strip():
+        raise argparse.ArgumentTypeError(f"{shown(text)!r}: not a release version or a revision of a clone")
+    return text
 
 
 def input_file(text: str) -> Path:

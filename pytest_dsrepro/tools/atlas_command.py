@@ -37,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with it (and with --releases-between, every release from the range's start), each release in its own "
         "environment: results for `dsrepro matrix`, and each test's observed affected range."
     )
-    parser.add_argument(
-        "--repo", type=arguments.directory, required=True, metavar="CLONE", help="your DeepSpeed clone (only read)"
-    )
+    parser.add_argument("--repo", type=Path, required=True, metavar="CLONE", help="your DeepSpeed clone (only read)")
     parser.add_argument("--range", required=True, metavar="OLDER..NEWER", help="e.g. v0.16.0..master")
     parser.add_argument("--dry-run", action="store_true", help="list the fix commits and their tests; run nothing")
     parser.add_argument(

@@ -41,13 +41,20 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--good",
         required=True,
+        type=arguments.revision,
         metavar="VERSION",
         help="a release at one end, e.g. where it passes (--repo: or a revision)",
     )
-    p.add_argument("--bad", required=True, metavar="VERSION", help="a release at the other end, where it fails")
+    p.add_argument(
+        "--bad",
+        required=True,
+        type=arguments.revision,
+        metavar="VERSION",
+        help="a release at the other end, where it fails",
+    )
     p.add_argument(
         "--repo",
-        type=arguments.directory,
+        type=Path,
         metavar="PATH",
         help="your DeepSpeed clone (never written to): after the releases, bisect the commits between the two that "
         "flip, and name the pull request; --good/--bad may then be any revisions of it too",

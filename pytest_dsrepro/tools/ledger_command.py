@@ -15,8 +15,9 @@ import shutil
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core.text import aligned
 from ..triage import known_fixes
@@ -45,19 +46,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--by", choices=BY, default="release", help="group by first release (default), disposition "
                         "or area")  # fmt: skip
-    parser.add_argument("--release", metavar="VERSION", help="only the fixes first shipped in this release")
+    parser.add_argument(
+        "--release", type=arguments.release, metavar="VERSION", help="only the fixes first shipped in this release"
+    )
     parser.add_argument("--disposition", metavar="WHAT", help="only rows of one disposition: "
                         f"{', '.join(ledger_file.DISPOSITIONS)}")  # fmt: skip
     parser.add_argument("--area", metavar="AREA", help="only rows of one area (zero3, offload, checkpoint, ...)")
     parser.add_argument("--cpu", action="store_true", help="only known fixes a CPU world could show: the repro queue")
     parser.add_argument("--check", action="store_true", help="run the rule on --repo's history: a row for every fix?")
-    parser.add_argument(
-        "--repo", type=arguments.directory, metavar="CLONE", help="with --check: your DeepSpeed clone (only read)"
-    )
+    parser.add_argument("--repo", type=Path, metavar="CLONE", help="with --check: your DeepSpeed clone (only read)")
     parser.add_argument("--range", default=None, metavar="A..B", help=f"with --check: the commits (default {RANGE})")
-    parser.add_argument(
-        "--ledger", type=arguments.directory, metavar="DIR", help="a folder of ledger files (default: the package's)"
-    )
+    parser.add_argument("--ledger", type=Path, metavar="DIR", help="a folder of ledger files (default: the package's)")
     parser.add_argument("--catalogue", type=arguments.directory, metavar="DIR", help="with --check: the repros whose "
                         "markers name their fixes (default: the installed catalogue)")  # fmt: skip
 
@@ -91,7 +90,7 @@ def chosen_rows(fixes: Sequence[FixRow], args: argparse.Namespace) -> list[FixRo
         raise LedgerUsage(f"--area {args.area!r}: one of {', '.join(ledger_file.AREAS)}")
     try:
         release = None if args.release is None else Version(args.release)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         raise LedgerUsage(f"--release {args.release!r} is not a version such as 0.18.3") from None
     keep: list[Callable[[FixRow], bool]] = [
         lambda f: release is None or Version(f.first) == release,

@@ -96,7 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--world-size", type=arguments.count, default=None, metavar="N", help="ranks per world (default 2)"
     )
     parser.add_argument(
-        "--release", action="append", default=[], metavar="VERSION", help="scan on this release (repeatable)"
+        "--release",
+        action="append",
+        default=[],
+        type=arguments.release,
+        metavar="VERSION",
+        help="scan on this release (repeatable)",
     )
     parser.add_argument(
         "--releases", type=arguments.input_file, metavar="FILE", help="releases to scan on, one per line (# comments)"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core import configs, faces, premises, results, userconfig, versions
 from ..core.checkout import CheckoutError
@@ -127,7 +127,7 @@ def release(given: str | None, reading: logread.Reading) -> triage.Judged:
     if given is not None:
         try:
             return triage.Judged((Version(given),), triage.GIVEN)
-        except InvalidVersion:
+        except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
             raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
     if reading.versions:
         return triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
@@ -267,8 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
     parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
     parser.add_argument(
-        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the ones the "
-        "log states, else the one installed here, only assumed: it rules no bug out)"
+        "--release", type=arguments.release, metavar="VERSION", help="the DeepSpeed release the error happened on "
+        "(default: the ones the log states, else the one installed here, only assumed: it rules no bug out)"
     )  # fmt: skip
     parser.add_argument(
         "--markdown", type=arguments.output_file, metavar="PATH", help="write a ready GitHub comment to PATH"
@@ -294,10 +294,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--constraints", type=arguments.input_file, default=None, help="constraints pinning torch (as dsrepro bisect)"
     )
     parser.add_argument(
-        "--repo", type=arguments.directory, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, "
+        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, "
         "where a known fix's own test is taken from (at the fix's commit) to run on the release judged on"
     )  # fmt: skip
-    parser.add_argument("--ledger", type=arguments.directory, default=None, metavar="DIR", help="the fix ledger's "
+    parser.add_argument("--ledger", type=Path, default=None, metavar="DIR", help="the fix ledger's "
                         "files (default: the package's own; dsrepro ledger lists them)")  # fmt: skip
     parser.add_argument(
         "--known-fixes", type=arguments.input_file, default=None, metavar="PATH", help="the fixes triage knows besides "

@@ -60,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the DeepSpeed checkout (default: the one holding this directory)",
     )
     parser.add_argument(
-        "--release", action="append", default=[], metavar="VERSION", help="run on this release (repeatable)"
+        "--release",
+        action="append",
+        default=[],
+        type=arguments.release,
+        metavar="VERSION",
+        help="run on this release (repeatable)",
     )
     parser.add_argument(
         "--releases", type=arguments.input_file, metavar="FILE", help="releases to run on, one per line (# comments)"

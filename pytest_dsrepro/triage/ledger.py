@@ -16,7 +16,7 @@ from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core import faces, paths, toml_input
 from ..core.errors import MarkerError
@@ -240,7 +240,7 @@ def _unknown(entry: Mapping[str, Any], keys: frozenset[str]) -> list[str]:
 def _version(value: object) -> bool:
     try:
         Version(str(value))
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return False
     return isinstance(value, str)
 
@@ -312,8 +312,11 @@ def parse(files: Iterable[tuple[str, str]]) -> tuple[FixRow, ...]:
 def load(directory: Path | None = None) -> tuple[FixRow, ...]:
     """The ledger of ``directory`` (its ``*.toml`` files), else the package's own."""
     folder: Traversable = directory if directory is not None else resources.files(__package__).joinpath(PACKAGED)
-    if not folder.is_dir():
-        raise LedgerError(f"{folder}: no such directory of ledger files")
+    why = (
+        paths.not_a_directory(folder) if isinstance(folder, Path) else None if folder.is_dir() else "no such directory"
+    )
+    if why is not None:  # a FIFO or a symbolic link loop said as what it is
+        raise LedgerError(f"{folder}: {why} of ledger files" if why == "no such directory" else f"{folder}: {why}")
     files = sorted((f for f in folder.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
     try:
         texts = [(f.name, _text(f)) for f in files]
