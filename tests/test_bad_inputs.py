@@ -321,3 +321,23 @@ def test_a_fifo_among_ledger_files_or_as_failures_is_refused_unopened(bad: Path)
         ledger.load(bad / "directory")
     with pytest.raises(failures.FailuresFileError, match=r"fifo:1: cannot be read: a FIFO \(a named pipe\), not a"):
         failures.read(bad / "fifo")
+
+
+def test_a_marker_of_5000_digits_is_refused_in_one_line(pytester: pytest.Pytester) -> None:
+    """A ``ds_version`` range no release can have is refused as every bad specifier is, naming the marker and the
+    test (its module's collection fails), not when the release is compared with it."""
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.ds_version(affected="<{DIGITS}", raises=ValueError)
+        def test_big():
+            raise ValueError("x")
+
+        def test_other():
+            pass
+    """)  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["@pytest.mark.ds_version on *::test_big: affected='<99999*... is not a valid PEP 440 "
+                                 "specifier (Exceeds the*"])  # fmt: skip
+    assert "INTERNALERROR" not in result.stdout.str()
