@@ -264,46 +264,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what cannot be it. --confirm runs the best candidates' repros here. Exit code 0: a known bug matched with "
         "confidence (or reproduced here); 1: no known bug; 2: the input or an option is wrong."
     )
-    parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
-    parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
-    parser.add_argument(
-        "--release", type=arguments.release, metavar="VERSION", help="the DeepSpeed release the error happened on "
-        "(default: the ones the log states, else the one installed here, only assumed: it rules no bug out)"
-    )  # fmt: skip
-    parser.add_argument(
-        "--markdown", type=arguments.output_file, metavar="PATH", help="write a ready GitHub comment to PATH"
+    add = parser.add_argument
+    add("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
+    add("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
+    add(
+        "--release",
+        type=arguments.release,
+        metavar="VERSION",
+        help="the DeepSpeed release the error happened on "
+        "(default: the ones the log states, else the one installed here, only assumed: it rules no bug out)",
     )
-    parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
-    parser.add_argument(
-        "--top",
-        type=arguments.count,
-        default=CONFIRM_TOP,
-        metavar="N",
-        help=f"candidates --confirm runs (default {CONFIRM_TOP})",
-    )
-    parser.add_argument(
-        "--world-size", type=arguments.count, default=None, metavar="N", help="ranks per world (default 2)"
-    )
-    parser.add_argument(
-        "--catalogue", type=arguments.directory, default=None, metavar="DIR", help="repros to triage against"
-    )
-    parser.add_argument(
-        "--cache-dir", type=arguments.output_directory, default=None, help="release environments (as dsrepro scan)"
-    )
-    parser.add_argument(
-        "--constraints", type=arguments.input_file, default=None, help="constraints pinning torch (as dsrepro bisect)"
-    )
-    parser.add_argument(
-        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, "
-        "where a known fix's own test is taken from (at the fix's commit) to run on the release judged on"
-    )  # fmt: skip
-    parser.add_argument("--ledger", type=Path, default=None, metavar="DIR", help="the fix ledger's "
-                        "files (default: the package's own; dsrepro ledger lists them)")  # fmt: skip
-    parser.add_argument(
-        "--known-fixes", type=arguments.input_file, default=None, metavar="PATH", help="the fixes triage knows besides "
-        "the catalogue (default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes "
-        "one)"
-    )  # fmt: skip
+    add("--markdown", type=arguments.output_file, metavar="PATH", help="write a ready GitHub comment to PATH")
+    add("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
+    add("--top", type=arguments.count, default=CONFIRM_TOP, metavar="N",
+        help=f"candidates --confirm runs (default {CONFIRM_TOP})")  # fmt: skip
+    add("--world-size", type=arguments.count, metavar="N", help="ranks per world (default 2)")
+    add("--catalogue", type=arguments.directory, metavar="DIR", help="repros to triage against")
+    add("--cache-dir", type=arguments.output_directory, help="release environments (as dsrepro scan)")
+    add("--constraints", type=arguments.input_file, help="constraints pinning torch (as dsrepro bisect)")
+    add("--repo", type=Path, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known fix's own "
+        "test is taken from (at the fix's commit) to run on the release judged on")  # fmt: skip
+    add("--ledger", type=Path, metavar="DIR", help="the fix ledger's files (default: the package's own; dsrepro "
+        "ledger lists them)")  # fmt: skip
+    add("--known-fixes", type=arguments.input_file, metavar="PATH", help="the fixes triage knows besides the "
+        "catalogue (default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes "
+        "one)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
