@@ -341,3 +341,23 @@ def test_a_marker_of_5000_digits_is_refused_in_one_line(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines(["@pytest.mark.ds_version on *::test_big: affected='<99999*... is not a valid PEP 440 "
                                  "specifier (Exceeds the*"])  # fmt: skip
     assert "INTERNALERROR" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("RANK", "x"), ("WORLD_SIZE", DIGITS), ("LOCAL_RANK", "-1"), ("LOCAL_WORLD_SIZE", "nan")]
+)
+def test_a_launchers_variable_that_is_no_number_is_one_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """torchrun's variables set by hand or by a broken launcher: a usage error naming the variable (was an
+    INTERNALERROR)."""
+    pytester.makepyfile("def test_a():\n    pass\n")
+    for name, set_to in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, set_to)
+    monkeypatch.setenv(variable, value)
+    result = pytester.runpytest_subprocess(timeout=120)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"ERROR: pytest-dsrepro: environment variable {variable}: invalid value '{value[:5]}")
+    assert len(errors[0]) < 300

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import pytest
 
 from ..core.errors import HarnessError
-from ..core.options import Settings
+from ..core.options import Settings, SettingsError
 from ..core.outcome import WorldOutcome
 from ..core.paths import unwritable
 from ..core.results import Environment
@@ -223,7 +223,7 @@ def starting_worlds(config: pytest.Config) -> Iterator[None]:
     no_world = any(getattr(known, name, None) for name in ("collectonly", "help", "version", "numprocesses"))
     try:
         resolved = None if no_world or launcher.launched() else settings.resolve(config, namespace=known)
-    except pytest.UsageError:
+    except (pytest.UsageError, SettingsError):  # said once, by pytest_configure
         resolved = None
     if resolved is None:
         yield
