@@ -294,3 +294,20 @@ def test_what_the_dsrepro_command_prints_runs_no_escape(tmp_path: Path, capsys: 
     out, err = capsys.readouterr()
     assert "overtype" in out
     assert terminal_leaks(out + err) == []
+
+
+def test_the_verdicts_pytest_prints_run_no_escape(pytester: pytest.Pytester) -> None:
+    """The plugin's terminal summary (``dsrepro verdicts``) says each UNEXPECTED test's error: a rank's exception
+    message, which may hold anything. pytest's own traceback and short summary are pytest's (``--tb=no -rN``)."""
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.ds_version(affected=">=0", raises=ValueError)
+        def test_hostile():
+            raise RuntimeError({TEXTS["terminal"]!r})
+    """)  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tb=no", "-rN", timeout=120)
+    out = result.stdout.str()
+    assert "UNEXPECTED" in out
+    assert "pwned title" in out
+    assert terminal_leaks(out) == []

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import pytest
 
 from ..core.errors import HarnessError
+from ..core.escape import terminal
 from ..core.options import Settings, SettingsError
 from ..core.outcome import WorldOutcome
 from ..core.paths import unwritable
@@ -205,7 +206,7 @@ def progress_line(config: pytest.Config) -> Callable[[str], None]:
         writer = config.get_terminal_writer()
         with suspended():
             writer.line()
-            writer.line(f"pytest-dsrepro: {text}", bold=True)
+            writer.line(terminal(f"pytest-dsrepro: {text}"), bold=True)
             writer.flush()
 
     return write
