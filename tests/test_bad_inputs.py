@@ -125,7 +125,7 @@ ARGUMENTS = [
     (("ledger", "--ledger", "fifo"), "fifo: a FIFO (a named pipe), not a directory"),
     (("ledger", "--ledger", "loop"), "loop: a symbolic link loop (too many levels of symbolic links)"),
     (("ledger", "--check", "--repo", "loop"), "--repo loop: a symbolic link loop (too many levels of symbolic links)"),
-    (("ledger", "--release", DIGITS), "argument --release: '99999"),
+    (("ledger", "--release", DIGITS), "--release '99999"),
     (("scan", "c.json", "--release", DIGITS), "argument --release: '99999"),
     (("triage", "log", "--release", DIGITS), "argument --release: '99999"),
     (("upstream", "--release", DIGITS), "argument --release: '99999"),

@@ -280,11 +280,14 @@ def test_a_terminal_is_shown_its_escapes() -> None:
     assert escape.terminal("\x1b]0;t\x07\x1b[2J\r\u202e ok\n\tend") == "\\x1b]0;t\\x07\\x1b[2J\\x0d\\u202e ok\n\tend"
 
 
-def test_what_the_dsrepro_command_prints_runs_no_escape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_what_the_dsrepro_command_prints_runs_no_escape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every line ``dsrepro`` prints goes through ``core.escape.terminal`` (``cli``'s streams), whichever command
     printed it: a fix ledger's titles, a clone's commit subjects, a run's failure texts."""
     from pytest_dsrepro.tools import cli
 
+    monkeypatch.setenv("COLUMNS", "300")  # the title whole
     (tmp_path / "a.toml").write_text(
         '[[fix]]\ncommit = "d9e12d3a68d16f87ff1396589be6b0ab5cbf10ff"\npr = 5101\n'
         f'title = {json.dumps(TEXTS["terminal"])}\nfirst = "0.14.1"\nissues = []\n'

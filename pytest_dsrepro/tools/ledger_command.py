@@ -46,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--by", choices=BY, default="release", help="group by first release (default), disposition "
                         "or area")  # fmt: skip
-    parser.add_argument(
-        "--release", type=arguments.release, metavar="VERSION", help="only the fixes first shipped in this release"
-    )
+    parser.add_argument("--release", metavar="VERSION", help="only the fixes first shipped in this release")
     parser.add_argument("--disposition", metavar="WHAT", help="only rows of one disposition: "
                         f"{', '.join(ledger_file.DISPOSITIONS)}")  # fmt: skip
     parser.add_argument("--area", metavar="AREA", help="only rows of one area (zero3, offload, checkpoint, ...)")
@@ -91,7 +89,7 @@ def chosen_rows(fixes: Sequence[FixRow], args: argparse.Namespace) -> list[FixRo
     try:
         release = None if args.release is None else Version(args.release)
     except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
-        raise LedgerUsage(f"--release {args.release!r} is not a version such as 0.18.3") from None
+        raise LedgerUsage(f"--release {arguments.shown(args.release)!r} is not a version such as 0.18.3") from None
     keep: list[Callable[[FixRow], bool]] = [
         lambda f: release is None or Version(f.first) == release,
         lambda f: args.disposition is None or f.disposition == args.disposition,
