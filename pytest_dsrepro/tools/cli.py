@@ -85,11 +85,11 @@ COMMANDS = (
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but a bad argument is one line and exit 2 (not the usage block, then the value whole:
-    a number of 5000 digits, a pasted escape sequence): ``dsrepro scan: argument --world-size: ...``."""
+    a number of 5000 digits, a pasted escape sequence): ``dsrepro scan: error: argument --world-size: ...``."""
 
     def error(self, message: str) -> NoReturn:
         said = terminal(cut(one_line(message), 160))
-        self.exit(2, f"{self.prog}: {said} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {said} (see {self.prog} --help)\n")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
