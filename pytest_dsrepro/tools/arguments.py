@@ -59,20 +59,21 @@ def revision(text: str) -> str:
     return text
 
 
-def input_file(text: str) -> Path:
-    """A file to be read: one that exists and is a regular file (or a link to one); never opened here."""
-    why = paths.not_a_file(Path(text))
+def _checked(text: str, why: str | None) -> Path:
+    """``text`` as a path, or ``ArgumentTypeError`` saying ``why`` it is no path to use."""
     if why is not None:
         raise argparse.ArgumentTypeError(f"{shown(text)}: {why}")
     return Path(text)
+
+
+def input_file(text: str) -> Path:
+    """A file to be read: one that exists and is a regular file (or a link to one); never opened here."""
+    return _checked(text, paths.not_a_file(Path(text)))
 
 
 def directory(text: str) -> Path:
     """A directory to be read (a clone, a checkout, a catalogue): one that exists."""
-    why = paths.not_a_directory(Path(text))
-    if why is not None:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: {why}")
-    return Path(text)
+    return _checked(text, paths.not_a_directory(Path(text)))
 
 
 def file_or_directory(text: str) -> str:
@@ -87,15 +88,10 @@ def file_or_directory(text: str) -> str:
 
 def output_directory(text: str) -> Path:
     """A directory to be written into, made where missing: nothing else (a file, a FIFO, a loop) in its place."""
-    why = paths.not_a_directory(Path(text), missing_ok=True)
-    if why is not None:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: {why}")
-    return Path(text)
+    return _checked(text, paths.not_a_directory(Path(text), missing_ok=True))
 
 
 def output_file(text: str) -> Path:
     """A file to be written: tried now (``paths.unwritable_file``), not found unwritable after the work is done."""
     why = paths.unwritable_file(Path(text))
-    if why is not None:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: cannot be written ({why})")
-    return Path(text)
+    return _checked(text, None if why is None else f"cannot be written ({why})")

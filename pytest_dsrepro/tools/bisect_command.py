@@ -38,20 +38,9 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "nodeid", metavar="TEST_NODEID", help="e.g. repros/zero3/test_zero3_module_id.py::test_user_ids_survive"
     )
-    p.add_argument(
-        "--good",
-        required=True,
-        type=arguments.revision,
-        metavar="VERSION",
-        help="a release at one end, e.g. where it passes (--repo: or a revision)",
-    )
-    p.add_argument(
-        "--bad",
-        required=True,
-        type=arguments.revision,
-        metavar="VERSION",
-        help="a release at the other end, where it fails",
-    )
+    for end, said in (("--good", "one end, e.g. where it passes (--repo: or a revision)"),
+                      ("--bad", "the other end, where it fails")):  # fmt: skip
+        p.add_argument(end, required=True, type=arguments.revision, metavar="VERSION", help=f"a release at {said}")
     p.add_argument(
         "--repo",
         type=Path,
