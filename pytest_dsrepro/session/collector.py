@@ -147,15 +147,19 @@ class RunCollector:
             session.exitstatus = pytest.ExitCode.INTERRUPTED
         if s.report is None or interrupted or self.held.caught:
             return
+        started = diagnostics.start(env, cuda_devices)  # a signal meanwhile is noted (held), never raised in Popen
         try:
             self.held.raising = True
-            env = diagnostics.gather(env, cuda_devices)
+            if self.held.caught:  # it came while they started
+                raise KeyboardInterrupt
+            env = diagnostics.gather(env, started)
         except KeyboardInterrupt:  # the files are written; what signal comes next, up to pytest's end, stops nothing
             self.interrupted = True
             session.exitstatus = pytest.ExitCode.INTERRUPTED
             return
         finally:
             self.held.raising = False
+            diagnostics.stop(started)
         run = self._run_record(env)
         lost = self.unsaved[:1] if s.results is not None and written is None else []  # the results, said once
         self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)), amend=True)[0]
