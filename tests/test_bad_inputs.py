@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pytest_dsrepro.core import ds_defaults, json_input, paths
+from pytest_dsrepro.core import ds_defaults, failures, json_input, paths
 from pytest_dsrepro.core.ds_defaults import ReleaseReading
+from pytest_dsrepro.core.results import read_all
 from pytest_dsrepro.scan import defaults as config_defaults
+from pytest_dsrepro.triage import known_fixes, ledger
 
 DEEP = "[" * 5000 + "]" * 5000
 
@@ -75,6 +78,87 @@ def test_results_that_are_no_file_are_one_line(bad: Path, name: str) -> None:
     done = dsrepro("matrix", "--no-write", name, cwd=bad)
     assert (done.returncode, done.stderr) == (2, f"dsrepro matrix: {name}: {SAID[name]}" + (
         " (too many levels of symbolic links)\n" if name == "loop" else "\n"))  # fmt: skip
+
+
+DIGITS = "9" * 5000
+
+#: Every argument of a dsrepro command that takes a path or a number, with a bad value, and what its one line says
+#: (the parser's: ``dsrepro CMD: argument OPT: VALUE: what is wrong (see dsrepro CMD --help)``), refused before any
+#: work starts. Node ids and releases that exist nowhere: nothing gets as far as to need them.
+ARGUMENTS = [
+    (("scan", "c.json", "--world-size", DIGITS), "argument --world-size: '99999"),
+    (("scan", "c.json", "--world-size", "0"), "argument --world-size: '0': must be a whole number >= 1"),
+    (("scan", "c.json", "--releases", "fifo"), "argument --releases: fifo: a FIFO (a named pipe), not a file"),
+    (("scan", "c.json", "--markdown", "fifo"), "argument --markdown: fifo: cannot be written (it is a FIFO"),
+    (("scan", "c.json", "--catalogue", "loop"), "argument --catalogue: loop: a symbolic link loop"),
+    (("scan", "c.json", "--constraints", "directory"), "argument --constraints: directory: a directory"),
+    (("scan", "c.json", "--cache-dir", "fifo"), "argument --cache-dir: fifo: a FIFO (a named pipe), not a directory"),
+    (("triage", "log", "--top", "nan"), "argument --top: 'nan': must be a whole number >= 1"),
+    (("triage", "log", "--world-size", DIGITS), "argument --world-size: '99999"),
+    (("triage", "log", "--markdown", "directory"), "argument --markdown: directory: cannot be written (it is a dir"),
+    (("triage", "log", "--known-fixes", "fifo"), "argument --known-fixes: fifo: a FIFO (a named pipe), not a file"),
+    (("triage", "log", "--catalogue", "c.json"), "argument --catalogue: c.json: a file, not a directory"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--timeout", "nan"), "argument --timeout: 'nan': must be a nu"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--timeout", "1e999"), "argument --timeout: '1e999': must be"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--runs", DIGITS), "argument --runs: '99999"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--env-cache", "9" * 400), "argument --env-cache: '99999"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--chdir", "fifo"), "argument --chdir: fifo: a FIFO (a named"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--chdir", "loop"), "argument --chdir: loop: a symbolic link l"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--constraints", "fifo"), "argument --constraints: fifo: a FIFO"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--log-dir", "fifo"), "argument --log-dir: fifo: a FIFO (a name"),
+    (("bisect", "x::y", "--good", "1", "--bad", "2", "--repo", "loop"), "--repo loop: a symbolic link loop (too many"),
+    (("bisect", "x::y", "--good", "9" * 300, "--bad", "2"), "argument --good: '99999"),
+    (("install", DIGITS), "argument version: not a release version: '99999"),
+    (("install", "0.16.3", "--constraints", "fifo"), "argument --constraints: fifo: a FIFO (a named pipe), not a f"),
+    (("install", "0.16.3", "--log", "fifo"), "argument --log: fifo: cannot be written (it is a FIFO"),
+    (("install", "0.16.3", "--results", "c.json"), "argument --results: c.json: a file, not a directory"),
+    (("atlas", "--repo", "loop", "--range", "a..b"), "--repo loop: a symbolic link loop (too many levels of symbolic"),
+    (("atlas", "--repo", "fifo", "--range", "a..b"), "--repo fifo: a FIFO (a named pipe), not a directory"),
+    (("atlas", "--repo", ".", "--range", "a..b", "--limit", "-1"), "argument --limit: '-1': must be a whole number"),
+    (("atlas", "--repo", ".", "--range", "a..b", "--known-fixes", "fifo"), "argument --known-fixes: fifo: cannot be"),
+    (("atlas", "--repo", ".", "--range", "a..b", "--results", "fifo"), "argument --results: fifo: a FIFO (a named"),
+    (("upstream", "--checkout", "loop"), "argument --checkout: loop: a symbolic link loop"),
+    (("upstream", "--failures", "fifo"), "argument --failures: fifo: a FIFO (a named pipe), not a file"),
+    (("upstream", "--releases", "loop"), "argument --releases: loop: a symbolic link loop"),
+    (("upstream", "--merge", "r", "--shards", "0"), "argument --shards: '0': must be a whole number >= 1"),
+    (("upstream", "--shard", "1/" + DIGITS), "argument --shard: --shard '1/99999"),
+    (("ledger", "--ledger", "fifo"), "fifo: a FIFO (a named pipe), not a directory"),
+    (("ledger", "--ledger", "loop"), "loop: a symbolic link loop (too many levels of symbolic links)"),
+    (("ledger", "--check", "--repo", "loop"), "--repo loop: a symbolic link loop (too many levels of symbolic links)"),
+    (("ledger", "--release", DIGITS), "--release '99999"),
+    (("scan", "c.json", "--release", DIGITS), "argument --release: '99999"),
+    (("triage", "log", "--release", DIGITS), "argument --release: '99999"),
+    (("upstream", "--release", DIGITS), "argument --release: '99999"),
+    (("list", "fifo"), "argument PATH: fifo: a FIFO (a named pipe), not a file"),
+    (("list", "loop"), "argument PATH: loop: a symbolic link loop"),
+    (("new", "x", "--dir", "fifo"), "argument --dir: fifo: a FIFO (a named pipe), not a directory"),
+    (("new", "x", "--dir", "loop"), "argument --dir: loop: a symbolic link loop"),
+    (("export", "x.py::t", "-o", "fifo"), "argument -o/--output: fifo: cannot be written (it is a FIFO"),
+    (("export", "x.py::t", "-o", "directory"), "argument -o/--output: directory: cannot be written (it is a dir"),
+]
+
+
+@pytest.mark.parametrize(("args", "said"), ARGUMENTS, ids=lambda v: " ".join(v)[:40]
+                         if isinstance(v, tuple) else None)  # fmt: skip
+def test_every_argument_given_a_bad_path_or_number_is_one_line(bad: Path, args: tuple[str, ...], said: str) -> None:
+    (bad / "c.json").write_text("{}")
+    done = dsrepro(*args, cwd=bad)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    (line,) = done.stderr.splitlines()
+    parsed = said.startswith("argument ")  # refused by the parser, as argparse says it
+    assert line.startswith(f"dsrepro {args[0]}: {'error: ' if parsed else ''}{said}"), line
+    assert line.endswith(f"(see dsrepro {args[0]} --help)") or not parsed
+    assert len(line) < 300
+
+
+@pytest.mark.parametrize("name", ["fifo", "loop", "directory", "binary"])
+def test_a_log_to_prefill_a_repro_from_that_is_no_log_is_one_line(bad: Path, name: str) -> None:
+    (bad / "binary").write_bytes(b"\x00\xff" * 100)
+    done = dsrepro("new", "x", "--dir", bad / "out", "--from-log", name, cwd=bad)
+    assert (done.returncode, done.stdout) == (2, "")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"dsrepro new: {name}: ")
+    assert not (bad / "out").exists() or not any((bad / "out").iterdir())
 
 
 @pytest.mark.parametrize("name", ["deep", "digits", "infinity", "nan", "overflow"])
@@ -182,3 +266,99 @@ class _NoProbe:
 
     def poll(self) -> int:
         return 0
+
+
+@pytest.mark.parametrize("name", ["deep", "digits", "infinity", "nan", "overflow"])
+def test_results_given_to_since_that_cannot_be_read_are_one_line(bad: Path, name: str) -> None:
+    """``--since``'s damaged file is refused, not read as no results (every run would show as changed)."""
+    from matrix_records import rec, write
+
+    write(bad / "new", "0.16.3", [rec("repros/test_x.py::test_x[zero3-stock]", "REPRODUCED")])
+    done = dsrepro("matrix", "--no-write", "new", "--since", name, cwd=bad)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert (
+        done.stderr == f"dsrepro matrix: --since: {name}: not a results file this pytest-dsrepro reads: {SAID[name]}\n"
+    )
+
+
+def test_a_link_loop_among_results_is_named_among_the_unreadable(bad: Path) -> None:
+    results = bad / "results"
+    results.mkdir()
+    (results / "a.json").symlink_to(results / "b.json")
+    (results / "b.json").symlink_to(results / "a.json")
+    files, unreadable = read_all([results])
+    assert files == []
+    assert [(u.path.name, u.problem) for u in unreadable] == [
+        (n, "cannot be read: a symbolic link loop (too many levels of symbolic links)") for n in ("a.json", "b.json")
+    ]
+
+
+@pytest.mark.parametrize("name", ["deep", "digits", "infinity", "nan", "overflow"])
+def test_known_fixes_of_bad_json_are_one_line(bad: Path, name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{bad / name}: not a known-fixes file: {re.escape(SAID[name])}$"):
+        known_fixes.load(bad / name)
+    with pytest.raises(paths.NotAFile, match=r"^a FIFO"):
+        known_fixes.load(bad / "fifo")
+
+
+TOML = {"deep": "x = " + "[" * 5000 + "]" * 5000, "digits": "x = " + DIGITS}
+TOML_SAID = {"deep": "nested too deep", "digits": "Exceeds the limit (4300 digits) for integer string conversion"}
+
+
+@pytest.mark.parametrize("name", sorted(TOML))
+def test_toml_from_outside_is_one_line(tmp_path: Path, name: str) -> None:
+    """The fix ledger's files and a failures file: a ``TOMLDecodeError`` the readers name the file in."""
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "a.toml").write_text(TOML[name])
+    with pytest.raises(ledger.LedgerError, match=rf"a\.toml: not valid TOML: {re.escape(TOML_SAID[name])}"):
+        ledger.load(tmp_path / "ledger")
+    with pytest.raises(failures.FailuresFileError, match=rf"^f\.toml:1: not valid TOML: {re.escape(TOML_SAID[name])}"):
+        failures.parse(TOML[name], "f.toml")
+
+
+def test_a_fifo_among_ledger_files_or_as_failures_is_refused_unopened(bad: Path) -> None:
+    (bad / "directory" / "a.toml").symlink_to(bad / "fifo")
+    with pytest.raises(ledger.LedgerError, match=r"a ledger file cannot be read \(a FIFO \(a named pipe\), not a"):
+        ledger.load(bad / "directory")
+    with pytest.raises(failures.FailuresFileError, match=r"fifo:1: cannot be read: a FIFO \(a named pipe\), not a"):
+        failures.read(bad / "fifo")
+
+
+def test_a_marker_of_5000_digits_is_refused_in_one_line(pytester: pytest.Pytester) -> None:
+    """A ``ds_version`` range no release can have is refused as every bad specifier is, naming the marker and the
+    test (its module's collection fails), not when the release is compared with it."""
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.ds_version(affected="<{DIGITS}", raises=ValueError)
+        def test_big():
+            raise ValueError("x")
+
+        def test_other():
+            pass
+    """)  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["@pytest.mark.ds_version on *::test_big: affected='<99999*... is not a valid PEP 440 "
+                                 "specifier (Exceeds the*"])  # fmt: skip
+    assert "INTERNALERROR" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("RANK", "x"), ("WORLD_SIZE", DIGITS), ("LOCAL_RANK", "-1"), ("LOCAL_WORLD_SIZE", "nan")]
+)
+def test_a_launchers_variable_that_is_no_number_is_one_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """torchrun's variables set by hand or by a broken launcher: a usage error naming the variable (was an
+    INTERNALERROR)."""
+    pytester.makepyfile("def test_a():\n    pass\n")
+    for name, set_to in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, set_to)
+    monkeypatch.setenv(variable, value)
+    result = pytester.runpytest_subprocess(timeout=120)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"ERROR: pytest-dsrepro: environment variable {variable}: invalid value '{value[:5]}")
+    assert len(errors[0]) < 300

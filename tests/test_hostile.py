@@ -6,6 +6,7 @@ is not http(s) or relative or that a text put there, an escape sequence a termin
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from pytest_dsrepro.core.results import (
     ScanVerdict,
     TestRecord,
 )
+from pytest_dsrepro.tools import catalogue
 from pytest_dsrepro.tools.matrix import Matrix, build, render_html, render_markdown, render_svg, render_terminal
 from pytest_dsrepro.triage import logread
 from pytest_dsrepro.triage import ranking as triage
@@ -217,6 +219,21 @@ def test_the_triage_keeps_every_text_in_its_code(name: str, text: str) -> None:
     assert {k: v for k, v in leaks.items() if v} == {}
 
 
+@pytest.mark.parametrize(("name", "text"), CASES, ids=[n for n, _ in CASES])
+def test_the_catalogue_listing_keeps_every_text_in_its_code(name: str, text: str) -> None:
+    """``dsrepro list``: a repro's markers (id, title, upstream, ranges, premise, faces) are texts from outside too."""
+    from pytest_dsrepro.core.faces import Face
+
+    face = Face(JAVASCRIPT, "RuntimeError", text, frames=(text,), words=(text,))
+    entry = catalogue.Entry(REPRO_ID, text, JAVASCRIPT, None, text, text, (f"<0.16.4{text}",), "repros/test_x.py",
+                            premise=text, scan_sets=text, faces=(face,))  # fmt: skip
+    leaks = {
+        "markdown": markdown_leaks(catalogue.render([entry], "markdown")),
+        "table": terminal_leaks(catalogue.render([entry], "table")),
+    }
+    assert {k: v for k, v in leaks.items() if v} == {}
+
+
 # --- the escapes themselves -------------------------------------------------------------------------------------
 
 
@@ -261,3 +278,39 @@ def test_text_reads_as_written_and_links_nothing() -> None:
 
 def test_a_terminal_is_shown_its_escapes() -> None:
     assert escape.terminal("\x1b]0;t\x07\x1b[2J\r\u202e ok\n\tend") == "\\x1b]0;t\\x07\\x1b[2J\\x0d\\u202e ok\n\tend"
+
+
+def test_what_the_dsrepro_command_prints_runs_no_escape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every line ``dsrepro`` prints goes through ``core.escape.terminal`` (``cli``'s streams), whichever command
+    printed it: a fix ledger's titles, a clone's commit subjects, a run's failure texts."""
+    from pytest_dsrepro.tools import cli
+
+    monkeypatch.setenv("COLUMNS", "300")  # the title whole
+    (tmp_path / "a.toml").write_text(
+        '[[fix]]\ncommit = "d9e12d3a68d16f87ff1396589be6b0ab5cbf10ff"\npr = 5101\n'
+        f'title = {json.dumps(TEXTS["terminal"])}\nfirst = "0.14.1"\nissues = []\n'
+        'area = "inference"\ndisposition = "not a fix"\nreason = "docs"\n'
+    )
+    assert cli.main(["ledger", "--ledger", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "overtype" in out
+    assert terminal_leaks(out + err) == []
+
+
+def test_the_verdicts_pytest_prints_run_no_escape(pytester: pytest.Pytester) -> None:
+    """The plugin's terminal summary (``dsrepro verdicts``) says each UNEXPECTED test's error: a rank's exception
+    message, which may hold anything. pytest's own traceback and short summary are pytest's (``--tb=no -rN``)."""
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.ds_version(affected=">=0", raises=ValueError)
+        def test_hostile():
+            raise RuntimeError({TEXTS["terminal"]!r})
+    """)  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--tb=no", "-rN", timeout=120)
+    out = result.stdout.str()
+    assert "UNEXPECTED" in out
+    assert "pwned title" in out
+    assert terminal_leaks(out) == []

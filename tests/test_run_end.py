@@ -83,6 +83,29 @@ diagnostics.DS_SCRIPT = "import time; time.sleep(60)  # {tag}"
 diagnostics.TORCH_COMMAND = ("-c", "import time; time.sleep(60)  # {tag}")
 """
 
+#: As slow, and slow to start too (a loaded machine, inside Popen): CI's cancel comes while the second one starts.
+#: Blocking the signals there held them off the main thread only; another thread took them, and the handler ran
+#: here all the same, after the fork: the process was left running, held by nothing.
+SLOW_TO_START = (
+    SLOW_DIAGNOSTICS
+    + """
+import time
+
+_start = diagnostics._start
+
+
+def slow_start(args, env):
+    proc = _start(args, env)
+    if args == diagnostics.TORCH_COMMAND:
+        open("starting", "w").close()
+        time.sleep(3)
+    return proc
+
+
+diagnostics._start = slow_start
+"""
+)
+
 
 def _cancelled(pytester: pytest.Pytester, ready: Path, *args: str) -> tuple[int, str, float]:
     """pytest run, and cancelled as CI cancels a job once ``ready`` exists: SIGINT, then SIGTERM a second later.
@@ -127,15 +150,17 @@ def test_a_second_signal_mid_run_keeps_the_ended_tests_and_the_report(pytester: 
     assert "NOT SAVED" not in out
 
 
+@pytest.mark.parametrize(("conftest", "ready"), [(SLOW_DIAGNOSTICS, "report.md"), (SLOW_TO_START, "starting")],
+                         ids=["gathered", "starting"])  # fmt: skip
 def test_a_second_signal_while_the_diagnostics_are_gathered_loses_nothing(
-    pytester: pytest.Pytester, process_tag: str
+    pytester: pytest.Pytester, process_tag: str, conftest: str, ready: str
 ) -> None:
     """The run ended, the report's diagnostics are slow (a busy machine): the results and the report are written
     before them, CI's cancel abandons them (their processes killed), and the files stay whole. It was a traceback,
     and neither file."""
     pytester.makepyfile(ONE_PASSES_ONE_SLEEPS.replace("time.sleep(600)", "pass"))
-    pytester.makeconftest(SLOW_DIAGNOSTICS.format(tag=process_tag))
-    code, out, seconds = _cancelled(pytester, pytester.path / "report.md")
+    pytester.makeconftest(conftest.format(tag=process_tag))
+    code, out, seconds = _cancelled(pytester, pytester.path / ready)
     # pytest ends interrupted; or, where the SIGTERM comes while the interpreter itself ends (its handlers gone by
     # then: seconds on a loaded machine), SIGTERM ends it, all written.
     assert code in (pytest.ExitCode.INTERRUPTED, -signal.SIGTERM), out

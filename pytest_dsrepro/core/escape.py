@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import re
+from typing import Any, TextIO
 from urllib.parse import quote, urlsplit
 
 #: C0 controls but tab and newline; DEL and the C1 controls; the bidirectional overrides and
@@ -127,6 +128,8 @@ def md_link(url: str | None, label: str | None = None) -> str:
     plain = _PLAIN_URL.fullmatch(safe) is not None
     if label is None and plain:
         return safe
+    if label == url and plain:  # an address shown as itself: nothing in it that Markdown reads
+        return f"[{safe}]({safe})"
     target = safe if plain else "<" + quote(safe, safe="/:?#[]@!$&'*+,;=%~") + ">"
     return f"[{md_text(label or safe)}]({target})"
 
@@ -141,3 +144,19 @@ def terminal(text: str) -> str:
     (``\\u202e`` for the bidirectional ones), so a results file or a log can neither clear the screen, set the
     window's title, write the clipboard, nor hide what it says."""
     return _TERMINAL_CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
+class ShownStream:
+    """A text stream (``sys.stdout``, ``sys.stderr``) whose every write goes through :func:`terminal`: what the
+    ``dsrepro`` command prints (commit subjects, ledger rows, failure texts, paths) can run no escape sequence,
+    whichever code printed it. Everything else is the stream's own; ``raw`` is the stream itself, for text whose
+    colours are the command's own and whose other texts went through :func:`terminal` already."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, text: str) -> int:
+        return self.raw.write(terminal(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)

@@ -4,29 +4,25 @@ DeepSpeed's ``tests/unit`` run on CPU worlds (``dsrepro upstream``) fails tens o
 change from run to run: the CPU accelerator lacks a feature, the test is newer than the release, the machine, or a
 DeepSpeed bug. The failures file says which, once, so that a run can say which of its failures are new.
 
-Pure: reading is ``tomllib`` plus checks whose errors name ``file:line``; classifying takes results records.
+Pure: reading is ``tomllib`` (through ``core.toml_input``) plus checks whose errors name ``file:line``; classifying
+takes results records.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
+from . import paths, toml_input
 from .gates import Verdict
 from .results import TestRecord
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 reads TOML with tomli, its backport
-    import tomli as tomllib
 
 #: The failures file packaged with the plugin, the default of ``dsrepro upstream --failures``.
 PACKAGED = Path(__file__).resolve().parent.parent / "upstream-failures.toml"
@@ -97,7 +93,7 @@ class Known:
             try:
                 if release is None or Version(release) not in self.deepspeed:
                     return False
-            except InvalidVersion:
+            except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
                 return False
         return any(_pattern(test).fullmatch(nodeid) for test in self.tests)
 
@@ -130,8 +126,8 @@ def _key_line(text: str, start: int, key: str) -> int:
 def parse(text: str, path: str = "upstream-failures.toml") -> tuple[Known, ...]:
     """The entries of a failures file's text; ``FailuresFileError`` names ``path:line`` and what is wrong."""
     try:
-        data: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+        data: dict[str, Any] = toml_input.loads(text)
+    except toml_input.TOMLDecodeError as exc:
         found = re.search(r"line (\d+)", str(exc))
         line = found[1] if found else max(len(text.splitlines()), 1)  # tomllib: "(at end of document)"
         raise FailuresFileError(f"{path}:{line}: not valid TOML: {exc}") from None
@@ -223,7 +219,7 @@ def _entry(data: dict[str, Any], place: _Place) -> Known:
 def read(path: Path) -> tuple[Known, ...]:
     """A failures file; ``FailuresFileError`` when it cannot be read or is wrong (naming ``path:line``)."""
     try:
-        text = path.read_text()
+        text = paths.read_text(path)  # a FIFO refused, not waited on
     except (OSError, UnicodeDecodeError) as exc:
         raise FailuresFileError(f"{path}:1: cannot be read: {exc}") from None
     return parse(text, str(path))

@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from . import versions
 from .errors import MarkerError
 from .outcome import RankResult, Status, group_ranks, rank_ranges
+from .text import cut
 from .typed_json import Inconsistent
 
 #: A repro's fix: called in every rank of a ``[fixed]`` variant with a ``pytest.MonkeyPatch`` (undone afterwards).
@@ -178,9 +179,14 @@ def _specifier(value: object, name: str, where: str) -> SpecifierSet:
     if not isinstance(value, str):
         raise MarkerError(f"{where}: {name}={value!r} must be a PEP 440 specifier string such as '<0.16.4'")
     try:
-        return SpecifierSet(value)
-    except InvalidSpecifier as exc:
-        raise MarkerError(f"{where}: {name}={value!r} is not a valid PEP 440 specifier ({exc})") from None
+        found = SpecifierSet(value)
+        for s in found:  # compared later, each version is read: a part of 4300 digits is int()'s ValueError there
+            if s.operator != "===":
+                Version(s.version.removesuffix(".*"))
+    except ValueError as exc:  # InvalidSpecifier, or a version no release can have
+        raise MarkerError(f"{where}: {name}={cut(repr(value), 80)} is not a valid PEP 440 specifier "
+                          f"({cut(str(exc), 80)})") from None  # fmt: skip
+    return found
 
 
 def parse_condition(args: tuple[object, ...], kwargs: dict[str, object], where: str, *, with_fix: bool) -> Condition:
@@ -276,7 +282,7 @@ def oldest_first(specs: Iterable[str]) -> list[str]:
 def _lower_bound(spec: str) -> tuple[int, Version]:
     try:
         bounds = [Version(s.version) for s in SpecifierSet(spec) if s.operator in (">=", ">", "==", "~=", "===")]
-    except (InvalidSpecifier, InvalidVersion):
+    except ValueError:  # InvalidSpecifier, InvalidVersion, or a part of 4300 digits or more (int())
         return (1, Version("0"))  # not valid: the test itself will fail and say so; list it last
     return (0, max(bounds, default=Version("0")))
 

@@ -80,7 +80,7 @@ def backend(value: object) -> str:
 
 def shard(text: str) -> tuple[int, int]:
     """``"I/N"`` -> ``(I, N)``: this process runs the I-th of N slices of the collected tests."""
-    found = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    found = re.fullmatch(r"\s*(\d{1,18})\s*/\s*(\d{1,18})\s*", text)  # int() of 4300 digits: a ValueError
     if found is None or not 1 <= int(found[1]) <= int(found[2]):
         raise OptionError("must be I/N with 1 <= I <= N, e.g. 2/4 for the second of four slices")
     return int(found[1]), int(found[2])
@@ -246,13 +246,23 @@ def launched(environ: Mapping[str, str]) -> Launched | None:
     """``LOCAL_WORLD_SIZE`` is torchrun's name for the ranks of a node, ``LOCAL_SIZE`` DeepSpeed's launcher's."""
     if not all(environ.get(name) for name in LAUNCHER_VARIABLES):
         return None
-    local = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE")
+    local = "LOCAL_WORLD_SIZE" if environ.get("LOCAL_WORLD_SIZE") else "LOCAL_SIZE"
     return Launched(
-        int(environ["RANK"]),
-        int(environ["WORLD_SIZE"]),
-        int(environ.get("LOCAL_RANK") or "0"),
-        int(local) if local else None,
+        _launcher_number(environ, "RANK", 0),
+        _launcher_number(environ, "WORLD_SIZE", 1),
+        _launcher_number(environ, "LOCAL_RANK", 0) if environ.get("LOCAL_RANK") else 0,
+        _launcher_number(environ, local, 1) if environ.get(local) else None,
     )
+
+
+def _launcher_number(environ: Mapping[str, str], name: str, least: int) -> int:
+    """A whole number a launcher set; ``SettingsError`` naming the variable where it is none (``x``, ``nan``, 5000
+    digits: it was an INTERNALERROR)."""
+    text = environ[name]
+    if re.fullmatch(r"\s*\d{1,9}\s*", text) is None or int(text) < least:
+        raise SettingsError(f"pytest-dsrepro: environment variable {name}: invalid value {_shown(text)}: must be a "
+                            f"whole number >= {least}, as a launcher (torchrun, SLURM) sets it")  # fmt: skip
+    return int(text)
 
 
 #: What ``srun`` sets in every task of a job step: its number among the step's tasks, and how many there are.

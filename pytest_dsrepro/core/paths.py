@@ -79,6 +79,29 @@ def not_a_file(path: Path) -> str | None:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
+def not_a_directory(path: Path, *, missing_ok: bool = False) -> str | None:
+    """Why ``path`` is no directory to use (a file, a FIFO, a symbolic link loop; missing unless ``missing_ok``),
+    found without opening it; None for a directory (or a link to one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop (too many levels of symbolic links)"
+        if exc.errno == errno.ENOENT:
+            return None if missing_ok else "no such directory"
+        return exc.strerror or str(exc)
+    if stat.S_ISDIR(mode):
+        return None
+    what = next((what for test, what in _KINDS if test(mode)), "a file")
+    return f"{what.removesuffix(', not a file')}, not a directory"
+
+
+def real(path: Path) -> Path:
+    """``path`` absolute, its links resolved as far as they go: ``Path.resolve`` without its ``RuntimeError`` on a
+    symbolic link loop (Python 3.11, 3.12)."""
+    return Path(os.path.realpath(path))
+
+
 def read_text(path: Path) -> str:
     """The text of the file at ``path``; ``NotAFile`` (an ``OSError``) naming what the path is where it is no
     regular file, before anything is opened."""

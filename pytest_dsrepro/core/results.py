@@ -582,9 +582,9 @@ def read_all(given_paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unrea
         else:
             candidates = [given]
         for path in candidates:
-            if path.resolve() in seen:
+            if (real := paths.real(path)) in seen:  # a link loop among them: read as unreadable, not a RuntimeError
                 continue
-            seen.add(path.resolve())
+            seen.add(real)
             found = _examine(path)
             if isinstance(found, ResultsFile):
                 files.append(found)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from . import configs
 from .escape import md_code, md_fence, md_link, md_text
@@ -218,7 +218,7 @@ def _json(config: object) -> str:
 def _version(text: str) -> Version:
     try:
         return Version(text)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return Version("0")
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from . import json_input, paths
 from .files import write_atomically
+from .paths import real as real_path
 from .results import ResultsFile
 
 #: A manifest file's ending: read by the merge, never by results readers (which read ``*.json``).
@@ -127,7 +128,7 @@ def find(paths: Sequence[Path]) -> tuple[list[tuple[Path, Manifest]], list[BadMa
     for given in paths:
         candidates = sorted(given.rglob(f"*{SUFFIX}")) if given.is_dir() else [given] if given.suffix == SUFFIX else []
         for path in candidates:
-            if (real := path.resolve()) in seen:
+            if (real := real_path(path)) in seen:  # a link loop: read as unreadable, not a RuntimeError
                 continue
             seen.add(real)
             try:

@@ -54,7 +54,7 @@ def same_release(expected: Release, seen: Release) -> bool:
     """One release at one place. Versions compare as versions; paths as real paths."""
     try:
         versions_match = Version(expected.version or "") == Version(seen.version or "")
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         versions_match = expected.version == seen.version
     paths = {os.path.realpath(p) if p else None for p in (expected.path, seen.path)}
     return versions_match and len(paths) == 1

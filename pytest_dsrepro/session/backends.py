@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import pytest
 
 from ..core.errors import HarnessError
-from ..core.options import Settings
+from ..core.escape import terminal
+from ..core.options import Settings, SettingsError
 from ..core.outcome import WorldOutcome
 from ..core.paths import unwritable
 from ..core.results import Environment
@@ -205,7 +206,7 @@ def progress_line(config: pytest.Config) -> Callable[[str], None]:
         writer = config.get_terminal_writer()
         with suspended():
             writer.line()
-            writer.line(f"pytest-dsrepro: {text}", bold=True)
+            writer.line(terminal(f"pytest-dsrepro: {text}"), bold=True)
             writer.flush()
 
     return write
@@ -223,7 +224,7 @@ def starting_worlds(config: pytest.Config) -> Iterator[None]:
     no_world = any(getattr(known, name, None) for name in ("collectonly", "help", "version", "numprocesses"))
     try:
         resolved = None if no_world or launcher.launched() else settings.resolve(config, namespace=known)
-    except pytest.UsageError:
+    except (pytest.UsageError, SettingsError):  # said once, by pytest_configure
         resolved = None
     if resolved is None:
         yield

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from ..core import results, versions
+from ..core.escape import terminal
 from ..core.files import write_atomically
 from ..core.gates import installed_deepspeed
 from ..core.options import Launched, Settings
@@ -89,15 +90,15 @@ class RunCollector:
             report.user_properties.extend(self.recorded.junit_properties(report, self.deepspeed))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        for what in self.unsaved:
-            terminalreporter.write_line(f"pytest-dsrepro: NOT SAVED: {what}", red=True, bold=True)
+        for what in self.unsaved:  # every line here through core.escape: paths and rank errors from outside
+            terminalreporter.write_line(terminal(f"pytest-dsrepro: NOT SAVED: {what}"), red=True, bold=True)
         summary = self.config.hook.pytest_dsrepro_summary(config=self.config, recorded=self.recorded) or Summary(
             f"dsrepro verdicts (deepspeed {installed_deepspeed()})", self.recorded.summary_lines()
         )
         if summary.lines:
             terminalreporter.write_sep("=", summary.title)
             for line in summary.lines:
-                terminalreporter.write_line(line)
+                terminalreporter.write_line(terminal(line))
         for facts in self.config.stash[WORLD_BACKEND_KEY].started():  # one fork server per DeepSpeed accelerator used
             if (summary.lines and summary.with_worlds) or self.config.option.verbose > 0:
                 terminalreporter.write_line(f"worlds ran on: {facts.describe()}")
@@ -146,15 +147,19 @@ class RunCollector:
             session.exitstatus = pytest.ExitCode.INTERRUPTED
         if s.report is None or interrupted or self.held.caught:
             return
+        started = diagnostics.start(env, cuda_devices)  # a signal meanwhile is noted (held), never raised in Popen
         try:
             self.held.raising = True
-            env = diagnostics.gather(env, cuda_devices)
+            if self.held.caught:  # it came while they started
+                raise KeyboardInterrupt
+            env = diagnostics.gather(env, started)
         except KeyboardInterrupt:  # the files are written; what signal comes next, up to pytest's end, stops nothing
             self.interrupted = True
             session.exitstatus = pytest.ExitCode.INTERRUPTED
             return
         finally:
             self.held.raising = False
+            diagnostics.stop(started)
         run = self._run_record(env)
         lost = self.unsaved[:1] if s.results is not None and written is None else []  # the results, said once
         self.unsaved = lost + write_outputs(run, written, (s.report, self._markdown(run)), amend=True)[0]

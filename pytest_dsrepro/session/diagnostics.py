@@ -91,25 +91,39 @@ def _blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def gather(environment: Environment, cuda_devices: int) -> Environment:
-    """``environment`` with ``ds_report``, torch's ``collect_env`` and the accelerator filled in (what failed says
-    so in its place). Without DeepSpeed installed, only torch's summary."""
+Started = tuple["subprocess.Popen[str] | None", "subprocess.Popen[str] | None"]
+
+
+def start(environment: Environment, cuda_devices: int) -> Started:
+    """The two diagnostics started: ``ds_report`` (where DeepSpeed is installed) and torch's ``collect_env``. The
+    caller's signal handlers must not raise meanwhile: blocking the signals here holds them off this thread only, and
+    a signal another thread takes (the process has one) runs the handler here all the same, inside ``Popen`` after
+    the fork: a process that nothing could kill (CI's cancel under load left one)."""
     env = rank_environment(cuda_devices)
-    ds = torch = None
-    try:
-        with _blocked():  # a signal inside Popen would leave a process that nothing here can kill
-            ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
-            torch = _start(TORCH_COMMAND, env) if environment.torch else None
-        torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
-        accelerator, ds_report = (None, None)
-        if ds is not None:
-            accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
-    finally:  # abandoned (a signal): nothing of it goes on, whatever signal comes meanwhile
-        with _blocked():
-            for proc in (ds, torch):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+    with _blocked():
+        ds = _start(("-c", DS_SCRIPT), env) if environment.deepspeed else None
+        torch = _start(TORCH_COMMAND, env) if environment.torch else None
+    return ds, torch
+
+
+def stop(started: Started) -> None:
+    """What is left of the diagnostics killed and reaped (abandoned by a signal, or already ended)."""
+    with _blocked():
+        for proc in started:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def gather(environment: Environment, started: Started) -> Environment:
+    """``environment`` with ``ds_report``, torch's ``collect_env`` and the accelerator filled in (what failed says
+    so in its place), from the diagnostics ``start`` started. Without DeepSpeed installed, only torch's summary. The
+    caller stops them after (a signal abandons them)."""
+    ds, torch = started
+    torch_env = _finish(torch, "python -m torch.utils.collect_env") if torch else None
+    accelerator, ds_report = (None, None)
+    if ds is not None:
+        accelerator, ds_report = split_accelerator(_finish(ds, "ds_report"))
     return dataclasses.replace(
         environment,
         accelerator=accelerator or environment.accelerator,

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..core import checkout
 from ..core.git import GitError
 from ..triage import known_fixes
-from . import environments, upstream_runs
+from . import arguments, environments, upstream_runs
 from .atlas import (
     AtlasError,
     Range,
@@ -43,17 +43,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--releases-between", action="store_true", help="also run every release from the range's start to the fix"
     )
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="run the first N fixes with a release")
+    parser.add_argument(
+        "--limit", type=arguments.count, default=None, metavar="N", help="run the first N fixes with a release"
+    )
     parser.add_argument(
         "--only", action="append", default=[], metavar="REV", help="run only this fix commit (repeatable)"
     )
-    parser.add_argument("--results", type=Path, default=Path("results"), metavar="DIR", help="(default: results/)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro upstream)")
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch")
-    parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
     parser.add_argument(
-        "--known-fixes", type=Path, default=None, metavar="PATH", help="run nothing: write what dsrepro triage knows "
-        "of the range's fixes (each with a clean range in --results: its PR, title, releases, failure text) to PATH"
+        "--results", type=arguments.output_directory, default=Path("results"), metavar="DIR", help="(default: results/)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=arguments.output_directory, default=None, help="release environments (as dsrepro upstream)"
+    )
+    parser.add_argument("--constraints", type=arguments.input_file, default=None, help="constraints pinning torch")
+    parser.add_argument(
+        "--log-dir", type=arguments.output_directory, default=None, help="keep each release's install log here"
+    )
+    parser.add_argument(
+        "--known-fixes", type=arguments.output_file, default=None, metavar="PATH", help="run nothing: write what "
+        "dsrepro triage knows of the range's fixes (each with a clean range in --results: its PR, title, releases, "
+        "failure text) to PATH"
     )  # fmt: skip
     parser.set_defaults(pytest_args=[])
 

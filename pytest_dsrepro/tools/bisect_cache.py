@@ -24,6 +24,7 @@ from filelock import FileLock, Timeout
 
 from ..core import versions
 from ..core.files import write_atomically
+from ..core.text import cut
 from . import install, processes
 from .environments import build_key
 from .history import Clone, Commit, describe_left_out
@@ -40,9 +41,9 @@ class CannotInstall(Exception):
 
 def parse_size(text: str) -> int:
     """``10G``, ``500M``, ``1.5GiB`` or a number of bytes."""
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not found:
-        raise ValueError(f"{text!r} is not a size (e.g. 10G, 500M, or bytes)")
+    found = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not found:  # 30 digits at most: more is no disk, and float() of 400 is infinite (int() of it an OverflowError)
+        raise ValueError(f"{cut(text, 60)!r} is not a size (e.g. 10G, 500M, or bytes)")
     return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
 
 

@@ -15,7 +15,7 @@ from typing import TextIO
 
 from packaging.version import Version
 
-from . import bisect, bisect_repo, environments, releases
+from . import arguments, bisect, bisect_repo, environments, releases
 from .bisect_cache import parse_size
 from .environments import EnvironmentUnavailable
 from .history import HistoryError
@@ -38,13 +38,9 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "nodeid", metavar="TEST_NODEID", help="e.g. repros/zero3/test_zero3_module_id.py::test_user_ids_survive"
     )
-    p.add_argument(
-        "--good",
-        required=True,
-        metavar="VERSION",
-        help="a release at one end, e.g. where it passes (--repo: or a revision)",
-    )
-    p.add_argument("--bad", required=True, metavar="VERSION", help="a release at the other end, where it fails")
+    for end, said in (("--good", "one end, e.g. where it passes (--repo: or a revision)"),
+                      ("--bad", "the other end, where it fails")):  # fmt: skip
+        p.add_argument(end, required=True, type=arguments.revision, metavar="VERSION", help=f"a release at {said}")
     p.add_argument(
         "--repo",
         type=Path,
@@ -53,7 +49,10 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
         "flip, and name the pull request; --good/--bad may then be any revisions of it too",
     )
     p.add_argument(
-        "--chdir", type=Path, metavar="DIR", help="run each probe's pytest from DIR (node ids relative to it)"
+        "--chdir",
+        type=arguments.directory,
+        metavar="DIR",
+        help="run each probe's pytest from DIR (node ids relative to it)",
     )
     p.add_argument(
         "--runs",
@@ -80,22 +79,27 @@ def _probe_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-dir",
-        type=Path,
+        type=arguments.output_directory,
         default=None,
         help="where the releases' environments live, and with --repo the commits' and the stored outcomes "
         "(default: $DSREPRO_CACHE_DIR or ~/.cache/pytest-dsrepro, shared with tox)",
     )
     p.add_argument(
         "--constraints",
-        type=Path,
+        type=arguments.input_file,
         default=None,
         help="pip constraints pinning torch (default: $DSREPRO_CONSTRAINTS, constraints.txt here or above, "
         "else the torch installed here)",
     )
-    p.add_argument("--log-dir", metavar="DIR", help="keep each probe's install log and pytest output here")
+    p.add_argument(
+        "--log-dir",
+        type=arguments.output_directory,
+        metavar="DIR",
+        help="keep each probe's install log and pytest output here",
+    )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=arguments.seconds,
         default=3600.0,
         help="seconds one pytest run of a probe may take before it is stopped (a hung world ends first, at pytest's "
         "--ds-timeout: give it after --)",
@@ -110,9 +114,10 @@ def _size(text: str) -> int:
 
 
 def _runs(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of runs >= 1")
-    return int(text)
+    try:
+        return arguments.count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{arguments.shown(text)!r} is not a whole number of runs >= 1") from None
 
 
 def run(args: argparse.Namespace) -> int:

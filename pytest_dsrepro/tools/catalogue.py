@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import areas, configs, faces, premises
 from ..core.errors import MarkerError
+from ..core.escape import md_code, md_link, md_text, terminal
 from ..core.faces import Face
 from ..core.gates import oldest_first
 from ..core.results import ReproMeta, repro_meta
@@ -260,7 +261,7 @@ def format_table(entries: Sequence[Entry], width: int = WIDTH) -> str:
         for face in e.faces:  # the link on a line of its own: never broken
             below += [*textwrap.wrap(f"seen: {face.describe()}", width - 2, subsequent_indent="  "), f"at {face.where}"]
         rows += [(f"  {line}",) for line in below]  # a row of one cell: a line of its own, not a column
-    return "\n".join(aligned(rows)) + "\n"
+    return terminal("\n".join(aligned(rows)) + "\n")  # the markers' texts: escapes shown, never run
 
 
 def _with_groups(entries: Sequence[Entry]) -> Iterator[tuple[Entry, Group | None]]:
@@ -279,12 +280,12 @@ def format_markdown(entries: Sequence[Entry]) -> str:
 
 def _markdown_table(entries: Sequence[Entry]) -> str:
     rows = []
-    for e in entries:
-        link = e.upstream and e.upstream.startswith("http")
-        upstream = f"[{e.upstream}]({e.upstream})" if link else e.upstream or "-"
-        affected = " | ".join(f"`{a}`" for a in e.affected)  # alternatives: the cell escapes the pipes
-        seen = "; ".join(f"{face.describe()} ([seen]({face.where}))" for face in e.faces) or "-"
-        rows.append((f"`{e.id}`", e.title, upstream, affected, e.fixed_text, e.premise_text, seen))
+    for e in entries:  # the markers' texts in code or escaped (core.escape): no HTML, mention, image or link gets out
+        upstream = md_link(e.upstream, e.upstream) if e.upstream else "-"
+        affected = " | ".join(md_code(a) for a in e.affected)  # alternatives: the cell escapes the pipes
+        seen = "; ".join(f"{md_text(face.describe())} ({md_link(face.where, 'seen')})" for face in e.faces) or "-"
+        rows.append((md_code(e.id), md_text(e.title), upstream, affected, md_text(e.fixed_text),
+                     md_text(e.premise_text), seen))  # fmt: skip
     return "\n".join(markdown_table([*(head for _, head in COLUMNS), "SEEN AS"], rows)) + "\n"
 
 

@@ -12,8 +12,10 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import NoReturn, Protocol, cast
 
+from ..core.escape import ShownStream, one_line, terminal
+from ..core.text import cut
 from ..core.versions import installed_text
 
 Handler = Callable[[argparse.Namespace], int]
@@ -81,9 +83,18 @@ COMMANDS = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line and exit 2 (not the usage block, then the value whole:
+    a number of 5000 digits, a pasted escape sequence): ``dsrepro scan: error: argument --world-size: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        said = terminal(cut(one_line(message), 160))
+        self.exit(2, f"{self.prog}: error: {said} (see {self.prog} --help)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand, with the arguments of each (``only``: of that one alone, the only module imported)."""
-    parser = argparse.ArgumentParser(prog="dsrepro", description=DESCRIPTION, epilog=EPILOG)
+    parser = Parser(prog="dsrepro", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     for command in COMMANDS:
@@ -109,11 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if passthrough:
         args.pytest_args = passthrough
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ShownStream(sys.stdout), ShownStream(sys.stderr)
     try:
         return handler(args)
     except KeyboardInterrupt:  # Ctrl-C: the command's children got it too; one line, not a traceback
         print(f"dsrepro {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

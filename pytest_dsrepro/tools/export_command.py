@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import export
+from . import arguments, export
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +17,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that reproduces its stock variant under `torchrun --standalone --nproc-per-node N FILE`."
     )
     parser.add_argument("nodeid", metavar="NODEID", help="e.g. repros/zero3/test_x.py::test_y[zero3-stock]")
-    parser.add_argument("-o", "--output", metavar="FILE", default="-", help="where to write it (default: stdout)")
+    parser.add_argument(
+        "-o", "--output", metavar="FILE", default="-", type=_output, help="where to write it (default: stdout)"
+    )
+
+
+def _output(text: str) -> str:
+    """``-`` (standard output), or a file that can be written (``arguments.output_file``)."""
+    return text if text == "-" else str(arguments.output_file(text))
 
 
 def run(args: argparse.Namespace) -> int:

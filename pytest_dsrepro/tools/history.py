@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core.git import GitError, git, git_bytes
+from ..core.paths import not_a_directory, real
 
 #: Where a commit's pull request is, when the clone's origin is not on GitHub (a mirror, say).
 DEFAULT_WEB = "https://github.com/deepspeedai/DeepSpeed"
@@ -82,7 +83,7 @@ def release_of(tag: str) -> Version | None:
     """The final release a tag names (``v0.16.4`` or ``0.16.4``); None for any other tag."""
     try:
         version = Version(tag.removeprefix("v"))
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return None
     return None if version.is_prerelease or version.is_devrelease or version.local else version
 
@@ -95,9 +96,12 @@ class Clone:
 
     @classmethod
     def open(cls, path: Path) -> Clone:
-        clone = cls(path.resolve())
-        if not path.is_dir():
-            raise HistoryError(f"--repo {path}: no such directory")
+        """The clone at ``path`` (``--repo``); ``HistoryError`` in one line where it is none (a FIFO, a file, a
+        symbolic link loop: said, not a ``RuntimeError`` from ``Path.resolve``)."""
+        why = not_a_directory(path)
+        if why is not None:
+            raise HistoryError(f"--repo {path}: {why}")
+        clone = cls(real(path))
         try:
             clone.git("rev-parse", "--git-dir")
         except HistoryError:

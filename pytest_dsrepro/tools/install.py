@@ -27,7 +27,7 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core import results
 from ..core.options import default_cache_dir
@@ -179,14 +179,14 @@ def _satisfies(installed: str | None, spec: SpecifierSet | None) -> bool:
         return True
     try:
         return spec.contains(Version(installed), prereleases=True)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return False
 
 
 def _same_version(a: str | None, b: str) -> bool:
     try:
         return a is not None and Version(a) == Version(b)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return a == b
 
 

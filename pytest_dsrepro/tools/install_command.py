@@ -7,18 +7,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core.options import CACHE_ENV
-from . import install
+from . import arguments, install
 from .install import CONSTRAINTS_ENV
 
 
 def _version_arg(value: str) -> str:
     try:
         Version(value)
-    except InvalidVersion:
-        raise argparse.ArgumentTypeError(f"not a release version: {value!r}") from None
+    except ValueError:  # InvalidVersion, or a part of more digits than int() reads
+        raise argparse.ArgumentTypeError(f"not a release version: {arguments.shown(value)!r}") from None
     return value
 
 
@@ -34,13 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--constraints",
-        type=Path,
+        type=arguments.input_file,
         default=None,
         help=f"pip constraints pinning torch (default: ${CONSTRAINTS_ENV}, else constraints.txt here or above)",
     )
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"probe cache root (default: ${CACHE_ENV})")
-    parser.add_argument("--results", type=Path, default=None, help="on failure, write an 'unavailable' results file")
-    parser.add_argument("--log", type=Path, default=None, help="append every command and its output to this file")
+    parser.add_argument(
+        "--results",
+        type=arguments.output_directory,
+        default=None,
+        help="on failure, write an 'unavailable' results file",
+    )
+    parser.add_argument(
+        "--log", type=arguments.output_file, default=None, help="append every command and its output to this file"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..core import failures, results
 from ..core.checkout import Checkout
-from . import processes
+from . import arguments, processes
 
 #: Exit codes of a run judged against the failures file.
 KNOWN_ONLY = 0  # no failure, or every failure known
@@ -24,7 +24,7 @@ NEW_FAILURES = 1  # a failure the file does not list
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--failures",
-        type=Path,
+        type=arguments.input_file,
         default=None,
         metavar="FILE",
         help="the failures file that says why known tests fail on a CPU (default: the one packaged, "

@@ -17,13 +17,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core.text import aligned
 from ..triage import known_fixes
 from ..triage import ledger as ledger_file
 from ..triage.ledger import FixRow
-from . import atlas, catalogue, catalogue_run, history
+from . import arguments, atlas, catalogue, catalogue_run, history
 
 #: Exit codes: 0 listed, or every selected commit has a row; 1 a commit without a row (or a row the rule does not
 #: select); 2 bad input.
@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repo", type=Path, metavar="CLONE", help="with --check: your DeepSpeed clone (only read)")
     parser.add_argument("--range", default=None, metavar="A..B", help=f"with --check: the commits (default {RANGE})")
     parser.add_argument("--ledger", type=Path, metavar="DIR", help="a folder of ledger files (default: the package's)")
-    parser.add_argument("--catalogue", type=Path, metavar="DIR", help="with --check: the repros whose markers name "
-                        "their fixes (default: the installed catalogue)")  # fmt: skip
+    parser.add_argument("--catalogue", type=arguments.directory, metavar="DIR", help="with --check: the repros whose "
+                        "markers name their fixes (default: the installed catalogue)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,8 +88,8 @@ def chosen_rows(fixes: Sequence[FixRow], args: argparse.Namespace) -> list[FixRo
         raise LedgerUsage(f"--area {args.area!r}: one of {', '.join(ledger_file.AREAS)}")
     try:
         release = None if args.release is None else Version(args.release)
-    except InvalidVersion:
-        raise LedgerUsage(f"--release {args.release!r} is not a version such as 0.18.3") from None
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
+        raise LedgerUsage(f"--release {arguments.shown(args.release)!r} is not a version such as 0.18.3") from None
     keep: list[Callable[[FixRow], bool]] = [
         lambda f: release is None or Version(f.first) == release,
         lambda f: args.disposition is None or f.disposition == args.disposition,

@@ -7,11 +7,17 @@ import shutil
 import sys
 from pathlib import Path
 
-from . import catalogue
+from . import arguments, catalogue
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="*", metavar="PATH", help="files or directories to collect (default: repros/)")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=arguments.file_or_directory,
+        metavar="PATH",
+        help="files or directories to collect (default: repros/)",
+    )
     parser.add_argument("--format", choices=catalogue.FORMATS, default="table", help="output format")
 
 

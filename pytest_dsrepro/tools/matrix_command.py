@@ -17,9 +17,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..core.escape import ShownStream
 from ..core.files import write_atomically
 from ..core.paths import unwritable_file
 from .matrix import Matrix, MatrixError, build, render_html, render_markdown, render_svg, render_terminal, symbols
+from .matrix.model import DAMAGE
 from .matrix.terminal import WIDTH
 
 
@@ -94,10 +96,12 @@ def _say(message: str) -> None:
 
 
 def _show(text: str) -> None:
-    """``text`` on stdout; a reader that went away (``dsrepro matrix | head``) stops the printing, not the files."""
+    """``text`` on stdout; a reader that went away (``dsrepro matrix | head``) stops the printing, not the files.
+    Its colours are its own: the stream itself, past ``cli``'s (``render_terminal`` shows the escapes in texts)."""
+    out = sys.stdout.raw if isinstance(sys.stdout, ShownStream) else sys.stdout
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out.write(text)
+        out.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush finds no pipe
 
@@ -129,7 +133,12 @@ def _build(args: argparse.Namespace, paths: Sequence[Path]) -> Matrix:
     if not args.since:
         return matrix
     try:
-        return build.since(matrix, build.merge(*build.load(args.since)), args.since)
+        files, unreadable = build.load(args.since)
+        damaged = [u for u in unreadable if u.kind in DAMAGE]
+        if damaged:  # compared with part of the old results, every run the damaged file held would read as changed
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise MatrixError(f"{damaged[0]}{more}")
+        return build.since(matrix, build.merge(files, unreadable), args.since)
     except MatrixError as exc:
         raise MatrixError(f"--since: {exc}") from None
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import scaffold
+from . import arguments, scaffold
 from .log_input import LogError, reading
 from .scaffold import DEFAULT_PRESET
 
@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", metavar="PRESET", default=DEFAULT_PRESET, help=f"ds_config preset (default {DEFAULT_PRESET})"
     )
     parser.add_argument(
-        "--dir", type=Path, default=None, help="directory to write into (default: the folder of repros/ for the "
-        "DeepSpeed subsystem NAME begins with, repros/zero3 for zero3-...; repros/ where it has no such folders)"
+        "--dir", type=arguments.output_directory, default=None, help="directory to write into (default: the folder "
+        "of repros/ for the DeepSpeed subsystem NAME begins with, repros/zero3 for zero3-...; repros/ where it has no "
+        "such folders)"
     )  # fmt: skip
     parser.add_argument(
         "--from-log", metavar="LOG", help="prefill the title, raises= and match= from the error in LOG (- for stdin)"
@@ -39,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
         inside = directory.resolve().is_relative_to(CATALOGUE.resolve())
         path = scaffold.create(args.name, directory, issue=args.issue, preset=args.config, start=start,
                                catalogue=CATALOGUE if inside else directory)  # fmt: skip
-    except (scaffold.ScaffoldError, LogError) as exc:
+    except LogError as exc:  # --from-log: a path to read, bad as every other bad input is (one line, exit 2)
+        print(f"dsrepro new: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except scaffold.ScaffoldError as exc:
         print(f"dsrepro: {exc}", file=sys.stderr, flush=True)
         return 1
     test = f"{path.as_posix()}::test_{scaffold.names(args.name).slug}"

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from packaging.utils import InvalidSdistFilename, InvalidWheelFilename, parse_sdist_filename, parse_wheel_filename
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
+
+from ..core.text import cut
 
 PACKAGE = "deepspeed"
 #: The index asked for the release list: uv's setting, else pip's, else PyPI.
@@ -35,8 +37,8 @@ def release(text: str, where: str) -> str:
     """``text`` when it is a release version; ``where`` says where it came from in the error."""
     try:
         Version(text)
-    except InvalidVersion:
-        raise ReleaseListError(f"{where}: {text!r} is not a release version") from None
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
+        raise ReleaseListError(f"{where}: {cut(text, 60)!r} is not a release version") from None
     return text
 
 

@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from ..core import scan_verdicts, userconfig
 from ..core.results import RunRecord, ScanVerdict
-from . import catalogue_run, environments, processes
+from . import arguments, catalogue_run, environments, processes
 from .catalogue_run import ScanError
 from .environments import EnvironmentUnavailable, ReleaseEnv
 from .releases import ReleaseListError, read_releases
@@ -89,22 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0: no known bug hits the config; 1: one does; 3: some could not be told; 2: the scan could not run. "
         "Arguments after `--` go to pytest (-k, --ds-timeout, ...)."
     )
-    parser.add_argument(
-        "config", type=Path, metavar="CONFIG", help="your ds_config.json (// and /* */ comments allowed)"
+    add = parser.add_argument
+    add("config", type=Path, metavar="CONFIG", help="your ds_config.json (// and /* */ comments allowed)")
+    add("--world-size", type=arguments.count, default=None, metavar="N", help="ranks per world (default 2)")
+    add("--release", action="append", default=[], type=arguments.release, metavar="VERSION",
+        help="scan on this release (repeatable)")  # fmt: skip
+    add("--releases", type=arguments.input_file, metavar="FILE", help="releases to scan on, one per line (# comments)")
+    add("--markdown", type=arguments.output_file, metavar="PATH", help="also write the scan as Markdown to PATH")
+    add(
+        "--catalogue", type=arguments.directory, metavar="DIR", help="repros to scan (default: the installed catalogue)"
     )
-    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
-    parser.add_argument(
-        "--release", action="append", default=[], metavar="VERSION", help="scan on this release (repeatable)"
-    )
-    parser.add_argument("--releases", type=Path, metavar="FILE", help="releases to scan on, one per line (# comments)")
-    parser.add_argument("--markdown", type=Path, metavar="PATH", help="also write the scan as Markdown to PATH")
-    parser.add_argument(
-        "--catalogue", type=Path, default=None, metavar="DIR", help="repros to scan (default: the installed catalogue)"
-    )
-    parser.add_argument(
-        "--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)"
-    )
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
+    add("--cache-dir", type=arguments.output_directory, help="release environments (default: $DSREPRO_CACHE_DIR)")
+    add("--constraints", type=arguments.input_file, help="constraints pinning torch (as dsrepro bisect)")
     parser.add_argument(
         "--with",
         dest="extra_packages",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import failures, options, results, shard_manifests
-from . import known_failures, matrix
+from . import arguments, known_failures, matrix
 
 #: The pytest plugin that writes a shard's manifest.
 PLUGIN = "pytest_dsrepro.upstream.manifest"
@@ -35,7 +35,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     try:
         return options.shard(text)
     except options.OptionError as exc:
-        raise argparse.ArgumentTypeError(f"--shard {text!r} {exc}") from None
+        raise argparse.ArgumentTypeError(f"--shard {arguments.shown(text)!r} {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "naming each shard that is missing, died or did not finish (exit 3); run nothing",
     )
     parser.add_argument(
-        "--shards", type=int, default=None, metavar="N", help="with --merge: how many shards there were"
+        "--shards", type=arguments.count, default=None, metavar="N", help="with --merge: how many shards there were"
     )
 
 

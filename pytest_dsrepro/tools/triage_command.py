@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core import configs, faces, premises, results, userconfig, versions
 from ..core.checkout import CheckoutError
@@ -31,7 +31,7 @@ from ..core.results import Finding, RunRecord, ScanVerdict, repro_meta
 from ..triage import known_fixes, ledger, logread
 from ..triage import ranking as triage
 from ..triage.known_fixes import KnownFix
-from . import atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
+from . import arguments, atlas, catalogue, catalogue_run, environments, history, processes, upstream_runs
 from .log_input import LogError, LogText, read_log
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def release(given: str | None, reading: logread.Reading) -> triage.Judged:
     if given is not None:
         try:
             return triage.Judged((Version(given),), triage.GIVEN)
-        except InvalidVersion:
+        except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
             raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
     if reading.versions:
         return triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
@@ -264,31 +264,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what cannot be it. --confirm runs the best candidates' repros here. Exit code 0: a known bug matched with "
         "confidence (or reproduced here); 1: no known bug; 2: the input or an option is wrong."
     )
-    parser.add_argument("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
-    parser.add_argument("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
-    parser.add_argument(
-        "--release", metavar="VERSION", help="the DeepSpeed release the error happened on (default: the ones the "
-        "log states, else the one installed here, only assumed: it rules no bug out)"
-    )  # fmt: skip
-    parser.add_argument("--markdown", type=Path, metavar="PATH", help="write a ready GitHub comment to PATH")
-    parser.add_argument("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
-    parser.add_argument(
-        "--top", type=int, default=CONFIRM_TOP, metavar="N", help=f"candidates --confirm runs (default {CONFIRM_TOP})"
+    add = parser.add_argument
+    add("log", metavar="LOG", help="the log, traceback or issue text (- for standard input)")
+    add("--config", type=Path, metavar="PATH", help="your ds_config.json (else the log's, if any)")
+    add(
+        "--release",
+        type=arguments.release,
+        metavar="VERSION",
+        help="the DeepSpeed release the error happened on "
+        "(default: the ones the log states, else the one installed here, only assumed: it rules no bug out)",
     )
-    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="ranks per world (default 2)")
-    parser.add_argument("--catalogue", type=Path, default=None, metavar="DIR", help="repros to triage against")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="release environments (as dsrepro scan)")
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
-    parser.add_argument(
-        "--repo", type=Path, default=None, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known "
-        "fix's own test is taken from (at the fix's commit) to run on the release judged on"
-    )  # fmt: skip
-    parser.add_argument("--ledger", type=Path, default=None, metavar="DIR", help="the fix ledger's files (default: "
-                        "the package's own; dsrepro ledger lists them)")  # fmt: skip
-    parser.add_argument(
-        "--known-fixes", type=Path, default=None, metavar="PATH", help="the fixes triage knows besides the catalogue "
-        "(default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes one)"
-    )  # fmt: skip
+    add("--markdown", type=arguments.output_file, metavar="PATH", help="write a ready GitHub comment to PATH")
+    add("--confirm", action="store_true", help="run the best candidates' repros in worlds here")
+    add("--top", type=arguments.count, default=CONFIRM_TOP, metavar="N",
+        help=f"candidates --confirm runs (default {CONFIRM_TOP})")  # fmt: skip
+    add("--world-size", type=arguments.count, metavar="N", help="ranks per world (default 2)")
+    add("--catalogue", type=arguments.directory, metavar="DIR", help="repros to triage against")
+    add("--cache-dir", type=arguments.output_directory, help="release environments (as dsrepro scan)")
+    add("--constraints", type=arguments.input_file, help="constraints pinning torch (as dsrepro bisect)")
+    add("--repo", type=Path, metavar="CLONE", help="with --confirm: your DeepSpeed clone, where a known fix's own "
+        "test is taken from (at the fix's commit) to run on the release judged on")  # fmt: skip
+    add("--ledger", type=Path, metavar="DIR", help="the fix ledger's files (default: the package's own; dsrepro "
+        "ledger lists them)")  # fmt: skip
+    add("--known-fixes", type=arguments.input_file, metavar="PATH", help="the fixes triage knows besides the "
+        "catalogue (default: the package's own, from the regression atlas; `dsrepro atlas --known-fixes` writes "
+        "one)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..core import checkout
 from ..core.checkout import CheckoutError
 from ..core.failures import FailuresFileError
-from . import known_failures, processes, shard_merge
+from . import arguments, known_failures, processes, shard_merge
 from .environments import EnvironmentUnavailable
 from .releases import ReleaseListError, read_releases, release
 from .upstream_runs import UpstreamError, pytest_command, run_releases
@@ -47,27 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--release on each release's own environment, writing one results file per release for `dsrepro matrix`. "
         "Arguments after `--` go to pytest (-k, -x, --ds-shard I/N, ...)."
     )
-    parser.add_argument(
-        "targets",
-        nargs="*",
-        metavar="PATH|NODEID",
-        help=f"test files, directories, node ids (default: tests/{DEFAULT_TARGET})",
-    )
-    parser.add_argument(
-        "--checkout", type=Path, default=None, help="the DeepSpeed checkout (default: the one holding this directory)"
-    )
-    parser.add_argument(
-        "--release", action="append", default=[], metavar="VERSION", help="run on this release (repeatable)"
-    )
-    parser.add_argument("--releases", type=Path, metavar="FILE", help="releases to run on, one per line (# comments)")
-    parser.add_argument(
-        "--results", type=Path, metavar="DIR", help="where results files go (default with --release: results/)"
-    )
-    parser.add_argument(
-        "--cache-dir", type=Path, default=None, help="release environments (default: $DSREPRO_CACHE_DIR)"
-    )
-    parser.add_argument("--constraints", type=Path, default=None, help="constraints pinning torch (as dsrepro bisect)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="keep each release's install log here")
+    add = parser.add_argument
+    add("targets", nargs="*", metavar="PATH|NODEID", help=f"test files, directories, node ids (default: tests/"
+        f"{DEFAULT_TARGET})")  # fmt: skip
+    add("--checkout", type=arguments.directory, help="the DeepSpeed checkout (default: the one holding this directory)")
+    add("--release", action="append", default=[], type=arguments.release, metavar="VERSION",
+        help="run on this release (repeatable)")  # fmt: skip
+    add("--releases", type=arguments.input_file, metavar="FILE", help="releases to run on, one per line (# comments)")
+    add("--results", type=arguments.output_directory, metavar="DIR",
+        help="where results files go (default with --release: results/)")  # fmt: skip
+    add("--cache-dir", type=arguments.output_directory, help="release environments (default: $DSREPRO_CACHE_DIR)")
+    add("--constraints", type=arguments.input_file, help="constraints pinning torch (as dsrepro bisect)")
+    add("--log-dir", type=arguments.output_directory, help="keep each release's install log here")
     shard_merge.add_arguments(parser)
     known_failures.add_arguments(parser)
     parser.set_defaults(pytest_args=[])

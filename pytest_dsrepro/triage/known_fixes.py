@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..core import typed_json
+from ..core import json_input, paths, typed_json
 from ..core.files import write_atomically
 
 #: The one schema version of the file.
@@ -66,7 +66,9 @@ def to_json(fixes: Sequence[KnownFix], source: str) -> str:
 def from_json(text: str, where: str) -> tuple[KnownFix, ...]:
     """The fixes of a file's text; ``ValueError`` naming ``where`` and what is wrong."""
     try:
-        data = json.loads(text)
+        data = json_input.loads(text)
+    except json_input.BadJSON as exc:
+        raise ValueError(f"{where}: not a known-fixes file: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where}: not JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
@@ -81,6 +83,6 @@ def write(path: Path, fixes: Sequence[KnownFix], source: str) -> None:
 def load(path: Path | None = None) -> tuple[KnownFix, ...]:
     """The known fixes of ``path``, else the package's own."""
     if path is not None:
-        return from_json(path.read_text(), str(path))
+        return from_json(paths.read_text(path), str(path))  # a FIFO refused, not waited on
     packaged = resources.files(__package__).joinpath(PACKAGED)
     return from_json(packaged.read_text(), PACKAGED) if packaged.is_file() else ()

@@ -9,7 +9,6 @@ row.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -17,16 +16,11 @@ from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from ..core import faces
+from ..core import faces, paths, toml_input
 from ..core.errors import MarkerError
 from ..core.faces import Face
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 reads TOML with tomli, its backport
-    import tomli as tomllib
 
 #: The package's folder of ledger files.
 PACKAGED = "fixes"
@@ -180,8 +174,8 @@ class _Reader:
 
     def rows(self) -> list[FixRow]:
         try:
-            data: dict[str, Any] = tomllib.loads(self.text)
-        except tomllib.TOMLDecodeError as exc:
+            data: dict[str, Any] = toml_input.loads(self.text)
+        except toml_input.TOMLDecodeError as exc:
             self.problems.append(f"{self.name}: not valid TOML: {exc}")
             return []
         entries = data.get("fix", [])
@@ -246,7 +240,7 @@ def _unknown(entry: Mapping[str, Any], keys: frozenset[str]) -> list[str]:
 def _version(value: object) -> bool:
     try:
         Version(str(value))
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return False
     return isinstance(value, str)
 
@@ -318,14 +312,24 @@ def parse(files: Iterable[tuple[str, str]]) -> tuple[FixRow, ...]:
 def load(directory: Path | None = None) -> tuple[FixRow, ...]:
     """The ledger of ``directory`` (its ``*.toml`` files), else the package's own."""
     folder: Traversable = directory if directory is not None else resources.files(__package__).joinpath(PACKAGED)
-    if not folder.is_dir():
-        raise LedgerError(f"{folder}: no such directory of ledger files")
+    why = (
+        paths.not_a_directory(folder) if isinstance(folder, Path) else None if folder.is_dir() else "no such directory"
+    )
+    if why is not None:  # a FIFO or a symbolic link loop said as what it is
+        raise LedgerError(f"{folder}: {why} of ledger files" if why == "no such directory" else f"{folder}: {why}")
     files = sorted((f for f in folder.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
     try:
-        texts = [(f.name, f.read_text(encoding="utf-8")) for f in files]
+        texts = [(f.name, _text(f)) for f in files]
     except (OSError, UnicodeDecodeError) as exc:
         raise LedgerError(f"{folder}: a ledger file cannot be read ({exc})") from None
     return parse(texts)
+
+
+def _text(file: Traversable) -> str:
+    """A ledger file's text; one that is no regular file (a FIFO named ``*.toml``, a link loop) refused unopened."""
+    if isinstance(file, Path):
+        return paths.read_text(file)
+    return file.read_text(encoding="utf-8")
 
 
 def check_catalogue(fixes: Iterable[FixRow], repros: Mapping[str, int | None]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, NamedTuple
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ..core import json_input
 from ..core.outcome import PEER_LOST
@@ -433,7 +433,7 @@ def versions(text: str) -> tuple[str, ...]:
     for m in _VERSION.finditer(text):
         try:
             said[str(Version(m["version"]))] += 1
-        except InvalidVersion:
+        except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
             continue
     return tuple(v for v, _ in said.most_common())
 

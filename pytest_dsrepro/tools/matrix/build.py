@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ...core import results
 from ...core.gates import STOCK, Verdict, oldest_first
@@ -48,7 +48,7 @@ def load(paths: Sequence[Path]) -> tuple[list[ResultsFile], list[Unreadable]]:
 def version_key(version: str) -> tuple[int, Version | str]:
     try:
         return (0, Version(version))
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return (1, version)
 
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from ...core import escape
 from ...core.gates import Rate, Reason, Verdict
@@ -121,7 +121,7 @@ def _declares(declared: tuple[str, ...], version: str) -> bool | None:
     try:
         v = Version(version)
         return any(SpecifierSet(d).contains(v, prereleases=True) for d in declared)
-    except (InvalidVersion, InvalidSpecifier):
+    except ValueError:  # InvalidVersion, InvalidSpecifier, or a part of 4300 digits or more (int())
         return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from ...core.gates import Verdict
 from .model import (
@@ -141,7 +141,7 @@ def head(version: str) -> tuple[str, str]:
     """``("0.18", ".3")``: the minor release that heads a group of columns, and what heads the column itself."""
     try:
         v = Version(version)
-    except InvalidVersion:
+    except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
         return version, ""
     prefix = ".".join(str(n) for n in (*v.release, 0)[:2])
     return (prefix, version[len(prefix) :]) if version.startswith(prefix) else (version, "")
