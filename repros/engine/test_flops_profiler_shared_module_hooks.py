@@ -89,12 +89,13 @@ def test_profiling_leaves_no_hooks(ds_config, ds_rank, ds_device, tmp_path):
     model, act = shared_activation_model(ds_device, dtype)
     # The profile goes to a file of its own rather than into the rank's output.
     config = {**ds_config, "flops_profiler": {**ds_config["flops_profiler"], "output_file": str(tmp_path / "flops")}}
-    hooks_before = len(act._forward_pre_hooks)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     profile_step = config["flops_profiler"].get("profile_step", 1)
     for step in range(profile_step + 2):  # up to, through and past the profiled step
+        if step == profile_step:  # the hooks before it: ZeRO-3 hooks every module (the shared one twice) of its own
+            hooks_before = len(act._forward_pre_hooks)
         for micro in range(engine.gradient_accumulation_steps()):
             micro_batch = config["train_micro_batch_size_per_gpu"]
             x, y = make_batch(micro_batch, hidden=8, seed=10 * step + micro, rank=ds_rank, dtype=dtype)

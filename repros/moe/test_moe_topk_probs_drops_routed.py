@@ -32,7 +32,7 @@ pytestmark = [
         "padded with zeros for unrouted ones, so routed tokens with negative logits lose to the padding and are "
         "dropped although the expert has capacity for them.",
     ),
-    pytest.mark.ds_premise(precision="fp32"),
+    pytest.mark.ds_premise(stage=(0, 1, 2), precision="fp32"),  # DeepSpeed refuses its MoE layer under ZeRO-3
     pytest.mark.ds_not_applicable("<0.15.0", reason="top-k gating with k > 2 (topkgating) appeared in 0.15.0"),
     ZERO12_CPU_FLAT_BUFFER,  # a user's ZeRO-1/2 config on 0.18.7-0.18.9
 ]

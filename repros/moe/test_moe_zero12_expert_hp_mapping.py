@@ -92,7 +92,9 @@ def test_expert_params_read_back_whole(ds_engine, ds_config, ds_rank, ds_world_s
     from deepspeed.utils import safe_get_full_fp32_param
 
     # One expert per rank (ep_size = world size): each expert's group is partitioned over a single rank.
-    model = moe_model(num_experts=ds_world_size, k=1, ep_size=ds_world_size, seed=5, device=ds_device)
+    # Gated over this rank's micro-batch of tokens: min_capacity 0 lets the gate take a micro-batch of fewer tokens
+    # than its default of 4 (a capacity of 4, as with it, for the repro's own 8 tokens over two experts).
+    model = moe_model(num_experts=ds_world_size, k=1, ep_size=ds_world_size, seed=5, device=ds_device, min_capacity=0)
     engine = moe_engine(ds_engine, ds_config, model)
     dtype = precision_dtype(ds_config)
     x, y = tokens(ds_config["train_micro_batch_size_per_gpu"], seed=6 + ds_rank, device=ds_device, dtype=dtype)

@@ -114,12 +114,14 @@ def test_tiled_mlp_accepts_transposed_input(ds_engine, ds_config, ds_rank, ds_de
     hidden = torch.randn(SEQLEN, batch, HIDDEN, generator=generator, device="cpu").to(device=ds_device, dtype=dtype)
     hidden.requires_grad_(True)
 
+    # The untiled MLP on a plain copy of the block: the engine's own module would run ZeRO's gradient hooks twice.
     reference = hidden.detach().clone().requires_grad_(True)
-    engine.module(reference, tiled=False).float().pow(2).mean().backward()
-    expected = reference.grad.clone()
-    engine.module.zero_grad(set_to_none=True)
+    seq_first_tiled_mlp(seed=61, device=ds_device, dtype=dtype)(reference, tiled=False).float().pow(2).mean().backward()
 
     loss = engine(hidden).float().pow(2).mean()
+    scales = []  # what the engine multiplies the loss by: 1 / its accumulation steps, times an fp16 loss scale
+    loss.register_hook(scales.append)
     engine.backward(loss)
     engine.step()
+    expected = reference.grad * scales[0].to(reference.grad.dtype)
     torch.testing.assert_close(hidden.grad, expected, msg="TiledMLP's input gradient differs from the untiled MLP's")

@@ -11,6 +11,7 @@ one process grows without bound. PR #5643 (first released in 0.14.5) clears ``_h
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
 
+from pytest_dsrepro.inrank.devices import engine_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -75,7 +76,7 @@ def test_destroy_releases_the_fp32_partitions(ds_engine, ds_config, ds_rank):
 
     model = tiny_mlp(seed=2)
     engine = ds_engine(model=model)  # torch Adam, which ZeRO supports
-    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=0, rank=ds_rank)
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=0, rank=ds_rank, dtype=engine_dtype(engine))
     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
     engine.step()
     assert any(getattr(p, "_hp_mapping", None) is not None for p in model.parameters()), "no link to begin with"

@@ -40,6 +40,9 @@ pytestmark += [
     ),
 ]
 
+#: The most optimizer steps the body takes for the scalar to move (two in its own config).
+MAX_STEPS = 4
+
 
 def zero_config(stage):
     return pytest.param(
@@ -80,6 +83,7 @@ def pad_an_empty_partition(monkeypatch):
 )
 def test_a_scalar_param_group_trains(ds_engine, ds_config, ds_rank, ds_device):
     import torch
+    from deepspeed.utils import safe_get_full_fp32_param
 
     class ScaledMLP(torch.nn.Module):
         """The tiny MLP times a learnable scalar, which trains in a group of its own (no weight decay)."""
@@ -100,8 +104,17 @@ def test_a_scalar_param_group_trains(ds_engine, ds_config, ds_rank, ds_device):
     ]
     engine = ds_engine(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2))
     before = model.scale.detach().float().clone()
-    for step in range(2):
-        x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=step, rank=ds_rank, dtype=dtype)
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-    assert not torch.equal(engine.module.scale.detach().float(), before), "the scalar's group did not train"
+    # At least two optimizer steps of the config's accumulation steps each, until the scalar's fp32 master moved (a
+    # config's warm-up may give the first step a rate of 0; a bf16 copy moves only by whole bf16 units).
+    for step in range(MAX_STEPS):
+        for micro in range(engine.gradient_accumulation_steps()):
+            seed = step if micro == 0 else 100 * step + micro
+            x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=seed, rank=ds_rank, dtype=dtype)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        master = safe_get_full_fp32_param(engine.module.scale).float()  # a collective: every rank, every step
+        if step >= 1 and not torch.equal(master, before):
+            break
+    assert not torch.equal(master, before), "the scalar's group did not train"
+    trained = engine.module.scale.detach()
+    assert torch.equal(trained, master.to(trained.dtype)), f"the module's scale {trained} is not its fp32 {master}"

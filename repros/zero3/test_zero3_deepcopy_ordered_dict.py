@@ -80,8 +80,9 @@ def test_deepcopy_of_zero3_model(ds_engine, ds_config, ds_rank):
     x, y = make_batch(
         ds_config["train_micro_batch_size_per_gpu"], seed=3, rank=ds_rank, dtype=precision_dtype(ds_config)
     )
-    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-    engine.step()
+    for _ in range(engine.gradient_accumulation_steps()):  # one optimizer step: the config's accumulation steps
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
 
     # An EMA or reference copy, made as trainers make one under ZeRO-3: with the parameters gathered.
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):

@@ -154,19 +154,29 @@ def test_reentrant_checkpoint_with_tensor_backward(ds_engine, ds_config, ds_rank
     micro = ds_config["train_micro_batch_size_per_gpu"]
     model = checkpointed_model()
     engine = ds_engine(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=LR))
-    for step in range(STEPS):
+    accumulation = engine.gradient_accumulation_steps()  # the config's: STEPS optimizer steps of that many backwards
+    used = []  # each optimizer step's rate and Adam betas (a config's scheduler sets them; OneCycle cycles betas)
+    for step in range(STEPS * accumulation):
         output = engine(batch(step, ds_rank, micro, dtype, ds_device))
         output.backward(torch.ones_like(output))  # PyTorch style, no engine.backward
+        if engine.is_gradient_accumulation_boundary():
+            used.append({"lr": engine.get_lr()[0], "betas": engine.optimizer.param_groups[0]["betas"]})
         engine.step()
 
-    # Past the crash: plain Adam on the gradient the ranks' backward calls average to.
+    # Past the crash: plain Adam on the gradient the ranks' backward calls average to (over the accumulation's
+    # backward calls too, which DeepSpeed divides by their number), clipped as the config clips, at each step's rate.
     reference = checkpointed_model().to(ds_device, dtype)
     adam = torch.optim.Adam(reference.parameters(), lr=LR)
-    for step in range(STEPS):
+    clipping = engine.gradient_clipping()
+    for step, settings in enumerate(used):
         adam.zero_grad()
-        for rank in range(ds_world_size):
-            output = reference(batch(step, rank, micro, dtype, ds_device))
-            output.backward(torch.ones_like(output) / ds_world_size)
+        for micro_step in range(step * accumulation, (step + 1) * accumulation):
+            for rank in range(ds_world_size):
+                output = reference(batch(micro_step, rank, micro, dtype, ds_device))
+                output.backward(torch.ones_like(output) / (ds_world_size * accumulation))
+        if clipping:  # DeepSpeed's 0 is no clipping
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clipping)
+        adam.param_groups[0].update(settings)
         adam.step()
     for (name, trained), expected in zip(engine.module.named_parameters(), reference.parameters(), strict=True):
         # one parameter at a time: a gather of several races on gloo before 0.19.8 (zero3-persistent-allgather-race)
