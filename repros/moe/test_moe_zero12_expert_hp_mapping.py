@@ -34,8 +34,11 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=(1, 2),
         sets={"zero_force_ds_cpu_optimizer": False},
+        removes=("zero_optimization.round_robin_gradients",),
         because="where the config names no optimizer the body trains with torch's Adam, which DeepSpeed refuses "
-        "beside an offloaded optimizer unless told",
+        "beside an offloaded optimizer unless told; and with round_robin_gradients on (LLaMA-Factory's ZeRO-2 "
+        "configs) safe_get_full_fp32_param reads the non-expert weights wrong after a step on 0.19.8 too (by "
+        "0.27-0.60; another defect, not yet catalogued), which this body cannot tell from the bug",
     ),
     ZERO12_CPU_FLAT_BUFFER,
 ]
