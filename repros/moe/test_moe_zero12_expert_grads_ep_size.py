@@ -29,10 +29,10 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=(1, 2),
         precision="fp32",
-        sets={"gradient_clipping": 0.0, "zero_allow_untested_optimizer": True},
+        sets={"gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False},
         removes=("scheduler",),
         because="the body compares one SGD step of two engines, unclipped and at its own rate (plain SGD, which ZeRO "
-        "must be allowed to wrap)",
+        "must be allowed to wrap, beside an offloaded optimizer too)",
     ),
     ZERO12_CPU_FLAT_BUFFER,
 ]
@@ -50,6 +50,7 @@ pytestmark += [
 ]
 
 CONFIG = {
+    "zero_force_ds_cpu_optimizer": False,  # as the premise sets it for a scanned config
     "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
