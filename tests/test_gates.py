@@ -114,6 +114,35 @@ def test_overlapping_ranges_are_an_error() -> None:
         judge(gates, STOCK, Version("0.17.5"), [], "here")
 
 
+def test_overlapping_ranges_are_said_by_the_stock_run_and_the_fix_still_runs(
+    pytester: pytest.Pytester, run: RunPytest
+) -> None:
+    """Ranges that overlap at the installed release hold it, so the ``[fixed]`` variant runs its world there (it is
+    not the release a fix has nothing to do on); the ``[stock]`` run says the overlap in the marker's words, and no
+    setup ends in a traceback."""
+    pytester.makepyfile(
+        """
+        import json
+        import pytest
+
+        def patch(monkeypatch):
+            monkeypatch.setattr(json, "patched", True, raising=False)
+
+        @pytest.mark.ds_world
+        @pytest.mark.ds_version(affected="<99", raises=KeyError, fix=patch)
+        @pytest.mark.ds_version(affected=">=0.1", raises=KeyError)
+        def test_overlap(ds_rank):
+            if not getattr(json, "patched", False):
+                raise KeyError("unpatched")
+        """
+    )
+    result = run("--ds-world-size", "1")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*ds_version ranges overlap at deepspeed *: '>=0.1', '<99'*"])
+    result.stdout.fnmatch_lines(["PASSES-WITH-FIX  *::test_overlap[[]fixed[]]"])
+    assert "Traceback" not in result.stdout.str()
+
+
 def test_markers_are_read_from_every_ds_version_marker(pytester: pytest.Pytester) -> None:
     item, _ = pytester.getitems(
         """

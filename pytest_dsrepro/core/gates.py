@@ -287,8 +287,14 @@ def _lower_bound(spec: str) -> tuple[int, Version]:
     return (0, max(bounds, default=Version("0")))
 
 
+def affecting(gates: Sequence[VersionGate], version: Version) -> list[VersionGate]:
+    """The gates whose affected range holds ``version`` (more than one: ranges that overlap, ``active_gate``'s
+    error)."""
+    return [g for g in gates if g.affected.contains(version, prereleases=True)]
+
+
 def active_gate(gates: Sequence[VersionGate], version: Version, where: str) -> VersionGate | None:
-    hits = [g for g in gates if g.affected.contains(version, prereleases=True)]
+    hits = affecting(gates, version)
     if len(hits) > 1:
         ranges = ", ".join(repr(g.range) for g in hits)
         raise MarkerError(f"{where}: ds_version ranges overlap at deepspeed {version}: {ranges}")

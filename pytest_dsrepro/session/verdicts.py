@@ -21,7 +21,7 @@ import pytest
 from packaging.version import Version
 
 from ..core.errors import HarnessError, MarkerError
-from ..core.gates import FIXED, Judgement, Reason, Verdict, active_gate, holding, installed_deepspeed, judge_runs
+from ..core.gates import FIXED, Judgement, Reason, Verdict, affecting, holding, installed_deepspeed, judge_runs
 from ..core.outcome import ErrorInfo, RankResult, Status, WorldOutcome, describe_failure
 from ..core.premises import Premise
 from ..core.world_spec import accelerator_for
@@ -124,11 +124,11 @@ def not_applicable(marks: Marks, version: Version | None) -> Judgement | None:
     return Judgement(Reason.NOT_APPLICABLE, f"not applicable on deepspeed {version}: {reasons}")
 
 
-def fix_not_needed(marks: Marks, version: Version | None, where: str) -> Judgement | None:
+def fix_not_needed(marks: Marks, version: Version | None) -> Judgement | None:
     """NOT-APPLICABLE for a ``[fixed]`` variant on a release outside every affected range: a fix is for the releases
     that have the bug; elsewhere its ``[stock]`` twin runs the same code (FIXED, NOT-YET-AFFECTED), and a second world
-    would only run it again."""
-    if marks.variant != FIXED or version is None or active_gate(marks.gates, version, where) is not None:
+    would only run it again. Ranges that overlap are the ``[stock]`` twin's error to say, after its body."""
+    if marks.variant != FIXED or version is None or affecting(marks.gates, version):
         return None
     ranges = " or ".join(gate.range for gate in marks.gates)
     return Judgement(
@@ -165,7 +165,7 @@ def refuse(item: pytest.Item, marks: Marks) -> None:
     releases (reported by pytest as a skip at the test, since pytest has no other word for a test that did not run),
     and a world test with pytest's xunit-style methods (which fail it)."""
     version = installed_deepspeed()
-    judgement = not_applicable(marks, version) or fix_not_needed(marks, version, item.nodeid)
+    judgement = not_applicable(marks, version) or fix_not_needed(marks, version)
     if judgement is not None:
         item.stash[JUDGEMENT_KEY] = judgement
         skip_at_test(item, judgement.message)
