@@ -66,9 +66,9 @@ ZERO12_CPU_FLAT_BUFFER = pytest.mark.ds_prerequisite(
 
 
 def wait_on_every_handle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Backport of PR #8539 (entry ``zero3-persistent-allgather-race``): ZeRO-3's re-gather of its persistent
-    parameters after ``step()`` waits on every launched all-gather, not only the last one (on gloo they complete in
-    any order). A no-op from 0.19.8."""
+    """Backport of PR #8539 (entry ``zero3-persistent-allgather-race``): a blocking ZeRO-3 gather of several
+    parameters (the re-gather of persistent parameters after ``step()``, ``GatheredParameters`` over a list) waits on
+    every launched all-gather, not only the last one (on gloo they complete in any order). A no-op from 0.19.8."""
     from deepspeed.runtime.zero import partition_parameters
 
     from pytest_dsrepro.inrank.backport import backport, release_has
@@ -82,12 +82,13 @@ def wait_on_every_handle(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-#: For ZeRO-3 repros whose parameters are persistent and whose checks read them after ``step()``: before 0.19.8 the
-#: gathers are waited for properly (the race is its own entry), and the verdict says so.
+#: For ZeRO-3 repros that read or load several parameters gathered at once (persistent ones after ``step()``, a
+#: ``GatheredParameters`` list): before 0.19.8 the gathers are waited for properly (the race is its own entry), and
+#: the verdict says so.
 PERSISTENT_ALLGATHER_RACE = pytest.mark.ds_prerequisite(
     fix=wait_on_every_handle,
     releases="<0.19.8",
-    reason="zero3-persistent-allgather-race (PR #8539): persistent parameters can be read half-gathered after step()",
+    reason="zero3-persistent-allgather-race (PR #8539): parameters gathered together can be read half-gathered",
 )
 
 

@@ -11,7 +11,7 @@ forward of the first step, on every rank. The function dates from the first ZeRO
 """
 
 import pytest
-from _prerequisites import ZERO3_PARTITIONED
+from _prerequisites import PERSISTENT_ALLGATHER_RACE, ZERO3_PARTITIONED
 from _zero3 import ZERO3
 
 from pytest_dsrepro.inrank.devices import precision_dtype
@@ -28,6 +28,7 @@ pytestmark = [
         "torch.func transforms require.",
     ),
     ZERO3_PARTITIONED,
+    PERSISTENT_ALLGATHER_RACE,  # its GatheredParameters gathers several parameters at once
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.

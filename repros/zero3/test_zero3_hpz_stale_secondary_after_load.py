@@ -13,6 +13,7 @@ not take); first released in 0.18.3. The world has 4 ranks: hpZ needs a secondar
 """
 
 import pytest
+from _prerequisites import PERSISTENT_ALLGATHER_RACE
 from _zero3 import HPZ_PARTITIONED, ZERO3_HPZ
 
 from pytest_dsrepro.inrank.devices import precision_dtype
@@ -31,6 +32,7 @@ pytestmark = [
     ),
     HPZ_PARTITIONED,
     pytest.mark.ds_world(size=4),
+    PERSISTENT_ALLGATHER_RACE,  # its GatheredParameters gathers several parameters at once
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
