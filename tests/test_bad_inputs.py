@@ -217,6 +217,19 @@ def test_paths_say_what_is_no_file_without_opening_it(bad: Path) -> None:
         "nan": None,
         "missing": "no such file",
     }
+    assert {name: paths.not_collectable(bad / name) for name in ("fifo", "loop", "directory", "nan", "missing")} == {
+        "fifo": "a FIFO (a named pipe), not a file",
+        "loop": "a symbolic link loop (too many levels of symbolic links)",
+        "directory": None,
+        "nan": None,
+        "missing": "no such file or directory",
+    }
+    assert {name: paths.not_a_directory(bad / name) for name in ("fifo", "nan", "missing")} == {
+        "fifo": "a FIFO (a named pipe), not a directory",
+        "nan": "a file, not a directory",
+        "missing": "no such directory",
+    }
+    assert paths.not_a_directory(bad / "missing", missing_ok=True) is None
     with pytest.raises(paths.NotAFile, match=r"^a FIFO"):
         paths.read_text(bad / "fifo")
     assert paths.unwritable_file(bad / "fifo") == "it is a FIFO (a named pipe), not a file"

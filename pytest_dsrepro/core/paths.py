@@ -65,34 +65,47 @@ _KINDS = (
 )
 
 
-def not_a_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a file (missing, a directory, a FIFO, a device, a symbolic link loop), found
-    without opening it; None for a regular file (or a link to one)."""
+def _kind(mode: int, otherwise: str) -> str:
+    return next((what for test, what in _KINDS if test(mode)), otherwise)
+
+
+def _mode(path: Path, missing: str) -> int | str:
+    """``path``'s file mode, or why it has none (``missing`` when nothing is there)."""
     try:
-        mode = os.stat(path).st_mode
+        return os.stat(path).st_mode
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return "a symbolic link loop (too many levels of symbolic links)"
-        return "no such file" if exc.errno == errno.ENOENT else exc.strerror or str(exc)
-    if stat.S_ISREG(mode):
-        return None
-    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+        return missing if exc.errno == errno.ENOENT else exc.strerror or str(exc)
+
+
+def not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (missing, a directory, a FIFO, a device, a symbolic link loop), found
+    without opening it; None for a regular file (or a link to one)."""
+    mode = _mode(path, "no such file")
+    if isinstance(mode, str):
+        return mode
+    return None if stat.S_ISREG(mode) else _kind(mode, "not a regular file")
+
+
+def not_collectable(path: Path) -> str | None:
+    """Why ``path`` is neither a file nor a directory to collect (missing, a FIFO, a device, a symbolic link loop);
+    None for either (or a link to one)."""
+    mode = _mode(path, "no such file or directory")
+    if isinstance(mode, str):
+        return mode
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else _kind(mode, "not a regular file")
 
 
 def not_a_directory(path: Path, *, missing_ok: bool = False) -> str | None:
     """Why ``path`` is no directory to use (a file, a FIFO, a symbolic link loop; missing unless ``missing_ok``),
     found without opening it; None for a directory (or a link to one)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "a symbolic link loop (too many levels of symbolic links)"
-        if exc.errno == errno.ENOENT:
-            return None if missing_ok else "no such directory"
-        return exc.strerror or str(exc)
+    mode = _mode(path, "" if missing_ok else "no such directory")
+    if isinstance(mode, str):
+        return mode or None
     if stat.S_ISDIR(mode):
         return None
-    what = next((what for test, what in _KINDS if test(mode)), "a file")
+    what = _kind(mode, "a file")
     return f"{what.removesuffix(', not a file')}, not a directory"
 
 

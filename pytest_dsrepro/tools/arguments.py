@@ -79,10 +79,9 @@ def directory(text: str) -> Path:
 def file_or_directory(text: str) -> str:
     """A file or a directory to be collected (``dsrepro list``), or a node id in a file: never a FIFO, which pytest
     would wait on."""
-    path = Path(text.split("::", 1)[0])
-    why = paths.not_a_directory(path) and paths.not_a_file(path)
+    why = paths.not_collectable(Path(text.split("::", 1)[0]))
     if why is not None:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: {'no such file or directory' if 'no such' in why else why}")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: {why}")
     return text
 
 
