@@ -122,13 +122,10 @@ def _catalogue(args: argparse.Namespace) -> Path:
 
 
 def release(given: str | None, reading: logread.Reading) -> triage.Judged:
-    """``--release``, else the releases the log states, else the DeepSpeed installed here (only assumed: it rules no
-    bug out); and where they came from."""
+    """``--release`` (a version: ``arguments.release`` checked it), else the releases the log states, else the
+    DeepSpeed installed here (only assumed: it rules no bug out); and where they came from."""
     if given is not None:
-        try:
-            return triage.Judged((Version(given),), triage.GIVEN)
-        except ValueError:  # InvalidVersion, or a part of 4300 digits or more (int())
-            raise TriageError(f"--release {given!r} is not a version such as 0.18.3") from None
+        return triage.Judged((Version(given),), triage.GIVEN)
     if reading.versions:
         return triage.Judged(tuple(Version(v) for v in reading.versions), triage.STATED)
     installed = versions.installed("deepspeed")
