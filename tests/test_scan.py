@@ -38,6 +38,8 @@ def never_raise(monkeypatch):
 @pytest.mark.ds_config("zero3")
 @pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError, match="no optimizer", fix=never_raise)
 def test_optimizer(ds_config):
+    with open("profile.log", "w") as out:  # a path relative to the run, as a flops profiler's output_file is
+        out.write("written by the body")
     if "optimizer" not in ds_config:
         raise AttributeError("no optimizer hook")
 
@@ -359,6 +361,7 @@ def test_dsrepro_scan_exit_codes_and_markdown(pytester: pytest.Pytester, catalog
     assert proc.returncode == scan_command.AFFECTED, proc.stdout + proc.stderr
     assert "AFFECTED  needs-optimizer  on deepspeed" in proc.stdout
     assert "**1 AFFECTED**" in (pytester.path / "scan.md").read_text()
+    assert not (catalogue / "profile.log").exists(), "the scan wrote a config's relative output into the catalogue"
     bad = config(pytester, "{\n  // no closing brace\n", "bad.json")
     proc = subprocess.run([*command[:4], str(bad)], cwd=pytester.path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == scan_command.UNUSABLE

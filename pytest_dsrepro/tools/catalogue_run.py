@@ -34,12 +34,14 @@ def installed() -> Path:
 def run_catalogue(
     python: str, environ: dict[str, str], where: Path, world_size: int | None, arguments: Sequence[str]
 ) -> tuple[int, list[results.ResultsFile], list[results.Unreadable]]:
-    """The catalogue's pytest in a child, from its own directory (so that no ``pytest.ini`` of the directory you are
-    in applies), its output the user's to watch; ``arguments`` say what it runs (a scan, or some repros). Its exit
-    code, and the results it wrote into a directory of this run's.
+    """The catalogue's pytest in a child, rooted at the catalogue and given its paths whole (so that no
+    ``pytest.ini`` of the directory you are in applies), its output the user's to watch; ``arguments`` say what it
+    runs (a scan, or some repros). Its exit code, and the results it wrote into a directory of this run's.
 
     The tests' ``tmp_path`` lives there too (``--basetemp``): under pytest's shared default, other pytest sessions of
-    the same user prune a long run's directories while its repros still write checkpoints there.
+    the same user prune a long run's directories while its repros still write checkpoints there. So does its working
+    directory: what a scanned config names by a relative path (a flops profiler's ``output_file``, a monitor's output)
+    is written there and removed with it, never into the catalogue (an installed package's directory).
     """
     with tempfile.TemporaryDirectory(prefix="dsrepro-catalogue-") as tmp:
         written = Path(tmp) / "results"
@@ -47,7 +49,7 @@ def run_catalogue(
                    "--ds-results", str(written), "--basetemp", str(Path(tmp) / "tmp")]  # fmt: skip
         if world_size is not None:
             command += ["--ds-world-size", str(world_size)]
-        returncode = processes.to_terminal([*command, *arguments], cwd=where, env=environ)
+        returncode = processes.to_terminal([*command, *arguments], cwd=tmp, env=environ)
         files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     return returncode, files, unreadable
 
