@@ -49,7 +49,7 @@ def run_catalogue(
                    "--ds-results", str(written), "--basetemp", str(Path(tmp) / "tmp")]  # fmt: skip
         if world_size is not None:
             command += ["--ds-world-size", str(world_size)]
-        returncode = processes.to_terminal([*command, *arguments], cwd=tmp, env=environ)
+        returncode = processes.to_terminal([*command, *arguments], cwd=Path(tmp), env=environ)
         files, unreadable = results.read_all([written]) if written.is_dir() else ([], [])
     return returncode, files, unreadable
 
