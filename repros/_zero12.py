@@ -166,3 +166,19 @@ def train_reference(
         for group in optimizer.param_groups if moms else ():
             group.update({k: v for k, v in moms[step].items() if k in group})
         optimizer.step()
+
+
+def refuse_a_bucket_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backport of PR #8266 (entries ``zero12-reduce-bucket-size-zero`` and ``zero3-reduce-bucket-size-zero``): the
+    ZeRO config refuses a ``reduce_bucket_size`` that is not above 0."""
+    from deepspeed.runtime import config
+
+    zero_config = config.get_zero_config
+
+    def get_zero_config(param_dict: Any) -> Any:
+        parsed = zero_config(param_dict)
+        if parsed.reduce_bucket_size <= 0:
+            raise ValueError(f"reduce_bucket_size: Input should be greater than 0 (got {parsed.reduce_bucket_size})")
+        return parsed
+
+    monkeypatch.setattr(config, "get_zero_config", get_zero_config)

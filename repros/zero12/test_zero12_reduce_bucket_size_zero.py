@@ -13,7 +13,7 @@ SGD.
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import PLAIN_SGD_SETS, max_difference, train, train_reference
+from _zero12 import PLAIN_SGD_SETS, max_difference, refuse_a_bucket_of_zero, train, train_reference
 
 from pytest_dsrepro.inrank.models import tiny_mlp
 
@@ -68,21 +68,6 @@ def zero_config(stage):
         },
         id=f"zero{stage}_bucket0",
     )
-
-
-def refuse_a_bucket_of_zero(monkeypatch):
-    """Backport of PR #8266: the ZeRO config refuses a ``reduce_bucket_size`` that is not above 0."""
-    from deepspeed.runtime import config
-
-    zero_config = config.get_zero_config
-
-    def get_zero_config(param_dict):
-        parsed = zero_config(param_dict)
-        if parsed.reduce_bucket_size <= 0:
-            raise ValueError(f"reduce_bucket_size: Input should be greater than 0 (got {parsed.reduce_bucket_size})")
-        return parsed
-
-    monkeypatch.setattr(config, "get_zero_config", get_zero_config)
 
 
 @pytest.mark.ds_config(zero_config(1), zero_config(2))
