@@ -375,5 +375,11 @@ def parse(args: tuple[object, ...], kwargs: Mapping[str, object], where: str) ->
     if because and not (sets or removes):
         raise MarkerError(f"{where}: because= explains sets= or removes=, neither of which is given")
     mend = _keys("mend", kwargs.get("mend", {}), where)
+    mended: dict[str, Any] = {}
+    for key, value in mend.items():
+        put(mended, key, value)
+    if mend and all(r.holds(mended) for r in found if r.key in mend):
+        raise MarkerError(f"{where}: mend= must take a config out of the premise (the fix on the config's side): it "
+                          "sets none of the premise's config= keys to a value the premise excludes")  # fmt: skip
     return Premise(tuple(found), tuple(sets.items()), " ".join(str(because).split()), str(accelerator or "") or None,
                    tuple(removes), tuple(mend.items()))  # fmt: skip
