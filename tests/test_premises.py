@@ -200,6 +200,12 @@ def test_a_key_may_be_one_of_several_values_and_a_refusal_has_its_mend() -> None
         ({"removes": "scheduler", "because": "x"}, "removes= must be a tuple of dotted config keys"),
         ({"because": "why"}, "because= explains sets= or removes=, neither of which is given"),
         ({"mend": [("a", 1)]}, "mend= must be a dict of dotted config keys"),
+        (
+            {"config": {"fp16.auto_cast": True}, "mend": {"fp16.auto_cast": True}},
+            "mend= must take a config out of the premise (the fix on the config's side): it sets none of the premise's "
+            "config= keys to a value the premise excludes",
+        ),
+        ({"stage": 3, "mend": {"zero_allow_untested_optimizer": True}}, "mend= must take a config out of the premise"),
         ({"stages": 3}, "unexpected argument(s) stages; takes stage=, precision="),
         ({"accelerator": "tpu"}, "accelerator='tpu' must be one of cpu, cuda"),
     ],

@@ -259,6 +259,121 @@ def test_a_refused_warmup_is_the_bug_and_the_rest_is_judged_with_its_fix(pyteste
         assert "judged with scheduler.params.warmup_num_steps" not in result.stdout.str()
 
 
+#: A repro whose body trains a step in the config's dtype, as most bodies do, and a bug of the same keys as the
+#: catalogue's auto_cast bug whose range holds no release: it mends nothing.
+TRAINS = """
+import pytest
+
+pytestmark = [pytest.mark.ds_world]
+
+
+def step(ds_engine, ds_config, ds_rank):
+    import torch
+    from pytest_dsrepro.inrank.devices import precision_dtype
+    from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
+
+    dtype = precision_dtype(ds_config)
+    engine = ds_engine(model=tiny_mlp(seed=4).to(dtype))
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=0, rank=ds_rank, dtype=dtype)
+    engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y.float()))
+    engine.step()
+
+
+@pytest.mark.ds_repro(id="trains-a-step", title="trains a step", upstream="https://example.invalid/8")
+@pytest.mark.ds_premise()
+@pytest.mark.ds_config({"zero_optimization": {"stage": 2}})
+@pytest.mark.ds_version(affected=">=0.0.1", raises=AttributeError)
+def test_step(ds_engine, ds_config, ds_rank):
+    step(ds_engine, ds_config, ds_rank)
+
+
+@pytest.mark.ds_repro(id="casts-in-no-release", title="inputs cast to half", upstream="https://example.invalid/9")
+@pytest.mark.ds_premise(config={"fp16.enabled": False, "fp16.auto_cast": True}, mend={"fp16.auto_cast": False})
+@pytest.mark.ds_config({"fp16": {"enabled": False, "auto_cast": True}})
+@pytest.mark.ds_version(affected="<0.0.1", raises=RuntimeError, match="must have the same dtype")
+def test_casts(ds_engine, ds_config, ds_rank):
+    step(ds_engine, ds_config, ds_rank)
+"""
+
+#: LLaMA-Factory's way (corpus/configs/llamafactory-jonathan-z3.json, at ZeRO-2): the fp16 section kept whole with
+#: auto_cast beside bf16, both "auto"; for an fp32 run fp16 is off and auto_cast on.
+AUTO_CAST = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 2},
+    "fp16": {"enabled": "auto", "auto_cast": True, "loss_scale": 0}, "bf16": {"enabled": "auto"},
+}  # fmt: skip
+CAST_TITLE = "fp16.auto_cast true with fp16 disabled: the engine casts fp32/bf16 inputs to half"
+
+
+def test_a_bug_every_step_meets_is_the_bug_and_the_rest_is_judged_with_its_fix(pytester: pytest.Pytester,
+                                                                              run: RunPytest) -> None:  # fmt: skip
+    """DeepSpeed takes the config, but from 0.17.1 every forward of it dies of the auto_cast bug: that bug's row is
+    AFFECTED as written, and every other bug is judged with its mend, said once above the table; before 0.17.1
+    nothing is mended."""
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
+    shutil.copy(ROOT / "repros" / "precision" / "test_fp16_auto_cast_while_disabled.py", pytester.path)
+    pytester.makepyfile(test_trains=TRAINS)
+    result = run("--ds-scan", str(config(pytester, AUTO_CAST)), "-k", "not casts")
+    if installed_deepspeed() >= Version("0.17.1"):
+        result.stdout.fnmatch_lines_random([
+            "note: judged with fp16.auto_cast true -> false: on DeepSpeed * the config meets the known bug "
+            f"precision-fp16-auto-cast-while-disabled ({CAST_TITLE}), which every other bug's body would meet before "
+            "its own check (its row: as written); every other bug is judged with that bug's fix on the config's side",
+            "AFFECTED      precision-fp16-auto-cast-while-disabled  on deepspeed *: ranks 0-1: RuntimeError: mat1 and "
+            "mat2 must have the same dtype* (unfixed upstream; the fix on the config's side: fp16.auto_cast false)",
+            "NOT AFFECTED  trains-a-step                            passed with this config, on a release the bug "
+            "affects",
+        ])  # fmt: skip
+    else:
+        result.stdout.fnmatch_lines_random(["NOT AFFECTED  precision-fp16-auto-cast-while-disabled  not yet affected*"])
+        assert "judged with" not in result.stdout.str()
+
+
+def test_a_mending_bug_outside_its_range_mends_nothing(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """The same premise and mend, on a release outside the bug's range: the config is judged as written, and every
+    body meets what it does (here the bug, outside the catalogued range)."""
+    pytester.makepyfile(test_trains=TRAINS)
+    result = run("--ds-scan", str(config(pytester, AUTO_CAST)))
+    assert "judged with" not in result.stdout.str()
+    if installed_deepspeed() >= Version("0.17.1"):  # where DeepSpeed casts the inputs to half
+        result.stdout.fnmatch_lines_random([
+            "AFFECTED     casts-in-no-release  *RuntimeError: mat1 and mat2 must have the same dtype* (unfixed "
+            "upstream; the fix on the config's side: fp16.auto_cast false; outside the catalogued range)",
+            "CANNOT TELL  trains-a-step        *RuntimeError: mat1 and mat2 must have the same dtype*",
+        ])  # fmt: skip
+
+
+def test_several_mending_bugs_judge_each_other_with_their_fixes(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """A config DeepSpeed refuses (the Trainer's warm-up of 0) whose steps would also meet the auto_cast bug: every
+    bug is judged with both mends but a mending bug's own, which its row is."""
+    if installed_deepspeed() < Version("0.19.3"):
+        pytest.skip("both bugs' ranges hold a release from 0.19.3 on")
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
+    shutil.copy(ROOT / "repros" / "optim" / "test_sched_warmup_zero_refused.py", pytester.path)
+    shutil.copy(ROOT / "repros" / "_prerequisites.py", pytester.path)
+    shutil.copy(ROOT / "repros" / "precision" / "test_fp16_auto_cast_while_disabled.py", pytester.path)
+    pytester.makepyfile(test_trains=TRAINS)
+    user = config(pytester, {**HF_ZERO2, "fp16": {"enabled": False, "auto_cast": True}})
+    result = run("--ds-scan", str(user), "-k", "not casts")
+    either = (
+        "(its row: with the other mends, not its own); every other bug is judged with that bug's fix on the "
+        "config's side"
+    )
+    result.stdout.fnmatch_lines_random([
+        "note: judged with scheduler.params.warmup_num_steps 0 -> 1: DeepSpeed * refuses the config as written "
+        "(ValueError: warmup_num_steps must be a positive integer, got 0), which is the known bug "
+        f"sched-warmup-zero-refused {either}",
+        "note: judged with fp16.auto_cast true -> false: on DeepSpeed * the config meets the known bug "
+        f"precision-fp16-auto-cast-while-disabled ({CAST_TITLE}), which every other bug's body would meet before "
+        f"its own check {either}",
+        "AFFECTED      sched-warmup-zero-refused                on deepspeed *: ranks 0-1: ConfigRejected: *"
+        "warmup_num_steps must be a positive integer, got 0*",
+        "AFFECTED      precision-fp16-auto-cast-while-disabled  on deepspeed *: ranks 0-1: RuntimeError: mat1 and "
+        "mat2 must have the same dtype*",
+        "NOT AFFECTED  trains-a-step                            passed with this config, on a release the bug "
+        "affects",
+    ])  # fmt: skip
+
+
 def test_a_config_deepspeed_refuses_starts_no_world(pytester: pytest.Pytester, run: RunPytest,
                                                     catalogue: Path) -> None:  # fmt: skip
     """DeepSpeed's config classes refuse a value they cannot take: said once, above the table, from the release's own

@@ -186,9 +186,11 @@ class Premise:
     ``removes`` are keys a scan takes out of a user's config for this repro (a scheduler whose warm-up would make the
     body's one step a step of rate 0), said the same way; a repro's own configs must not hold them.
 
-    ``mend`` is for a bug whose symptom is DeepSpeed refusing the config: the change to the config that avoids it (the
-    fix on the config's side). A scan that finds DeepSpeed refusing a config that meets this premise runs this repro
-    with the config as written (the bug, AFFECTED) and judges every other bug with the config mended, said so.
+    ``mend`` is for a bug no body gets past: on a release inside its affected range, a config that meets this premise
+    is refused by DeepSpeed, or fails every step whatever the body (inputs cast to half for an fp32 model). It is the
+    change to the config that avoids it (the fix on the config's side), and takes the config out of this premise. A
+    scan of such a config on such a release runs this repro with the config as written (the bug, AFFECTED) and judges
+    every other bug with the config mended, said so; where several bugs mend it, each one's row has the others' mends.
 
     A premise is judged on a config as the release being scanned reads it, each key the config leaves out at that
     release's own default (``core.ds_defaults``, read from the release's own config classes); ``written`` says which
@@ -375,5 +377,11 @@ def parse(args: tuple[object, ...], kwargs: Mapping[str, object], where: str) ->
     if because and not (sets or removes):
         raise MarkerError(f"{where}: because= explains sets= or removes=, neither of which is given")
     mend = _keys("mend", kwargs.get("mend", {}), where)
+    mended: dict[str, Any] = {}
+    for key, value in mend.items():
+        put(mended, key, value)
+    if mend and all(r.holds(mended) for r in found if r.key in mend):
+        raise MarkerError(f"{where}: mend= must take a config out of the premise (the fix on the config's side): it "
+                          "sets none of the premise's config= keys to a value the premise excludes")  # fmt: skip
     return Premise(tuple(found), tuple(sets.items()), " ".join(str(because).split()), str(accelerator or "") or None,
                    tuple(removes), tuple(mend.items()))  # fmt: skip

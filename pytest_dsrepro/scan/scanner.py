@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+from packaging.version import Version
 
 from ..core import configs, ds_defaults, results, scan_verdicts, userconfig
 from ..core.errors import MarkerError
-from ..core.gates import Judgement, Reason, installed_deepspeed
+from ..core.gates import Judgement, Reason, affecting, installed_deepspeed
 from ..core.premises import Premise, lookup, put
 from ..core.results import Finding, RunRecord, ScanSource, ScanVerdict, TestRecord
 from ..session import markers
@@ -40,24 +41,38 @@ REGISTERED_AS = "dsrepro-scan-config"
 
 
 @dataclass(frozen=True)
-class Mend:
-    """A bug of refusals that holds the config, and the change to the config that avoids it."""
+class Mender:
+    """A bug whose premise declares a ``mend``, on a release inside its affected range: a config that meets its
+    premise stops every body there before the body's own check (DeepSpeed refuses it, or every step fails), so the
+    scan judges the other bugs with its fix on the config's side."""
 
     bug: str
+    title: str
+    premise: Premise
+
+
+@dataclass(frozen=True)
+class Mend:
+    """A mend the scan applied to the config: the bug, its fix on the config's side, and the refusal of DeepSpeed's it
+    cures, if that is how the bug shows."""
+
+    bug: str
+    title: str
     changes: tuple[tuple[str, object], ...]
     said: tuple[str, ...]  # each change in words: ``scheduler.params.warmup_num_steps 0 -> 1``
+    refused: str | None = None  # DeepSpeed's refusal of the config without it, accepted with every mend
 
 
 @dataclass(frozen=True)
 class ConfigRead:
-    """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; mended where
-    ``mend`` says; the keys the release does not know, ``unknown``, taken out), as the release reads it (``values``:
-    each key left out at its default), and DeepSpeed's refusal of it, if any (``Type: message``)."""
+    """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; with ``mends``;
+    the keys the release does not know, ``unknown``, taken out), as the release reads it (``values``: each key left
+    out at its default), and DeepSpeed's refusal of it, if any (``Type: message``)."""
 
     written: dict[str, Any]
     values: dict[str, Any]
     refused: str | None = None
-    mend: Mend | None = None
+    mends: tuple[Mend, ...] = ()
     defaults_known: bool = True  # False: DeepSpeed refused the config, or the probe failed
     unknown: dict[str, str] = dataclasses.field(default_factory=dict)  # key -> DeepSpeed's message
 
@@ -75,15 +90,16 @@ class ConfigRead:
 
 
 class ScanConfig:
-    """The user's config as the installed release reads it, per world size (asked once, kept)."""
+    """The user's config as the installed release reads it, per world size (asked once, kept), and the mends that
+    apply to it: each of a ``Mender`` (``menders``, noted at collection) whose premise the config meets."""
 
     def __init__(self, user: userconfig.UserConfig, cache_dir: Path, gloo: bool, size: int | None) -> None:
         """``size``: the world size to ask the release about now (None: nothing runs here, ask when asked)."""
         self.user, self.cache_dir, self.gloo = user, cache_dir, gloo
-        self.menders: list[tuple[str, Premise]] = []
+        self.menders: dict[str, Mender] = {}
         self.problems: list[str] = []
         self.healed: list[str] = []  # cached defaults that could not be used, read again: each said once
-        self._read: dict[int, tuple[ConfigRead, ConfigRead]] = {}
+        self._read: dict[int, dict[tuple[str, ...], ConfigRead]] = {}  # per size, by the bugs whose mends it has
         self._probes = {} if size is None else {size: self._ask([self.written(size)], size)}
 
     def written(self, size: int) -> dict[str, Any]:
@@ -92,52 +108,57 @@ class ScanConfig:
     def _ask(self, written: list[dict[str, Any]], size: int) -> defaults.DefaultsProbe:
         return defaults.start([ds_defaults.request(w, size) for w in written], self.cache_dir, self.gloo)
 
-    def _answer(self, probe: defaults.DefaultsProbe, written: dict[str, Any], mend: Mend | None) -> ConfigRead:
-        reading = probe.wait()[0]
+    def _answer(self, probe: defaults.DefaultsProbe, index: int, written: dict[str, Any]) -> ConfigRead:
+        reading = probe.wait()[index]
         self.healed += [healed for healed in probe.healed if healed not in self.healed]
         if reading is None:
             if probe.problem and probe.problem not in self.problems:
                 self.problems.append(probe.problem)
-            return ConfigRead(written, written, None, mend, defaults_known=False)
+            return ConfigRead(written, written, None, defaults_known=False)
         written = ds_defaults.without(written, reading.unknown)
         if reading.refused is not None:
-            return ConfigRead(written, written, reading.refused, mend, defaults_known=False, unknown=reading.unknown)
-        return ConfigRead(written, ds_defaults.merged(written, reading), None, mend, unknown=reading.unknown)
+            return ConfigRead(written, written, reading.refused, defaults_known=False, unknown=reading.unknown)
+        return ConfigRead(written, ds_defaults.merged(written, reading), None, unknown=reading.unknown)
 
-    def read(self, size: int) -> tuple[ConfigRead, ConfigRead]:
-        """The config for a world of ``size`` as written, and as the scan judges every bug but a mending one with
-        (the same, unless DeepSpeed refuses the config as written and a bug of refusals mends it)."""
+    def read(self, size: int, bug: str | None = None) -> ConfigRead:
+        """The config for a world of ``size`` as the scan judges ``bug`` with: with every mend that applies but the
+        bug's own (its row is the bug as the config is written; several mending bugs: each with the others')."""
+        readings = self._readings(size)
+        return readings[tuple(m.bug for m in self.mends(size) if m.bug != bug)]
+
+    def mends(self, size: int) -> tuple[Mend, ...]:
+        """The mends the scan applies to the config for a world of ``size``, in the order the menders were noted."""
+        return max(self._readings(size).values(), key=lambda read: len(read.mends)).mends
+
+    def _readings(self, size: int) -> dict[tuple[str, ...], ConfigRead]:
+        """The config as written, and mended: with every mend that applies, and, where several do, with each but
+        one (that bug's row), all asked of the release in one probe."""
         if size not in self._read:
             written = self.written(size)
             probe = self._probes.pop(size, None) or self._ask([written], size)
-            plain = self._answer(probe, written, None)
-            self._read[size] = (plain, self._mended(plain, size) or plain)
+            plain = self._answer(probe, 0, written)
+            menders = [m for m in self.menders.values() if not plain.premise_problems(m.premise)]
+            rows = {tuple(m.bug for m in menders if m is not left) for left in menders}  # the others' mends
+            wanted = sorted((rows | {tuple(m.bug for m in menders)}) - {()})
+            mended = [_mended(plain.written, [self.menders[bug] for bug in bugs]) for bugs in wanted]
+            probe = self._ask(mended, size)
+            readings: dict[tuple[str, ...], ConfigRead] = {(): plain}
+            readings.update((bugs, self._answer(probe, i, mended[i])) for i, bugs in enumerate(wanted))
+            mends = [_mend(mender, plain, readings) for mender in menders]
+            self._read[size] = {bugs: dataclasses.replace(read, mends=tuple(m for m in mends if m.bug in bugs))
+                                for bugs, read in readings.items()}  # fmt: skip
         return self._read[size]
-
-    def _mended(self, plain: ConfigRead, size: int) -> ConfigRead | None:
-        if plain.refused is None:
-            return None
-        for bug, premise in self.menders:
-            if plain.premise_problems(premise):
-                continue
-            mended = copy.deepcopy(plain.written)
-            said = premise.mended(mended)
-            return self._answer(self._ask([mended], size), mended, Mend(bug, premise.mend, tuple(said)))
-        return None
 
     def notes(self) -> list[str]:
         """What the scan did to the config as a whole, for the notes above its table: the keys the release does not
-        know, taken out; a mend, in words with why; defaults that could not be read."""
+        know, taken out; each mend, in words with why; defaults that could not be read."""
         said = []
-        for plain, effective in self._read.values():
+        for size, readings in self._read.items():
             said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not know it ({message}); no "
                      "catalogued bug depends on it, and the rest of the config is judged" for key, message in
-                     plain.unknown.items()]  # fmt: skip
-            mend = effective.mend
-            if mend is not None:
-                said.append(f"judged with {', '.join(mend.said)}: DeepSpeed {installed_deepspeed()} refuses the config "
-                            f"as written ({plain.refused}), which is the known bug {mend.bug} (its row: as written); "
-                            "every other bug is judged with that bug's fix on the config's side")  # fmt: skip
+                     readings[()].unknown.items()]  # fmt: skip
+            mends = self.mends(size)
+            said += [_said(mend, several=len(mends) > 1) for mend in mends]
         said += [f"{problem}: a key the config leaves out that DeepSpeed gives a default was not judged"
                  for problem in self.problems]  # fmt: skip
         return list(dict.fromkeys(said + self.healed))
@@ -147,6 +168,38 @@ class ScanConfig:
         for probe in self._probes.values():
             probe.close()
         self._probes.clear()
+
+
+def _mended(written: dict[str, Any], menders: list[Mender]) -> dict[str, Any]:
+    """A copy of ``written`` with each of ``menders``' mends put in."""
+    config = copy.deepcopy(written)
+    for mender in menders:
+        mender.premise.mended(config)
+    return config
+
+
+def _mend(mender: Mender, plain: ConfigRead, readings: dict[tuple[str, ...], ConfigRead]) -> Mend:
+    """``mender``'s mend as the scan applies it (``readings``: the config with each set of mends, by their bugs): its
+    changes in words, from the config as written; the refusal it cures, where DeepSpeed refuses the config of its
+    row (without it) and accepts the config with every mend."""
+    every = max(readings, key=len)
+    row = readings[tuple(bug for bug in every if bug != mender.bug)]
+    cured = row.refused if readings[every].refused is None else None
+    said = mender.premise.mended(copy.deepcopy(plain.written))
+    return Mend(mender.bug, mender.title, mender.premise.mend, tuple(said), cured)
+
+
+def _said(mend: Mend, several: bool) -> str:
+    """A mend, for the notes above the table: which keys, which bug, and why no other bug's body gets past it."""
+    if mend.refused is not None:
+        why = (f"DeepSpeed {installed_deepspeed()} refuses the config as written ({mend.refused}), which is the known "
+               f"bug {mend.bug}")  # fmt: skip
+    else:
+        why = (f"on DeepSpeed {installed_deepspeed()} the config meets the known bug {mend.bug} ({mend.title}), which "
+               "every other bug's body would meet before its own check")  # fmt: skip
+    row = "with the other mends, not its own" if several else "as written"
+    return (f"judged with {', '.join(mend.said)}: {why} (its row: {row}); every other bug is judged with that bug's "
+            "fix on the config's side")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,11 +257,20 @@ def _scans(node: pytest.Item) -> bool:
     return node.get_closest_marker("ds_repro") is not None
 
 
+def _mender(item: pytest.Item, release: Version | None) -> Mender | None:
+    """The repro as a ``Mender``, where its premise has a ``mend`` and ``release`` is inside its affected range."""
+    premise = markers.premise(item)
+    if premise is None or not premise.mend or release is None or not affecting(markers.gates(item), release):
+        return None
+    repro = _repro(item)
+    return Mender(repro.id, repro.title, premise)
+
+
 def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: dict[str, str]) -> ScanPlan:
     """A scanned test's plan, or its verdict decided now (``_decided``, no world): its premise judged on the config
     as the release reads it; a race's series skipped where a deterministic test of the same bug has told (``told``:
-    which test, and what); the user's config, mended unless this repro is the bug of refusals that mends it, then
-    the premise's ``removes`` and ``sets``, each said."""
+    which test, and what); the user's config with every mend that applies but the repro's own (``ScanConfig.read``),
+    then the premise's ``removes`` and ``sets``, each said."""
     if "ds_config" not in getattr(item, "fixturenames", ()):
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro builds its own config (no ds_config): a user's "
                                                         "config cannot be run through it"))  # fmt: skip
@@ -217,19 +279,19 @@ def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: di
     if premise is None:
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, "the repro declares no ds_premise: what a config needs "
                                                         "for its bug is not known"))  # fmt: skip
-    plain, effective = reading.read(marks.world.size if marks.world is not None else 1)
-    read = plain if premise.mend else effective
+    bug, size = _repro(item).id, marks.world.size if marks.world is not None else 1
+    read = reading.read(size, bug)
     unmet = read.premise_problems(premise)  # the accelerator's premise: judged before, at the plugin's own setup
     if unmet:
         _decided(item, scan_verdicts.not_applicable(unmet))
     series = marks.nondeterministic
-    if series is not None and (bug := _repro(item).id) in told:
+    if series is not None and bug in told:
         said = f"told by {told[bug]}: this race's series of {series.runs} worlds adds nothing"
         _decided(item, Finding(ScanVerdict.NOT_APPLICABLE, said))
-    if read.refused is not None and not premise.mend:
+    if read.refused is not None and not any(m.bug == bug and m.refused for m in reading.mends(size)):
         _decided(item, Finding(ScanVerdict.CANNOT_TELL, f"{scan_verdicts.REFUSED} [{SCAN_ID}]: {read.refused}"))
     config = ds_defaults.without(user, read.unknown)
-    for key, value in () if read.mend is None else read.mend.changes:
+    for key, value in (change for mend in read.mends for change in mend.changes):
         put(config, key, value)
     return ScanPlan(config, tuple(premise.apply(config, read.values, read.written)))
 
@@ -270,17 +332,19 @@ class Scan:
 
     @pytest.hookimpl(tryfirst=True)  # before --ds-shard picks its share
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        """A scan runs the catalogue's repros only: other tests collected beside them are deselected. The bugs of
-        refusals among them (a premise with ``mend``) are noted, for a config DeepSpeed refuses."""
+        """A scan runs the catalogue's repros only: other tests collected beside them are deselected. The bugs
+        among them that mend a config (a premise with ``mend``) on the installed release (inside their affected range)
+        are noted, for a config that meets their premise."""
         other = [item for item in items if not _scans(item)]
         if other:
             config.hook.pytest_deselected(items=other)
             items[:] = [item for item in items if _scans(item)]
+        release = installed_deepspeed()
         for item in items:
             with contextlib.suppress(MarkerError):  # said at that test's setup
-                premise = markers.premise(item)
-                if premise is not None and premise.mend:
-                    self.reading.menders.append((_repro(item).id, premise))
+                mender = _mender(item, release)
+                if mender is not None:
+                    self.reading.menders.setdefault(mender.bug, mender)
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """Judge the premise on the user's config; no world for a config that cannot meet it. After the plugin's

@@ -8,6 +8,11 @@ section's other keys, a common edit of a shared config, gets its inputs cast to 
 fp32 or bf16: the first forward dies with a dtype mismatch (``mat1 and mat2 must have the same dtype``). Unfixed
 upstream at the time of writing; the fix here is our own: ``auto_cast`` counts only when fp16 is enabled, as before
 0.17.1.
+
+The fix on the config's side (``mend``): ``auto_cast`` false where fp16 is off. Every step of every body dies of this
+bug first, so a scan that finds a config meeting the premise on a release from 0.17.1 says AFFECTED here and judges
+every other bug with the mend, said above its table (LLaMA-Factory's ZeRO-3 config, fp16 and bf16 ``"auto"`` with
+``auto_cast`` true, resolved for an fp32 or bf16 run).
 """
 
 import pytest
@@ -25,7 +30,11 @@ pytestmark = [
         root_cause="engine.fp16_auto_cast() returns the fp16 section's auto_cast without asking whether fp16 is "
         "enabled (PR #6976 dropped the config's check), so forward casts inputs to half for non-fp16 models.",
     ),
-    pytest.mark.ds_premise(precision=("fp32", "bf16"), config={"fp16.enabled": False, "fp16.auto_cast": True}),
+    pytest.mark.ds_premise(
+        precision=("fp32", "bf16"),
+        config={"fp16.enabled": False, "fp16.auto_cast": True},
+        mend={"fp16.auto_cast": False},
+    ),
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
