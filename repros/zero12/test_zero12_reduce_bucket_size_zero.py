@@ -9,6 +9,8 @@ found it too). PR #8266 (first released in 0.19.6) makes the config refuse 0 (``
 ``deepspeed.initialize``, where the mend (a positive size) is obvious. The body passes either way a healthy release
 behaves: the config refused up front, naming ``reduce_bucket_size``, or training that matches plain data-parallel
 SGD.
+A scan that finds a config holding this bug on a release it affects judges every other bug with the config's fix
+(``mend``: DeepSpeed's default bucket of 5e8 elements), said above its table.
 """
 
 import pytest
@@ -30,6 +32,7 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=(1, 2),
         config={"zero_optimization.reduce_bucket_size": 0},
+        mend={"zero_optimization.reduce_bucket_size": 500_000_000},
         sets=PLAIN_SGD_SETS,
         removes=("scheduler",),
         because="the body trains with torch's SGD and compares two steps with plain, unclipped fp32 SGD at the same "

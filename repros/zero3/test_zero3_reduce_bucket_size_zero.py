@@ -8,6 +8,8 @@ by a ZeRO-3 config that sets the size to 0 (the project's corpus has one: a Hugg
 backward fails before any other bug can show. PR #8266 (first released in 0.19.6) makes the config refuse 0, so the
 user learns it at ``deepspeed.initialize``. The body passes either way a healthy release behaves: the config refused
 up front, naming ``reduce_bucket_size``, or training that matches plain data-parallel SGD.
+A scan that finds a config holding this bug on a release it affects judges every other bug with the config's fix
+(``mend``: DeepSpeed's default bucket of 5e8 elements), said above its table.
 """
 
 import pytest
@@ -29,6 +31,7 @@ pytestmark = [
     pytest.mark.ds_premise(
         stage=3,
         config={"zero_optimization.reduce_bucket_size": 0},
+        mend={"zero_optimization.reduce_bucket_size": 500_000_000},
         sets={**PLAIN_SGD_SETS, "zero_optimization.stage3_param_persistence_threshold": 0},
         removes=("scheduler",),
         because="the body trains with torch's SGD and compares two steps with plain, unclipped fp32 SGD at the same "
