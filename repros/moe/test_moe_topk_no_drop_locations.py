@@ -23,7 +23,12 @@ pytestmark = [
         root_cause="topkgating sets the tokens' buffer locations only where it drops tokens; its drop_tokens=False "
         "branch leaves 'locations' unbound before the dispatch mask reads it.",
     ),
-    pytest.mark.ds_premise(stage=(0, 1, 2)),
+    pytest.mark.ds_premise(
+        stage=(0, 1, 2),
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="where the config names no optimizer the body trains with torch's Adam, which DeepSpeed refuses beside "
+        "an offloaded optimizer unless told",
+    ),
     pytest.mark.ds_not_applicable("<0.15.0", reason="top-k gating with k > 2 (topkgating) appeared in 0.15.0"),
     ZERO12_CPU_FLAT_BUFFER,  # a user's ZeRO-1/2 config on 0.18.7-0.18.9
 ]
@@ -39,6 +44,7 @@ pytestmark += [
 ]
 
 CONFIG = {
+    "zero_force_ds_cpu_optimizer": False,  # as the premise sets it for a scanned config
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,

@@ -74,15 +74,23 @@ def test_gpt2_pipe_checkpoints_listed_layers(ds_config, ds_world_size, ds_rank):
     import torch.utils.checkpoint
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    # A GPT2ModelPipe's stages pass (hidden states, attention mask), as GPT-NeoX's do: the pipeline engine takes the
+    # last tensor such a model sends for a bool mask (has_attention_mask), and would cut a lone tensor into its rows.
     class Block(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.linear = torch.nn.Linear(16, 16)
 
-        def forward(self, x):
-            if isinstance(x, tuple):  # what the previous stage sent, as the pipeline engine hands it on
-                x = x[0]
-            return torch.tanh(self.linear(x))
+        def forward(self, inputs):
+            if isinstance(inputs, tuple):
+                hidden, mask = inputs
+            else:  # the first layer makes the mask, as GPT-NeoX's embedding does
+                hidden, mask = inputs, torch.ones(len(inputs), 1, dtype=torch.bool, device=inputs.device)
+            return torch.tanh(self.linear(hidden)).masked_fill(~mask, 0.0), mask
+
+    class Head(torch.nn.Linear):
+        def forward(self, inputs):
+            return super().forward(inputs[0])
 
     class GPT2ModelPipe(PipelineModule):  # the name GPT-NeoX's pipeline model has
         pass
@@ -95,7 +103,7 @@ def test_gpt2_pipe_checkpoints_listed_layers(ds_config, ds_world_size, ds_rank):
 
     torch.manual_seed(8)
     module = GPT2ModelPipe(
-        layers=[LayerSpec(Block), LayerSpec(Block), LayerSpec(Block), LayerSpec(torch.nn.Linear, 16, 1)],
+        layers=[LayerSpec(Block), LayerSpec(Block), LayerSpec(Block), LayerSpec(Head, 16, 1)],
         num_stages=STAGES,
         loss_fn=torch.nn.MSELoss(),
         partition_method="uniform",

@@ -24,7 +24,12 @@ pytestmark = [
         root_cause="DeepSpeedZeroOptimizer.destroy removed its gradient hooks but left each parameter's _hp_mapping, "
         "which references the optimizer's flat fp32 partition.",
     ),
-    pytest.mark.ds_premise(stage=(1, 2)),
+    pytest.mark.ds_premise(
+        stage=(1, 2),
+        sets={"zero_force_ds_cpu_optimizer": False},
+        because="where the config names no optimizer the body trains with torch's Adam, which DeepSpeed refuses beside "
+        "an offloaded optimizer unless told",
+    ),
     ZERO12_CPU_FLAT_BUFFER,
 ]
 
@@ -39,7 +44,12 @@ pytestmark += [
 
 def zero_config(stage):
     return pytest.param(
-        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage}},
+        {
+            "zero_force_ds_cpu_optimizer": False,  # as the premise sets it for a scanned config
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+        },
         id=f"zero{stage}",
     )
 

@@ -74,6 +74,7 @@ def assign_dim_first(monkeypatch):
 def test_train_only_biases(ds_engine, ds_config, ds_rank):
     import deepspeed
     import torch
+    from deepspeed.utils import safe_get_full_fp32_param
 
     with deepspeed.zero.Init(config_dict_or_path=ds_config):  # F.linear becomes ZeRO-3's memory-efficient linear
         torch.manual_seed(3)
@@ -83,18 +84,24 @@ def test_train_only_biases(ds_engine, ds_config, ds_rank):
     biases = [p for p in model.parameters() if p.requires_grad]
     engine = ds_engine(model=model, optimizer=torch.optim.Adam(biases, lr=1e-2))
 
-    def gathered():  # one parameter at a time: a coalesced gather of several races on gloo before 0.19.8
+    def gathered():
+        """The biases' fp32 masters (what the optimizer steps: a bf16 bias moves only once its master has moved by
+        half a bf16 unit, which a small rate takes many steps to do) and the frozen weights, which have none, as the
+        model holds them; one parameter at a time (a coalesced gather of several races on gloo before 0.19.8)."""
         values = {}
         for name, parameter in model.named_parameters():
-            with deepspeed.zero.GatheredParameters([parameter]):
-                values[name] = parameter.detach().clone()
+            if parameter.requires_grad:
+                values[name] = safe_get_full_fp32_param(parameter).clone()  # a collective: every rank, in order
+            else:
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    values[name] = parameter.detach().clone()
         return values
 
     before = gathered()
     micro = ds_config["train_micro_batch_size_per_gpu"]
     dtype = precision_dtype(ds_config)
     # Optimizer steps of the config's accumulation steps each, until every bias moved: a config's warm-up may give
-    # the first step a rate of 0, and a bf16 bias moves only once its fp32 master has moved by half a bf16 unit.
+    # the first step a rate of 0.
     for step in range(MAX_STEPS):
         for micro_step in range(engine.gradient_accumulation_steps()):
             x, y = make_batch(micro, seed=1 + 100 * step + micro_step, rank=ds_rank, dtype=dtype)
