@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_dsrepro.inrank.devices import engine_dtype
-from pytest_dsrepro.inrank.models import make_batch
+from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 MICRO_BATCH = 2
 
@@ -182,3 +182,49 @@ def refuse_a_bucket_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
         return parsed
 
     monkeypatch.setattr(config, "get_zero_config", get_zero_config)
+
+
+def bucket_of_zero(stage: int) -> Any:
+    """The ``ds_config`` parameter of the reduce_bucket_size entries: ZeRO-``stage`` with a bucket of 0 elements,
+    torch's SGD taken as it is, in fp32 (ZeRO-3's parameters all partitioned)."""
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 0}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return pytest.param(
+        {
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_accumulation_steps": 1,
+            **{key: value for key, value in PLAIN_SGD_SETS.items() if "." not in key},
+            "bf16": {"enabled": False},
+            "fp16": {"enabled": False},
+            "zero_optimization": zero,
+        },
+        id=f"zero{stage}_bucket0",
+    )
+
+
+def bucket_of_zero_error(ds_engine: Any, ds_config: dict[str, Any], rank: int, world_size: int) -> float | None:
+    """The body of both reduce_bucket_size entries: how far two SGD steps of ``tiny_mlp`` under ``ds_config`` land
+    from plain data-parallel SGD (ZeRO-3's weights gathered for it); None where DeepSpeed refuses the config naming
+    ``reduce_bucket_size`` at ``initialize``, PR #8266's answer, where the user can mend it."""
+    import deepspeed
+    import torch
+
+    from pytest_dsrepro.inrank.engine import ConfigRejected
+
+    lr, steps = 0.1, 2
+    model = tiny_mlp(seed=8)
+    try:
+        engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    except ConfigRejected as refused:
+        if "reduce_bucket_size" not in str(refused):
+            raise
+        return None
+    lrs = train(engine, rank, steps=steps)
+    reference = tiny_mlp(seed=8)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    accumulation = ds_config["gradient_accumulation_steps"]
+    train_reference(reference, optimizer, world_size, steps=steps, lrs=lrs, accumulation=accumulation)
+    partitioned = ds_config["zero_optimization"]["stage"] == 3
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=partitioned):
+        return max_difference(engine.module, reference)
