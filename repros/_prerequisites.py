@@ -12,7 +12,9 @@ persistent parameters after ``step()``; ``PIPELINE_NESTED_BACKWARD`` (entry ``pi
 ``zero2-bf16-fp32-comm-bucket``, 0.17.2-0.18.0) for ZeRO-1/2 repros reducing in another dtype. ``ZERO3_PARTITIONED``
 is the premise the ZeRO-3 repros of a tiny model share. ``BF16_ZERO1_OPTIMIZER`` (entry
 ``bf16-zero1-fp32-accum-wrong-optimizer``, 0.17.6-0.18.4, whose fix it is) for repros of ``BF16_Optimizer`` under
-ZeRO-1 with fp32 gradient accumulation.
+ZeRO-1 with fp32 gradient accumulation. ``ZERO2_OFFLOAD_ACCUMULATION`` (entry ``zero2-offload-accumulation``,
+0.15.2-0.18.9, whose fix it is) for ZeRO-1/2 repros whose weight check a scanned config with the optimizer offloaded
+and 3 or more micro-steps would meet.
 
 pytest imports ``repros/conftest.py`` (no ``__init__.py``) with ``repros/`` put first on ``sys.path`` (its default
 ``prepend`` import mode), and ranks get the pytest process's ``sys.path``: so ``from _prerequisites import ...``
@@ -311,4 +313,33 @@ BF16_ZERO1_OPTIMIZER = pytest.mark.ds_prerequisite(
     releases=">=0.17.6,<0.18.5",
     reason="bf16-zero1-fp32-accum-wrong-optimizer (PR #7788): the config gets FP16_UnfusedOptimizer there, not "
     "BF16_Optimizer",
+)
+
+
+#: The releases whose ZeRO-2 CPU accumulation buffer keeps micro-batch 0's gradient alone (PR #6550 to PR #7967).
+OFFLOAD_ACCUMULATION_RELEASES = ">=0.15.2,<0.19.0"
+
+
+def keep_the_running_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backport of PR #7967: the accumulated gradient goes back to the CPU buffer on every micro-step."""
+    import inspect
+    import re
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from pytest_dsrepro.inrank.backport import backport
+
+    pattern = r"\n(\s*)else:\n\s*(copy_gradients_to_cpu\(\))"  # "else:" and its call become the call alone
+    if not re.search(pattern, inspect.getsource(DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu)):
+        return  # before 0.15.2 (another condition) or from 0.19.0 (fixed)
+    backport(monkeypatch, "deepspeed.runtime.zero.stage_1_and_2", [(pattern, r"\n\1\2")])
+
+
+#: For ZeRO-1/2 repros that compare weights with plain training: a scanned config with the optimizer offloaded and 3
+#: or more micro-steps would show that bug's dropped gradients first.
+ZERO2_OFFLOAD_ACCUMULATION = pytest.mark.ds_prerequisite(
+    fix=keep_the_running_sum,
+    releases=OFFLOAD_ACCUMULATION_RELEASES,
+    reason="zero2-offload-accumulation (PR #7967): with the optimizer offloaded and 3 or more micro-steps ZeRO-2 drops "
+    "micro-batch gradients, so the weights differ from plain training first",
 )

@@ -92,11 +92,11 @@ def test_profiled_step_under_ulysses(ds_config, ds_rank, ds_world_size):
         model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3), config=config, mpu=parallel_state_sp
     )
     profile_step = ds_config["flops_profiler"].get("profile_step", 1)
-    for step in range(profile_step + 1):  # through the profiled step
-        x, y = make_batch(
-            ds_config["train_micro_batch_size_per_gpu"], seed=step, rank=ds_rank, dtype=precision_dtype(ds_config)
-        )
+    # Through the profiled step, each step the config's micro-steps: the profile is printed at a step's boundary only.
+    for micro_step in range((profile_step + 1) * accumulation):
+        x, y = make_batch(micro, seed=micro_step, rank=ds_rank, dtype=precision_dtype(ds_config))
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+    assert engine.global_steps > profile_step, f"the body stopped at step {engine.global_steps}, before the profiled"
     assert torch.isfinite(loss).item()

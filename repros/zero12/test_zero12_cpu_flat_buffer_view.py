@@ -13,7 +13,7 @@ prerequisite (``_prerequisites.ZERO12_CPU_FLAT_BUFFER``).
 """
 
 import pytest
-from _prerequisites import FLAT_BUFFER_VIEW_RELEASES, detach_flat_buffer
+from _prerequisites import FLAT_BUFFER_VIEW_RELEASES, ZERO2_OFFLOAD_ACCUMULATION, detach_flat_buffer
 from _zero12 import config, max_difference, tolerance, train, train_reference
 
 from pytest_dsrepro.inrank.models import tiny_mlp
@@ -35,6 +35,7 @@ pytestmark = [
         because="the body compares the weights with plain torch training, which does not clip gradients, and passes "
         "that torch optimizer to DeepSpeed, which refuses it beside an offloaded optimizer unless allowed",
     ),
+    ZERO2_OFFLOAD_ACCUMULATION,
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.

@@ -11,7 +11,7 @@ only, after torch has summed them in ``.grad``, so its CPU buffer is never used.
 """
 
 import pytest
-from _prerequisites import ZERO12_CPU_FLAT_BUFFER
+from _prerequisites import OFFLOAD_ACCUMULATION_RELEASES, ZERO12_CPU_FLAT_BUFFER, keep_the_running_sum
 from _zero12 import config, global_batch, offloaded_sgd_premise, sgd_step_error, train
 
 from pytest_dsrepro.inrank.models import tiny_mlp
@@ -53,24 +53,9 @@ LR = 0.1
 TOLERANCE = 1e-6
 
 
-def keep_the_running_sum(monkeypatch):
-    """Backport of PR #7967: the accumulated gradient goes back to the CPU buffer on every micro-step."""
-    import inspect
-    import re
-
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from pytest_dsrepro.inrank.backport import backport
-
-    pattern = r"\n(\s*)else:\n\s*(copy_gradients_to_cpu\(\))"  # "else:" and its call become the call alone
-    if not re.search(pattern, inspect.getsource(DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu)):
-        return  # before 0.15.2 (another condition) or from 0.19.0 (fixed)
-    backport(monkeypatch, "deepspeed.runtime.zero.stage_1_and_2", [(pattern, r"\n\1\2")])
-
-
 @pytest.mark.ds_config(config(2, offload=True, accumulation=ACCUMULATION))
 @pytest.mark.ds_version(
-    affected=">=0.15.2,<0.19.0",
+    affected=OFFLOAD_ACCUMULATION_RELEASES,
     raises=AssertionError,
     match=r"offloaded ZeRO dropped micro-batch gradients",
     fix=keep_the_running_sum,
