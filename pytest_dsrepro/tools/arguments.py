@@ -79,9 +79,7 @@ def directory(text: str) -> Path:
 def file_or_directory(text: str) -> str:
     """A file or a directory to be collected (``dsrepro list``), or a node id in a file: never a FIFO, which pytest
     would wait on."""
-    why = paths.not_collectable(Path(text.split("::", 1)[0]))
-    if why is not None:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: {why}")
+    _checked(text, paths.not_collectable(Path(text.split("::", 1)[0])))
     return text
 
 

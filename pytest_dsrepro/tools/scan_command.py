@@ -124,12 +124,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.world_size is not None and args.world_size < 1:
-        raise ScanError(f"--world-size {args.world_size}: must be a whole number >= 1")
     userconfig.load(args.config)  # a bad config is one line now, before any environment or world
     try:
         releases = [str(Version(r)) for r in args.release] + (read_releases(args.releases) if args.releases else [])
-    except (ValueError, ReleaseListError) as exc:
+    except ReleaseListError as exc:
         raise ScanError(str(exc)) from None
     if args.extra_packages and not releases:
         raise ScanError(f"--with {' '.join(args.extra_packages)}: it installs into --release environments; here, "

@@ -298,8 +298,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.top < 1 or (args.world_size is not None and args.world_size < 1):
-        raise TriageError("--top and --world-size must be whole numbers >= 1")
     if args.repo is not None and not args.confirm:
         raise TriageError("--repo is for --confirm: the clone a known fix's own test is run from")
     log = read_log(args.log)

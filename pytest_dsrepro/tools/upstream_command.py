@@ -20,7 +20,7 @@ from ..core.checkout import CheckoutError
 from ..core.failures import FailuresFileError
 from . import arguments, known_failures, processes, shard_merge
 from .environments import EnvironmentUnavailable
-from .releases import ReleaseListError, read_releases, release
+from .releases import ReleaseListError, read_releases
 from .upstream_runs import UpstreamError, pytest_command, run_releases
 
 #: What runs when no path is given.
@@ -87,8 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     found = checkout.read(root)
     targets = [target(t, cwd, found.tests) for t in args.targets] or [DEFAULT_TARGET]
-    releases = [release(r, "--release") for r in args.release]
-    releases += read_releases(args.releases) if args.releases else []
+    releases = [*args.release, *(read_releases(args.releases) if args.releases else [])]  # arguments.release checked
     print(f"dsrepro upstream: DeepSpeed's tests from {found.describe()}", file=sys.stderr, flush=True)
     known = known_failures.known(args.failures)
     if args.shard:
