@@ -400,7 +400,7 @@ def test_a_key_deepspeed_does_not_know_is_taken_out_and_the_rest_judged(pytester
                              "wandb": {"enabled": True}})  # fmt: skip
     result = run("--ds-scan", str(user), "-k", "not no_premise")
     result.stdout.fnmatch_lines_random([
-        "note: judged without zero_optimization.stage3_param_persitance_threshold: DeepSpeed * does not know it "
+        "note: judged without zero_optimization.stage3_param_persitance_threshold: DeepSpeed * does not take it "
         "(ValidationError: 1 validation error for DeepSpeedZeroConfig: stage3_param_persitance_threshold: Extra "
         "inputs are not permitted); no catalogued bug depends on it, and the rest of the config is judged",
         "note: monitors turned off (wandb.enabled false)*",

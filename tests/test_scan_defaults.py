@@ -28,13 +28,16 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     """The values the release resolves where the config is silent: ``overlap_comm`` by stage, ``reduce_scatter`` on,
     the deprecated ``cpu_offload`` as ``offload_optimizer``, gradient clipping 1.0 from 0.19.3 on (PR #8068), 0 before;
     a key its config classes do not know is taken out, named with DeepSpeed's message, and the rest read; a value they
-    cannot take is the config's refusal. Asked again, the cache answers, with no process."""
+    cannot take is the config's refusal; an optimizer parameter the engine refuses (``max_grad_norm``, GPT-NeoX's)
+    is taken out as an unknown key is. Asked again, the cache answers, with no process."""
+    neox = {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}
     wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}),
               written({"stage": 3, "stage3_x": 1, "offload_param": {"device": "cpu", "y": 2}}),
-              written({"stage": 3, "overlap_comm": "sometimes"})]  # fmt: skip
+              written({"stage": 3, "overlap_comm": "sometimes"}),
+              written({"stage": 1}, optimizer=neox, gradient_clipping=0.5)]  # fmt: skip
     probe = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert probe.child is not None
-    two, three, typo, refused = probe.wait()
+    two, three, typo, refused, clipped = probe.wait()
     assert probe.problem is None
     assert two is not None
     assert three is not None
@@ -54,9 +57,15 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     assert typo.sections["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert refused.refused is not None
     assert "overlap_comm" in refused.refused
+    assert clipped is not None
+    assert clipped.refused is None
+    assert list(clipped.unknown) == ["optimizer.params.max_grad_norm"]
+    assert "ValueError: 'max_grad_norm' is not supported as an optimizer parameter" in clipped.unknown[
+        "optimizer.params.max_grad_norm"]  # fmt: skip
+    assert clipped.keys["gradient_clipping"] == 0.5
     again = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert again.child is None
-    assert again.wait() == [two, three, typo, refused]
+    assert again.wait() == [two, three, typo, refused, clipped]
 
 
 def test_a_key_no_release_knows_is_found_by_its_place_and_taken_out() -> None:

@@ -47,15 +47,16 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 #: The probe's answer format; a cached answer of another format is read again.
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass(frozen=True)
 class ReleaseReading:
     """What one release made of one config: the values at ``KEYS`` and ``SECTIONS`` (a path no attribute of that
     release holds is left out: the release does not know the key), or why it refused the config. ``unknown``: the
-    keys its config classes refused as extra (a key no release knows, or one of a newer release), each with
-    DeepSpeed's message; the values were read with them taken out."""
+    keys its config classes refused as extra (a key no release knows, or one of a newer release) and the optimizer
+    parameters its engine refuses (``max_grad_norm``), each with DeepSpeed's message; the values were read with them
+    taken out."""
 
     keys: dict[str, Any] = field(default_factory=dict)
     sections: dict[str, Any] = field(default_factory=dict)
@@ -93,7 +94,7 @@ def named(config: Mapping[str, Any], place: tuple[str, ...]) -> list[str]:
 
 
 def without(written: Mapping[str, Any], unknown: Mapping[str, str]) -> dict[str, Any]:
-    """``written`` with the keys a release does not know (``ReleaseReading.unknown``) taken out."""
+    """``written`` with the keys a release does not take (``ReleaseReading.unknown``) taken out."""
     config = copy.deepcopy(dict(written))
     for key in unknown:
         remove(config, key)

@@ -5,8 +5,9 @@ never imports DeepSpeed.
 ``REQUEST`` is a JSON list of configs, each with the world size it is read for (``core.ds_defaults.request``);
 ``ANSWER`` gets one ``ReleaseReading`` per config: the values ``DeepSpeedConfig`` resolved at the places
 ``core.ds_defaults`` names, or what DeepSpeed raised when it refused the config (its config classes, or the scheduler
-``deepspeed.initialize`` would build from it); a key the release does not know is taken out and named, and the rest
-read. A file, not standard output: DeepSpeed logs there.
+``deepspeed.initialize`` would build from it); a key the release does not know, or an optimizer parameter its engine
+refuses before building the optimizer, is taken out and named, and the rest read. A file, not standard output:
+DeepSpeed logs there.
 """
 
 from __future__ import annotations
@@ -86,9 +87,48 @@ def _unknown(exc: Exception, config: dict[str, Any]) -> dict[str, str]:
     return found
 
 
+class _Checked(Exception):
+    """The engine's checks of the optimizer's parameters passed: it went on to build the optimizer."""
+
+
+class _OptimizerChecks:
+    """The engine as ``DeepSpeedEngine._configure_basic_optimizer`` first reads it: the config's optimizer parameters,
+    which it checks before anything else; whatever it asks next (the optimizer's name, to build it) ends the call."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self._params = params
+
+    def optimizer_params(self) -> dict[str, Any]:
+        return dict(self._params)
+
+    def __getattr__(self, name: str) -> Any:
+        raise _Checked(name)
+
+
+def _refused_parameters(config: dict[str, Any]) -> dict[str, str]:
+    """The parameters of ``config``'s optimizer that the release's engine refuses at ``deepspeed.initialize`` (0.14 to
+    0.19: ``max_grad_norm``, for ``gradient_clipping``), each with DeepSpeed's message, found by running its own
+    check; a refusal that names none of them is the config's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    params = (config.get("optimizer") or {}).get("params") or {}
+    try:
+        DeepSpeedEngine._configure_basic_optimizer(_OptimizerChecks(params), [])
+    except _Checked:
+        return {}
+    except Exception as exc:  # its check refused a parameter: named below, or else the config's refusal
+        said = f"{type(exc).__name__}: {exc}"
+        named = {f"optimizer.params.{key}": said for key in params if f"'{key}'" in str(exc)}
+        if not named:
+            raise
+        return named
+    return {}
+
+
 def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, str]]:
-    """The release's ``DeepSpeedConfig`` of ``config`` (its scheduler built too), the keys it does not know taken
-    out one refusal at a time (each with DeepSpeed's message); whatever else it raises is raised."""
+    """The release's ``DeepSpeedConfig`` of ``config`` (its scheduler built too), the keys it does not know and the
+    optimizer parameters its engine refuses taken out one refusal at a time (each with DeepSpeed's message); whatever
+    else it raises is raised."""
     from deepspeed.runtime import config as config_module
 
     from ..inrank.engine import build_scheduler
@@ -101,13 +141,15 @@ def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, st
             try:
                 made = config_module.DeepSpeedConfig(json.loads(json.dumps(config)))  # DeepSpeed edits its input
                 build_scheduler(config)
-                return made, unknown
+                refused = _refused_parameters(config)
+                if not refused:
+                    return made, unknown
             except Exception as exc:  # whatever DeepSpeed raises is its refusal, said as it said it
-                extra = {k: v for k, v in _unknown(exc, config).items() if k not in unknown}
-                if not extra:
+                refused = {k: v for k, v in _unknown(exc, config).items() if k not in unknown}
+                if not refused:
                     raise _Refused(f"{type(exc).__name__}: {exc}", unknown) from exc
-                unknown.update(extra)
-                config = without(config, extra)
+            unknown.update(refused)
+            config = without(config, refused)
     finally:
         config_module.dist = comm
 

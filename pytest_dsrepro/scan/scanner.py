@@ -66,7 +66,7 @@ class Mend:
 @dataclass(frozen=True)
 class ConfigRead:
     """The config for one world size: as written (``"auto"`` resolved, before the CPU adaptations; with ``mends``;
-    the keys the release does not know, ``unknown``, taken out), as the release reads it (``values``: each key left
+    the keys the release does not take, ``unknown``, taken out), as the release reads it (``values``: each key left
     out at its default), and DeepSpeed's refusal of it, if any (``Type: message``)."""
 
     written: dict[str, Any]
@@ -154,7 +154,7 @@ class ScanConfig:
         know, taken out; each mend, in words with why; defaults that could not be read."""
         said = []
         for size, readings in self._read.items():
-            said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not know it ({message}); no "
+            said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not take it ({message}); no "
                      "catalogued bug depends on it, and the rest of the config is judged" for key, message in
                      readings[()].unknown.items()]  # fmt: skip
             mends = self.mends(size)
