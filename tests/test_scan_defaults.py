@@ -37,6 +37,7 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
               written({"stage": 1}, optimizer=neox, gradient_clipping=0.5)]  # fmt: skip
     probe = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert probe.child is not None
+    assert probe.healed == []  # a cache that has none of them yet is no damaged cache
     two, three, typo, refused, clipped = probe.wait()
     assert probe.problem is None
     assert two is not None

@@ -56,6 +56,11 @@ class NotAFile(OSError):
         return str(self.strerror)
 
 
+class NoFile(NotAFile, FileNotFoundError):
+    """Nothing at a path given to be read: still a ``FileNotFoundError``, for a reader to whom absence is no error (a
+    cache that misses)."""
+
+
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO (a named pipe), not a file"),
@@ -79,10 +84,13 @@ def _mode(path: Path, missing: str) -> int | str:
         return missing if exc.errno == errno.ENOENT else exc.strerror or str(exc)
 
 
+NO_SUCH_FILE = "no such file"
+
+
 def not_a_file(path: Path) -> str | None:
     """Why ``path`` cannot be read as a file (missing, a directory, a FIFO, a device, a symbolic link loop), found
     without opening it; None for a regular file (or a link to one)."""
-    mode = _mode(path, "no such file")
+    mode = _mode(path, NO_SUCH_FILE)
     if isinstance(mode, str):
         return mode
     return None if stat.S_ISREG(mode) else _kind(mode, "not a regular file")
@@ -117,8 +125,9 @@ def real(path: Path) -> Path:
 
 def read_text(path: Path) -> str:
     """The text of the file at ``path``; ``NotAFile`` (an ``OSError``) naming what the path is where it is no
-    regular file, before anything is opened."""
+    regular file, before anything is opened (``NoFile``, also a ``FileNotFoundError``, where nothing is there)."""
     why = not_a_file(path)
     if why is not None:
-        raise NotAFile(errno.EINVAL, why, str(path))
+        missing = why == NO_SUCH_FILE
+        raise (NoFile if missing else NotAFile)(errno.ENOENT if missing else errno.EINVAL, why, str(path))
     return path.read_text()
