@@ -34,11 +34,12 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     wanted = [written({"stage": 2, "cpu_offload": True}), written({"stage": 3}),
               written({"stage": 3, "stage3_x": 1, "offload_param": {"device": "cpu", "y": 2}}),
               written({"stage": 3, "overlap_comm": "sometimes"}),
-              written({"stage": 1}, optimizer=neox, gradient_clipping=0.5)]  # fmt: skip
+              written({"stage": 1}, optimizer=neox, gradient_clipping=0.5),
+              written({"stage": 1}, bf16={"enabled": True, "loss_scale": 0}, fp16={"enabled": False, "loss_scale": 0})]  # fmt: skip
     probe = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert probe.child is not None
     assert probe.healed == []  # a cache that has none of them yet is no damaged cache
-    two, three, typo, refused, clipped = probe.wait()
+    two, three, typo, refused, clipped, scaled = probe.wait()
     assert probe.problem is None
     assert two is not None
     assert three is not None
@@ -64,9 +65,12 @@ def test_the_installed_release_reads_each_config_in_a_subprocess_kept_in_the_cac
     assert "ValueError: 'max_grad_norm' is not supported as an optimizer parameter" in clipped.unknown[
         "optimizer.params.max_grad_norm"]  # fmt: skip
     assert clipped.keys["gradient_clipping"] == 0.5
+    assert scaled is not None
+    # DeepSpeedBF16Config (0.19.8) refuses loss_scale as extra: the bf16 key, not fp16's of the same name
+    assert list(scaled.unknown) == ["bf16.loss_scale"]
     again = defaults.start([ds_defaults.request(w, 2) for w in wanted], tmp_path, gloo=True)
     assert again.child is None
-    assert again.wait() == [two, three, typo, refused, clipped]
+    assert again.wait() == [two, three, typo, refused, clipped, scaled]
 
 
 def test_a_key_no_release_knows_is_found_by_its_place_and_taken_out() -> None:

@@ -47,7 +47,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 #: The probe's answer format; a cached answer of another format is read again.
-FORMAT = 3
+FORMAT = 4
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,19 +72,33 @@ class _Refused(Exception):
         self.said, self.unknown = said, unknown
 
 
-def _unknown(exc: Exception, config: dict[str, Any]) -> dict[str, str]:
-    """The keys of ``config`` a pydantic refusal names as extra (``extra_forbidden``: a key this release does not
-    know), each with DeepSpeed's words for it; nothing for any other refusal."""
+def _extra(exc: Exception) -> list[tuple[tuple[str, ...], str]]:
+    """The places a pydantic refusal names as extra (``extra_forbidden``: a key this release does not know), inside
+    the model that refused them, each with DeepSpeed's words for it; nothing for any other refusal."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
-        return {}
+        return []
     title = str(exc).splitlines()[0] if str(exc) else ""
-    found = {}
+    found = []
     for error in errors():
         if error.get("type") == "extra_forbidden":
             place = tuple(str(p) for p in error.get("loc", ()))
-            said = f"{type(exc).__name__}: {title}: {'.'.join(place)}: {error.get('msg')}"
-            found.update(dict.fromkeys(named(config, place), said))
+            found.append((place, f"{type(exc).__name__}: {title}: {'.'.join(place)}: {error.get('msg')}"))
+    return found
+
+
+def _unknown(exc: Exception, config: dict[str, Any], refused: Callable[[dict[str, Any]], set[tuple[str, ...]]]
+             ) -> dict[str, str]:  # fmt: skip
+    """The keys of ``config`` a pydantic refusal names as extra, each with DeepSpeed's words for it. A place is
+    inside the model that refused it: where several keys end so (``fp16.loss_scale`` and ``bf16.loss_scale``, which
+    only one section's model refuses), the key is one whose removal ends that refusal (``refused``: the places the
+    release refuses in a config)."""
+    found = {}
+    for place, said in _extra(exc):
+        keys = named(config, place)
+        if len(keys) > 1:
+            keys = [key for key in keys if place not in refused(without(config, {key: said}))] or keys
+        found.update(dict.fromkeys(keys, said))
     return found
 
 
@@ -133,6 +148,13 @@ def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, st
 
     from ..inrank.engine import build_scheduler
 
+    def extra(trial: dict[str, Any]) -> set[tuple[str, ...]]:
+        try:
+            config_module.DeepSpeedConfig(json.loads(json.dumps(trial)))
+        except Exception as exc:  # noqa: BLE001 - only its places of extra keys are asked for
+            return {place for place, _ in _extra(exc)}
+        return set()
+
     unknown: dict[str, str] = {}
     comm = config_module.dist
     config_module.dist = _World(world_size)  # what the module calls for the rank and the world's size
@@ -145,7 +167,7 @@ def _made(config: dict[str, Any], world_size: int) -> tuple[object, dict[str, st
                 if not refused:
                     return made, unknown
             except Exception as exc:  # whatever DeepSpeed raises is its refusal, said as it said it
-                refused = {k: v for k, v in _unknown(exc, config).items() if k not in unknown}
+                refused = {k: v for k, v in _unknown(exc, config, extra).items() if k not in unknown}
                 if not refused:
                     raise _Refused(f"{type(exc).__name__}: {exc}", unknown) from exc
             unknown.update(refused)
