@@ -342,6 +342,30 @@ def test_a_mending_bug_outside_its_range_mends_nothing(pytester: pytest.Pytester
         ])  # fmt: skip
 
 
+def test_a_refusal_that_is_a_bugs_fix_is_mended_for_the_other_bugs(pytester: pytest.Pytester, run: RunPytest) -> None:
+    """From 0.19.6 DeepSpeed refuses a ``reduce_bucket_size`` of 0, as the fix of zero3-reduce-bucket-size-zero: that
+    bug's row is judged as written (fixed: the refusal is the fix), and every other bug with its mend, said once above
+    the table with why, instead of CANNOT TELL for a refused config."""
+    if installed_deepspeed() < Version("0.19.6"):
+        pytest.skip("DeepSpeed refuses a reduce_bucket_size of 0 from 0.19.6 on")
+    shutil.copy(ROOT / "repros" / "conftest.py", pytester.path / "conftest.py")
+    for name in ("_prerequisites.py", "_zero12.py", "zero3/test_zero3_reduce_bucket_size_zero.py"):
+        shutil.copy(ROOT / "repros" / name, pytester.path)
+    pytester.makepyfile(test_trains=TRAINS)
+    user = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 0}}  # fmt: skip
+    result = run("--ds-scan", str(config(pytester, user)), "-k", "not casts")
+    result.stdout.fnmatch_lines_random([
+        "note: judged with zero_optimization.reduce_bucket_size 0 -> 500000000: DeepSpeed * refuses the config as "
+        "written (ValidationError: * reduce_bucket_size Input should be greater than 0*), as the fix of the known bug "
+        "zero3-reduce-bucket-size-zero (*) does: on this release the config needs that change (its row: as written); "
+        "every other bug is judged with that bug's fix on the config's side",
+        "NOT AFFECTED  zero3-reduce-bucket-size-zero  fixed: passes on deepspeed *, after the affected range (<0.19.6)",
+        "NOT AFFECTED  trains-a-step                  passed with this config, on a release the bug affects",
+    ])  # fmt: skip
+    assert "refuses this config" not in result.stdout.str()
+
+
 def test_several_mending_bugs_judge_each_other_with_their_fixes(pytester: pytest.Pytester, run: RunPytest) -> None:
     """A config DeepSpeed refuses (the Trainer's warm-up of 0) whose steps would also meet the auto_cast bug: every
     bug is judged with both mends but a mending bug's own, which its row is."""

@@ -101,9 +101,13 @@ def refusal(finding: Finding) -> str | None:
     """DeepSpeed's own words where the test could not tell because DeepSpeed refused the config, else None: on one
     line, whole (pydantic names the refused key on the second), less pydantic's pointer to its own docs."""
     found = _REFUSAL.search(finding.detail) if finding.verdict is ScanVerdict.CANNOT_TELL else None
-    if not found:
-        return None
-    return " ".join(line.strip() for line in found[1].splitlines() if not line.strip().startswith(_PYDANTIC_LINK))
+    return refusal_line(found[1]) if found else None
+
+
+def refusal_line(message: str) -> str:
+    """DeepSpeed's refusal on one line, whole (pydantic names the refused key on the second), less pydantic's
+    pointer to its own docs."""
+    return " ".join(line.strip() for line in message.splitlines() if not line.strip().startswith(_PYDANTIC_LINK))
 
 
 def rows(run: RunRecord) -> list[BugRow]:

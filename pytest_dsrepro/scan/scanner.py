@@ -42,13 +42,16 @@ REGISTERED_AS = "dsrepro-scan-config"
 
 @dataclass(frozen=True)
 class Mender:
-    """A bug whose premise declares a ``mend``, on a release inside its affected range: a config that meets its
-    premise stops every body there before the body's own check (DeepSpeed refuses it, or every step fails), so the
-    scan judges the other bugs with its fix on the config's side."""
+    """A bug whose premise declares a ``mend``. On a release inside its affected range a config that meets its premise
+    stops every body there before the body's own check (DeepSpeed refuses it, or every step fails); on another
+    (``inside`` false) DeepSpeed may refuse that config as its fix does (a ``reduce_bucket_size`` of 0 from 0.19.6).
+    Either way the scan judges the other bugs with its fix on the config's side; outside the range only where the
+    mend cures such a refusal."""
 
     bug: str
     title: str
     premise: Premise
+    inside: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Mend:
     changes: tuple[tuple[str, object], ...]
     said: tuple[str, ...]  # each change in words: ``scheduler.params.warmup_num_steps 0 -> 1``
     refused: str | None = None  # DeepSpeed's refusal of the config without it, accepted with every mend
+    inside: bool = True  # the release is inside the bug's range (else the refusal is the bug's fix)
 
 
 @dataclass(frozen=True)
@@ -137,17 +141,27 @@ class ScanConfig:
             written = self.written(size)
             probe = self._probes.pop(size, None) or self._ask([written], size)
             plain = self._answer(probe, 0, written)
-            menders = [m for m in self.menders.values() if not plain.premise_problems(m.premise)]
-            rows = {tuple(m.bug for m in menders if m is not left) for left in menders}  # the others' mends
-            wanted = sorted((rows | {tuple(m.bug for m in menders)}) - {()})
-            mended = [_mended(plain.written, [self.menders[bug] for bug in bugs]) for bugs in wanted]
-            probe = self._ask(mended, size)
-            readings: dict[tuple[str, ...], ConfigRead] = {(): plain}
-            readings.update((bugs, self._answer(probe, i, mended[i])) for i, bugs in enumerate(wanted))
-            mends = [_mend(mender, plain, readings) for mender in menders]
+            menders = [m for m in self.menders.values() if not plain.premise_problems(m.premise)
+                       and (m.inside or plain.refused is not None)]  # fmt: skip
+            readings, mends = self._mended(size, plain, menders)
+            cured = {m.bug for m in mends if m.inside or m.refused is not None}
+            if len(cured) < len(mends):  # a fix's refusal that its mend did not cure: judged without that mend
+                readings, mends = self._mended(size, plain, [m for m in menders if m.bug in cured])
             self._read[size] = {bugs: dataclasses.replace(read, mends=tuple(m for m in mends if m.bug in bugs))
                                 for bugs, read in readings.items()}  # fmt: skip
         return self._read[size]
+
+    def _mended(self, size: int, plain: ConfigRead, menders: list[Mender]
+                ) -> tuple[dict[tuple[str, ...], ConfigRead], list[Mend]]:  # fmt: skip
+        """The config with every mend of ``menders``, and with each but one (that bug's row), asked of the release
+        in one probe; each mend as applied."""
+        rows = {tuple(m.bug for m in menders if m is not left) for left in menders}  # the others' mends
+        wanted = sorted((rows | {tuple(m.bug for m in menders)}) - {()})
+        mended = [_mended(plain.written, [self.menders[bug] for bug in bugs]) for bugs in wanted]
+        probe = self._ask(mended, size)
+        readings: dict[tuple[str, ...], ConfigRead] = {(): plain}
+        readings.update((bugs, self._answer(probe, i, mended[i])) for i, bugs in enumerate(wanted))
+        return readings, [_mend(mender, plain, readings) for mender in menders]
 
     def notes(self) -> list[str]:
         """What the scan did to the config as a whole, for the notes above its table: the keys the release does not
@@ -186,13 +200,17 @@ def _mend(mender: Mender, plain: ConfigRead, readings: dict[tuple[str, ...], Con
     row = readings[tuple(bug for bug in every if bug != mender.bug)]
     cured = row.refused if readings[every].refused is None else None
     said = mender.premise.mended(copy.deepcopy(plain.written))
-    return Mend(mender.bug, mender.title, mender.premise.mend, tuple(said), cured)
+    return Mend(mender.bug, mender.title, mender.premise.mend, tuple(said), cured, mender.inside)
 
 
 def _said(mend: Mend, several: bool) -> str:
     """A mend, for the notes above the table: which keys, which bug, and why no other bug's body gets past it."""
-    if mend.refused is not None:
-        why = (f"DeepSpeed {installed_deepspeed()} refuses the config as written ({mend.refused}), which is the known "
+    refused = scan_verdicts.refusal_line(mend.refused) if mend.refused is not None else None
+    if refused is not None and not mend.inside:
+        why = (f"DeepSpeed {installed_deepspeed()} refuses the config as written ({refused}), as the fix of the "
+               f"known bug {mend.bug} ({mend.title}) does: on this release the config needs that change")  # fmt: skip
+    elif refused is not None:
+        why = (f"DeepSpeed {installed_deepspeed()} refuses the config as written ({refused}), which is the known "
                f"bug {mend.bug}")  # fmt: skip
     else:
         why = (f"on DeepSpeed {installed_deepspeed()} the config meets the known bug {mend.bug} ({mend.title}), which "
@@ -258,12 +276,13 @@ def _scans(node: pytest.Item) -> bool:
 
 
 def _mender(item: pytest.Item, release: Version | None) -> Mender | None:
-    """The repro as a ``Mender``, where its premise has a ``mend`` and ``release`` is inside its affected range."""
+    """The repro as a ``Mender``, where its premise has a ``mend``: ``inside`` where ``release`` is in its affected
+    range."""
     premise = markers.premise(item)
-    if premise is None or not premise.mend or release is None or not affecting(markers.gates(item), release):
+    if premise is None or not premise.mend or release is None:
         return None
     repro = _repro(item)
-    return Mender(repro.id, repro.title, premise)
+    return Mender(repro.id, repro.title, premise, inside=bool(affecting(markers.gates(item), release)))
 
 
 def _plan(item: pytest.Item, user: dict[str, Any], reading: ScanConfig, told: dict[str, str]) -> ScanPlan:
@@ -333,8 +352,8 @@ class Scan:
     @pytest.hookimpl(tryfirst=True)  # before --ds-shard picks its share
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """A scan runs the catalogue's repros only: other tests collected beside them are deselected. The bugs
-        among them that mend a config (a premise with ``mend``) on the installed release (inside their affected range)
-        are noted, for a config that meets their premise."""
+        among them that mend a config (a premise with ``mend``) are noted, for a config that meets their premise
+        (outside their affected range only where DeepSpeed refuses it as their fix does)."""
         other = [item for item in items if not _scans(item)]
         if other:
             config.hook.pytest_deselected(items=other)
