@@ -191,6 +191,7 @@ class Premise:
     change to the config that avoids it (the fix on the config's side), and takes the config out of this premise. A
     scan of such a config on such a release runs this repro with the config as written (the bug, AFFECTED) and judges
     every other bug with the config mended, said so; where several bugs mend it, each one's row has the others' mends.
+    Past the range, where DeepSpeed refuses such a config as the bug's fix does, the mend is applied the same way.
 
     A premise is judged on a config as the release being scanned reads it, each key the config leaves out at that
     release's own default (``core.ds_defaults``, read from the release's own config classes); ``written`` says which
