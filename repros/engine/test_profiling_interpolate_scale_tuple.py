@@ -94,8 +94,10 @@ def test_profiled_step_with_upsampling(ds_engine, ds_config, ds_rank, ds_device)
 
     dtype = precision_dtype(ds_config)
     engine = ds_engine(model=Upsampler().to(device=ds_device, dtype=dtype))
-    steps = ds_config["flops_profiler"].get("profile_step", 1) + 1  # through the profiled step
-    for step in range(steps):
-        x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=step, rank=ds_rank, dtype=dtype)
+    profiled = engine.flops_profiler_profile_step()  # the config's, or DeepSpeed's default where it leaves it out
+    # Through the profiled step, each step the config's micro-steps (a config may derive 30 from its batch sizes).
+    for micro_step in range((profiled + 1) * engine.gradient_accumulation_steps()):
+        x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=micro_step, rank=ds_rank, dtype=dtype)
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
+    assert engine.global_steps > profiled, f"the body stopped at step {engine.global_steps}, before the profiled one"
