@@ -87,3 +87,17 @@ def build_scheduler(config: dict[str, Any]) -> None:
         raise  # DeepSpeed's own check of a parameter's value: the config is refused whatever the optimizer
     except Exception:  # noqa: BLE001 - it needs the real optimizer (momentum, groups): initialize will tell
         return
+
+
+def master_weights(engine: Any) -> list[Any]:
+    """The optimizer's fp32 copy of each parameter of ``engine``'s module, whole, as float copies; a parameter that
+    has none (no optimizer wrapper: fp32 without ZeRO) as it is. A bf16 weight need not move at a small learning rate
+    where its fp32 master does, so "did the step train it?" is asked here. A collective under ZeRO: every rank calls
+    it, at the same point."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    found = []
+    for param in engine.module.parameters():
+        master = safe_get_full_fp32_param(param)
+        found.append((param if master is None else master).detach().float().clone())
+    return found
