@@ -338,25 +338,14 @@ class _Listening(WorldRun):
 
 def test_a_world_whose_ranks_all_exited_ends_without_a_round_trip(runner: WorldRunner, tmp_path: Path) -> None:
     """Issue 53: once every rank of a world exited on its own, the server ends what they left unasked and says
-    ``WorldEnded`` after the last ``Exited``: the test waits for no ``Reaped``, nor for its directory's removal (files
-    on a disk, milliseconds), which it hands to the server with the ``Reap``; nothing of the world is left once the
-    server says ``Reaped``. A server that dies holding a directory leaves it to ``close``."""
+    ``WorldEnded`` after the last ``Exited``: the test waits for no ``Reaped``, and nothing of the world is left when it
+    ends all the same."""
     world = _Listening(runner.server, 1003, 2, "gloo", 120.0)
     outcome = world.run(_real_job(tmp_path, "test_passes"))
     assert outcome.passed, outcome
     assert world.heard == [Spawned, Exited, Exited, WorldEnded]
-    assert runner.server.handed == {1003: world.workdir}
-    assert _server_children(runner, timeout=0) == []
-    assert runner.server.wait_for(lambda: not runner.server.handed, time.monotonic() + 10)
     assert not world.workdir.exists()
-    unstarted = ForkServer(tmp_path, startup_timeout=60)
-    left = tmp_path / "dsrepro-world-left"
-    left.mkdir()
-    (left / "output-0.txt").write_text("a rank's output")
-    unstarted.handed[7] = left
-    unstarted.close()
-    assert not left.exists()
-    assert unstarted.handed == {}
+    assert _server_children(runner, timeout=0) == []
 
 
 @pytest.mark.parametrize(
@@ -497,8 +486,6 @@ def test_a_world_interrupted_by_a_timeout_keeps_every_ranks_stack(runner: WorldR
     )
     assert all("in test_interrupts_pytest" in r.stack for r in ranks)
     assert world.reaped
-    # its directory was the server's to discard on the Reap: gone once it says Reaped
-    assert runner.server.wait_for(lambda: 1003 not in runner.server.handed, time.monotonic() + 10)
     assert not world.workdir.exists()
 
 

@@ -32,7 +32,6 @@ from ..protocol import (
     Spawned,
     WorldEnded,
 )
-from ..workdir import discard
 from .gpu_probe import Gpu
 from .server_process import ServerGone, ServerProcess, told_log
 
@@ -135,9 +134,6 @@ class ForkServer:
         self._launched = 0.0  # when ``launch`` started it (monotonic)
         self.news = ServerNews()
         self.heard = 0.0  # when the server last said anything (monotonic)
-        #: Ended worlds' directories the server discards on their ``Reap`` while pytest goes on, until it says
-        #: ``Reaped``: ``close`` discards what a server that died first left.
-        self.handed: dict[int, Path] = {}
 
     def launch(self, deepspeed: bool = False) -> None:
         """Start the server without waiting for it (``start`` waits); ``deepspeed``: its first world uses DeepSpeed,
@@ -224,8 +220,6 @@ class ForkServer:
             self.heard = time.monotonic()
         match message:
             case Spawned() | Exited() | Finished() | WorldEnded() | Reaped() | OpWait():
-                if isinstance(message, Reaped):
-                    self.handed.pop(message.world, None)
                 if world is not None and message.world == world.world_id:
                     world.take(message)
             case _:
@@ -266,9 +260,6 @@ class ForkServer:
         finally:
             self.process.remove_log()
             self.facts, self.news = None, ServerNews()
-            for directory in self.handed.values():
-                discard(directory)
-            self.handed.clear()
 
 
 def _other_release(facts: ServerFacts) -> str | None:

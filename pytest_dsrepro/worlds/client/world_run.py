@@ -116,7 +116,6 @@ class WorldRun:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsrepro-world-")))
     ranks: list[_Rank] = field(default_factory=list)
     reaped: bool = False  # nothing of the world is left but its directory: the server said WorldEnded, or Reaped
-    discarded: bool = False  # nor its directory: the server said Reaped
     kept: bool = False  # asked the server to keep its ranks for the next test of its scope (``_keep``)
     clock: float = math.inf  # when its clock started: its ranks were said to run (``Spawned``)
     paused: float = 0.0  # how long its ranks waited for ops the server built (``OpWait``), once they got them
@@ -141,7 +140,6 @@ class WorldRun:
                 self.paused_since = None
             case Reaped() | WorldEnded():
                 self.reaped = True
-                self.discarded = isinstance(message, Reaped)
             case Exited() | Finished():
                 # A world interrupted before its Spawned arrived knows no ranks yet: their ends only matter to the
                 # server.
@@ -285,10 +283,9 @@ class WorldRun:
         )
 
     def _cleanup(self) -> None:
-        """Have the server reap the world and wait for its ``Reaped``, or, after its ``WorldEnded`` (said unasked
-        once every rank has ended), hand it the directory to discard on the ``Reap`` and go on (removing a world's
-        files costs milliseconds on a disk, beside the next test's start); the directory is discarded here whenever
-        the server did not take it.
+        """Have the server reap the world and wait for its ``Reaped`` (or its ``WorldEnded``, said unasked once every
+        rank has ended: then nothing is waited for); the directory is discarded here too (after a
+        ``WorldEnded`` before the ``Reap``, which then finds it gone, rather than both removing it at once).
 
         Runs on every ending, an interrupted one included (Ctrl-C, pytest-timeout): the server kills what is left
         and answers within milliseconds, so nothing waits for ``Exited`` messages that a reaped world never sends. A
@@ -296,21 +293,18 @@ class WorldRun:
         first preload, seconds); it reaps the world once it gets there, or, stopped, kills it with everything else.
         A dead server's ranks died with it: then only the directory (and its ``/dev/shm`` buffers) is left to remove.
         """
-        handed = False
         try:
+            if self.reaped:  # WorldEnded: nothing of the world is left but this directory
+                discard(self.workdir)
             if self.server.alive:
                 self.kept = self._keep()
                 self.server.send(Reap(self.world_id, keep=self.kept))
                 wait = REAP_WAIT if self.ranks else UNANNOUNCED_REAP_WAIT
                 self.server.wait_for(lambda: self.reaped, time.monotonic() + wait, self)
-                if self.reaped and not self.discarded:  # WorldEnded: the server discards it on the Reap
-                    self.server.handed[self.world_id] = self.workdir
-                    handed = True
         except ServerGone:
             pass
         finally:
-            if not handed:
-                discard(self.workdir)
+            discard(self.workdir)
 
 
 def _phases(ranks: list[_Rank], started: float) -> tuple[tuple[str, float], ...]:
