@@ -12,6 +12,7 @@ import pytest
 from _prerequisites import ZERO3_PARTITIONED
 
 from pytest_dsrepro.inrank.devices import precision_dtype
+from pytest_dsrepro.inrank.engine import master_weights
 from pytest_dsrepro.inrank.models import make_batch, tiny_moe
 
 pytestmark = [
@@ -73,7 +74,6 @@ def use_deepspeed_module_ids(monkeypatch):
 )
 def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_world_size):
     import torch
-    from deepspeed.utils import safe_get_full_fp32_param
 
     model = tiny_moe(num_experts=4)
     ids = [expert.id for expert in model.experts]
@@ -89,7 +89,7 @@ def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_w
     x, y = make_batch(
         ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=ds_rank, dtype=precision_dtype(ds_config)
     )
-    before = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]  # a collective, in order
+    before = master_weights(engine)  # a collective, in order
     losses = []
     for _ in range(5):  # optimizer steps, each over the config's accumulation of micro-steps
         for _ in range(engine.gradient_accumulation_steps()):
@@ -100,6 +100,6 @@ def test_expert_ids_survive_zero3_initialize(ds_engine, ds_config, ds_rank, ds_w
     assert all(math.isfinite(v) for v in losses), losses
     # It trained: the optimizer's fp32 weights moved (a bf16 loss may not show steps at a small rate), unless a
     # config's warm-up kept every step at a rate of 0.
-    after = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+    after = master_weights(engine)
     moved = sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert moved or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: none of {len(before)} fp32 weights moved"

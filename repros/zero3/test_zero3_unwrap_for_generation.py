@@ -15,6 +15,7 @@ import pytest
 from _prerequisites import zero3_partitioned_premise
 
 from pytest_dsrepro.inrank.devices import precision_dtype
+from pytest_dsrepro.inrank.engine import master_weights
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 pytestmark = [
@@ -98,13 +99,6 @@ def invalidate_trace_on_reregistration(monkeypatch):
     )
 
 
-def fp32_weights(engine):
-    """The optimizer's fp32 copy of every parameter, whole (a collective: every rank calls it)."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
-
-
 def train(engine, x, y, generate_between_steps):
     """Three ZeRO-3 optimizer steps (each over the config's accumulation of micro-steps); with
     ``generate_between_steps``, ``unwrap_model_for_generation`` entered after each optimizer step, where TRL
@@ -142,10 +136,10 @@ def test_training_after_unwrap_model_for_generation(ds_engine, ds_config, ds_ran
     # Reference: the same model and data trained without leaving the engine in between.
     expected = train(ds_engine(model=tiny_mlp(seed=8)), x, y, generate_between_steps=False)
     engine = ds_engine(model=tiny_mlp(seed=8))
-    before = fp32_weights(engine)
+    before = master_weights(engine)
     losses = train(engine, x, y, generate_between_steps=True)
     assert losses == pytest.approx(expected, rel=1e-6), "unwrapping for generation changed training"
     # It trained: the optimizer's fp32 weights moved (a bf16 loss or weight may not show steps at a small rate),
     # unless a config's warm-up kept every step at a rate of 0.
-    unmoved = sum(torch.equal(a, b) for a, b in zip(before, fp32_weights(engine), strict=True))
+    unmoved = sum(torch.equal(a, b) for a, b in zip(before, master_weights(engine), strict=True))
     assert not unmoved or engine.get_lr()[0] == 0, f"ZeRO-3 did not train: {unmoved} of {len(before)} weights unmoved"
