@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pytest_dsrepro.inrank.devices import engine_dtype
+from pytest_dsrepro.inrank.devices import engine_dtype, precision_dtype
 from pytest_dsrepro.inrank.models import make_batch, tiny_mlp
 
 MICRO_BATCH = 2
@@ -166,6 +166,31 @@ def train_reference(
         for group in optimizer.param_groups if moms else ():
             group.update({k: v for k, v in moms[step].items() if k in group})
         optimizer.step()
+
+
+def step_with_one_infinite_gradient(ds_engine: Any, ds_config: dict[str, Any], rank: int, device: Any) -> Any:
+    """The body of the two non-finite norm entries (``zero12-inf-grad-norm-nan``, ``-offload-inf-grad-norm-long``):
+    one SGD step of a linear layer plus ``sqrt(gain)`` with the gain at 0, so the gain's gradient is infinite and the
+    layer's are finite, in the config's dtype on the rank's device; the engine after that step."""
+    import torch
+
+    class GainedLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(4)
+            self.linear = torch.nn.Linear(16, 1)
+            self.gain = torch.nn.Parameter(torch.zeros(1, device="cpu"))  # moved with the module
+
+        def forward(self, x: Any) -> Any:
+            return self.linear(x) + torch.sqrt(self.gain)
+
+    dtype = precision_dtype(ds_config)
+    model = GainedLinear().to(device=device, dtype=dtype)
+    engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=rank, dtype=dtype)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    return engine
 
 
 def refuse_a_bucket_of_zero(monkeypatch: pytest.MonkeyPatch) -> None:
