@@ -16,6 +16,7 @@ from pytest_dsrepro.core.ds_defaults import ReleaseReading
 from pytest_dsrepro.core.gates import installed_deepspeed
 from pytest_dsrepro.core.premises import parse
 from pytest_dsrepro.scan import defaults
+from pytest_dsrepro.scan.scanner import taken_out
 
 WHERE = "@pytest.mark.ds_premise on t.py::test_x"
 
@@ -161,3 +162,19 @@ def test_a_refused_config_is_judged_on_what_it_writes_and_what_no_release_defaul
     assert parse((), {"stage": 3}, WHERE).unmet(config) == ("needs ZeRO stage 3; the config has 2",)
     assert ds_defaults.read_by_release("zero_optimization.overlap_comm")
     assert not ds_defaults.read_by_release("scheduler.params.warmup_num_steps")
+
+
+def test_keys_refused_in_one_error_are_said_in_one_note() -> None:
+    """bf16 with fp16's loss-scale keys copied in: pydantic's one error names each key; the scan says them once,
+    and a key refused for its own reason apart."""
+    error = "ValidationError: 2 validation errors for DeepSpeedBF16Config: {}: Extra inputs are not permitted"
+    other = "ValueError: 'max_grad_norm' is not supported as an optimizer parameter"
+    unknown = {"bf16.loss_scale": error.format("loss_scale"), "bf16.hysteresis": error.format("hysteresis"),
+               "optimizer.params.max_grad_norm": other}  # fmt: skip
+    assert taken_out(unknown, "0.19.8") == [
+        "judged without bf16.loss_scale, bf16.hysteresis: DeepSpeed 0.19.8 does not take them (ValidationError: 2 "
+        "validation errors for DeepSpeedBF16Config: Extra inputs are not permitted); no catalogued bug depends on "
+        "them, and the rest of the config is judged",
+        f"judged without optimizer.params.max_grad_norm: DeepSpeed 0.19.8 does not take it ({other}); no catalogued "
+        "bug depends on it, and the rest of the config is judged",
+    ]

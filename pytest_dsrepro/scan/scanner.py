@@ -168,9 +168,7 @@ class ScanConfig:
         know, taken out; each mend, in words with why; defaults that could not be read."""
         said = []
         for size, readings in self._read.items():
-            said += [f"judged without {key}: DeepSpeed {installed_deepspeed()} does not take it ({message}); no "
-                     "catalogued bug depends on it, and the rest of the config is judged" for key, message in
-                     readings[()].unknown.items()]  # fmt: skip
+            said += taken_out(readings[()].unknown, str(installed_deepspeed()))
             mends = self.mends(size)
             said += [_said(mend, several=len(mends) > 1) for mend in mends]
         said += [f"{problem}: a key the config leaves out that DeepSpeed gives a default was not judged"
@@ -182,6 +180,21 @@ class ScanConfig:
         for probe in self._probes.values():
             probe.close()
         self._probes.clear()
+
+
+def taken_out(unknown: dict[str, str], release: str) -> list[str]:
+    """The notes for the keys ``release`` does not take (``ReleaseReading.unknown``: key -> DeepSpeed's message), one
+    per refusal: pydantic refuses every extra key of a section in one error, which names each key, so keys whose
+    messages differ only by that name are said together, with the message once."""
+    refusals: dict[str, list[str]] = {}
+    for key, message in unknown.items():
+        refusals.setdefault(message.replace(f": {key.rsplit('.', 1)[-1]}: ", ": ", 1), []).append(key)
+    said = []
+    for shared, keys in refusals.items():
+        message, them = (unknown[keys[0]], "it") if len(keys) == 1 else (shared, "them")
+        said.append(f"judged without {', '.join(keys)}: DeepSpeed {release} does not take {them} ({message}); no "
+                    f"catalogued bug depends on {them}, and the rest of the config is judged")  # fmt: skip
+    return said
 
 
 def _mended(written: dict[str, Any], menders: list[Mender]) -> dict[str, Any]:
