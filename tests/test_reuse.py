@@ -160,6 +160,48 @@ class TestFaults:
     assert leftovers(private_tmp) == []
 
 
+#: A failed rank whose peer waits on it in a group the failed body still holds (as a failed engine holds its groups).
+PEER_WAITS = """
+import torch
+import torch.distributed as dist
+
+@pytest.mark.ds_world(size=2, reuse=True, timeout=120)
+class TestPeerWaits:
+    def test_1_fails_while_its_peer_waits(self, ds_rank):
+        note("1", ds_rank)
+        held = dist.new_group([0, 1])
+        if ds_rank == 0:
+            raise AssertionError("rank 0 fails on purpose")
+        dist.recv(torch.zeros(1), src=0, group=held)
+
+    def test_2_fresh_ranks(self, ds_rank):
+        note("2", ds_rank)
+
+    def test_3_kept(self, ds_rank):
+        assert os.getpid() == pid("2", ds_rank)
+"""
+
+
+def test_a_failed_rank_whose_peer_waits_on_it_leaves_the_world(pytester: pytest.Pytester, run: RunPytest,
+                                                                private_tmp: Path) -> None:  # fmt: skip
+    """A rank of a reused gloo world whose body failed while a peer's runs on leaves the world, as a fresh rank's
+    exit would: the peer waiting on it loses it at once (not stopped after the failure grace), and the next test
+    gets fresh ranks, kept again after it."""
+    pytester.makepyfile(PIDS + PEER_WAITS)
+    result = run("-v")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*::test_1_fails_while_its_peer_waits - WorldFailed: rank 0: AssertionError: rank 0 fails on purpose; "
+        "rank 1 (lost a*",
+    ])  # fmt: skip
+    result.stdout.fnmatch_lines(["*not kept for the next test, which gets fresh ranks: rank 0: its body ended failed "
+                                 "while a peer's ran on*"])  # fmt: skip
+    assert "stopped" not in result.stdout.str()
+    assert [pytester.path.joinpath(f"pid-1-{r}").read_text() == pytester.path.joinpath(f"pid-2-{r}").read_text()
+            for r in range(2)] == [False, False]  # fmt: skip
+    assert leftovers(private_tmp) == []
+
+
 #: One reuse scope with every kind of leftover the issue names, each left by one test and looked for by the next (the
 #: ``{reuse}`` of its markers filled in twice), and three gated repros whose first leaves float64 behind. Each test notes
 #: which process ran it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 from ..workdir import LOOPBACK
@@ -103,3 +104,26 @@ def agree_connected(store: Any, rank: int, world_size: int, timeout: float) -> N
     """
     store.set(f"{CONNECTED}{rank}", "1")
     store.wait([f"{CONNECTED}{r}" for r in range(world_size)], _timeout(timeout))
+
+
+#: Store key prefix under which each rank of a reusable world says that its body ended.
+BODY_ENDED = "dsrepro/body-ended/"
+#: How long a rank of a reusable world whose body did not pass waits for its peers' bodies to end: a peer that runs
+#: on may be waiting on it, and the rank then leaves the world, as a fresh rank would (``spawned_rank.run_rank``).
+PEERS_WAIT = 0.5
+
+
+def body_ended(store: Any, rank: int) -> None:
+    store.set(f"{BODY_ENDED}{rank}", "1")
+
+
+def peers_ended(store: Any, world_size: int, wait: float = PEERS_WAIT) -> bool:
+    """Have every rank's body ended, within ``wait`` seconds? Asked with ``check``, which never blocks: a timed-out
+    ``wait`` writes torch's socket warnings into the rank's output."""
+    keys = [f"{BODY_ENDED}{r}" for r in range(world_size)]
+    deadline = time.monotonic() + wait
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

@@ -58,16 +58,16 @@ def rank_life(
     saved of it before the fork) whose body passed (in a gloo world, or failed, or skipped: ``RankReport.goes_on``)
     puts back what it had when it was forked (``reuse_reset``), says it finished, and waits on its link for the next
     test of its scope. It exits after any other ending (a setup that failed, a crash), when the test left what it
-    cannot put back (``leftovers``: its report says what, ``RankReport.not_kept``), or when the server closes its
-    link."""
+    cannot put back (``leftovers``: its report says what, ``RankReport.not_kept``), when its body did not pass while
+    a peer's still ran (``run_rank``), or when the server closes its link."""
     baseline = forked.settled() if forked is not None and link is not None else None
     state = ProcessState.take() if baseline is not None else None
     while True:
         _into(workdir, rank)
         kept_group = link is not None and job.backend == "nccl"
-        report = run_rank(job, rank, size, meeting, code, keep_group=kept_group, workdir=workdir)
+        report = run_rank(job, rank, size, meeting, code, keep_group=kept_group, workdir=workdir, kept=link is not None)
         record_buffers(workdir, rank)
-        if link is None or baseline is None or state is None or not report.goes_on(job.backend):
+        if link is None or baseline is None or state is None or not report.goes_on(job.backend) or report.not_kept:
             write_report(workdir, rank, report)
             return
         _drop_group(report)
@@ -116,13 +116,18 @@ def run_rank(
     *,
     keep_group: bool = False,
     workdir: Path | None = None,
+    kept: bool = False,
 ) -> RankReport:
     """A spawned rank's test, from its rendezvous to its report, except process plumbing (``rank_life``); ``code``:
     the test module's code, compiled by the fork server for every rank of the world (None: compiled here). Its
     report's ``marks`` say when it got through each phase of the world (``core.outcome.PHASES``). ``keep_group``: a
     rank of a reusable NCCL world keeps its process group for the next test (a new NCCL communicator is the cost of
     such a world); a gloo rank makes a new one per test, which costs milliseconds. ``workdir``: where rank 0 notes the
-    port of the group a body makes itself, which names DeepSpeed's buffers (``workdir.group_port_file``)."""
+    port of the group a body makes itself, which names DeepSpeed's buffers (``workdir.group_port_file``). ``kept``:
+    a rank of a reusable world, which says on the world's store that its body ended; one whose body did not pass
+    while a peer's runs on (``rendezvous.PEERS_WAIT``) is not kept (``RankReport.not_kept``): that peer may be
+    waiting on it, and learns only when its connections close, which a fresh rank's exit does at once (dropping the
+    group does not while the failed body's objects hold it)."""
     marks = [time.monotonic()]
 
     def mark() -> None:
@@ -144,13 +149,25 @@ def run_rank(
         return body.failed_report(exc, "loading the test failed:\n", traceback.format_exc())
     mark()
     report = body.run_body(fn, kwargs, fixes, ctx, deepspeed=job.deepspeed, setup=setup, mark=mark, undo_patches=True)
+    report = _after_body(report, stores[0], rank, world_size, keep_group=keep_group, kept=kept)
+    del stores  # kept until the body was over
+    return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))
+
+
+def _after_body(report: RankReport, store: object, rank: int, world_size: int, *, keep_group: bool, kept: bool
+                ) -> RankReport:  # fmt: skip
+    """A clean rank's teardown (``run_rank``'s ``keep_group``), and a kept rank's word that its body ended; a kept
+    rank whose body did not pass while a peer's ran on is not kept (``run_rank``'s ``kept``)."""
     import torch.distributed as dist
 
+    if kept:  # before a passed rank's teardown, which may wait on its peers
+        rendezvous.body_ended(store, rank)
     if dist.is_initialized() and report.status is Status.PASSED and not keep_group:
         # Only a clean rank tears down collectively; a failed one must not wait on peers that may be gone.
         dist.destroy_process_group()
-    del stores  # kept until the body was over
-    return dataclasses.replace(report, marks=(*marks, report.at or time.monotonic()))
+    if kept and report.status is not Status.PASSED and not rendezvous.peers_ended(store, world_size):
+        return dataclasses.replace(report, not_kept=f"its body ended {report.status.value} while a peer's ran on")
+    return report
 
 
 def _meet(job: RankJob, rank: int, world_size: int, meeting: Meeting) -> tuple[object, tuple[int, object] | None]:
