@@ -168,6 +168,28 @@ def train_reference(
         optimizer.step()
 
 
+def sqrt_gain_config(stage: int, precision: str, *, offload: bool = False) -> Any:
+    """The ``ds_config`` parameter of the two non-finite norm entries: ZeRO-``stage`` in ``precision`` (fp32 or bf16),
+    torch's SGD taken as it is (as their premises set it for a scanned config); without ``offload`` clipping at 1.0,
+    which ``zero12-inf-grad-norm-nan`` needs, with it the optimizer offloaded to the CPU and no clipping."""
+    zero: dict[str, Any] = {"stage": stage}
+    clipping: dict[str, Any] = {"gradient_clipping": 1.0}
+    if offload:
+        zero["offload_optimizer"], clipping = {"device": "cpu"}, {}
+    return pytest.param(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            **clipping,
+            "zero_optimization": zero,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_allow_untested_optimizer": True,
+            **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
+        },
+        id=f"zero{stage}_{precision}_" + ("offload" if offload else "clip"),
+    )
+
+
 def step_with_one_infinite_gradient(ds_engine: Any, ds_config: dict[str, Any], rank: int, device: Any) -> Any:
     """The body of the two non-finite norm entries (``zero12-inf-grad-norm-nan``, ``-offload-inf-grad-norm-long``):
     one SGD step of a linear layer plus ``sqrt(gain)`` with the gain at 0, so the gain's gradient is infinite and the

@@ -13,7 +13,7 @@ With the optimizer offloaded to the CPU the norm is taken by another method, who
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import step_with_one_infinite_gradient
+from _zero12 import sqrt_gain_config, step_with_one_infinite_gradient
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -49,22 +49,6 @@ pytestmark += [
 ]
 
 
-def zero_config(stage, precision):
-    section = {"bf16": {"enabled": True}} if precision == "bf16" else {}
-    return pytest.param(
-        {
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": stage},
-            "zero_force_ds_cpu_optimizer": False,  # as the premise sets it for a scanned config
-            "zero_allow_untested_optimizer": True,
-            **section,
-        },
-        id=f"zero{stage}_{precision}_clip",
-    )
-
-
 def sentinel_for_a_non_finite_norm(monkeypatch):
     """Backport of PR #7171: a non-finite gradient norm becomes -1 (no clipping), never NaN."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -85,7 +69,7 @@ def sentinel_for_a_non_finite_norm(monkeypatch):
     )
 
 
-@pytest.mark.ds_config(zero_config(2, "fp32"), zero_config(1, "bf16"))
+@pytest.mark.ds_config(sqrt_gain_config(2, "fp32"), sqrt_gain_config(1, "bf16"))
 @pytest.mark.ds_version(
     affected="<0.16.6",
     raises=AssertionError,

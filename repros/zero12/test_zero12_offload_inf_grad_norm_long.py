@@ -13,7 +13,7 @@ offload the same gradient meets ``zero12-inf-grad-norm-nan`` on releases before 
 
 import pytest
 from _prerequisites import ZERO12_CPU_FLAT_BUFFER
-from _zero12 import step_with_one_infinite_gradient
+from _zero12 import sqrt_gain_config, step_with_one_infinite_gradient
 
 pytestmark = [
     pytest.mark.ds_repro(
@@ -48,21 +48,6 @@ pytestmark += [
 ]
 
 
-def offloaded(stage, precision):
-    section = {"bf16": {"enabled": True}} if precision == "bf16" else {}
-    return pytest.param(
-        {
-            "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
-            "zero_force_ds_cpu_optimizer": False,  # as the premise sets it for a scanned config
-            "zero_allow_untested_optimizer": True,
-            **section,
-        },
-        id=f"zero{stage}_{precision}_offload",
-    )
-
-
 def float_sentinel(monkeypatch):
     """Backport of PR #6976's norm: a non-finite offloaded gradient norm is marked with -1.0, a float."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -78,7 +63,7 @@ def float_sentinel(monkeypatch):
     )
 
 
-@pytest.mark.ds_config(offloaded(2, "fp32"), offloaded(1, "bf16"))
+@pytest.mark.ds_config(sqrt_gain_config(2, "fp32", offload=True), sqrt_gain_config(1, "bf16", offload=True))
 @pytest.mark.ds_version(
     affected="<0.17.1",
     raises=RuntimeError,
