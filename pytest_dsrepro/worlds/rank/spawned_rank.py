@@ -65,7 +65,8 @@ def rank_life(
     while True:
         _into(workdir, rank)
         kept_group = link is not None and job.backend == "nccl"
-        report = run_rank(job, rank, size, meeting, code, keep_group=kept_group, workdir=workdir, kept=link is not None)
+        kept = link is not None and job.backend == "gloo"  # a kept NCCL rank goes on only after a pass
+        report = run_rank(job, rank, size, meeting, code, keep_group=kept_group, workdir=workdir, kept=kept)
         record_buffers(workdir, rank)
         if link is None or baseline is None or state is None or not report.goes_on(job.backend) or report.not_kept:
             write_report(workdir, rank, report)
@@ -124,7 +125,7 @@ def run_rank(
     rank of a reusable NCCL world keeps its process group for the next test (a new NCCL communicator is the cost of
     such a world); a gloo rank makes a new one per test, which costs milliseconds. ``workdir``: where rank 0 notes the
     port of the group a body makes itself, which names DeepSpeed's buffers (``workdir.group_port_file``). ``kept``:
-    a rank of a reusable world, which says on the world's store that its body ended; one whose body did not pass
+    a rank of a reusable gloo world, which says on the world's store that its body ended; one whose body did not pass
     while a peer's runs on (``rendezvous.PEERS_WAIT``) is not kept (``RankReport.not_kept``): that peer may be
     waiting on it, and learns only when its connections close, which a fresh rank's exit does at once (dropping the
     group does not while the failed body's objects hold it)."""
