@@ -193,7 +193,8 @@ def sqrt_gain_config(stage: int, precision: str, *, offload: bool = False) -> An
 def step_with_one_infinite_gradient(ds_engine: Any, ds_config: dict[str, Any], rank: int, device: Any) -> Any:
     """The body of the two non-finite norm entries (``zero12-inf-grad-norm-nan``, ``-offload-inf-grad-norm-long``):
     one SGD step of a linear layer plus ``sqrt(gain)`` with the gain at 0, so the gain's gradient is infinite and the
-    layer's are finite, in the config's dtype on the rank's device; the engine after that step."""
+    layer's are finite, in the config's dtype on the rank's device, over the config's accumulation of micro-steps
+    (the norm is taken at the step's boundary only); the engine after that step."""
     import torch
 
     class GainedLinear(torch.nn.Module):
@@ -210,8 +211,10 @@ def step_with_one_infinite_gradient(ds_engine: Any, ds_config: dict[str, Any], r
     model = GainedLinear().to(device=device, dtype=dtype)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=rank, dtype=dtype)
-    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-    engine.step()
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 1, f"{engine.gradient_accumulation_steps()} micro-steps took {engine.global_steps} steps"
     return engine
 
 

@@ -78,11 +78,13 @@ def test_stop_profiling_comms_stops_logging(ds_engine, ds_config, ds_rank):
     engine = ds_engine(model=tiny_mlp(seed=4), optimizer="adam")
 
     def step(seed):
+        """One optimizer step: the config's accumulation of micro-steps (ZeRO reduces at the boundary only)."""
         x, y = make_batch(
             ds_config["train_micro_batch_size_per_gpu"], seed=seed, rank=ds_rank, dtype=precision_dtype(ds_config)
         )
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
+        for _ in range(engine.gradient_accumulation_steps()):
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
 
     step(seed=0)
     profiled = logged_ops(dist.comms_logger)

@@ -87,20 +87,22 @@ def lora_with_saved_head(seed):
 
 def train(model, engine_factory, batch, steps):
     """``steps`` optimizer steps, each over the config's accumulation of micro-steps on ``batch``: every micro-step's
-    loss, and the learning rate of the optimizer step it ended (None where it ended none)."""
+    loss, and the learning rate and betas of the optimizer step it ended (None where it ended none: a config's
+    scheduler sets the rate, and OneCycle cycles the betas too)."""
     import torch
 
     engine = engine_factory(
         model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     )
-    losses, lrs = [], []
+    losses, steps_taken = [], []
     for _ in range(steps * engine.gradient_accumulation_steps()):
         loss = engine(**batch).loss
         engine.backward(loss)
-        lrs.append(engine.get_lr()[0] if engine.is_gradient_accumulation_boundary() else None)
+        group = engine.optimizer.param_groups[0]
+        steps_taken.append((group["lr"], group["betas"]) if engine.is_gradient_accumulation_boundary() else None)
         engine.step()
         losses.append(loss.item())
-    return losses, lrs
+    return losses, steps_taken
 
 
 @pytest.mark.ds_config(pytest.param(ZERO3, id="zero3"))
@@ -114,29 +116,30 @@ def test_lora_with_modules_to_save_trains(ds_engine, ds_config, ds_rank):
     import torch
 
     batch = token_batch(ds_config["train_micro_batch_size_per_gpu"], seed=5, rank=ds_rank)
-    losses, lrs = train(lora_with_saved_head(seed=2), ds_engine, batch, steps=3)
+    losses, steps_taken = train(lora_with_saved_head(seed=2), ds_engine, batch, steps=3)
 
     # Reference: the same adapters and data on every rank's batch, trained by plain torch in the engine's dtype, and
     # data-parallel averaged as DeepSpeed does (the mean of the ranks' losses, over the accumulated micro-steps),
-    # each step at the engine's learning rate (a config's scheduler sets it).
+    # each step at the engine's learning rate and betas (a config's scheduler sets them).
     dtype = precision_dtype(ds_config)
     reference = lora_with_saved_head(seed=2).to(dtype)
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     world, accumulation = torch.distributed.get_world_size(), ds_config["gradient_accumulation_steps"]
     expected = []
-    for lr in lrs:
+    for taken in steps_taken:
         mine = reference(**batch).loss
         (mine / world / accumulation).backward()
         expected.append(mine.item())
-        if lr is None:
+        if taken is None:
             continue
         for p in reference.parameters():
             if p.requires_grad:
                 torch.distributed.all_reduce(p.grad)
-        optimizer.param_groups[0]["lr"] = lr
+        optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["betas"] = taken
         optimizer.step()
         optimizer.zero_grad()
     rtol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(losses, expected, rtol=rtol, atol=0, msg="ZeRO-3 trained the PEFT model differently")
     # The losses are taken before each step: a step at a rate above 0 before the last loss shows in it.
+    lrs = [taken[0] if taken else None for taken in steps_taken]
     assert losses[-1] < losses[0] or not any(lrs[:-1]), f"it did not train: {losses} (learning rates {lrs})"

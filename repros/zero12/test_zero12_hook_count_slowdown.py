@@ -18,7 +18,7 @@ both); this repro measures ZeRO-2, whose own per-tensor costs are the smallest, 
 """
 
 import pytest
-from _prerequisites import ZERO12_CPU_FLAT_BUFFER
+from _prerequisites import ZERO2_OFFLOAD_ACCUMULATION, ZERO12_CPU_FLAT_BUFFER
 from _zero12 import tolerance
 
 from pytest_dsrepro.inrank.devices import engine_dtype, rank_device
@@ -42,6 +42,7 @@ pytestmark = [
         "unless allowed",
     ),
     ZERO12_CPU_FLAT_BUFFER,
+    ZERO2_OFFLOAD_ACCUMULATION,
 ]
 
 #: How users meet this bug besides the gate's message: evidence for `dsrepro triage`, never a gate.
