@@ -211,10 +211,11 @@ def step_with_one_infinite_gradient(ds_engine: Any, ds_config: dict[str, Any], r
     model = GainedLinear().to(device=device, dtype=dtype)
     engine = ds_engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = make_batch(ds_config["train_micro_batch_size_per_gpu"], seed=1, rank=rank, dtype=dtype)
-    for _ in range(engine.gradient_accumulation_steps()):
+    micro_steps = engine.gradient_accumulation_steps()
+    for _ in range(micro_steps):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
-    assert engine.global_steps == 1, f"{engine.gradient_accumulation_steps()} micro-steps took {engine.global_steps} steps"
+    assert engine.global_steps == 1, f"{micro_steps} micro-steps took {engine.global_steps} optimizer steps"
     return engine
 
 
