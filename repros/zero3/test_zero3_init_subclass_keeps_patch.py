@@ -3,12 +3,13 @@ wrapper, so modules built afterwards, outside any ZeRO-3 context, are partitione
 PR #5921).
 
 On entry ``zero.Init`` saves and wraps ``__init__`` on every existing subclass of ``nn.Module``, in the order of a
-set. A class without an ``__init__`` of its own (``class ScaledLinear(nn.Linear)`` that only overrides ``forward``)
-reads its parent's: if the parent was wrapped first, the child saves the parent's *wrapper* as its "original". On
-exit the parent gets its real ``__init__`` back and the child gets the saved wrapper, now as its own attribute: from
-then on every ``ScaledLinear`` built anywhere runs ZeRO-3's post-init and comes out partitioned (an empty weight, a
-ZeRO ``ds_tensor``), silently, until the first forward fails. Which classes keep it depends on the set's order (the
-classes' addresses), so the repro defines several such subclasses: with 24 of them, all escaping has odds of 2^-24.
+set. A class without an ``__init__`` of its own (``class ScaledProjection(Projection)`` that only overrides
+``forward``) reads its parent's: if the parent was wrapped first, the child saves the parent's *wrapper* as its
+"original". On exit the parent gets its real ``__init__`` back and the child gets the saved wrapper, now as its own
+attribute: from then on every such module built anywhere runs ZeRO-3's post-init and comes out partitioned (an empty
+weight, a ZeRO ``ds_tensor``), silently, until the first forward fails. Which classes keep it depends on the set's
+order, which follows the classes' addresses: the repro makes 24 parent-and-child pairs, each child right after its
+parent, so that the set nearly always meets the parent first.
 The world has one rank: the order differs between processes, and a module partitioned on one rank only would wait
 for the other in the partitioning broadcast. PR #6388 (first released in 0.15.1) wraps only classes that define
 ``__init__`` (and ``nn.Module`` itself).
@@ -101,17 +102,27 @@ def test_module_built_after_zero_init_is_whole(ds_config, ds_device):
     import deepspeed
     import torch
 
-    # Subclasses that only override forward, as user code and libraries define them (before any ZeRO-3 context).
+    # Pairs of classes as user code and libraries define them (before any ZeRO-3 context): a module with an __init__
+    # of its own, and a subclass of it that only overrides forward. Each pair is made one class right after the other,
+    # so that zero.Init's set of subclasses almost always meets the parent first (a class's place in a set follows its
+    # address); with any parent and nn.Linear the order was as good as random (every one of 24 subclasses escaped on
+    # 0.15.0, which has the bug: benchmarks/bisect_catalogue.py).
+    def own_init(self, features):
+        torch.nn.Linear.__init__(self, features, features)
+
     def forward(self, x):
         return 2 * torch.nn.Linear.forward(self, x)
 
-    subclasses = [type(f"ScaledLinear{i}", (torch.nn.Linear,), {"forward": forward}) for i in range(24)]
+    subclasses = []
+    for i in range(24):
+        parent = type(f"Projection{i}", (torch.nn.Linear,), {"__init__": own_init})
+        subclasses.append(type(f"ScaledProjection{i}", (parent,), {"forward": forward}))
 
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        inside = subclasses[0](4, 4)
+        inside = subclasses[0](4)
     assert inside.weight.ds_numel == 16  # partitioned inside the context, as it must be
 
-    after = [cls(4, 4, device=ds_device) for cls in subclasses]  # a plain module, outside any ZeRO-3 context
+    after = [cls(4).to(ds_device) for cls in subclasses]  # a plain module, outside any ZeRO-3 context
     partitioned = [type(m).__name__ for m in after if hasattr(m.weight, "ds_id") or m.weight.numel() != 16]
     assert not partitioned, f"built after zero.Init exited, yet partitioned: {partitioned}"
     x = torch.ones(2, 4, device=ds_device)
