@@ -85,10 +85,6 @@ def bisect(boundary: Boundary, out: Path, cache: Path) -> dict[str, object]:
     return record
 
 
-def _fields(record: dict[str, object]) -> dict[str, str]:
-    return {name: str(record[name]) for name in Boundary.__dataclass_fields__}
-
-
 def _no_verdict(record: dict[str, object], text: str) -> str:
     """Why a bisect gave no release: an end where the test does not apply (the gap holds the release its feature
     appeared in, which the gate's ``ds_not_applicable`` declares), or bisect's own last line."""
@@ -105,7 +101,8 @@ def summary(out: Path) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
         gap = " .. ".join(sorted((r["good"], r["bad"]), key=Version))
-        found = r["found"] or _no_verdict(r, (out / f"{Boundary(**_fields(r)).name}.txt").read_text())
+        boundary = Boundary(**{name: r[name] for name in Boundary.__dataclass_fields__})
+        found = r["found"] or _no_verdict(r, (out / f"{boundary.name}.txt").read_text())
         mark = "" if r["found"] in (None, r["declared"]) else " **differs**"
         print(f"| `{r['id']}` | {r['kind']} | {gap} | {r['declared']} | {found}{mark} | {r['probes'] or '-'} | "
               f"{r['wall_s'] / 60:.1f} min |")  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pytest
@@ -35,6 +37,19 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 TAG = "DSREPRO_TEST_TAG"
 #: pytester points HOME at a fresh directory; keep DeepSpeed's comm-op builds in the real cache (read before that).
 REAL_CACHE = str(default_cache_dir())
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of ``benchmarks/`` (not a package) imported as module ``name``, for tests of its logic."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from packaging.version import Version
 
+from conftest import load_benchmark
 from pytest_dsrepro.tools.catalogue import Entry
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bisect_catalogue", ROOT / "benchmarks" / "bisect_catalogue.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bisect_catalogue"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bc = _load()
+bc = load_benchmark("bisect_catalogue")
 
 LISTED = [Version(v) for v in ("0.14.4", "0.15.4", "0.16.0", "0.16.1")]
 PYPI = [Version(v) for v in ("0.14.4", "0.14.5", "0.15.0", "0.15.4", "0.16.0", "0.16.1")]

@@ -4,32 +4,20 @@ finds on a GPU is for the GPU machine (docs/gpus.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from conftest import TAG, wait_for_no_processes
+from conftest import TAG, load_benchmark, wait_for_no_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_benchmark("gpu_check")
 
 
 # ---- the budget -----------------------------------------------------------------------------------------------
